@@ -1,0 +1,65 @@
+"""WikiText-2 from the repository's ``data/`` folder: calibration (valid) and evaluation (test).
+
+The raw files are the tokenised release with ``<unk>``; lines are joined with "\\n\\n" as SVD-LLM,
+ASVD and Basis Sharing do before tokenising. Nothing is downloaded.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+SPLITS = ("valid", "test")
+
+
+def data_dir() -> Path:
+    """``<checkout>/data/wikitext-2`` (shipped with the repository)."""
+    from .models import repo_root
+
+    root = repo_root()
+    d = (root / "data" / "wikitext-2") if root else None
+    if d is None or not d.is_dir():
+        raise FileNotFoundError(f"WikiText-2 not found at {d}; lowrank_lib reads it from the source checkout's "
+                                f"data/ folder (install with `pip install -e .`)")
+    return d
+
+
+def load_text(split: str = "test", path: str | Path | None = None) -> str:
+    """The split's raw text, lines joined by "\\n\\n"."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    p = Path(path) if path else data_dir() / f"{split}.txt"
+    lines = p.read_text(encoding="utf-8").splitlines()
+    return "\n\n".join(lines)
+
+
+@lru_cache(maxsize=8)
+def _tokens_cached(tok_id: int, tokenizer, split: str) -> torch.Tensor:
+    ids = tokenizer(load_text(split), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    return ids
+
+
+def tokens(tokenizer, split: str = "test") -> torch.Tensor:
+    """The whole split as one 1-D LongTensor of token ids (cached per tokenizer object)."""
+    return _tokens_cached(id(tokenizer), tokenizer, split)
+
+
+def calibration_batches(tokenizer, n_samples: int = 32, seq_len: int = 512, seed: int = 0,
+                        split: str = "valid") -> torch.Tensor:
+    """``[n_samples, seq_len]`` random windows of the VALID split, reproducible from ``seed``.
+
+    Window starts are drawn with a private ``torch.Generator`` so global RNG state is untouched.
+    """
+    ids = tokens(tokenizer, split)
+    if ids.numel() <= seq_len:
+        raise ValueError(f"{split} split has {ids.numel()} tokens, fewer than seq_len={seq_len}")
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, ids.numel() - seq_len, (n_samples,), generator=g)
+    return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+def random_token_batches(vocab_size: int, n_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
+    """Seeded random ids for tiny models without a tokenizer: ``[n_samples, seq_len]``."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (n_samples, seq_len), generator=g)

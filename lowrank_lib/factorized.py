@@ -1,0 +1,255 @@
+"""The ONE factorized representation: ``LowRankLinear`` inside an ordinary HF causal LM.
+
+    y = U @ (V @ x) + b        U [out, r], V [r, in], b [out] or None
+
+A factorized model is the same ``LlamaForCausalLM`` object with some ``nn.Linear`` projections
+swapped for ``LowRankLinear``; ``model(input_ids).logits``, ``generate`` and every transformers
+cache keep working. Shared bases (Basis Sharing) are one ``nn.Parameter`` object referenced by
+several ``LowRankLinear`` modules; every count here deduplicates by storage, so a shared basis is
+counted once.
+
+Every family reader (formats/), compressor (compress/) and the runtime (runtime/) meet here and
+nowhere else. Metadata about where the factors came from lives in ``model.lowrank_meta``
+(a plain dict: family, canonical keep ratio, per-matrix ranks, shared groups).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+#: Projection names of a Llama-family decoder layer, in forward order.
+LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LowRankLinear(nn.Module):
+    """``y = U (V x) + b`` with ``U`` [out, r], ``V`` [r, in].
+
+    Parameters
+    ----------
+    U, V : Tensor or nn.Parameter
+        Factors. Passing an existing ``nn.Parameter`` shares it (no copy): that is how a
+        Basis Sharing group holds ONE basis for several layers.
+    bias : Tensor, optional
+        [out].
+    """
+
+    def __init__(self, U: torch.Tensor, V: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if U.dim() != 2 or V.dim() != 2:
+            raise ValueError(f"LowRankLinear needs 2-D factors, got U {tuple(U.shape)} V {tuple(V.shape)}")
+        if U.shape[1] != V.shape[0]:
+            raise ValueError(f"rank mismatch: U is {tuple(U.shape)} [out, r] but V is {tuple(V.shape)} [r, in]")
+        if bias is not None and bias.shape != (U.shape[0],):
+            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({U.shape[0]},)")
+        self.U = U if isinstance(U, nn.Parameter) else nn.Parameter(U, requires_grad=False)
+        self.V = V if isinstance(V, nn.Parameter) else nn.Parameter(V, requires_grad=False)
+        if bias is None:
+            self.bias = None
+        else:
+            self.bias = bias if isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+
+    @property
+    def rank(self) -> int:
+        return self.U.shape[1]
+
+    @property
+    def in_features(self) -> int:
+        return self.V.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.U.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        return F.linear(F.linear(x, self.V), self.U, self.bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] matrix this layer applies (for audits; never used in forward)."""
+        return self.U @ self.V
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, bias={self.bias is not None}"
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, rank: int | None = None) -> "LowRankLinear":
+        """Truncated SVD of a dense Linear, sqrt(S) on each side. ``rank=None`` is full rank (exact)."""
+        U, V = svd_factors(lin.weight, rank)
+        b = None if lin.bias is None else lin.bias.detach().clone()
+        return cls(U, V, b)
+
+
+def svd_factors(W: torch.Tensor, rank: int | None = None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Best rank-r factors of W [out, in] (Eckart-Young): U_r sqrt(S_r) [out, r], sqrt(S_r) Vh_r [r, in].
+
+    Computed in float64 for stability, returned in ``dtype`` (default: W's dtype).
+    """
+    out_f, in_f = W.shape
+    full = min(out_f, in_f)
+    r = full if rank is None else int(rank)
+    if not 1 <= r <= full:
+        raise ValueError(f"rank {r} outside [1, {full}] for a {out_f}x{in_f} matrix")
+    U, S, Vh = torch.linalg.svd(W.detach().double(), full_matrices=False)
+    s = S[:r].sqrt()
+    dt = dtype or W.dtype
+    return (U[:, :r] * s).to(dt).contiguous(), (s[:, None] * Vh[:r]).to(dt).contiguous()
+
+
+# --------------------------------------------------------------------------- model surgery
+def iter_linears(model: nn.Module, targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False):
+    """Yield ``(full_name, module)`` of the decoder projections whose last name is in ``targets``."""
+    targets = set(targets)
+    for name, mod in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in targets and isinstance(mod, (nn.Linear, LowRankLinear)):
+            yield name, mod
+        elif include_lm_head and name == "lm_head" and isinstance(mod, (nn.Linear, LowRankLinear)):
+            yield name, mod
+
+
+def set_module(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule at dotted ``name``."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, leaf, new)
+
+
+def untie_lm_head(model: nn.Module) -> None:
+    """Give lm_head its own weight Parameter so factorizing it leaves the embedding intact."""
+    head = model.get_output_embeddings()
+    emb = model.get_input_embeddings()
+    if isinstance(head, nn.Linear) and head.weight is emb.weight:
+        head.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+        model.config.tie_word_embeddings = False
+        if hasattr(model, "_tied_weights_keys"):
+            model._tied_weights_keys = {} if isinstance(model._tied_weights_keys, dict) else []
+
+
+def replace_with_factors(model: nn.Module, factors: dict[str, "LowRankLinear"], meta: dict | None = None) -> nn.Module:
+    """Swap each named projection for the given ``LowRankLinear`` (shapes checked). In place."""
+    for name, lr in factors.items():
+        old = model.get_submodule(name)
+        if isinstance(old, (nn.Linear, LowRankLinear)):
+            exp = (old.out_features, old.in_features)
+            got = (lr.out_features, lr.in_features)
+            if exp != got:
+                raise ValueError(f"{name}: factors give a {got[0]}x{got[1]} map, the model expects {exp[0]}x{exp[1]}")
+        if name == "lm_head":
+            untie_lm_head(model)
+        ref = next(iter(old.parameters()), None)
+        if ref is not None and lr.U.device != ref.device:
+            lr = lr.to(ref.device)
+        set_module(model, name, lr)
+    info = getattr(model, "lowrank_meta", None) or {}
+    info.update(meta or {})
+    info["ranks"] = {n: m.rank for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    model.lowrank_meta = info
+    return model
+
+
+def factorize(model: nn.Module, ranks: dict[str, int] | None = None, keep: float | None = None,
+              targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False,
+              full_rank: bool = False) -> nn.Module:
+    """Plain truncated-SVD factorization of a dense model, in place.
+
+    Exactly one of ``ranks`` (per full module name), ``keep`` (canonical keep ratio, see
+    :func:`lowrank_lib.ranks.keep_rank`) or ``full_rank=True`` (rank min(out, in): exact).
+    """
+    from .ranks import keep_rank
+
+    if sum(x is not None and x is not False for x in (ranks, keep, full_rank)) != 1:
+        raise ValueError("give exactly one of ranks=, keep=, full_rank=True")
+    new = {}
+    for name, lin in list(iter_linears(model, targets, include_lm_head)):
+        if isinstance(lin, LowRankLinear):
+            raise ValueError(f"{name} is already factorized")
+        if full_rank:
+            r = None
+        elif ranks is not None:
+            if name not in ranks:
+                continue
+            r = ranks[name]
+        else:
+            r = keep_rank(lin.out_features, lin.in_features, keep)
+        new[name] = LowRankLinear.from_linear(lin, r)
+    meta = {"family": "svd", "keep": keep if keep is not None else (1.0 if full_rank else None), "shared_groups": []}
+    return replace_with_factors(model, new, meta)
+
+
+# --------------------------------------------------------------------------- accounting
+def _unique_params(model: nn.Module) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(t)
+    return out
+
+
+@dataclass
+class Accounting:
+    """Parameter and byte counts of a model, shared tensors counted once.
+
+    ``linear_*`` covers the decoder projections (dense Linear or LowRankLinear, lm_head when
+    factorized); ``dense_linear_params`` is what those projections would hold as dense matrices.
+    """
+
+    total_params: int
+    total_bytes: int
+    linear_params: int
+    linear_bytes: int
+    dense_linear_params: int
+    shared_params_saved: int = 0
+    per_module: dict[str, dict] = field(default_factory=dict)
+
+    @property
+    def linear_keep(self) -> float:
+        """Fraction of projection parameters kept (the canonical keep ratio, realised)."""
+        return self.linear_params / max(self.dense_linear_params, 1)
+
+
+def account(model: nn.Module, targets: Iterable[str] = LLAMA_PROJ) -> Accounting:
+    """Count parameters and bytes; a Parameter referenced by several modules counts once."""
+    params = [p for p in _unique_params(model) if isinstance(p, nn.Parameter)]
+    total_p = sum(p.numel() for p in params)
+    total_b = sum(p.numel() * p.element_size() for p in params)
+    seen: set[int] = set()
+    lin_p = lin_b = dense_p = naive_p = 0
+    per = {}
+    for name, m in iter_linears(model, targets, include_lm_head=True):
+        if name == "lm_head" and not isinstance(m, LowRankLinear):
+            continue
+        dense_p += m.out_features * m.in_features
+        ps = [m.U, m.V] if isinstance(m, LowRankLinear) else [m.weight]
+        if m.bias is not None:
+            ps.append(m.bias)
+        own = 0
+        for p in ps:
+            naive_p += p.numel()
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            own += p.numel()
+            lin_p += p.numel()
+            lin_b += p.numel() * p.element_size()
+        per[name] = {"shape": [m.out_features, m.in_features],
+                     "rank": m.rank if isinstance(m, LowRankLinear) else None, "params": own}
+    return Accounting(total_p, total_b, lin_p, lin_b, dense_p, naive_p - lin_p, per)
+
+
+def lowrank_modules(model: nn.Module) -> dict[str, LowRankLinear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+
+
+def shared_groups(model: nn.Module) -> list[list[str]]:
+    """Groups of factor names that are the same Parameter object (e.g. a shared basis)."""
+    by_id: dict[int, list[str]] = {}
+    for n, m in lowrank_modules(model).items():
+        for side in ("U", "V"):
+            by_id.setdefault(id(getattr(m, side)), []).append(f"{n}.{side}")
+    return [g for g in by_id.values() if len(g) > 1]
