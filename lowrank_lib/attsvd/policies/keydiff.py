@@ -1,0 +1,20 @@
+"""KeyDiff (Park et al., 2025, arXiv:2504.15364): keep keys most different from the mean key direction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KeyDiff:
+    """Score = -cos(k_i, mean of the normalised keys); attention-free."""
+
+    needs_queries = False
+
+    def score(self, K: torch.Tensor, V: torch.Tensor, obs=None) -> torch.Tensor:
+        """K, V [B, H, S, d] -> scores [B, H, S]."""
+        kn = F.normalize(K.float(), dim=-1)
+        anchor = F.normalize(kn.mean(dim=-2, keepdim=True), dim=-1)
+        return -(kn * anchor).sum(-1)

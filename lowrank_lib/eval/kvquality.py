@@ -1,0 +1,99 @@
+"""KV-cache quality: teacher-forced continuation after a compressed prefill, vs the dense cache.
+
+For each of ``n_windows`` WikiText-2 windows of ``prefill_len + cont_len`` tokens: the prefill is run once
+(exact, recorded with its post-RoPE queries), replayed into every method's cache, and the continuation
+is fed teacher-forced in forwards of ``step`` tokens. Reported per method: perplexity of the continuation
+and the mean per-token KL(p_dense || p_method), averaged over windows with the spread (std, min, max).
+Judge by KL: one window's perplexity is noisy.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..attsvd.record import dense_from, record_prefill, replay
+
+
+@dataclass
+class QualityResult:
+    method: str
+    ppl: float                 # exp(mean NLL over all continuation tokens of all windows)
+    ppl_dense: float
+    kl: float                  # mean over windows of the per-token mean KL(dense || method)
+    kl_std: float
+    kl_min: float
+    kl_max: float
+    window_kl: list[float]
+    window_nll: list[float]
+    memory_ratio: float        # stored / dense KV bytes after the prefill (mean over windows)
+    tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def wikitext_windows(tok, n_windows: int, length: int, split: str = "test", seed: int = 0) -> torch.Tensor:
+    """``[n_windows, length]`` non-overlapping windows of the split, evenly spaced (deterministic)."""
+    from ..data import tokens
+
+    ids = tokens(tok, split)
+    n_avail = ids.numel() // length
+    if n_avail < n_windows:
+        raise ValueError(f"{split} has {ids.numel()} tokens: only {n_avail} windows of {length}, need {n_windows}")
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randperm(n_avail, generator=g)[:n_windows].sort().values
+    return torch.stack([ids[i * length:(i + 1) * length] for i in pick.tolist()])
+
+
+@torch.no_grad()
+def _continue(model, cache, cont: torch.Tensor, step: int) -> torch.Tensor:
+    """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens."""
+    outs = []
+    for s in range(0, cont.shape[1], step):
+        outs.append(model(cont[:, s:s + step], past_key_values=cache).logits[0].float())
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods: dict,
+                         step: int = 32, progress: bool = True) -> dict[str, QualityResult]:
+    """Quality of each method's cache on ``windows`` [N, prefill_len + T].
+
+    methods : name -> callable(model, prompt_len) returning a fresh cache (e.g. ``MethodSpec.make``).
+    """
+    N, L = windows.shape
+    T = L - prefill_len
+    if T < 2:
+        raise ValueError(f"windows of {L} tokens leave no continuation after prefill_len={prefill_len}")
+    dev = next(model.parameters()).device
+    kl = {m: [] for m in methods}
+    nll = {m: [] for m in methods}
+    mem = {m: [] for m in methods}
+    dense_nll = []
+    for w in tqdm(range(N), desc="kv-quality windows", disable=not progress):
+        x = windows[w:w + 1].to(dev)
+        pre, cont, tgt = x[:, :prefill_len], x[:, prefill_len:-1], x[0, prefill_len + 1:]
+        rec = record_prefill(model, pre)
+        ref = F.log_softmax(_continue(model, dense_from(rec, model), cont, step), -1)   # [T-1, V]
+        dense_nll.append(float(F.nll_loss(ref, tgt)))
+        for name, make in methods.items():
+            cache = replay(rec, make(model, prefill_len))
+            memory = cache.memory().ratio if hasattr(cache, "memory") else 1.0
+            lp = F.log_softmax(_continue(model, cache, cont, step), -1)
+            kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
+            nll[name].append(float(F.nll_loss(lp, tgt)))
+            mem[name].append(memory)
+        del rec
+    out = {}
+    ppl_dense = math.exp(statistics.fmean(dense_nll))
+    for name in methods:
+        k = kl[name]
+        out[name] = QualityResult(name, math.exp(statistics.fmean(nll[name])), ppl_dense, statistics.fmean(k),
+                                  statistics.pstdev(k), min(k), max(k), k, nll[name],
+                                  statistics.fmean(mem[name]), N * (T - 1))
+    return out

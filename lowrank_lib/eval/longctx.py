@@ -1,0 +1,174 @@
+"""Long-context tasks generated locally (no downloads): passkey retrieval, RULER-style needles
+(single and multi-key), variable tracking. Haystacks are WikiText-2 text; scoring is exact / partial match.
+
+Each :class:`Sample` is a prompt string with its expected answers; :func:`build_samples` makes them at a
+target token length, :func:`evaluate` decodes greedily with every method's cache (the prefill is recorded
+once per sample and replayed, so all methods see identical prefill state) and scores the outputs.
+"""
+from __future__ import annotations
+
+import random
+import re
+import statistics
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..attsvd.record import record_prefill, replay
+
+TASKS = ("passkey", "needle_single", "needle_multikey", "variable_tracking")
+_WORDS = ["apple", "river", "silver", "garden", "violet", "harbor", "meadow", "copper", "falcon", "maple",
+          "thunder", "crystal", "lantern", "orchid", "summit", "velvet", "willow", "ember", "glacier", "prairie"]
+
+
+@dataclass
+class Sample:
+    task: str
+    prompt: str
+    answers: list[str]          # every expected string (one for retrieval tasks, several for tracking)
+    n_tokens: int = 0
+
+
+def _haystack(text: str, rng: random.Random, n_chars: int) -> str:
+    start = rng.randrange(0, max(1, len(text) - n_chars))
+    return text[start:start + n_chars]
+
+
+def _fit(tok, make, target: int) -> tuple[str, int]:
+    """Grow the haystack (chars) of ``make(n_chars)`` until the prompt is ~target tokens."""
+    n_chars = target * 4
+    for _ in range(6):
+        p = make(n_chars)
+        n = len(tok(p, add_special_tokens=False).input_ids)
+        if abs(n - target) <= max(8, target // 50):
+            break
+        n_chars = max(64, int(n_chars * target / max(n, 1)))
+    p = make(n_chars)
+    return p, len(tok(p, add_special_tokens=False).input_ids)
+
+
+def _insert(hay: str, needle: str, depth: float) -> str:
+    cut = int(len(hay) * depth)
+    cut = hay.rfind(" ", 0, cut) + 1 if " " in hay[:cut] else cut
+    return f"{hay[:cut]} {needle} {hay[cut:]}"
+
+
+def _needle_maker(text: str, seed: int, head: str, needles: list[str], depths: list[float], tail: str):
+    """prompt(n_chars): head + haystack of n_chars with each needle inserted at its depth + tail."""
+    def make(n_chars: int) -> str:
+        hay = _haystack(text, random.Random(seed), n_chars)
+        for nd, dp in sorted(zip(needles, depths), key=lambda t: -t[1]):   # deepest first keeps offsets valid
+            hay = _insert(hay, nd, dp)
+        return head + hay + tail
+    return make
+
+
+def make_sample(task: str, tok, text: str, n_tokens: int, seed: int) -> Sample:
+    """One sample of ``task`` at about ``n_tokens`` tokens (deterministic in ``seed``)."""
+    rng = random.Random(f"{task}-{n_tokens}-{seed}")
+    depth = rng.random()
+    if task == "passkey":
+        key = str(rng.randrange(10000, 99999))
+        head = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+                "I will quiz you about the important information there.\n")
+        needle = f"The pass key is {key}. Remember it. {key} is the pass key."
+        tail = "\nWhat is the pass key? The pass key is"
+        make = lambda n: head + _insert(_haystack(text, random.Random(seed), n), needle, depth) + tail
+        answers = [key]
+    elif task in ("needle_single", "needle_multikey"):
+        n_needles = 1 if task == "needle_single" else 4
+        keys = rng.sample(_WORDS, n_needles)
+        vals = [str(rng.randrange(1000000, 9999999)) for _ in keys]
+        depths = sorted(rng.random() for _ in keys)
+        needles = [f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, vals)]
+        q = rng.randrange(n_needles)
+        head = "Some special magic numbers are hidden within the following text. Make sure to memorize them.\n"
+        tail = f"\nWhat is the special magic number for {keys[q]} mentioned in the text? The special magic " \
+               f"number for {keys[q]} is:"
+
+        make = _needle_maker(text, seed, head, needles, depths, tail)
+        answers = [vals[q]]
+    elif task == "variable_tracking":
+        value = str(rng.randrange(10000, 99999))
+        names = ["".join(rng.choice("ABCDEFGHIJKLMNOPQRSTUVWXYZ") for _ in range(5)) for _ in range(4)]
+        chain = [f"VAR {names[0]} = {value}."] + [f"VAR {names[i]} = VAR {names[i - 1]}." for i in range(1, 4)]
+        depths = sorted(rng.random() for _ in chain)
+        head = "Memorize and track the chain(s) of variable assignment hidden in the following text.\n"
+        tail = f"\nQuestion: Find all variables that are assigned the value {value} in the text above. " \
+               f"Answer: According to the chain(s) of variable assignment in the text above, 4 variables are " \
+               f"assigned the value {value}, they are:"
+
+        make = _needle_maker(text, seed, head, chain, depths, tail)
+        answers = names
+    else:
+        raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
+    prompt, n = _fit(tok, make, n_tokens)
+    return Sample(task, prompt, answers, n)
+
+
+def build_samples(tok, tasks=TASKS, lengths=(1024,), n_per: int = 2, seed: int = 0,
+                  split: str = "test") -> list[Sample]:
+    """``n_per`` samples of every task at every target length."""
+    from ..data import load_text
+
+    text = re.sub(r"\s+", " ", load_text(split))
+    return [make_sample(t, tok, text, L, seed + i) for t in tasks for L in lengths for i in range(n_per)]
+
+
+def score(output: str, answers: list[str]) -> tuple[float, float]:
+    """(exact, partial): exact = every answer appears in the output; partial = fraction that appear
+    (for a single answer: the longest matching prefix of it found in the output / its length)."""
+    found = [a in output for a in answers]
+    exact = float(all(found))
+    if len(answers) > 1:
+        return exact, sum(found) / len(answers)
+    a = answers[0]
+    best = max((k for k in range(len(a) + 1) if a[:k] in output), default=0)
+    return exact, best / len(a)
+
+
+@torch.no_grad()
+def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int) -> list[int]:
+    """Manual forward loop: greedy tokens after a prefill whose last logits are ``first_logits`` [1, V]."""
+    dev = next(model.parameters()).device
+    nxt = first_logits.argmax(-1).view(1, 1).to(dev)
+    out = [int(nxt)]
+    for _ in range(max_new - 1):
+        logits = model(nxt, past_key_values=cache).logits[:, -1]
+        nxt = logits.argmax(-1).view(1, 1)
+        out.append(int(nxt))
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24,
+             progress: bool = True) -> dict:
+    """Score every method on every sample. methods: name -> callable(model, prompt_len) -> cache.
+
+    Returns {"per_sample": [...], "summary": {method: {task: {"exact", "partial", "n"}}}}.
+    """
+    dev = next(model.parameters()).device
+    rows = []
+    for s in tqdm(samples, desc="long-context samples", disable=not progress):
+        ids = tok(s.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(dev)
+        rec = record_prefill(model, ids)
+        for name, make in methods.items():
+            cache = replay(rec, make(model, ids.shape[1]))
+            text = tok.decode(greedy_decode(model, cache, rec.last_logits, max_new), skip_special_tokens=True)
+            ex, pa = score(text, s.answers)
+            rows.append({"method": name, "task": s.task, "n_tokens": s.n_tokens, "exact": ex, "partial": pa,
+                         "output": text, "answers": s.answers})
+        del rec
+    summary: dict = {}
+    for name in methods:
+        summary[name] = {}
+        for task in sorted({r["task"] for r in rows}):
+            rs = [r for r in rows if r["method"] == name and r["task"] == task]
+            summary[name][task] = {"exact": statistics.fmean(r["exact"] for r in rs),
+                                   "partial": statistics.fmean(r["partial"] for r in rs), "n": len(rs)}
+        allr = [r for r in rows if r["method"] == name]
+        summary[name]["all"] = {"exact": statistics.fmean(r["exact"] for r in allr),
+                                "partial": statistics.fmean(r["partial"] for r in allr), "n": len(allr)}
+    return {"per_sample": rows, "summary": summary, "samples": [asdict(s) | {"prompt": s.prompt[-200:]}
+                                                                 for s in samples]}
