@@ -131,6 +131,12 @@ class FactorKV:
         return 0 if self.k_win is None else self.k_win.shape[-2]
 
     @property
+    def shape(self):
+        """Not a tensor: a dense attention function that asks for ``key.shape`` gets a clear error."""
+        raise TypeError("a FactorKV (factored AttSVD cache layer) reached a dense attention function: run the "
+                        "model inside lowrank_lib.attsvd.factor_cache.factor_space(model) or decode_route(...)")
+
+    @property
     def length(self) -> int:
         """N, the number of positions attended to."""
         return sum(s.length for s in self.segments) + self.window
@@ -370,7 +376,7 @@ def cost_table(contexts: list[int], head_dim: int, ranks: list[int], window: int
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64 (0 when both are zero)."""
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     den = b.norm()
     num = (a - b).norm()
     return float(num / den) if den > 0 else float(num)
