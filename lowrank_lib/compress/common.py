@@ -1,0 +1,53 @@
+"""Small helpers the compressors share: whitened SVD, per-matrix loops, applying factors."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
+
+
+def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SVD-LLM truncation-aware whitening: SVD(W L) = U S Vh, u = U_r sqrt(S_r), v = sqrt(S_r) Vh_r L^-1.
+
+    W [out, in], L [in, in] lower Cholesky factor of X^T X (float64) -> u [out, r], v [r, in] float64.
+    Minimises ||(W - u v) X||_F among rank-r maps (Theorem 3.2 of SVD-LLM).
+    """
+    U, S, Vh = torch.linalg.svd(W.double() @ L, full_matrices=False)
+    s = S[:rank].sqrt()
+    v = torch.linalg.solve_triangular(L, s[:, None] * Vh[:rank], upper=False, left=False)  # (.) L^-1
+    return U[:, :rank] * s, v
+
+
+def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict, targets: Iterable[str] = LLAMA_PROJ,
+                  inplace: bool = False, desc: str = "compress", progress: bool = True):
+    """Apply ``fn(name, linear) -> (U, V) | None`` to every target projection; returns the new model.
+
+    Factors keep the projection's dtype; the bias (if any) is kept as is.
+    """
+    m = model if inplace else copy.deepcopy(model)
+    new = {}
+    for name, lin in tqdm(list(iter_linears(m, targets)), desc=desc, disable=not progress, leave=False):
+        if isinstance(lin, LowRankLinear):
+            raise ValueError(f"{name} is already factorized; compress the dense model")
+        out = fn(name, lin)
+        if out is None:
+            continue
+        U, V = out
+        dt = lin.weight.dtype
+        b = None if lin.bias is None else lin.bias.detach().clone()
+        new[name] = LowRankLinear(U.to(dt).contiguous(), V.to(dt).contiguous(), b)
+    return replace_with_factors(m, new, meta)
+
+
+def layer_index(name: str) -> int:
+    """``model.layers.12.mlp.up_proj`` -> 12."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1])
+
+
+def leaf(name: str) -> str:
+    return name.rsplit(".", 1)[-1]

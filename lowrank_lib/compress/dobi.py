@@ -1,0 +1,157 @@
+"""Dobi-SVD (Wang et al., ICLR'25): stored forms and an activation-energy rank rule.
+
+Dobi's differentiable rank training (the gamma search) is out of scope. Ranks come from this
+DOCUMENTED rule instead: for each Linear W [m, n] let A = X W^T (its outputs on calibration data)
+and lambda_1 >= ... the eigenvalues of A^T A = W (X^T X) W^T. Matrix i keeps the smallest k_i
+whose energy fraction sum_{j<=k} lambda_j / sum lambda reaches a global threshold tau; tau is
+bisected so that sum_i k_i * cost_i <= keep * sum_i m_i n_i (cost = m + n for the no-remap
+factors, max(m, n) for the remap storage), i.e. ``keep`` is Dobi's ``target_ratio`` over all
+Linear parameters.
+
+The weight update is Dobi's with a hard mask: W_new = P_k P_k^T W, P the top-k eigenvectors of
+A^T A (the activation principal directions), then factored by an exact SVD:
+``ALinear`` = sqrt(S) Vh [k, n] (applied first), ``BLinear`` = U sqrt(S) [m, k]; stored fp16.
+
+Remap form: W_new = U S Vh with k components; Sigma goes on U when m >= n, on Vh when m < n; the
+first min(m, n) entries of each component are 8-bit quantised with bitsandbytes' signed dynamic
+map (re-implemented here), the rest ("tuple_info" tail) stays fp16. :func:`remap_encode` and
+:func:`remap_decode` are exact inverses on decoded data; the in-memory model holds the decoded
+fp16 factors and keeps the codes on the module (``module.dobi_remap``) so a writer reproduces
+the same bytes.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from ..factorized import LLAMA_PROJ, iter_linears
+from .calib import CalibStats
+from .common import compress_each
+
+
+@lru_cache(maxsize=1)
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes ``create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)``: 256 sorted values."""
+    data = []
+    for i in range(7):
+        b = torch.linspace(0.1, 1, 2 ** i + 1)
+        means = ((b[:-1] + b[1:]) / 2.0).tolist()
+        data += [(10 ** (-6 + i)) * x for x in means]
+        data += [-(10 ** (-6 + i)) * x for x in means]
+    data += [0.0, 1.0]
+    assert len(data) == 256
+    return torch.tensor(sorted(data), dtype=torch.float32)
+
+
+def quantize_rows(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic 8-bit quantisation: X [k, d] -> (codes uint8 [k, d], absmax fp16 [k])."""
+    code = dynamic_map()
+    absmax = X.float().abs().amax(dim=1).to(torch.float16)
+    scale = absmax.float().clamp_min(torch.finfo(torch.float16).tiny)
+    x = X.float() / scale[:, None]
+    mid = (code[1:] + code[:-1]) / 2
+    idx = torch.bucketize(x.contiguous(), mid)      # nearest code entry
+    return idx.to(torch.uint8), absmax
+
+
+def dequantize_rows(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+    """``code[idx] * absmax`` -> fp16 [k, d]."""
+    return (dynamic_map()[codes.long()] * absmax.float()[:, None]).to(torch.float16)
+
+
+def remap_encode(US: torch.Tensor, VT: torch.Tensor) -> dict:
+    """Factors US [m, k], VT [k, n] -> Dobi's remap entry (us_quan, vt_quan, us_absmax, vt_absmax, tuple_info)."""
+    m, k = US.shape
+    n = VT.shape[1]
+    d = min(m, n)
+    us_q, us_a = quantize_rows(US[:d].T)
+    vt_q, vt_a = quantize_rows(VT[:, :d])
+    if m > n:
+        tail = ("us", US[n:].to(torch.float16).contiguous())
+    elif m < n:
+        tail = ("vt", VT[:, m:].to(torch.float16).contiguous())
+    else:
+        tail = None
+    return {"us_quan": us_q, "vt_quan": vt_q, "us_absmax": us_a, "vt_absmax": vt_a, "tuple_info": tail}
+
+
+def remap_decode(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dobi's loader: US = deq(us_quan)^T (+ "us" tail on dim 0), VT = deq(vt_quan) (+ "vt" tail on dim 1). fp16."""
+    US = dequantize_rows(entry["us_quan"], entry["us_absmax"]).T
+    VT = dequantize_rows(entry["vt_quan"], entry["vt_absmax"])
+    tail = entry.get("tuple_info")
+    if tail is not None:
+        kind, t = tail
+        if kind == "us":
+            US = torch.cat([US, t.to(torch.float16)], dim=0)
+        elif kind == "vt":
+            VT = torch.cat([VT, t.to(torch.float16)], dim=1)
+        else:
+            raise ValueError(f"unknown tuple_info kind {kind!r}")
+    return US.contiguous(), VT.contiguous()
+
+
+def _activation_eig(W: torch.Tensor, xtx: torch.Tensor):
+    """Eigen-decomposition of W X^T X W^T [m, m], descending: (lambda [m], P [m, m])."""
+    Wd = W.double()
+    lam, P = torch.linalg.eigh(Wd @ xtx.double() @ Wd.T)
+    return lam.flip(0).clamp_min(0), P.flip(1)
+
+
+def energy_ranks(spectra: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]], keep: float,
+                 remap: bool) -> dict[str, int]:
+    """Global energy threshold tau (bisected) -> per-matrix ranks within the parameter budget."""
+    cum = {n: (s.cumsum(0) / s.sum().clamp_min(1e-300)) for n, s in spectra.items()}
+    cost = {n: (max(m, k) if remap else m + k) for n, (m, k) in shapes.items()}
+    budget = keep * sum(m * k for m, k in shapes.values())
+
+    def ranks(tau):
+        out = {}
+        for n, c in cum.items():
+            cap = min(shapes[n])
+            out[n] = max(1, min(cap, int(torch.searchsorted(c, torch.tensor(tau, dtype=c.dtype)).item()) + 1))
+        return out
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(r * cost[n] for n, r in ranks(mid).items()) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return ranks(lo)
+
+
+def compress_dobi(model, stats: CalibStats, keep: float, remap: bool = False, targets=LLAMA_PROJ,
+                  inplace: bool = False, progress: bool = True):
+    """Dobi-SVD factors (no-remap) or decoded remap factors at ``target_ratio`` = ``keep``; fp16-valued.
+
+    Factor dtype follows the model (fp32 models hold fp16-rounded values, as Dobi stores fp16).
+    """
+    eig, shapes = {}, {}
+    for name, lin in iter_linears(model, targets):
+        eig[name] = _activation_eig(lin.weight, stats[name].xtx)
+        shapes[name] = (lin.out_features, lin.in_features)
+    ranks = energy_ranks({n: e[0] for n, e in eig.items()}, shapes, keep, remap)
+    codes = {}
+
+    def fn(name, lin):
+        k = ranks[name]
+        Pk = eig[name][1][:, :k]                                   # [m, k]
+        U2, S, Vh = torch.linalg.svd(Pk.T @ lin.weight.double(), full_matrices=False)  # W_new = Pk U2 S Vh
+        U = Pk @ U2
+        m, n = shapes[name]
+        if not remap:
+            sq = S.sqrt()
+            return (U * sq).half().double(), (sq[:, None] * Vh).half().double()
+        US, VT = (U * S, Vh) if m >= n else (U, S[:, None] * Vh)
+        codes[name] = remap_encode(US, VT)
+        return tuple(t.double() for t in remap_decode(codes[name]))
+
+    meta = {"family": "dobi-remap" if remap else "dobi", "keep": keep, "rank_rule": "activation-energy",
+            "shared_groups": []}
+    out = compress_each(model, fn, meta, targets, inplace, "dobi", progress)
+    for name, entry in codes.items():
+        out.get_submodule(name).dobi_remap = entry
+    return out

@@ -1,0 +1,83 @@
+"""ASVD native checkpoints: the ``<name>-asvd<pct>/`` HF export (spec §3).
+
+``model.safetensors`` (save_pretrained layout; a tied lm_head is not stored) with
+``<module>.ALinear.weight`` = U sqrt(S) [out, r] (applied LAST, bias on ALinear) and
+``<module>.BLinear.weight`` = sqrt(S) V^T / s [r, in]; untruncated modules keep ``<module>.weight``.
+``config.json`` is the full config plus ``architectures: ["ASVDLlamaForCausalLM"]``, ``auto_map`` and
+``truncation_ranks: {module: r}``; ``modeling_asvd_llama.py`` / ``configuration_asvd_llama.py``
+sit beside it (here: short files of ours documenting the layout; lowrank_lib never executes them).
+"ratio" (asvd90) is the KEEP fraction p. Sigma is split sqrt/sqrt.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .build import CheckpointError, build_model, llama_config
+from .common import dense_state, factor_modules, keep_from_name, plain_config, read_json, read_safetensors_dir, write_json
+
+_MODELING = '''"""ASVD-layout Llama (written by lowrank_lib for layout fidelity).
+
+Each truncated projection is ``ASVDLinear``: ``BLinear`` [r, in] then ``ALinear`` [out, r];
+``config.truncation_ranks`` names them. lowrank_lib reads this folder without running this file:
+``lowrank_lib.load_checkpoint(folder)``.
+"""
+'''
+_CONFIGURATION = '''"""ASVD-layout Llama config (written by lowrank_lib): a LlamaConfig plus ``truncation_ranks``."""
+'''
+
+
+def native_dirname(model_name: str, keep: float) -> str:
+    return f"{model_name.rstrip('/').split('/')[-1]}-asvd{int(keep * 100)}"
+
+
+def write(model, path: str | Path, tokenizer=None) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    facs = factor_modules(model)
+    sd = dense_state(model, set(facs))
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    for name, f in facs.items():
+        sd[f"{name}.ALinear.weight"] = f.U.detach()
+        sd[f"{name}.BLinear.weight"] = f.V.detach()
+        if f.bias is not None:
+            sd[f"{name}.ALinear.bias"] = f.bias.detach()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = plain_config(model, architectures=["ASVDLlamaForCausalLM"],
+                       auto_map={"AutoConfig": "configuration_asvd_llama.ASVDLlamaConfig",
+                                 "AutoModelForCausalLM": "modeling_asvd_llama.ASVDLlamaForCausalLM"},
+                       truncation_ranks={n: f.rank for n, f in facs.items()})
+    write_json(path / "config.json", cfg)
+    (path / "modeling_asvd_llama.py").write_text(_MODELING)
+    (path / "configuration_asvd_llama.py").write_text(_CONFIGURATION)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def read(path: str | Path, dtype=torch.float32):
+    path = Path(path)
+    cfg = read_json(path / "config.json")
+    ranks = cfg.get("truncation_ranks")
+    if not isinstance(ranks, dict):
+        raise CheckpointError(f"{path / 'config.json'}: no truncation_ranks; not an ASVD export")
+    sd = read_safetensors_dir(path)
+    factors = {}
+    for name, r in ranks.items():
+        ak, bk = f"{name}.ALinear.weight", f"{name}.BLinear.weight"
+        for k in (ak, bk):
+            if k not in sd:
+                raise CheckpointError(f"{path}: truncation_ranks lists '{name}' but tensor '{k}' is missing")
+        A, B = sd.pop(ak), sd.pop(bk)
+        if A.shape[1] != r or B.shape[0] != r:
+            raise CheckpointError(f"{path}: '{name}' has ALinear {tuple(A.shape)} / BLinear {tuple(B.shape)}; "
+                                  f"truncation_ranks says rank {r}")
+        factors[name] = (A, B, sd.pop(f"{name}.ALinear.bias", None))
+    stray = [k for k in sd if ".ALinear." in k or ".BLinear." in k]
+    if stray:
+        raise CheckpointError(f"{path}: factor tensors {stray[:3]} are not listed in truncation_ranks")
+    meta = {"family": "asvd", "keep": (keep_from_name(path.name) or 0) / 100 or None, "shared_groups": []}
+    return build_model(llama_config(cfg, str(path)), sd, factors, meta, path, dtype)

@@ -1,0 +1,109 @@
+"""Basis Sharing native checkpoints: ``share_llama`` HF folder with ``pytorch_model.bin`` (spec §5).
+
+Keys (Llama): shared basis ``model.layers.<i>.self_attn.q_basis.weight`` [nb, in] (ALL of Sigma),
+its alias ``model.q_basis.<i>.weight`` (ModuleDict entry per layer, same tensor), coefficient
+``model.layers.<i>.self_attn.q_proj.weight`` [out, nb]; same for k, v, o (self_attn) and gate,
+up, down (mlp). Every aliased key is written (transformers' .bin save keeps them) and shares one
+storage on disk. ``config.json`` adds ``architectures: ["ShareLlamaForCausalLM"]``,
+``num_basis_<t>``, ``<t>_groups`` (lists of layer lists) and ``use_cache: false``; fp32.
+"ratio" (``compression_ratio``) is the percent REMOVED over a group.
+
+Reading: for each group, every alias of its basis must be equal (else refused) and becomes ONE
+``nn.Parameter`` shared by the group's ``LowRankLinear`` modules (their ``V``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..compress.basis_sharing import PARENT
+from ..factorized import LLAMA_PROJ
+from .build import CheckpointError, build_model, check_aliases, llama_config
+from .common import dense_state, factor_modules, plain_config, read_json, read_torch_bin_dir, write_json
+
+TYPES = [p.replace("_proj", "") for p in LLAMA_PROJ]
+
+
+def native_dirname(model_name: str, keep: float) -> str:
+    return f"share_{model_name.rstrip('/').split('/')[-1]}_{round((1 - keep) * 100)}"
+
+
+def write(model, path: str | Path, tokenizer=None) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    facs = factor_modules(model, LLAMA_PROJ, "Basis Sharing")
+    n_layers = model.config.num_hidden_layers
+    sd = dense_state(model, set(facs))
+    extra = {}
+    for t in TYPES:
+        parent = PARENT[f"{t}_proj"]
+        groups: dict[int, list[int]] = {}
+        bases = {}
+        for i in range(n_layers):
+            f = facs[f"model.layers.{i}.{parent}.{t}_proj"]
+            groups.setdefault(id(f.V), []).append(i)
+            bases[id(f.V)] = f.V.detach()
+        for i in range(n_layers):
+            f = facs[f"model.layers.{i}.{parent}.{t}_proj"]
+            basis = bases[id(f.V)]            # the one tensor: aliases share storage on disk
+            sd[f"model.layers.{i}.{parent}.{t}_basis.weight"] = basis
+            sd[f"model.{t}_basis.{i}.weight"] = basis
+            sd[f"model.layers.{i}.{parent}.{t}_proj.weight"] = f.U.detach()
+            if f.bias is not None:
+                sd[f"model.layers.{i}.{parent}.{t}_proj.bias"] = f.bias.detach()
+        glist = sorted(groups.values())
+        extra[f"num_basis_{t}"] = int(bases[next(iter(groups))].shape[0])
+        extra[f"{t}_groups"] = glist
+    torch.save(sd, path / "pytorch_model.bin")
+    write_json(path / "config.json", plain_config(model, architectures=["ShareLlamaForCausalLM"], use_cache=False,
+                                                  **extra))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def read(path: str | Path, dtype=torch.float32):
+    path = Path(path)
+    cfg = read_json(path / "config.json")
+    if "num_basis_q" not in cfg and "ShareLlamaForCausalLM" not in (cfg.get("architectures") or []):
+        raise CheckpointError(f"{path / 'config.json'}: no num_basis_*; not a Basis Sharing checkpoint")
+    src = str(path / "pytorch_model.bin")
+    sd = read_torch_bin_dir(path)
+    n_layers = int(cfg["num_hidden_layers"])
+    factors, shared = {}, []
+    for t in TYPES:
+        parent = PARENT[f"{t}_proj"]
+        groups = cfg.get(f"{t}_groups") or [[i] for i in range(n_layers)]
+        flat = sorted(i for g in groups for i in g)
+        if flat != list(range(n_layers)):
+            raise CheckpointError(f"{path / 'config.json'}: {t}_groups {groups} do not cover layers 0..{n_layers - 1} once")
+        for g in groups:
+            aliases = []
+            for i in g:
+                for k in (f"model.layers.{i}.{parent}.{t}_basis.weight", f"model.{t}_basis.{i}.weight"):
+                    if k in sd:
+                        aliases.append((k, sd.pop(k)))
+                    elif k.startswith("model.layers."):
+                        raise CheckpointError(f"{src}: basis tensor '{k}' is missing (group {g})")
+            basis = check_aliases(aliases, src)
+            nb = cfg.get(f"num_basis_{t}")
+            if len(g) == len(groups[0]) and nb is not None and basis.shape[0] != nb:
+                raise CheckpointError(f"{src}: '{aliases[0][0]}' has shape {tuple(basis.shape)}, config says "
+                                      f"num_basis_{t} = {nb}")
+            for i in g:
+                ck = f"model.layers.{i}.{parent}.{t}_proj.weight"
+                if ck not in sd:
+                    raise CheckpointError(f"{src}: coefficient '{ck}' is missing")
+                coef = sd.pop(ck)
+                if coef.shape[1] != basis.shape[0]:
+                    raise CheckpointError(f"{src}: coefficient '{ck}' has shape {tuple(coef.shape)}, expected "
+                                          f"[out, {basis.shape[0]}] to match its basis")
+                factors[f"model.layers.{i}.{parent}.{t}_proj"] = (coef, basis, sd.pop(f"{ck[:-7]}.bias", None))
+            if len(g) > 1:
+                shared.append([f"model.layers.{i}.{parent}.{t}_proj.V" for i in g])
+    cfg_l = dict(cfg, model_type="llama")
+    meta = {"family": "basis_sharing", "keep": None, "shared_groups": shared,
+            "groups": {t: cfg.get(f"{t}_groups") for t in TYPES},
+            "num_basis": {t: cfg.get(f"num_basis_{t}") for t in TYPES}}
+    return build_model(llama_config(cfg_l, str(path)), sd, factors, meta, path, dtype)

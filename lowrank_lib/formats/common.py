@@ -1,0 +1,203 @@
+"""File helpers shared by the family modules: fake class paths for writers, weight files, configs."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import re
+import sys
+import types
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..factorized import LowRankLinear
+from .build import CheckpointError
+
+_FAKE_CLASSES: dict[str, type] = {}
+
+
+def fake_class(path: str, base: type = nn.Module) -> type:
+    """An empty subclass of ``base`` whose pickled GLOBAL reads ``path`` (e.g. ``component.svd_llama.X``)."""
+    if path not in _FAKE_CLASSES:
+        mod, _, name = path.rpartition(".")
+        _FAKE_CLASSES[path] = type(name, (base,), {"__module__": mod, "__qualname__": name})
+    return _FAKE_CLASSES[path]
+
+
+@contextlib.contextmanager
+def registered(classes: list[type]):
+    """Make ``classes`` importable at their ``__module__`` paths for the duration of a write, then undo.
+
+    Missing modules are created in ``sys.modules`` (and removed afterwards); a class missing from an
+    existing module (e.g. ``LlamaSdpaAttention`` in transformers 5) is set on it and deleted afterwards.
+    """
+    added_mods, added_attrs = [], []
+    try:
+        for cls in classes:
+            parts = cls.__module__.split(".")
+            for i in range(1, len(parts) + 1):
+                name = ".".join(parts[:i])
+                if name not in sys.modules:
+                    try:
+                        __import__(name)
+                    except ImportError:
+                        sys.modules[name] = types.ModuleType(name)
+                        added_mods.append(name)
+            mod = sys.modules[cls.__module__]
+            if getattr(mod, cls.__name__, None) is not cls:
+                if hasattr(mod, cls.__name__):
+                    raise RuntimeError(f"{cls.__module__}.{cls.__name__} exists; refusing to shadow it")
+                setattr(mod, cls.__name__, cls)
+                added_attrs.append((mod, cls.__name__))
+        yield
+    finally:
+        for mod, name in added_attrs:
+            delattr(mod, name)
+        for name in reversed(added_mods):
+            sys.modules.pop(name, None)
+
+
+def as_class(obj: nn.Module, cls: type) -> nn.Module:
+    """A shallow re-classed copy of a module (same state, pickles under ``cls``'s path)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(obj.__dict__)
+    new.__dict__["_modules"] = dict(obj._modules)
+    return new
+
+
+def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    if bias is not None:
+        lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return lin
+
+
+def factor_modules(model, need: tuple[str, ...] | None = None, family: str = "") -> dict[str, LowRankLinear]:
+    """``{name: LowRankLinear}``; if ``need`` (leaf names), every such projection must be factorized."""
+    out = {n: m for n, m in model.named_modules() if isinstance(m, LowRankLinear)}
+    if need:
+        for n, m in model.named_modules():
+            if n.rsplit(".", 1)[-1] in need and isinstance(m, nn.Linear):
+                raise CheckpointError(f"the {family} layout needs '{n}' factorized, but it is a dense Linear")
+    return out
+
+
+def dense_state(model, skip: set[str]) -> dict[str, torch.Tensor]:
+    """State dict without the factorized modules (``skip`` = their names) and rotary buffers."""
+    out = {}
+    for k, v in model.state_dict().items():
+        mod = k.rsplit(".", 1)[0]
+        if mod in skip or mod.rsplit(".", 1)[0] in skip or "rotary_emb" in k:
+            continue
+        out[k] = v
+    return out
+
+
+def plain_config(model, **extra) -> dict:
+    d = model.config.to_dict()
+    d.update(extra)
+    return d
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o):
+    if isinstance(o, torch.dtype):
+        return str(o).replace("torch.", "")
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable JSON ({e})") from e
+
+
+def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
+    """All tensors of ``model.safetensors`` or its shards (index json), header and size validated."""
+    from safetensors.torch import load_file
+
+    from ..models import ModelLoadError, _check_safetensors
+
+    idx = d / "model.safetensors.index.json"
+    files = sorted(set(read_json(idx)["weight_map"].values())) if idx.exists() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        p = d / f
+        if not p.exists():
+            raise CheckpointError(f"{p}: weight file missing")
+        try:
+            _check_safetensors(p)
+        except ModelLoadError as e:
+            raise CheckpointError(str(e)) from e
+        out.update(load_file(str(p)))
+    return out
+
+
+def read_torch_bin_dir(d: Path, name: str = "pytorch_model.bin") -> dict[str, torch.Tensor]:
+    """State dict(s) of ``pytorch_model.bin`` (or shards + index) through the restricted unpickler."""
+    from .safe_pickle import safe_torch_load
+
+    idx = d / f"{name}.index.json"
+    files = sorted(set(read_json(idx)["weight_map"].values())) if idx.exists() else [name]
+    out = {}
+    for f in files:
+        p = d / f
+        if not p.exists():
+            raise CheckpointError(f"{p}: weight file missing")
+        sd = safe_torch_load(p)
+        if not isinstance(sd, dict):
+            raise CheckpointError(f"{p}: expected a state dict, found {type(sd).__name__}")
+        out.update(sd)
+    return out
+
+
+def keep_from_name(name: str) -> float | None:
+    m = re.search(r"(\d+(?:\.\d+)?)(?:\.pt)?$", name)
+    return float(m.group(1)) if m else None
+
+
+def retag_storages(path: Path, location: str = "cuda:0") -> None:
+    """Rewrite a torch zip archive so every storage is tagged ``location`` (as saved from a GPU).
+
+    Protocol-2 pickles have no frames or offsets, so replacing the BINUNICODE ``'cpu'`` opcodes in
+    ``data.pkl`` is exact. The archive is rewritten uncompressed with the same records.
+    """
+    import pickletools
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf:
+        records = [(i.filename, zf.read(i.filename)) for i in zf.infolist()]
+    out = []
+    for name, data in records:
+        if name.endswith("data.pkl"):
+            pieces, last = [], 0
+            for op, arg, pos in pickletools.genops(data):
+                if op.name in ("BINUNICODE", "SHORT_BINUNICODE") and arg == "cpu":
+                    n = 5 if op.name == "BINUNICODE" else 2
+                    pieces.append(data[last:pos])
+                    enc = location.encode()
+                    pieces.append((b"X" + struct.pack("<I", len(enc)) if n == 5 else b"\x8c" + bytes([len(enc)])) + enc)
+                    last = pos + n + 3
+            pieces.append(data[last:])
+            data = b"".join(pieces)
+        out.append((name, data))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, data in out:
+            zf.writestr(name, data)
+    tmp.replace(path)
+
+
+def clone_for_pickle(model):
+    """Deep copy of a model for re-classing before ``torch.save`` (never mutate the caller's)."""
+    return copy.deepcopy(model)

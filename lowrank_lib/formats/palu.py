@@ -1,0 +1,98 @@
+"""Palu native checkpoints: ``<model>_ratio-<r>_gs-<g>-<search>-<decomp>/`` HF export (spec §6).
+
+Only k_proj / v_proj are factorized: ``<m>.VT.weight`` [sum_g r_g, in] and ``<m>.U.<g>.weight``
+[group_dim, r_g] (+ ``.bias`` per group). ``config.json``: full config with ``model_type: "palullama"``,
+``architectures: ["PaluLlamaForCausalLM"]``, ``head_wise_ranks: {module: [r_g, ...]}`` and
+``original_model_name_or_path``. "ratio" is the KEEP fraction of k/v rank. Sigma split sqrt/sqrt.
+
+In the ONE representation U is the dense block-diagonal [out, sum r_g] (see
+:mod:`lowrank_lib.compress.palu`); the file holds only the G blocks (sum_g group_dim * r_g entries).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ..compress.palu import block_diag_u, split_block_diag
+from .build import CheckpointError, build_model, llama_config
+from .common import dense_state, factor_modules, keep_from_name, plain_config, read_json, read_safetensors_dir, write_json
+
+
+def native_dirname(model_name: str, keep: float, group_size: int, search: str = "uniform",
+                   decomp: str = "whiten") -> str:
+    return f"{model_name.rstrip('/').split('/')[-1]}_ratio-{keep}_gs-{group_size}-{search}-{decomp}"
+
+
+def write(model, path: str | Path, tokenizer=None, original: str = "") -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    facs = factor_modules(model)
+    bad = [n for n in facs if n.rsplit(".", 1)[-1] not in ("k_proj", "v_proj")]
+    if bad:
+        raise CheckpointError(f"the Palu layout only factorizes k_proj/v_proj, but {bad[:3]} are factorized")
+    hw = dict((getattr(model, "lowrank_meta", {}) or {}).get("head_wise_ranks") or {})
+    sd = dense_state(model, set(facs))
+    if model.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    for name, f in facs.items():
+        ranks = hw.get(name, [f.rank])
+        blocks = split_block_diag(f.U.detach(), ranks)
+        hw[name] = list(ranks)
+        sd[f"{name}.VT.weight"] = f.V.detach()
+        gd = blocks[0].shape[0]
+        for g, blk in enumerate(blocks):
+            sd[f"{name}.U.{g}.weight"] = blk.contiguous()
+            if f.bias is not None:
+                sd[f"{name}.U.{g}.bias"] = f.bias.detach()[g * gd:(g + 1) * gd].contiguous()
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = plain_config(model, model_type="palullama", architectures=["PaluLlamaForCausalLM"],
+                       head_wise_ranks=hw, original_model_name_or_path=original)
+    write_json(path / "config.json", cfg)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def read(path: str | Path, dtype=torch.float32):
+    path = Path(path)
+    cfg = read_json(path / "config.json")
+    hw = cfg.get("head_wise_ranks")
+    if not isinstance(hw, dict):
+        raise CheckpointError(f"{path / 'config.json'}: no head_wise_ranks; not a Palu export")
+    sd = read_safetensors_dir(path)
+    factors = {}
+    for name, ranks in hw.items():
+        vk = f"{name}.VT.weight"
+        if vk not in sd:
+            raise CheckpointError(f"{path}: head_wise_ranks lists '{name}' but tensor '{vk}' is missing")
+        VT = sd.pop(vk)
+        if VT.shape[0] != sum(ranks):
+            raise CheckpointError(f"{path}: '{vk}' has shape {tuple(VT.shape)}, expected [{sum(ranks)}, in] "
+                                  f"(sum of head_wise_ranks {ranks})")
+        blocks, biases = [], []
+        for g, r in enumerate(ranks):
+            uk = f"{name}.U.{g}.weight"
+            if uk not in sd:
+                raise CheckpointError(f"{path}: tensor '{uk}' is missing (head group {g} of '{name}')")
+            U = sd.pop(uk)
+            if U.shape[1] != r or (blocks and U.shape[0] != blocks[0].shape[0]):
+                raise CheckpointError(f"{path}: '{uk}' has shape {tuple(U.shape)}, expected "
+                                      f"[{blocks[0].shape[0] if blocks else 'group_dim'}, {r}]")
+            blocks.append(U)
+            b = sd.pop(f"{name}.U.{g}.bias", None)
+            if b is not None:
+                biases.append(b)
+        bias = torch.cat(biases) if biases else None
+        factors[name] = (block_diag_u(blocks), VT, bias)
+    cfg = dict(cfg, model_type="llama")
+    meta = {"family": "palu", "keep": _keep(path.name), "head_wise_ranks": hw, "shared_groups": []}
+    return build_model(llama_config(cfg, str(path)), sd, factors, meta, path, dtype)
+
+
+def _keep(name: str):
+    import re
+
+    m = re.search(r"_ratio-([0-9.]+)_", name)
+    return float(m.group(1)) if m else keep_from_name(name)

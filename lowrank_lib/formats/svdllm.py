@@ -1,0 +1,113 @@
+"""SVD-LLM v1 / v2 native checkpoints: ``<model>_whitening_only_<keep>.pt`` (pickled whole model).
+
+Layout (spec §1): ``torch.save({'model': LlamaForCausalLM, 'tokenizer': tok})`` where every
+``layers[i].self_attn`` is ``component.svd_llama.SVD_LlamaAttention`` holding
+``{q,k,v,o}_u_proj`` ([out, r], fp32) / ``{q,k,v,o}_v_proj`` ([r, in], fp32) and a per-layer
+``rotary_emb`` (``component.svd_llama.LlamaRotaryEmbedding``, persistent ``inv_freq``), and every
+``mlp`` is ``component.svd_llama.SVD_LlamaMLP`` with ``{gate,up,down}_{u,v}_proj`` and
+``transformers.activations.SiLUActivation``. Embeddings, norms and lm_head stay fp16; the model
+carries ``seqlen = 2048``. Sigma is split sqrt/sqrt. "ratio" in the file name is the KEEP fraction.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+
+from ..factorized import LLAMA_PROJ
+from .build import CheckpointError, build_model, llama_config
+from .common import as_class, clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from, registered
+from .pickled import read_pickled_model
+
+ATTN = fake_class("component.svd_llama.SVD_LlamaAttention")
+MLP = fake_class("component.svd_llama.SVD_LlamaMLP")
+ROPE = fake_class("component.svd_llama.LlamaRotaryEmbedding")
+FAMILY_CLASSES = ("component.svd_llama.", "component.svd_mistral.", "component.svd_opt.")
+
+
+def native_filename(model_name: str, keep: float, variant: str = "v1") -> str:
+    """``jeffwan/llama-7b-hf``, 0.8 -> ``jeffwan_llama_7b_hf_whitening_only_0.8.pt`` (v2: ``_v2_``)."""
+    stem = model_name.replace("/", "_").replace("-", "_")
+    return f"{stem}_{'whitening_only' if variant == 'v1' else 'v2'}_{keep}.pt"
+
+
+def write(model, path: str | Path, tokenizer=None, model_name: str = "model", keep: float | None = None,
+          base_dtype: torch.dtype | None = torch.float16) -> Path:
+    """Write ``model`` (all 7 projections factorized) as an SVD-LLM pickle; ``path`` a file or a folder.
+
+    Factors are stored fp32 (as SVD-LLM does); the rest in ``base_dtype`` (fp16 natively, None keeps it).
+    """
+    facs = factor_modules(model, LLAMA_PROJ, "SVD-LLM")
+    meta = getattr(model, "lowrank_meta", {}) or {}
+    path = Path(path)
+    if path.suffix != ".pt":
+        path.mkdir(parents=True, exist_ok=True)
+        path = path / native_filename(model_name, keep if keep is not None else meta.get("keep", 1.0),
+                                      meta.get("variant", "v1"))
+    m = clone_for_pickle(model)
+    if base_dtype is not None:
+        m = m.to(base_dtype)
+    cfg = m.config
+    for i, layer in enumerate(m.model.layers):
+        at, mlp = layer.self_attn, layer.mlp
+        new_at = ATTN()
+        new_at.config = cfg
+        new_at.hidden_size = cfg.hidden_size
+        new_at.num_heads = cfg.num_attention_heads
+        new_at.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        new_at.max_position_embeddings = cfg.max_position_embeddings
+        rope = ROPE()
+        rope.register_buffer("inv_freq", m.model.rotary_emb.inv_freq.detach().float().clone(), persistent=True)
+        rope.max_seq_len_cached = cfg.max_position_embeddings
+        for p in ("q", "k", "v", "o"):
+            f = facs[f"model.layers.{i}.self_attn.{p}_proj"]
+            setattr(new_at, f"{p}_u_proj", linear_from(f.U.float(), None if f.bias is None else f.bias.float()))
+            setattr(new_at, f"{p}_v_proj", linear_from(f.V.float()))
+        new_at.rotary_emb = rope
+        layer.self_attn = new_at
+        new_mlp = MLP()
+        for p in ("gate", "up", "down"):
+            f = facs[f"model.layers.{i}.mlp.{p}_proj"]
+            setattr(new_mlp, f"{p}_u_proj", linear_from(f.U.float(), None if f.bias is None else f.bias.float()))
+            setattr(new_mlp, f"{p}_v_proj", linear_from(f.V.float()))
+        new_mlp.act_fn = mlp.act_fn
+        layer.mlp = new_mlp
+    m.seqlen = 2048
+    m.__dict__.pop("lowrank_meta", None)
+    with registered([ATTN, MLP, ROPE]):
+        torch.save({"model": m, "tokenizer": tokenizer}, path)
+    return path
+
+
+_UKEY = re.compile(r"^(.*)\.(\w+)_u_proj\.weight$")
+
+
+def read(path: str | Path, dtype=torch.float32):
+    """SVD-LLM pickle -> the ONE representation (tensors only; nothing unpickled is executed)."""
+    path = Path(path)
+    state, cfg, classes = read_pickled_model(path)
+    if not any(c.startswith(FAMILY_CLASSES) for c in classes):
+        raise CheckpointError(f"{path}: no component.svd_* modules in the pickle; not an SVD-LLM checkpoint")
+    factors, dense = {}, {}
+    for k, v in state.items():
+        mt = _UKEY.match(k)
+        if mt:
+            base, p = mt.groups()
+            vk = f"{base}.{p}_v_proj.weight"
+            if vk not in state:
+                raise CheckpointError(f"{path}: '{k}' has no partner '{vk}'")
+            factors[f"{base}.{p}_proj"] = (v, state[vk], state.get(f"{base}.{p}_u_proj.bias"))
+        elif re.search(r"_[uv]_proj\.(weight|bias)$", k):
+            continue
+        else:
+            dense[k] = v
+    cfg_obj = llama_config(cfg, str(path))
+    variant = "v2" if "_v2_" in path.name else "v1"
+    meta = {"family": "svdllm", "variant": variant, "keep": keep_from_name(path.name), "shared_groups": []}
+    return build_model(cfg_obj, dense, factors, meta, path, dtype)
+
+
+__all__ = ["native_filename", "read", "write"]
+
