@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from .build import CheckpointError, build_model, llama_config
-from .common import dense_state, factor_modules, keep_from_name, plain_config, read_json, read_safetensors_dir, write_json
+from .common import (dense_state, factor_modules, family_config, finish_dir, keep_from_name, plain_config,
+                     read_safetensors_dir)
 
 _MODELING = '''"""ASVD-layout Llama (written by lowrank_lib for layout fidelity).
 
@@ -50,20 +51,14 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
                        auto_map={"AutoConfig": "configuration_asvd_llama.ASVDLlamaConfig",
                                  "AutoModelForCausalLM": "modeling_asvd_llama.ASVDLlamaForCausalLM"},
                        truncation_ranks={n: f.rank for n, f in facs.items()})
-    write_json(path / "config.json", cfg)
     (path / "modeling_asvd_llama.py").write_text(_MODELING)
     (path / "configuration_asvd_llama.py").write_text(_CONFIGURATION)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    return path
+    return finish_dir(path, cfg, tokenizer)
 
 
 def read(path: str | Path, dtype=torch.float32):
     path = Path(path)
-    cfg = read_json(path / "config.json")
-    ranks = cfg.get("truncation_ranks")
-    if not isinstance(ranks, dict):
-        raise CheckpointError(f"{path / 'config.json'}: no truncation_ranks; not an ASVD export")
+    cfg, ranks = family_config(path, "truncation_ranks", "ASVD")
     sd = read_safetensors_dir(path)
     factors = {}
     for name, r in ranks.items():

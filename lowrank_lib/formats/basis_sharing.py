@@ -20,7 +20,7 @@ import torch
 from ..compress.basis_sharing import PARENT
 from ..factorized import LLAMA_PROJ
 from .build import CheckpointError, build_model, check_aliases, llama_config
-from .common import dense_state, factor_modules, plain_config, read_json, read_torch_bin_dir, write_json
+from .common import dense_state, factor_modules, family_config, finish_dir, plain_config, read_torch_bin_dir
 
 TYPES = [p.replace("_proj", "") for p in LLAMA_PROJ]
 
@@ -56,18 +56,13 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
         extra[f"num_basis_{t}"] = int(bases[next(iter(groups))].shape[0])
         extra[f"{t}_groups"] = glist
     torch.save(sd, path / "pytorch_model.bin")
-    write_json(path / "config.json", plain_config(model, architectures=["ShareLlamaForCausalLM"], use_cache=False,
-                                                  **extra))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    return path
+    return finish_dir(path, plain_config(model, architectures=["ShareLlamaForCausalLM"], use_cache=False, **extra),
+                      tokenizer)
 
 
 def read(path: str | Path, dtype=torch.float32):
     path = Path(path)
-    cfg = read_json(path / "config.json")
-    if "num_basis_q" not in cfg and "ShareLlamaForCausalLM" not in (cfg.get("architectures") or []):
-        raise CheckpointError(f"{path / 'config.json'}: no num_basis_*; not a Basis Sharing checkpoint")
+    cfg, _ = family_config(path, "num_basis_q", "Basis Sharing")
     src = str(path / "pytorch_model.bin")
     sd = read_torch_bin_dir(path)
     n_layers = int(cfg["num_hidden_layers"])

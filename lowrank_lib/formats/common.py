@@ -201,3 +201,19 @@ def retag_storages(path: Path, location: str = "cuda:0") -> None:
 def clone_for_pickle(model):
     """Deep copy of a model for re-classing before ``torch.save`` (never mutate the caller's)."""
     return copy.deepcopy(model)
+
+
+def finish_dir(path: Path, cfg: dict, tokenizer=None) -> Path:
+    """Write ``config.json`` (and the tokenizer files, if any) into an HF-style checkpoint folder."""
+    write_json(path / "config.json", cfg)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(path))
+    return path
+
+
+def family_config(path: Path, key: str, family: str) -> tuple[dict, object]:
+    """``config.json`` of a folder and its family-specific entry ``key`` (refused if absent)."""
+    cfg = read_json(path / "config.json")
+    if key not in cfg:
+        raise CheckpointError(f"{path / 'config.json'}: no {key}; not a {family} checkpoint")
+    return cfg, cfg[key]

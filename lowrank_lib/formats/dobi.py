@@ -26,7 +26,7 @@ from ..compress.dobi import remap_decode, remap_encode
 from ..factorized import LLAMA_PROJ
 from .build import CheckpointError, build_model, llama_config
 from .common import (as_class, clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from,
-                     plain_config, read_json, read_torch_bin_dir, registered, retag_storages, write_json)
+                     plain_config, read_json, read_torch_bin_dir, registered, retag_storages, finish_dir)
 from .pickled import read_pickled_model
 
 SVDT = fake_class("modules.module.SVDTransformLayer")
@@ -112,10 +112,7 @@ def write_remap(model, path: str | Path, tokenizer=None, location: str = "cuda:0
     torch.save(entries, path / "remapping_weight.pt")
     if location != "cpu":
         retag_storages(path / "remapping_weight.pt", location)
-    write_json(path / "config.json", plain_config(model, architectures=["LlamaForCausalLM"], torch_dtype="float16"))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    return path
+    return finish_dir(path, plain_config(model, architectures=["LlamaForCausalLM"], torch_dtype="float16"), tokenizer)
 
 
 _ENTRY_KEYS = ("us_quan", "vt_quan", "us_absmax", "vt_absmax", "tuple_info")

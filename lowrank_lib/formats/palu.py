@@ -17,7 +17,8 @@ from safetensors.torch import save_file
 
 from ..compress.palu import block_diag_u, split_block_diag
 from .build import CheckpointError, build_model, llama_config
-from .common import dense_state, factor_modules, keep_from_name, plain_config, read_json, read_safetensors_dir, write_json
+from .common import (dense_state, factor_modules, family_config, finish_dir, keep_from_name, plain_config,
+                     read_safetensors_dir)
 
 
 def native_dirname(model_name: str, keep: float, group_size: int, search: str = "uniform",
@@ -49,18 +50,12 @@ def write(model, path: str | Path, tokenizer=None, original: str = "") -> Path:
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = plain_config(model, model_type="palullama", architectures=["PaluLlamaForCausalLM"],
                        head_wise_ranks=hw, original_model_name_or_path=original)
-    write_json(path / "config.json", cfg)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(path))
-    return path
+    return finish_dir(path, cfg, tokenizer)
 
 
 def read(path: str | Path, dtype=torch.float32):
     path = Path(path)
-    cfg = read_json(path / "config.json")
-    hw = cfg.get("head_wise_ranks")
-    if not isinstance(hw, dict):
-        raise CheckpointError(f"{path / 'config.json'}: no head_wise_ranks; not a Palu export")
+    cfg, hw = family_config(path, "head_wise_ranks", "Palu")
     sd = read_safetensors_dir(path)
     factors = {}
     for name, ranks in hw.items():

@@ -18,7 +18,7 @@ import torch
 
 from ..factorized import LLAMA_PROJ
 from .build import CheckpointError, build_model, llama_config
-from .common import as_class, clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from, registered
+from .common import clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from, registered
 from .pickled import read_pickled_model
 
 ATTN = fake_class("component.svd_llama.SVD_LlamaAttention")
@@ -51,7 +51,7 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
         m = m.to(base_dtype)
     cfg = m.config
     for i, layer in enumerate(m.model.layers):
-        at, mlp = layer.self_attn, layer.mlp
+        mlp = layer.mlp
         new_at = ATTN()
         new_at.config = cfg
         new_at.hidden_size = cfg.hidden_size
