@@ -33,13 +33,15 @@ def asvd_factors(W: torch.Tensor, scale: torch.Tensor, rank: int):
 
 def compress_asvd(model, stats: CalibStats, keep: float, alpha: float = 0.5, targets=LLAMA_PROJ,
                   ratios: dict[str, float] | None = None, rank_align: int = 1, inplace: bool = False,
-                  progress: bool = True):
-    """ASVD at parameter ratio ``keep`` (or per-module ``ratios``); returns the factorized model."""
+                  progress: bool = True, ranks: dict[str, int] | None = None):
+    """ASVD at parameter ratio ``keep`` (or per-module ``ratios``, or explicit ``ranks``); returns the model."""
     def fn(name, lin):
+        s = stats[name].abs_mean.pow(alpha) + 1e-6
+        if ranks is not None:
+            return asvd_factors(lin.weight, s, ranks[name])
         p = keep if ratios is None else ratios.get(name)
         if p is None or p >= 1.0:
             return None  # stays dense, as ASVD leaves p = 1 layers
-        s = stats[name].abs_mean.pow(alpha) + 1e-6
         return asvd_factors(lin.weight, s, asvd_rank(lin.out_features, lin.in_features, p, rank_align))
 
     meta = {"family": "asvd", "keep": keep, "alpha": alpha, "shared_groups": []}

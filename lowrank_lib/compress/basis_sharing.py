@@ -34,11 +34,12 @@ def layer_groups(n_layers: int, group_size: int) -> list[list[int]]:
     return [list(range(i, min(i + group_size, n_layers))) for i in range(0, n_layers, group_size)]
 
 
-def shared_basis(Ws: list[torch.Tensor], A: torch.Tensor, keep: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def shared_basis(Ws: list[torch.Tensor], A: torch.Tensor, keep: float,
+                 num_basis: int | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Ws: G matrices [out, in]; A [in, in] summed Gram. Returns basis [nb, in], coefficients [out, nb] each."""
     out_f, in_f = Ws[0].shape
     G = len(Ws)
-    nb = basis_sharing_num_basis(in_f, out_f, G, keep)
+    nb = num_basis if num_basis is not None else basis_sharing_num_basis(in_f, out_f, G, keep)
     nb = max(1, min(nb, in_f, out_f * G))
     S = cholesky_lower(A, eps=7e-6).T                                  # upper, S^T S = A
     Wcat = torch.cat([W.double().T for W in Ws], dim=1)                # [in, out*G]
@@ -50,9 +51,10 @@ def shared_basis(Ws: list[torch.Tensor], A: torch.Tensor, keep: float) -> tuple[
 
 def compress_basis_sharing(model, stats: CalibStats, keep: float, group_size: int = 2,
                            shared: tuple[str, ...] = SHARED_LLAMA, targets=LLAMA_PROJ, inplace: bool = False,
-                           progress: bool = True):
+                           progress: bool = True, num_basis: int | None = None):
     """Basis Sharing at canonical ``keep`` (= 1 - compression_ratio/100) with groups of ``group_size``.
 
+    ``num_basis`` overrides the formula (clamped to [1, min(in, out*G)]; a large value is exact).
     ``model.lowrank_meta`` gets ``groups`` ({type: [[layers]]}) and ``num_basis`` ({type: nb}).
     """
     m = model if inplace else copy.deepcopy(model)
@@ -66,7 +68,7 @@ def compress_basis_sharing(model, stats: CalibStats, keep: float, group_size: in
             names = [f"model.layers.{i}.{PARENT[typ]}.{typ}" for i in g]
             lins = [m.get_submodule(n) for n in names]
             A = sum(stats[n].xtx for n in names)
-            basis, coefs = shared_basis([lin.weight for lin in lins], A, keep)
+            basis, coefs = shared_basis([lin.weight for lin in lins], A, keep, num_basis)
             dt = lins[0].weight.dtype
             V = nn.Parameter(basis.to(dt).contiguous(), requires_grad=False)
             for n, lin, c in zip(names, lins, coefs):

@@ -22,6 +22,7 @@ def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch
     return U[:, :rank] * s, v
 
 
+@torch.no_grad()
 def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict, targets: Iterable[str] = LLAMA_PROJ,
                   inplace: bool = False, desc: str = "compress", progress: bool = True):
     """Apply ``fn(name, linear) -> (U, V) | None`` to every target projection; returns the new model.

@@ -22,15 +22,15 @@ from .common import compress_each, leaf, whitened_factors
 
 
 def compress_svdllm(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ, inplace: bool = False,
-                    progress: bool = True):
-    """SVD-LLM v1 at canonical ``keep`` (same rank rule as the original, per matrix)."""
+                    progress: bool = True, ranks: dict[str, int] | None = None):
+    """SVD-LLM v1 at canonical ``keep`` (same rank rule as the original, per matrix); ``ranks`` overrides."""
     chol: dict[int, torch.Tensor] = {}
 
     def fn(name, lin):
         st = stats[name]
         if id(st) not in chol:
             chol[id(st)] = cholesky_lower(st.xtx)
-        r = keep_rank(lin.out_features, lin.in_features, keep)
+        r = ranks[name] if ranks is not None else keep_rank(lin.out_features, lin.in_features, keep)
         return whitened_factors(lin.weight, chol[id(st)], r)
 
     return compress_each(model, fn, {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []},
@@ -51,6 +51,7 @@ def loss_optimised_factors(W: torch.Tensor, S: torch.Tensor, S_inv: torch.Tensor
     return U[:, :rank] * s, (s[:, None] * Vh[:rank]) @ S_inv
 
 
+@torch.no_grad()
 def v2_keep_ratios(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ) -> dict[str, float]:
     """Heterogeneous keep per matrix, mean removal R = 1 - keep within each projection type.
 
