@@ -1,0 +1,96 @@
+"""Baselines on the SAME factors, all driven by the one loop (:func:`engine.run_generation`).
+
+==================  ==========================================================================
+system              what runs
+==================  ==========================================================================
+``engine``          our Engine, all mechanisms on (packing, RoPE folding, graphs if configured)
+``dense_kv``        our dense cache, no packing, no RoPE folding, no graphs (paper: Dense KV + FA2)
+``naive``           history kept as rank-space latents, dense K/V rebuilt every step (slow route)
+``hf_dynamic``      transformers forward (eager Python, sdpa) with ``DynamicCache``
+``hf_static``       transformers forward with ``StaticCache`` (max_cache_len = prompt + new)
+``dense_hf_static`` the uncompressed model through ``hf_static``
+``dense_engine``    the uncompressed model through the engine
+==================  ==========================================================================
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from .config import PRESETS, EngineConfig
+from .engine import Engine, left_pad_counts
+
+SYSTEMS = ("engine", "dense_kv", "naive", "hf_dynamic", "hf_static", "dense_hf_static", "dense_engine")
+
+
+class HFRunner:
+    """transformers forward with a DynamicCache or StaticCache: ``prefill`` / ``step`` like the Engine.
+
+    Left padding is handled as ``generate`` does: position ids = cumsum(mask) - 1, the 2-D
+    attention mask grows by one column per step.
+    """
+
+    def __init__(self, model, cache: str = "dynamic", max_cache_len: int | None = None):
+        if cache not in ("dynamic", "static"):
+            raise ValueError(f"cache={cache!r}: use 'dynamic' or 'static'")
+        self.model, self.kind, self.max_cache_len = model, cache, max_cache_len
+        self.device = next(model.parameters()).device
+
+    def _new_cache(self, T: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.kind == "dynamic":
+            return DynamicCache(config=self.model.config)
+        n = self.max_cache_len or T
+        return StaticCache(config=self.model.config, max_cache_len=n)
+
+    @torch.no_grad()
+    def prefill(self, input_ids, attention_mask=None):
+        input_ids = input_ids.to(self.device)
+        B, T = input_ids.shape
+        pad = left_pad_counts(None if attention_mask is None else attention_mask.to(self.device), input_ids)
+        self.mask = (torch.arange(T, device=self.device)[None] >= pad[:, None]).long()
+        self.pos = (torch.arange(T, device=self.device)[None] - pad[:, None]).clamp_min(0)
+        self.cache = self._new_cache(T)
+        out = self.model(input_ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache,
+                         use_cache=True, logits_to_keep=1)
+        self.pos = self.pos[:, -1:]
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def step(self, tokens):
+        B = tokens.shape[0]
+        self.mask = torch.cat([self.mask, self.mask.new_ones(B, 1)], 1)
+        self.pos = self.pos + 1
+        out = self.model(tokens.to(self.device)[:, None], attention_mask=self.mask, position_ids=self.pos,
+                         cache=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+
+def _as_dtype(model, dtype):
+    p = next(model.parameters())
+    if dtype is None or p.dtype == dtype:
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+def make_runner(system: str, model, dense_model=None, dtype=None, max_seq_len: int = 2048, max_batch: int = 1,
+                **engine_kw):
+    """Build a runner (``prefill``/``step``/``device``) for a system name; see the module table.
+
+    ``dense_model`` is the uncompressed model (needed by ``dense_*`` systems); ``dtype`` casts a copy
+    of the model when it differs. Extra keywords go to :class:`EngineConfig` for engine systems.
+    """
+    if system.startswith("dense_") and system != "dense_kv":
+        if dense_model is None:
+            raise ValueError(f"system {system!r} needs the uncompressed model (dense_model=...)")
+        model = dense_model
+    if system in ("hf_dynamic", "hf_static", "dense_hf_static"):
+        kind = "dynamic" if system == "hf_dynamic" else "static"
+        return HFRunner(_as_dtype(model, dtype), kind, max_cache_len=max_seq_len)
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; use one of {SYSTEMS}")
+    preset = PRESETS.get(system, {}) if system != "dense_engine" else {}
+    kw = {**preset, **engine_kw} if system in ("engine", "dense_engine") else {**engine_kw, **preset}
+    return Engine(model, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, **kw))

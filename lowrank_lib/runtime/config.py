@@ -1,0 +1,91 @@
+"""Engine configuration: one dataclass, passed explicitly (no environment variables)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
+KV_MODES = ("dense", "rebuild")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(d) -> torch.dtype | None:
+    """``"bf16"``/``"fp32"``/``"fp16"``/a torch.dtype/None -> torch.dtype or None."""
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    try:
+        return _DTYPES[str(d).lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {d!r}; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class EngineConfig:
+    """Switches of the decode runtime (each one is a mechanism of the FlashSVD v1.5 ablation).
+
+    Parameters
+    ----------
+    max_batch, max_seq_len : the static KV cache is allocated ONCE as [max_batch, Hkv, max_seq_len, D]
+        per layer. A request with prompt + new tokens > max_seq_len is refused (``CacheFullError``)
+        before any work: no silent truncation, no sliding window.
+    dtype, device : None = the model's own.
+    kv : ``"dense"`` (reconstruct only the current token, append to the dense cache) or ``"rebuild"``
+        (the slow route: keep the k/v history as rank-space latents and rebuild dense K/V of the
+        whole history every step, the paper's naive low-rank path).
+    pack_qkv, pack_mlp : one GEMM into rank space for q,k,v (resp. gate,up), then the per-projection
+        U factors. Exact algebra; a basis shared by several projections is applied once.
+    fold_rope : store [U; P U] for q and k (P = RoPE's signed rotate-half permutation, exact in
+        floating point) so one GEMM yields q and rotate_half(q); RoPE is then 1 mul + 1 sum.
+    fold_norm : fold each RMSNorm weight into the next stage-1 GEMM (S diag(w)), saving one
+        elementwise op per norm (exact in real arithmetic; rounding differs at the ulp level).
+    attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA, sdpa on CPU).
+    graph : ``"none"``, ``"split"`` (attention and MLP captured apart), ``"per-layer"``,
+        ``"whole-step"`` (embedding to logits). CUDA graphs on CUDA; on CPU the same regions are
+        ``torch.compile``-d (inductor, fixed shapes, ``fullgraph=True``); compile/capture time is
+        reported in ``Engine.capture_s``.
+    compile_backend : torch.compile backend used for CPU "graphs" (``"inductor"``; ``"aot_eager"``
+        checks tracing without code generation).
+    """
+
+    max_batch: int = 1
+    max_seq_len: int = 2048
+    dtype: torch.dtype | str | None = None
+    device: str | None = None
+    kv: str = "dense"
+    pack_qkv: bool = True
+    pack_mlp: bool = True
+    fold_rope: bool = True
+    fold_norm: bool = True
+    attention: str = "auto"
+    graph: str = "none"
+    compile_backend: str = "inductor"
+
+    def __post_init__(self):
+        self.dtype = parse_dtype(self.dtype)
+        if self.kv not in KV_MODES:
+            raise ValueError(f"kv={self.kv!r}: use one of {KV_MODES}")
+        if self.graph not in GRAPH_MODES:
+            raise ValueError(f"graph={self.graph!r}: use one of {GRAPH_MODES}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention={self.attention!r}: use one of {ATTENTION_BACKENDS}")
+        if self.kv == "rebuild" and self.graph != "none":
+            raise ValueError("kv='rebuild' grows its work with the history: it runs eagerly (graph='none')")
+        if self.max_batch < 1 or self.max_seq_len < 2:
+            raise ValueError(f"max_batch={self.max_batch}, max_seq_len={self.max_seq_len}: need >= 1 and >= 2")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["dtype"] = None if self.dtype is None else str(self.dtype).replace("torch.", "")
+        return d
+
+
+#: Named configurations used by benchmarks and notebooks (the paper's systems + our extras).
+PRESETS: dict[str, dict] = {
+    "engine": dict(),
+    "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, graph="none"),
+    "naive": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, graph="none"),
+}

@@ -1,0 +1,144 @@
+"""Packed projections: one GEMM into rank space for several projections that read the same input.
+
+For members m_1..m_n (q, k, v; or gate, up) of a group reading the same x [N, in]:
+
+    stage 1:  h = x @ S^T,   S = [V_a; V_b; ...; W_d; ...]    unique V factors + dense weights
+    stage 2:  y_i = h_i @ U_i^T + b_i   for low-rank members  (h_i = the slice of h for V_i)
+              y_i = h_i + b_i           for dense members      (their rows of S are W_i)
+
+This is exact algebra: each row of S is a row of the original factor, so every output element is
+the same dot product as in the unpacked path. A basis shared by several members (Basis Sharing:
+one ``nn.Parameter`` referenced by several ``LowRankLinear``) appears ONCE in S, so h_shared is
+computed once and read by every member that uses it. Dense ``nn.Linear`` and ``LowRankLinear``
+mix freely in one group.
+
+RoPE folding (``rope_heads``): for q and k we store [R; P R] (R = U, or W for a dense member) and
+[b; P b], where P is RoPE's rotate-half (per head: [x1, x2] -> [-x2, x1]), a signed permutation,
+hence exact in floating point. The member's output is then [y, rotate_half(y)] [N, 2 * out].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..factorized import LowRankLinear
+
+
+def rotate_half_rows(R: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
+    """P R for R [n_heads * head_dim, ...] (rows grouped by head; ``...`` empty for a bias)."""
+    tail = R.shape[1:]
+    r = R.reshape(n_heads, 2, head_dim // 2, *tail)
+    return torch.cat([-r[:, 1], r[:, 0]], 1).reshape(n_heads * head_dim, *tail)
+
+
+def _mm(x: torch.Tensor, Wt: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """x [N, in] @ Wt [in, out] (+ b): one ATen dispatch (mm / addmm); other ranks via F.linear."""
+    if x.dim() != 2:
+        return F.linear(x, Wt.t(), b)
+    return torch.mm(x, Wt) if b is None else torch.addmm(b, x, Wt)
+
+
+@dataclass
+class _Member:
+    name: str
+    first: int                 # index of this member's slice of the stage-1 output
+    U: torch.Tensor | None     # [out(*2), r] or None for a dense member
+    bias: torch.Tensor | None  # [out(*2)] (stage-2 bias; dense members' bias lives in stage 1)
+
+
+class ProjectionGroup:
+    """Projections reading one input, packed (one stage-1 GEMM) or not.
+
+    Parameters
+    ----------
+    modules : dict name -> nn.Linear | LowRankLinear (same ``in_features``).
+    pack : one stage-1 GEMM for the whole group (True) or each projection on its own (False).
+    rope_heads : dict name -> (n_heads, head_dim) for members whose outputs get RoPE folded.
+    dtype, device : where the (copied) weights live.
+    in_scale : [in] RMSNorm weight folded into the stage-1 matrices (S diag(w)); the caller then
+        applies the norm without its weight. Exact in real arithmetic, computed in fp32.
+
+    GEMMs run as ``torch.mm(x, S_t)`` on pre-transposed views (one dispatch, no ``t``).
+    """
+
+    def __init__(self, modules: dict[str, nn.Module], pack: bool, dtype, device,
+                 rope_heads: dict[str, tuple[int, int]] | None = None, in_scale: torch.Tensor | None = None):
+        rope_heads = rope_heads or {}
+        ins = {n: m.in_features for n, m in modules.items()}
+        if len(set(ins.values())) != 1:
+            raise ValueError(f"projections of one group must share in_features, got {ins}")
+        self.names = list(modules)
+        self.pack = pack
+        cv = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
+        w_in = None if in_scale is None else in_scale.detach().float()
+        scale = lambda M: cv(M) if w_in is None else cv(M.detach().float() * w_in.to(M.device)[None, :])
+
+        def fold(R, name):
+            if name not in rope_heads or R is None:
+                return R
+            return torch.cat([R, rotate_half_rows(R, *rope_heads[name])], 0)
+
+        self.members: list[_Member] = []
+        stage1: list[torch.Tensor] = []
+        stage1_bias: list[torch.Tensor | None] = []
+        seen: dict[int, int] = {}
+        for name, m in modules.items():
+            if isinstance(m, LowRankLinear):
+                key = id(m.V) if pack else len(stage1) + 10 ** 12
+                if key not in seen:
+                    seen[key] = len(stage1)
+                    stage1.append(scale(m.V))
+                    stage1_bias.append(None)
+                self.members.append(_Member(name, seen[key], cv(fold(m.U.detach(), name)),
+                                            cv(fold(None if m.bias is None else m.bias.detach(), name))))
+            elif isinstance(m, nn.Linear):
+                stage1.append(scale(fold(m.weight.detach(), name)))
+                stage1_bias.append(cv(fold(None if m.bias is None else m.bias.detach(), name)))
+                self.members.append(_Member(name, len(stage1) - 1, None, None))
+            else:
+                raise TypeError(f"{name}: cannot serve a {type(m).__name__} (need nn.Linear or LowRankLinear)")
+        self.sizes = [t.shape[0] for t in stage1]
+        if pack:
+            self.S = torch.cat(stage1, 0).contiguous() if len(stage1) > 1 else stage1[0]
+            if any(b is not None for b in stage1_bias):
+                self.S_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
+                                         for t, b in zip(stage1, stage1_bias)])
+            else:
+                self.S_bias = None
+            self.S_t = self.S.t()
+        else:
+            self.parts, self.part_bias = stage1, stage1_bias
+            self.parts_t = [W.t() for W in stage1]
+        self.U_t = [None if m.U is None else m.U.t() for m in self.members]
+
+    def stage1(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [N, in] -> the stage-1 slices (rank-space latents or dense outputs)."""
+        if self.pack:
+            h = _mm(x, self.S_t, self.S_bias)
+            return [h] if len(self.sizes) == 1 else list(h.split(self.sizes, -1))
+        return [_mm(x, Wt, b) for Wt, b in zip(self.parts_t, self.part_bias)]
+
+    def stage2(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.members[i]
+        return h if m.U is None else _mm(h, self.U_t[i], m.bias)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x [N, in] -> [y_1 [N, out_1], ...] (outputs of folded members are [N, 2 out])."""
+        hs = self.stage1(x)
+        return [self.stage2(i, hs[m.first]) for i, m in enumerate(self.members)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        ts = [self.S, self.S_bias] if self.pack else self.parts + self.part_bias
+        ts = ts + [t for m in self.members for t in (m.U, m.bias)]
+        return [t for t in ts if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def latent_dim(self, i: int) -> int:
+        """Width of member i's stage-1 slice (its rank, or out_features for a dense member)."""
+        return self.sizes[self.members[i].first]

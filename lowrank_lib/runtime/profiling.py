@@ -1,0 +1,138 @@
+"""Counting what one decoded token costs: ATen dispatches (CPU) and kernel launches (CUDA).
+
+``count_dispatches`` records every ATen operator that reaches the dispatcher (a
+``TorchDispatchMode``: views and in-place ops included, as the Python->C++ overhead is paid per op).
+``count_cuda_launches`` uses ``torch.profiler`` and counts host-side launch API calls
+(``cudaLaunchKernel``/``cuLaunchKernel``/``cudaGraphLaunch``/memcpy/memset): a graph replay is ONE
+launch, as in the paper's 1174 -> 54 count.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+OP_CLASSES = {
+    "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot"),
+    "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax"),
+    "view": ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select", "expand",
+             "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "as_strided", "alias", "unbind",
+             "narrow", "detach", "_reshape_alias", "unflatten"),
+    "copy/index": ("copy_", "cat", "index_copy_", "index_copy", "index", "index_put_", "index_select",
+                   "clone", "contiguous", "_to_copy", "to", "embedding", "gather", "scatter", "stack",
+                   "fill_", "zero_", "zeros", "empty", "ones", "full", "new_ones", "new_zeros", "arange",
+                   "masked_fill_", "masked_fill", "where", "scalar_tensor", "empty_like", "zeros_like",
+                   "lift_fresh", "_local_scalar_dense", "item", "new_empty", "empty_strided"),
+}
+
+
+def op_class(name: str) -> str:
+    """'aten.mm.default' -> 'gemm'; elementwise/reductions default to 'elementwise'."""
+    base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
+    for cls, names in OP_CLASSES.items():
+        if base in names or any(base.startswith(n) and cls == "attention" for n in names):
+            return cls
+    return "elementwise"
+
+
+class DispatchCounter(TorchDispatchMode):
+    """Counts ATen operators dispatched inside the ``with`` block (``counts``: op name -> n)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def by_class(self) -> dict[str, int]:
+        out: Counter = Counter()
+        for k, n in self.counts.items():
+            out[op_class(k)] += n
+        return dict(out)
+
+
+CUDA_LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaGraphLaunch",
+                     "cudaMemcpyAsync", "cudaMemsetAsync", "cuLaunchKernelEx")
+
+
+def count_cuda_launches(fn, *args, **kw) -> tuple[int, dict[str, int]]:
+    """Run fn under torch.profiler; return (host launch calls, their names' counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn(*args, **kw)
+        torch.cuda.synchronize()
+    c: Counter = Counter()
+    for e in prof.events():
+        if any(e.name.startswith(n) for n in CUDA_LAUNCH_NAMES):
+            c[e.name] += 1
+    return sum(c.values()), dict(c)
+
+
+def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
+    """Leaf ``aten::`` ops recorded by torch.profiler while fn runs (works inside compiled code,
+    where a TorchDispatchMode cannot run). Inductor's fused C++ kernels are NOT dispatcher calls and
+    are not counted; the GEMMs they call out to (``aten::mm``/``addmm``) are."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*args, **kw)
+    c: Counter = Counter()
+    for e in prof.events():
+        if e.name.startswith("aten::") and not any(ch.name.startswith("aten::") for ch in e.cpu_children):
+            c["aten." + e.name[6:]] += 1
+    return c
+
+
+def per_token_counts(runner, input_ids: torch.Tensor, n_tokens: int = 4, attention_mask=None) -> dict:
+    """Prefill, then count over ``n_tokens`` greedy decode steps; returns per-token averages.
+
+    {'total': dispatches (CPU) or launches (CUDA) per token, 'by_class': {...}, 'kind': ...}
+    """
+    dev = runner.device
+    logits = runner.prefill(input_ids, attention_mask)
+    if hasattr(runner, "prepare"):
+        runner.prepare(input_ids.shape[0])
+    tok = logits.argmax(-1)
+    logits = runner.step(tok)          # one warm step outside the count (lazy init, first-call paths)
+    tok = logits.argmax(-1)
+    if dev.type == "cuda":
+        def run():
+            t = tok
+            for _ in range(n_tokens):
+                t = runner.step(t).argmax(-1)
+        total, names = count_cuda_launches(run)
+        return {"kind": "cuda_launches", "total": total / n_tokens,
+                "by_class": {k: v / n_tokens for k, v in names.items()}}
+    compiled = getattr(runner, "graphs", None) is not None
+    t = tok
+    if compiled:
+        def run():
+            t = tok
+            with torch.no_grad():
+                for _ in range(n_tokens):
+                    t = runner.step(t).argmax(-1)
+        counts = count_profiled_aten_ops(run)
+        kind = "aten_ops_profiler (compiled step: fused kernels not counted)"
+    else:
+        counter = DispatchCounter()
+        with counter, torch.no_grad():
+            for _ in range(n_tokens):
+                logits = runner.step(t)
+                t = logits.argmax(-1)
+        counts, kind = counter.counts, "aten_dispatches"
+    # the argmax (sampling) is part of every system's loop; it is counted too
+    by_class: Counter = Counter()
+    for k, n in counts.items():
+        by_class[op_class(k)] += n
+    return {"kind": kind, "total": sum(counts.values()) / n_tokens,
+            "by_class": {k: v / n_tokens for k, v in sorted(by_class.items())},
+            "ops": {k: v / n_tokens for k, v in counts.most_common()}}

@@ -1,0 +1,194 @@
+"""Engine correctness: same tokens/logits as transformers on the same factors, every mechanism."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lowrank_lib import models
+from lowrank_lib.compress import compress_svd
+from lowrank_lib.factorized import LowRankLinear, factorize, svd_factors
+from lowrank_lib.runtime import CacheFullError, Engine, EngineConfig, run_generation
+from lowrank_lib.runtime.baselines import HFRunner, make_runner
+
+CONFIGS = {
+    "all_on": {},
+    "unpacked": dict(pack_qkv=False, pack_mlp=False),
+    "no_fold": dict(fold_rope=False, fold_norm=False),
+    "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False),
+    "rebuild": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False),
+}
+
+
+def _ref(model, ids, n, mask=None):
+    return run_generation(HFRunner(model, "dynamic"), ids, n, mask, return_logits=True)
+
+
+def _cmp(out, ref, tol=1e-4):
+    assert torch.equal(out.tokens, ref.tokens)
+    err = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
+@pytest.mark.parametrize("cfg", list(CONFIGS))
+def test_engine_matches_hf_dynamic(preset, cfg):
+    model = compress_svd(models.tiny_model(preset, seed=1), 0.6)
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(3))
+    ref = _ref(model, ids, 10)
+    eng = Engine(model, EngineConfig(max_seq_len=32, **CONFIGS[cfg]))
+    _cmp(eng.generate(ids, 10, return_logits=True), ref)
+
+
+def test_dense_model_and_mixed_model():
+    dense = models.tiny_model("tiny-gqa", seed=2)
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))
+    _cmp(Engine(dense, EngineConfig(max_seq_len=24)).generate(ids, 8, return_logits=True), _ref(dense, ids, 8))
+    # mixed: only k_proj, up_proj and o_proj of layer 0 factorized -> dense and low-rank in one packed group
+    ranks = {"model.layers.0.self_attn.k_proj": 5, "model.layers.0.mlp.up_proj": 7,
+             "model.layers.0.self_attn.o_proj": 9}
+    mixed = factorize(models.tiny_model("tiny-gqa", seed=2), ranks=ranks)
+    eng = Engine(mixed, EngineConfig(max_seq_len=24))
+    g = eng.layers[0].qkv
+    assert [m.U is None for m in g.members] == [True, False, True]
+    _cmp(eng.generate(ids, 8, return_logits=True), _ref(mixed, ids, 8))
+
+
+def _share_qkv_basis(model, r=12):
+    """q, k, v of every layer read ONE shared V Parameter (Basis Sharing across projections)."""
+    for L in model.model.layers:
+        a = L.self_attn
+        W = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
+        U, V = svd_factors(W, r)
+        Vp = nn.Parameter(V, requires_grad=False)
+        n_q, n_k = a.q_proj.out_features, a.k_proj.out_features
+        a.q_proj = LowRankLinear(U[:n_q].contiguous(), Vp)
+        a.k_proj = LowRankLinear(U[n_q:n_q + n_k].contiguous(), Vp)
+        a.v_proj = LowRankLinear(U[n_q + n_k:].contiguous(), Vp)
+    return model
+
+
+def test_shared_basis_packed_once():
+    model = _share_qkv_basis(models.tiny_model("tiny-gqa", seed=4))
+    ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(1))
+    ref = _ref(model, ids, 8)
+    packed = Engine(model, EngineConfig(max_seq_len=24))
+    g = packed.layers[0].qkv
+    assert g.sizes == [12] and g.S.shape == (12, 64)          # the shared basis appears ONCE
+    assert {m.first for m in g.members} == {0}
+    unpacked = Engine(model, EngineConfig(max_seq_len=24, pack_qkv=False))
+    assert unpacked.layers[0].qkv.sizes == [12, 12, 12]
+    assert packed.weight_bytes_per_token() < unpacked.weight_bytes_per_token()
+    _cmp(packed.generate(ids, 8, return_logits=True), ref)
+    _cmp(unpacked.generate(ids, 8, return_logits=True), ref)
+
+
+def test_packed_equals_unpacked_bitwise_close():
+    model = compress_svd(models.tiny_model("tiny-mha", seed=5), 0.5)
+    ids = torch.randint(0, 256, (2, 7), generator=torch.Generator().manual_seed(2))
+    a = Engine(model, EngineConfig(max_batch=2, max_seq_len=20)).generate(ids, 8, return_logits=True)
+    b = Engine(model, EngineConfig(max_batch=2, max_seq_len=20, pack_qkv=False, pack_mlp=False)).generate(
+        ids, 8, return_logits=True)
+    assert torch.equal(a.tokens, b.tokens)
+    assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-5
+
+
+@pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
+def test_batch_left_padding_equals_single_runs(preset):
+    model = compress_svd(models.tiny_model(preset, seed=6), 0.6)
+    g = torch.Generator().manual_seed(7)
+    lens = [9, 4, 7, 1]
+    prompts = [torch.randint(0, 256, (n,), generator=g) for n in lens]
+    T = max(lens)
+    ids = torch.zeros(4, T, dtype=torch.long)
+    mask = torch.zeros(4, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - len(p):] = p
+        mask[i, T - len(p):] = 1
+    eng = Engine(model, EngineConfig(max_batch=4, max_seq_len=24))
+    batch = eng.generate(ids, 8, attention_mask=mask, return_logits=True)
+    hf = run_generation(HFRunner(model, "dynamic"), ids, 8, mask, return_logits=True)
+    assert torch.equal(batch.tokens, hf.tokens)
+    for i, p in enumerate(prompts):
+        one = eng.generate(p[None], 8, return_logits=True)
+        assert torch.equal(one.tokens[0], batch.tokens[i])
+        err = max(float((a[0] - b[i]).abs().max()) for a, b in zip(one.logits, batch.logits))
+        assert err < 1e-4, (i, err)
+
+
+def test_cache_full_is_refused_and_right_padding_rejected():
+    model = models.tiny_model("tiny-gqa", seed=0)
+    eng = Engine(model, EngineConfig(max_seq_len=16))
+    ids = torch.randint(0, 256, (1, 10))
+    with pytest.raises(CacheFullError, match="max_seq_len=16"):
+        eng.generate(ids, 8)
+    eng.generate(ids, 7)                       # 10 + 7 - 1 = 16 slots: fits exactly
+    with pytest.raises(CacheFullError):
+        eng.step(torch.tensor([1]))            # the 17th slot
+    with pytest.raises(CacheFullError, match="max_batch"):
+        eng.generate(torch.randint(0, 256, (2, 4)), 2)
+    mask = torch.tensor([[1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="LEFT padded"):
+        Engine(model, EngineConfig(max_seq_len=16)).generate(torch.randint(0, 256, (1, 4)), 2, attention_mask=mask)
+
+
+def test_eos_stop_and_sampling():
+    model = compress_svd(models.tiny_model("tiny-mha", seed=1), 0.6)
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(3))
+    eng = Engine(model, EngineConfig(max_seq_len=40))
+    greedy = eng.generate(ids, 12)
+    eos = int(greedy.tokens[0, 3])
+    first = int((greedy.tokens[0] == eos).nonzero()[0])
+    stopped = eng.generate(ids, 12, eos_token_id=eos)
+    assert stopped.tokens.shape[1] == first + 1 and int(stopped.tokens[0, -1]) == eos
+    s1 = eng.generate(ids, 12, do_sample=True, temperature=1.5, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    s2 = eng.generate(ids, 12, do_sample=True, temperature=1.5, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(s1.tokens, s2.tokens)
+    k1 = eng.generate(ids, 12, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(k1.tokens, greedy.tokens)   # top-k=1 sampling is greedy
+
+
+def test_graph_modes_on_cpu():
+    model = compress_svd(models.tiny_model("tiny-gqa", seed=3), 0.6)
+    with pytest.raises(ValueError, match="not available on CPU"):
+        Engine(model, EngineConfig(max_seq_len=24, graph="per-layer"))
+    with pytest.raises(ValueError, match="graph="):
+        EngineConfig(graph="bogus")
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    eager = Engine(model, EngineConfig(max_batch=2, max_seq_len=24)).generate(ids, 8, mask, return_logits=True)
+    eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=24, graph="whole-step"))
+    graph = eng.generate(ids, 8, mask, return_logits=True)
+    assert eng.capture_s > 0 and graph.info["capture_s"] > 0 and "torch.compile" in eng.report()["graph_impl"]
+    assert torch.equal(eager.tokens, graph.tokens)
+    assert max(float((a - b).abs().max()) for a, b in zip(eager.logits, graph.logits)) < 1e-4
+    # second request: no recompilation, same result
+    again = eng.generate(ids, 8, mask)
+    assert torch.equal(again.tokens, graph.tokens) and again.info["capture_s"] == 0.0
+
+
+def test_baseline_systems_agree():
+    model = models.tiny_model("tiny-gqa", seed=8)
+    lr = compress_svd(model, 0.5)
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(8))
+    outs = {s: run_generation(make_runner(s, lr, model, max_seq_len=20), ids, 6, return_logits=True)
+            for s in ("hf_dynamic", "hf_static", "engine", "dense_kv", "naive")}
+    for s, o in outs.items():
+        _cmp(o, outs["hf_dynamic"])
+    d1 = run_generation(make_runner("dense_hf_static", lr, model, max_seq_len=20), ids, 6, return_logits=True)
+    d2 = run_generation(make_runner("dense_engine", lr, model, max_seq_len=20), ids, 6, return_logits=True)
+    _cmp(d2, d1)
+    with pytest.raises(ValueError, match="dense_model"):
+        make_runner("dense_engine", lr, None)
+
+
+@pytest.mark.smollm2
+def test_smollm2_engine_matches_hf_dynamic(smollm2):
+    model, tok = smollm2
+    lr = compress_svd(model, 0.5)
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    eng = Engine(lr, EngineConfig(max_seq_len=64))
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        _cmp(eng.generate(ids, 12, return_logits=True), _ref(lr, ids, 12))
