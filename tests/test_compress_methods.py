@@ -55,7 +55,7 @@ def test_stats_shared_inputs_and_values(gqa):
     h.remove()
     x = seen["x"].reshape(-1, seen["x"].shape[-1]).double()
     one = collect_stats(m, ids, progress=False)["model.layers.1.mlp.down_proj"]
-    torch.testing.assert_close(one.xtx, x.T @ x, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(one.xtx, x.T @ x, rtol=1e-5, atol=1e-5)
     assert one.tokens == 64
 
 

@@ -2,7 +2,7 @@
 
 For every target Linear with input X (tokens x in) we accumulate, over calibration batches,
 
-* ``xtx``     = sum_t x_t x_t^T          [in, in]   float64 (SVD-LLM, Basis Sharing, Palu, Dobi)
+* ``xtx``     = sum_t x_t x_t^T          [in, in]   per-batch fp32 Gram (as SVD-LLM), summed in float64
 * ``abs_mean`` = sum_samples mean_t |x_t|  [in]       float64 (ASVD's activation scale)
 * ``tokens``   number of tokens seen.
 
@@ -68,12 +68,12 @@ def collect_stats(model: nn.Module, batches: torch.Tensor, targets=LLAMA_PROJ, b
     def make_hook(name):
         def hook(mod, inp, out):
             x = inp[0].detach()                      # (B, T, in)
-            xs = x.reshape(-1, x.shape[-1]).double()
+            xs = x.reshape(-1, x.shape[-1]).float()
             st = acc.get(name)
             if st is None:
                 st = acc[name] = LayerStats(torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float64),
                                             torch.zeros(xs.shape[1], dtype=torch.float64))
-            st.xtx.addmm_(xs.T, xs)
+            st.xtx += (xs.T @ xs).double()           # per-batch Gram in fp32 (as SVD-LLM), summed in fp64
             st.abs_mean += x.abs().double().mean(dim=1).sum(0)  # per-sample mean over tokens, summed
             st.tokens += xs.shape[0]
             st.samples += x.shape[0]
