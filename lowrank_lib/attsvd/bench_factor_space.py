@@ -1,0 +1,379 @@
+"""Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV.
+
+    python -m lowrank_lib.attsvd.bench_factor_space                       # attention per step, 1k-8k
+    python -m lowrank_lib.attsvd.bench_factor_space --e2e --ppl           # + SmolLM2 ms/token, ppl identity
+
+Part 1 (``attention``): one decode step of ONE layer's attention at SmolLM2 head geometry (9 query
+heads, 3 KV heads, d = 64), batch 1, for: ``dense`` (our grouped attention on exact K/V), ``sdpa``
+(torch SDPA, enable_gqa), ``rebuild`` (AttSVD's decode: A B rebuilt then dense attention) and
+``factor`` (factor space), at r/d = 0.5 and 0.25 with an exact window of w tokens. All routes are
+timed side by side in one run, interleaved call by call in a shuffled order; medians are reported,
+and the per-token attention estimate multiplies by the layer count.
+
+Part 2 (``--e2e``): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
+``DynamicCache``, AttSVD rebuild (the cache's own path) and AttSVD factor space, from ONE recorded
+prefill and ONE compression per rank (the factor cache is a deep copy of the same compressed cache),
+decode steps interleaved across routes. ``--ppl``: the continuation perplexity of the AttSVD issue
+(``eval.kvquality.continuation_quality``) through both routes.
+
+Results: ``benchmarks/results/factor_space_<tag>.json`` and ``.md`` (never overwritten: a counter is
+appended when the name exists).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .factor_space import (FactorKV, dense_attention, factor_from_dense, factor_space_attention,
+                           rebuild_then_attend, rel_err, step_cost)
+
+
+# --------------------------------------------------------------------------- part 1: attention per step
+@dataclass
+class AttnBenchConfig:
+    """Per-step decode attention of one layer. Defaults: SmolLM2 head geometry, fp32, CPU."""
+
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])   # r / d
+    q_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    layers: int = 30                 # for the per-token estimate
+    window: int = 32
+    batch: int = 1
+    repeats: int = 40
+    warmup: int = 5
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    inner: int = 1                   # calls per timed sample (GPU: amortise the host sync)
+    cuda_graphs: bool = False        # CUDA: capture each route once and time graph replays
+
+    def ranks(self) -> list[int]:
+        return [max(1, round(f * self.head_dim)) for f in self.rank_fracs]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def cuda_graphed(fn):
+    """Capture ``fn()`` (fixed shapes, static inputs) in a CUDA graph; returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
+                     inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each ``fns[name]()``, called round-robin in a shuffled order per round.
+
+    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times = {n: [] for n in names}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(names)
+        for n in names:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fns[n]()
+            _sync(device)
+            times[n].append((time.perf_counter() - t0) / inner)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
+    dt = getattr(torch, cfg.dtype)
+    shape = (cfg.batch, cfg.kv_heads, n, cfg.head_dim)
+    k = torch.randn(shape, generator=gen).to(cfg.device, dt)
+    v = torch.randn(shape, generator=gen).to(cfg.device, dt)
+    q = torch.randn(cfg.batch, cfg.q_heads, 1, cfg.head_dim, generator=gen).to(cfg.device, dt)
+    return q, k, v
+
+
+@torch.inference_mode()
+def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
+    """Rows {context, route, rank, ms_step, ms_token_est, flops, bytes_read, bytes_stored, rel_err_vs_rebuild}."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    g = cfg.q_heads // cfg.kv_heads
+    esize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    for n in tqdm(cfg.contexts, desc="attention contexts", disable=not progress):
+        q, k, v = _kv_inputs(cfg, n, gen)
+        w = min(cfg.window, n)
+        fns = {"dense": lambda: dense_attention(q, k, v),
+               "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        kvs = {}
+        for r in cfg.ranks():
+            seg = factor_from_dense(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
+            kv = FactorKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
+            kvs[r] = kv
+            fns[f"rebuild_r{r}"] = (lambda kv=kv: rebuild_then_attend(q, kv))
+            fns[f"factor_r{r}"] = (lambda kv=kv: factor_space_attention(q, kv))
+        if cfg.cuda_graphs and cfg.device.startswith("cuda"):
+            fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
+        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner)
+        for name, t in med.items():
+            route, r = (name, cfg.head_dim) if "_r" not in name else (name.split("_r")[0], int(name.split("_r")[1]))
+            model_route = "dense" if route in ("dense", "sdpa") else route
+            c = step_cost(model_route, n, cfg.head_dim, r, window=0 if model_route == "dense" else w, group=g,
+                          dtype_bytes=esize)
+            err = None
+            if route == "factor":
+                err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3,
+                         "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
+                         "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
+                         "rel_err_vs_rebuild": err})
+    return rows
+
+
+def attention_ratios(rows: list[dict]) -> list[dict]:
+    """Per (context, rank): rebuild / factor and best-dense / factor time ratios (> 1 = factor faster)."""
+    out = []
+    by = {(r["context"], r["route"], r["rank"]): r["ms_step"] for r in rows}
+    for n in sorted({r["context"] for r in rows}):
+        dense = [by[k] for k in by if k[0] == n and k[1] in ("dense", "sdpa")]
+        best_dense = min(dense)
+        for r in sorted({r["rank"] for r in rows if r["route"] == "factor" and r["context"] == n}, reverse=True):
+            f = by[(n, "factor", r)]
+            out.append({"context": n, "rank": r, "factor_ms": f, "rebuild_ms": by[(n, "rebuild", r)],
+                        "best_dense_ms": best_dense, "rebuild_over_factor": by[(n, "rebuild", r)] / f,
+                        "dense_over_factor": best_dense / f})
+    return out
+
+
+# --------------------------------------------------------------------------- part 2: end to end
+@dataclass
+class DecodeBenchConfig:
+    """SmolLM2 greedy decode after a WikiText-2 prompt, three routes side by side."""
+
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])
+    window: int = 32
+    gen_tokens: int = 8
+    warmup_tokens: int = 2
+    obs_window: int | None = None    # AttSVDConfig.obs_window (None = all prompt queries, the default)
+    model: str = "smollm2"
+
+
+@torch.inference_mode()
+def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
+    """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}."""
+    from ..data import tokens
+    from .config import AttSVDConfig
+    from .factor_cache import FactorSpaceAttSVDCache, factor_space
+    from .record import dense_from, record_prefill, replay
+
+    ids_all = tokens(tok, "test")
+    d = model.config.hidden_size // model.config.num_attention_heads
+    d = getattr(model.config, "head_dim", None) or d
+    rows = []
+    for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
+        ids = ids_all[:n][None]
+        rec = record_prefill(model, ids)
+        first = rec.last_logits.argmax(-1, keepdim=True)        # [1, 1]
+        caches = {("dense", d): dense_from(rec, model)}
+        for f in cfg.rank_fracs:
+            r = max(1, round(f * d))
+            c = FactorSpaceAttSVDCache(model, AttSVDConfig(rank=r, window=cfg.window, obs_window=cfg.obs_window),
+                                       route="rebuild")
+            replay(rec, c)
+            fc = copy.deepcopy(c)
+            fc.route = "factor"
+            caches[("rebuild", r)] = c
+            caches[("factor", r)] = fc
+        del rec
+        state = {k: first for k in caches}
+        times = {k: [] for k in caches}
+        logits = {k: [] for k in caches}
+        toks = {k: [] for k in caches}
+        order = list(caches)
+        rng = random.Random(n)
+        with factor_space(model) as stats:
+            for step in range(cfg.warmup_tokens + cfg.gen_tokens):
+                rng.shuffle(order)
+                for k in order:
+                    t0 = time.perf_counter()
+                    out = model(state[k], past_key_values=caches[k], use_cache=True)
+                    lg = out.logits[:, -1].float()
+                    state[k] = lg.argmax(-1, keepdim=True)
+                    dt = time.perf_counter() - t0
+                    if step >= cfg.warmup_tokens:
+                        times[k].append(dt)
+                    logits[k].append(lg)
+                    toks[k].append(int(state[k]))
+        assert stats.factor_calls > 0, "factor route never ran"
+        for (route, r), ts in times.items():
+            ref = ("rebuild", r) if route == "factor" else None
+            mem = caches[(route, r)].memory().ratio if hasattr(caches[(route, r)], "memory") else 1.0
+            rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(ts) * 1e3,
+                         "tokens": toks[(route, r)],
+                         "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
+                         "max_logit_rel_err": None if ref is None else max(
+                             rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
+                         "memory_ratio": mem})
+        del caches
+    return rows
+
+
+@torch.inference_mode()
+def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int = 2048, cont_len: int = 128,
+                         n_windows: int = 2, window: int = 32, identity_frac: float | None = 0.5,
+                         progress: bool = True) -> dict:
+    """The AttSVD issue's continuation protocol (``eval.kvquality.continuation_quality``) per rank.
+
+    Every rank decodes through factor space; at ``identity_frac`` (r/d) the AttSVD cache's own rebuild
+    path runs too, on the same windows, so the identity of the two routes shows in the same numbers.
+    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}}.
+    """
+    from ..eval.kvquality import continuation_quality, wikitext_windows
+    from .cache import AttSVDCache
+    from .config import AttSVDConfig
+    from .factor_cache import FactorSpaceAttSVDCache, factor_space
+
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    cfgs = {f: AttSVDConfig(rank=max(1, round(f * d)), window=window) for f in rank_fracs}
+    methods = {f"factor@{f}": (lambda m, n, c=c: FactorSpaceAttSVDCache(m, c, route="factor"))
+               for f, c in cfgs.items()}
+    if identity_frac is not None:
+        icfg = AttSVDConfig(rank=max(1, round(identity_frac * d)), window=window)
+        methods["rebuild@identity"] = lambda m, n: AttSVDCache(m, icfg)
+        methods["factor@identity"] = lambda m, n: FactorSpaceAttSVDCache(m, icfg, route="factor")
+    wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
+    with factor_space(model) as stats:
+        res = continuation_quality(model, wins, prefill_len, methods, progress=progress)
+    rows = [{"rank_frac": f, "rank": c.rank, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
+             "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
+            for f, c in cfgs.items()]
+    out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
+           "ppl_dense": next(iter(res.values())).ppl_dense, "factor_calls": stats.factor_calls, "rows": rows}
+    if identity_frac is not None:
+        reb, fac = res["rebuild@identity"], res["factor@identity"]
+        out["identity"] = {"rank": icfg.rank, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
+                           "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
+                           "memory_ratio_factor": fac.memory_ratio,
+                           "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
+                           "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def markdown(result: dict) -> str:
+    """Tables of a result dict as Markdown."""
+    lines = [f"# factor-space attention benchmark ({result['meta']['when']}, {result['meta']['machine']})", ""]
+    a = result["attention"]
+    lines += [f"## attention per decode step, one layer ({a['config']['q_heads']} q / {a['config']['kv_heads']} kv "
+              f"heads, d={a['config']['head_dim']}, w={a['config']['window']}, {a['config']['dtype']}, "
+              f"median of {a['config']['repeats']})", "",
+              "| context | rank | factor ms | rebuild ms | best dense ms | rebuild/factor | dense/factor | "
+              "per-token attn (x layers) factor / rebuild / dense ms |",
+              "|---|---|---|---|---|---|---|---|"]
+    L = a["config"]["layers"]
+    for r in a["ratios"]:
+        lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.3f} | {r['rebuild_ms']:.3f} | "
+                     f"{r['best_dense_ms']:.3f} | {r['rebuild_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x | "
+                     f"{r['factor_ms'] * L:.1f} / {r['rebuild_ms'] * L:.1f} / {r['best_dense_ms'] * L:.1f} |")
+    if result.get("decode"):
+        lines += ["", "## SmolLM2 end-to-end greedy decode (median ms/token)", "",
+                  "| context | route | rank | ms/token | memory ratio | tokens = rebuild | max logit rel err |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["decode"]["rows"]:
+            err = "" if r["max_logit_rel_err"] is None else f"{r['max_logit_rel_err']:.1e}"
+            lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
+                         f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
+    if result.get("ppl"):
+        p = result["ppl"]
+        i = p["identity"]
+        lines += ["", f"## continuation perplexity (WikiText-2 test, prefill {p['prefill_len']} + {p['cont_len']} "
+                  f"tokens x {p['n_windows']} windows, w={p['window']}; dense ppl {p['ppl_dense']:.4f})", "",
+                  f"identity at r={i['rank']}: rebuild ppl {i['ppl_rebuild']:.6f}, factor ppl {i['ppl_factor']:.6f} "
+                  f"(rel diff {i['ppl_rel_diff']:.1e}); KL rebuild {i['kl_rebuild']:.6f} / factor "
+                  f"{i['kl_factor']:.6f}; memory ratio {i['memory_ratio_factor']:.3f}", "",
+                  "| r/d | rank | ppl | KL to dense | memory ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {r['rank_frac']} | {r['rank']} | {r['ppl']:.4f} | {r['kl']:.4f} | {r['memory_ratio']:.3f} |"
+                  for r in p["rows"]]
+    return "\n".join(lines) + "\n"
+
+
+def _unique(path: Path) -> Path:
+    if not path.exists():
+        return path
+    i = 1
+    while path.with_name(f"{path.stem}_{i}{path.suffix}").exists():
+        i += 1
+    return path.with_name(f"{path.stem}_{i}{path.suffix}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--rank-fracs", type=float, nargs="+", default=[0.5, 0.25])
+    ap.add_argument("--repeats", type=int, default=40)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
+    ap.add_argument("--e2e", action="store_true", help="also SmolLM2 end-to-end decode ms/token")
+    ap.add_argument("--e2e-contexts", type=int, nargs="+", default=None)
+    ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--ppl", action="store_true", help="also the continuation-perplexity identity")
+    ap.add_argument("--ppl-prefill", type=int, default=2048)
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="cpu")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    acfg = AttnBenchConfig(contexts=args.contexts, rank_fracs=args.rank_fracs, repeats=args.repeats,
+                           window=args.window)
+    rows = bench_attention(acfg)
+    result = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "machine": f"{platform.machine()} {platform.processor() or ''}".strip() +
+                       f", torch {torch.__version__}, {args.threads} thread(s)",
+                       "command": "python -m lowrank_lib.attsvd.bench_factor_space " + " ".join(argv or [])},
+              "attention": {"config": asdict(acfg), "rows": rows, "ratios": attention_ratios(rows)}}
+    if args.e2e or args.ppl:
+        from .. import models
+
+        model, tok = models.load("smollm2")
+        if args.e2e:
+            dcfg = DecodeBenchConfig(contexts=args.e2e_contexts or args.contexts, rank_fracs=args.rank_fracs,
+                                     window=args.window, gen_tokens=args.gen)
+            result["decode"] = {"config": asdict(dcfg), "rows": bench_decode(model, tok, dcfg)}
+        if args.ppl:
+            result["ppl"] = continuation_by_rank(model, tok, args.rank_fracs, prefill_len=args.ppl_prefill,
+                                                 window=args.window, identity_frac=args.rank_fracs[0])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    js = _unique(out / f"factor_space_{args.tag}.json")
+    js.write_text(json.dumps(result, indent=2))
+    md = markdown(result)
+    js.with_suffix(".md").write_text(md)
+    print(md)
+    print(f"wrote {js} and {js.with_suffix('.md')}")
+    return result
+
+
+if __name__ == "__main__":
+    main(__import__("sys").argv[1:])
