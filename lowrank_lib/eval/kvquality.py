@@ -30,8 +30,10 @@ class QualityResult:
     kl_max: float
     window_kl: list[float]
     window_nll: list[float]
-    memory_ratio: float        # stored / dense KV bytes after the prefill (mean over windows)
+    memory_ratio: float        # stored / dense KV bytes right after the prefill (mean over windows)
+    memory_ratio_end: float    # ... and at the end of the continuation (accumulate grows, stream stays bounded)
     tokens: int
+    memory: dict | None = None  # the last window's MemoryReport after prefill (bytes, per-layer/head ranks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +76,8 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
     kl = {m: [] for m in methods}
     nll = {m: [] for m in methods}
     mem = {m: [] for m in methods}
+    mem_end = {m: [] for m in methods}
+    report = {m: None for m in methods}
     dense_nll = []
     for w in tqdm(range(N), desc="kv-quality windows", disable=not progress):
         x = windows[w:w + 1].to(dev)
@@ -83,11 +87,14 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
         dense_nll.append(float(F.nll_loss(ref, tgt)))
         for name, make in methods.items():
             cache = replay(rec, make(model, prefill_len))
-            memory = cache.memory().ratio if hasattr(cache, "memory") else 1.0
+            has_mem = hasattr(cache, "memory")
+            if has_mem:
+                report[name] = cache.memory().to_dict()
             lp = F.log_softmax(_continue(model, cache, cont, step), -1)
+            mem[name].append(report[name]["ratio"] if has_mem else 1.0)
+            mem_end[name].append(cache.memory().ratio if has_mem else 1.0)
             kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
             nll[name].append(float(F.nll_loss(lp, tgt)))
-            mem[name].append(memory)
         del rec
     out = {}
     ppl_dense = math.exp(statistics.fmean(dense_nll))
@@ -95,5 +102,6 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
         k = kl[name]
         out[name] = QualityResult(name, math.exp(statistics.fmean(nll[name])), ppl_dense, statistics.fmean(k),
                                   statistics.pstdev(k), min(k), max(k), k, nll[name],
-                                  statistics.fmean(mem[name]), N * (T - 1))
+                                  statistics.fmean(mem[name]), statistics.fmean(mem_end[name]), N * (T - 1),
+                                  report[name])
     return out

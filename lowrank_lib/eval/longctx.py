@@ -129,16 +129,28 @@ def score(output: str, answers: list[str]) -> tuple[float, float]:
 
 
 @torch.no_grad()
-def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int) -> list[int]:
-    """Manual forward loop: greedy tokens after a prefill whose last logits are ``first_logits`` [1, V]."""
+def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int,
+                  stop_ids: set[int] | None = None) -> list[int]:
+    """Manual forward loop: greedy tokens after a prefill whose last logits are ``first_logits`` [1, V];
+    stops after ``max_new`` tokens or at a token in ``stop_ids`` (kept)."""
     dev = next(model.parameters()).device
     nxt = first_logits.argmax(-1).view(1, 1).to(dev)
     out = [int(nxt)]
-    for _ in range(max_new - 1):
+    while len(out) < max_new and not (stop_ids and out[-1] in stop_ids):
         logits = model(nxt, past_key_values=cache).logits[:, -1]
         nxt = logits.argmax(-1).view(1, 1)
         out.append(int(nxt))
     return out
+
+
+def _stop_ids(tok) -> set[int]:
+    """Token ids that end an answer: EOS and tokens containing a newline."""
+    ids = {i for i in (tok.eos_token_id,) if i is not None}
+    for t in ("\n", ".\n", "\n\n"):
+        enc = tok(t, add_special_tokens=False).input_ids
+        if len(enc) == 1:
+            ids.add(enc[0])
+    return ids
 
 
 @torch.no_grad()
@@ -149,13 +161,14 @@ def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24
     Returns {"per_sample": [...], "summary": {method: {task: {"exact", "partial", "n"}}}}.
     """
     dev = next(model.parameters()).device
+    stop = _stop_ids(tok)
     rows = []
     for s in tqdm(samples, desc="long-context samples", disable=not progress):
         ids = tok(s.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(dev)
         rec = record_prefill(model, ids)
         for name, make in methods.items():
             cache = replay(rec, make(model, ids.shape[1]))
-            text = tok.decode(greedy_decode(model, cache, rec.last_logits, max_new), skip_special_tokens=True)
+            text = tok.decode(greedy_decode(model, cache, rec.last_logits, max_new, stop), skip_special_tokens=True)
             ex, pa = score(text, s.answers)
             rows.append({"method": name, "task": s.task, "n_tokens": s.n_tokens, "exact": ex, "partial": pa,
                          "output": text, "answers": s.answers})

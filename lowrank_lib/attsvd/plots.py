@@ -1,0 +1,67 @@
+"""Matplotlib views of the interpretability quantities (used by notebooks 04 and 05)."""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from .interpret import HeadView, attention_rows, error_curves, head_view
+from .record import PrefillRecord
+
+
+def head_panel(h: HeadView, rank: int, ranks: list[int], axes=None, curves: dict | None = None):
+    """Two panels for one head at rank r: (a) logit / output error vs rank, aware vs raw, with r marked;
+    (b) the last query's attention distribution with dense, aware and raw rank-r keys."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    c = curves or error_curves(h, ranks)
+    ax = axes[0]
+    ax.semilogy(c["rank"], c["logit_aware"], "b-o", ms=3, label="logit err, attention-aware K")
+    ax.semilogy(c["rank"], c["logit_raw"], "r-o", ms=3, label="logit err, raw-SVD K")
+    ax.semilogy(c["rank"], c["output_aware"], "b--s", ms=3, label="output err, mass-weighted V")
+    ax.semilogy(c["rank"], c["output_raw"], "r--s", ms=3, label="output err, raw-SVD V")
+    ax.axvline(rank, color="k", lw=0.8)
+    ax.set(xlabel="rank r", ylabel="relative error", title=f"layer {h.layer}, KV head {h.head}")
+    ax.legend(fontsize=7)
+    rows = attention_rows(h, rank)
+    ax = axes[1]
+    ax.plot(rows["dense"].numpy(), "k-", lw=1.2, label="dense")
+    ax.plot(rows["aware"].numpy(), "b-", lw=0.8, alpha=0.8, label=f"attention-aware r={rank}")
+    ax.plot(rows["raw"].numpy(), "r-", lw=0.8, alpha=0.8, label=f"raw SVD r={rank}")
+    ax.set(xlabel="key position", ylabel="attention (last query)", yscale="log")
+    ax.legend(fontsize=7)
+    return axes
+
+
+def rank_explorer(record: PrefillRecord, ranks: list[int], layer: int = 0, head: int = 0, rank: int = 32):
+    """An ipywidgets (layer, head, r) explorer that redraws :func:`head_panel` live.
+
+    Returns the widget, or None when ipywidgets or a widget front-end is unavailable (headless runs):
+    callers then show static figures instead.
+    """
+    try:
+        import ipywidgets as W
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        return None
+    ip = get_ipython()
+    if ip is None or not hasattr(ip, "kernel"):
+        return None
+    L, H = len(record.keys), record.keys[0].shape[1]
+    d = record.keys[0].shape[-1]
+    cache: dict = {}
+
+    def draw(layer, head, r):
+        key = (layer, head)
+        if key not in cache:
+            h = head_view(record, layer, head)
+            cache[key] = (h, error_curves(h, ranks))
+        h, c = cache[key]
+        fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+        head_panel(h, r, ranks, axes, c)
+        plt.show()
+
+    ui = W.interactive(draw, layer=W.IntSlider(layer, 0, L - 1, description="layer", continuous_update=False),
+                       head=W.IntSlider(head, 0, H - 1, description="KV head", continuous_update=False),
+                       r=W.IntSlider(rank, 1, d, description="rank r", continuous_update=False))
+    display(ui)
+    return ui
