@@ -73,19 +73,29 @@ def eval_tokens(model, tok, cfg: QualityConfig) -> torch.Tensor:
     return random_token_batches(model.config.vocab_size, 1, n, seed=cfg.seed + 1)[0]
 
 
-def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results") -> dict:
-    """Build the table; returns ``{"config", "rows"}`` and writes JSON into ``out_dir`` (unless None)."""
+def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results", model=None, tok=None, stats=None,
+        keep_dir: str | Path | None = None) -> dict:
+    """Build the table; returns ``{"config", "rows"}`` and writes JSON into ``out_dir`` (unless None).
+
+    ``model``/``tok``/``stats`` reuse an already loaded model and its calibration statistics.
+    ``keep_dir``: keep the native checkpoints there (row["path"]) instead of deleting them.
+    Each row's ``roundtrip_rel_err`` compares the read-back model's logits with the in-memory one
+    on the first 64 evaluation tokens (fp16-stored families differ by their storage rounding).
+    """
     from .. import account, models
     from ..eval.perplexity import perplexity
     from ..formats import detect_format, load_checkpoint, write_native
     from .calib import calibration_data, collect_stats
 
     torch.manual_seed(cfg.seed)
-    model, tok = models.load(cfg.model)
+    if model is None:
+        model, tok = models.load(cfg.model)
     ids = eval_tokens(model, tok, cfg)
+    probe = ids[None, :64]
     t0 = time.perf_counter()
-    calib = calibration_data(tok, cfg.calib_samples, cfg.calib_seq_len, cfg.seed, model.config.vocab_size)
-    stats = collect_stats(model, calib, progress=cfg.progress)
+    if stats is None:
+        calib = calibration_data(tok, cfg.calib_samples, cfg.calib_seq_len, cfg.seed, model.config.vocab_size)
+        stats = collect_stats(model, calib, progress=cfg.progress)
     calib_s = time.perf_counter() - t0
 
     def ppl(m, desc):
@@ -95,7 +105,7 @@ def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results") -
     rows = [{"family": "dense", "format": None, "keep": 1.0, "ppl": ppl(model, "dense"), "total_params": acc.total_params,
              "linear_params": acc.linear_params, "linear_keep": 1.0, "memory_bytes": acc.total_bytes,
              "disk_bytes": None}]
-    tmp = Path(tempfile.mkdtemp(prefix="lowrank_quality_"))
+    tmp = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="lowrank_quality_"))
     try:
         for fam in tqdm(cfg.families, desc="families", disable=not cfg.progress):
             for keep in cfg.keeps:
@@ -103,22 +113,29 @@ def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results") -
                 cm = compress_family(model, fam, stats, keep, cfg)
                 t_comp = time.perf_counter() - t1
                 fmt = FAMILY_FORMAT[fam]
-                disk = None
+                disk = err = p = None
                 if cfg.roundtrip:
                     p = write_native(cm, fmt, tmp / f"{fam}-{keep}", tokenizer=None)
                     if detect_format(p) != fmt:
                         raise RuntimeError(f"{p}: detected {detect_format(p)!r}, wrote {fmt!r}")
                     disk = dir_bytes(p)
-                    cm = load_checkpoint(p)
-                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+                    back = load_checkpoint(p)
+                    with torch.no_grad():
+                        ref = cm(probe).logits
+                        err = float((back(probe).logits - ref).norm() / ref.norm())
+                    cm = back
+                    if keep_dir is None:
+                        shutil.rmtree(p) if p.is_dir() else p.unlink()
                 a = account(cm)
                 rows.append({"family": fam, "format": fmt, "keep": keep, "ppl": ppl(cm, f"{fam}@{keep}"),
                              "total_params": a.total_params, "linear_params": a.linear_params,
                              "linear_keep": a.linear_keep, "memory_bytes": a.total_bytes, "disk_bytes": disk,
-                             "shared_params_saved": a.shared_params_saved, "compress_s": round(t_comp, 2)})
+                             "shared_params_saved": a.shared_params_saved, "compress_s": round(t_comp, 2),
+                             "roundtrip_rel_err": err, "path": None if keep_dir is None or p is None else str(p)})
                 del cm
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if keep_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     result = {"config": {**asdict(cfg), "calib_split": "wikitext-2 valid", "eval_split": "wikitext-2 test",
                          "eval_tokens_per_window": cfg.seq_len, "calib_seconds": round(calib_s, 1),
                          "torch": torch.__version__, "threads": torch.get_num_threads()},
