@@ -1,0 +1,227 @@
+"""AttSVD factor-space KV mode for the decode runtime's ``Engine``.
+
+:class:`FactorEngine` is an ``Engine`` (same packed projections, RoPE / norm folding, sampling loop,
+timings) whose decode attention reads AttSVD factors in factor space instead of a dense KV cache:
+
+- prefill: the engine's own dense prefill (exact logits); its post-RoPE queries are taken from the
+  engine's RoPE stage and every layer's prompt bulk is factorized with the AttSVD cache's own
+  compression (``AttSVDLayer`` update + observe: Algorithm 2, attention-aware, GQA-aware), then the
+  transient dense K/V are freed;
+- decode: static, preallocated buffers per layer: A_K, A_V [B, Hkv, S_pad, r], B_K, B_V [B, Hkv, r, d]
+  and the exact window [B, Hkv, W_cap, d]; the current token's k/v are written in place at a
+  device-side slot, scores / output come from :func:`factor_space_attention`, one softmax over bulk
+  and window with a mask built on the device from ``cache.length`` and the left-pad counts.
+
+Bucketing policy (graph capture): the bulk length S_b is padded up to a multiple of ``bucket``
+(S_pad; padded rows are masked) and the window buffer holds W_cap = max_seq_len - S_pad + bucket
+slots, so every prompt whose bulk falls in the same bucket has identical buffer shapes: a captured
+decode step (CUDA graph, or ``torch.compile`` on CPU) is reused within a bucket and re-captured when
+the bucket changes. Eager decode slices the live rows instead (no padding cost). S_b itself is a
+device tensor, so nothing host-side is baked into a graph. Only the accumulate mode is supported
+(stream mode appends frozen blocks: a static version needs a block pool; not implemented).
+
+Memory (``kv_report()``): the AttSVD accounting of the compressed prompt (factors + exact window,
+the numbers ``AttSVDCache.memory()`` gives) and the bytes the engine's buffers actually hold.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.config import EngineConfig
+from ..runtime.engine import NEG_INF, Engine
+from ..runtime.kv_cache import StaticKVCache
+from .cache import AttSVDLayer, Observation
+from .config import AttSVDConfig
+from .factor_space import FactorKV, LowRankKV, factor_space_attention
+
+
+@dataclass
+class _LayerBuffers:
+    a_k: torch.Tensor   # [B, Hkv, S_pad, r_K]
+    b_k: torch.Tensor   # [B, Hkv, r_K, d]
+    a_v: torch.Tensor   # [B, Hkv, S_pad, r_V]
+    b_v: torch.Tensor   # [B, Hkv, r_V, d]
+    k_win: torch.Tensor  # [B, Hkv, W_cap, d]
+    v_win: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.__dict__.values())
+
+
+class FactorEngine(Engine):
+    """``Engine`` with the AttSVD factor-space KV mode (see the module docstring).
+
+    Parameters
+    ----------
+    model : a Llama-family model in the one factorized representation (as for ``Engine``).
+    config : ``EngineConfig``; ``kv`` must be "dense" (its prefill path is the one reused).
+    attsvd : ``AttSVDConfig`` (rank rule, window w, attention-aware); mode "accumulate".
+    bucket : bulk-length bucket of the graph policy.
+    """
+
+    def __init__(self, model, config: EngineConfig | None = None, attsvd: AttSVDConfig | None = None,
+                 bucket: int = 256):
+        config = config or EngineConfig()
+        if config.kv != "dense":
+            raise ValueError(f"FactorEngine replaces the KV mode itself: pass EngineConfig(kv='dense'), got {config.kv!r}")
+        self.attsvd = attsvd or AttSVDConfig(ratio=0.5)
+        if self.attsvd.mode != "accumulate":
+            raise NotImplementedError("FactorEngine supports AttSVD mode 'accumulate' (stream mode needs a static "
+                                      "block pool); use the transformers path (factor_cache) for stream mode")
+        if bucket < 1:
+            raise ValueError(f"bucket must be >= 1, got {bucket}")
+        self.bucket = bucket
+        super().__init__(model, config)
+        self._q_capture: list[torch.Tensor] | None = None
+        self._buf: list[_LayerBuffers] | None = None
+        self._key = None                      # (B, S_pad): the shape key of captured graphs
+        self._sb = torch.zeros(1, dtype=torch.long, device=self.device)   # bulk length S_b (device)
+        self._sb_host = 0
+        self._accounting = {}
+        self._free_dense()                    # the dense cache exists only transiently, during prefill
+
+    def _free_dense(self) -> None:
+        c = self.cache
+        c.kv, c.k, c.v = None, [], []
+
+    # ------------------------------------------------------------------ prefill
+    def _rope(self, y, cs, n_kv, g):
+        out = super()._rope(y, cs, n_kv, g)
+        if self._q_capture is not None:
+            self._q_capture.append(out)       # prefill calls RoPE for q then k, layer by layer
+        return out
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                all_logits: bool = False) -> torch.Tensor:
+        """The engine's exact dense prefill, then AttSVD compression of every layer's prompt bulk."""
+        B, T = input_ids.shape
+        cfg = self.config
+        # transient dense K/V of the prompt only (freed after compression). The cache object (and its
+        # device-side length / pad tensors, which captured graphs read) stays the same.
+        tmp = StaticKVCache(self.n_layers, cfg.max_batch, max(T, 2), self.n_kv, self.head_dim, self.dtype,
+                            self.device, self.backend.layout)
+        c = self.cache
+        c.kv, c.k, c.v, c.max_len = tmp.kv, tmp.k, tmp.v, tmp.max_len
+        self._q_capture = []
+        try:
+            logits = super().prefill(input_ids, attention_mask, all_logits)
+        finally:
+            caps, self._q_capture = self._q_capture, None
+        if len(caps) != 2 * self.n_layers:
+            raise RuntimeError(f"FactorEngine: expected {2 * self.n_layers} RoPE calls in prefill, saw {len(caps)}")
+        self._compress(caps[0::2], B, T)
+        self.cache.max_len = cfg.max_seq_len
+        return logits
+
+    def _compress(self, queries: list[torch.Tensor], B: int, T: int) -> None:
+        c, Hq, Hkv, D = self.cache, self.n_heads, self.n_kv, self.head_dim
+        pad = c.pad[:B]
+        slots = self._slots[:T]
+        valid = slots[None, :] >= pad[:, None]                                  # [B, T]
+        k_valid = None if bool(valid.all()) else valid
+        w = self.attsvd.window
+        s_b = max(0, T - w)
+        s_pad = max(self.bucket, math.ceil(s_b / self.bucket) * self.bucket)
+        w_cap = self.config.max_seq_len - s_pad + self.bucket
+        bufs, stored, dense = [], 0, 0
+        for i, q in enumerate(queries):
+            K, V = c.k[i][:B], c.v[i][:B]
+            if self.backend.layout == "bshd":
+                K, V = K.transpose(1, 2), V.transpose(1, 2)
+            K, V = K[:, :, :T], V[:, :, :T]                                       # [B, Hkv, T, D]
+            layer = AttSVDLayer(self.attsvd)
+            layer.update(K, V)
+            q = q.view(B, T, Hq, D).transpose(1, 2)                               # [B, Hq, T, D]
+            layer.observe(Observation(q, D ** -0.5, slots, k_valid, k_valid))
+            stored += layer.stored_bytes()
+            dense += layer.dense_bytes()
+            bufs.append(self._buffers(layer, B, s_b, s_pad, w_cap))
+        self._accounting = {"attsvd_stored_bytes": stored, "attsvd_dense_bytes": dense,
+                            "attsvd_ratio": stored / max(1, dense), "bulk_len": s_b, "bulk_padded": s_pad,
+                            "window_capacity": w_cap, "rank_k": bufs[0].a_k.shape[-1] if s_b else 0,
+                            "rank_v": bufs[0].a_v.shape[-1] if s_b else 0}
+        self._buf = bufs
+        self._sb.fill_(s_b)
+        self._sb_host = s_b
+        self._free_dense()                    # decode reads only the factors and the window
+        key = (B, s_pad)
+        if self.graphs is not None and key != self._key:
+            self.graphs._state.clear()        # shapes changed bucket: re-capture on the next prepare()
+        self._key = key
+
+    def _buffers(self, layer: AttSVDLayer, B: int, s_b: int, s_pad: int, w_cap: int) -> _LayerBuffers:
+        dev, dt, Hkv, D = self.device, self.dtype, self.n_kv, self.head_dim
+        rk, rv = (layer.rank_k, layer.rank_v) if s_b else (1, 1)
+        buf = _LayerBuffers(torch.zeros(B, Hkv, s_pad, rk, dtype=dt, device=dev),
+                            torch.zeros(B, Hkv, rk, D, dtype=dt, device=dev),
+                            torch.zeros(B, Hkv, s_pad, rv, dtype=dt, device=dev),
+                            torch.zeros(B, Hkv, rv, D, dtype=dt, device=dev),
+                            torch.zeros(B, Hkv, w_cap, D, dtype=dt, device=dev),
+                            torch.zeros(B, Hkv, w_cap, D, dtype=dt, device=dev))
+        if s_b:
+            buf.a_k[:, :, :s_b].copy_(layer.bulk_k.A)
+            buf.b_k.copy_(layer.bulk_k.B)
+            buf.a_v[:, :, :s_b].copy_(layer.bulk_v.A)
+            buf.b_v.copy_(layer.bulk_v.B)
+        n = layer.keys.shape[-2]
+        buf.k_win[:, :, :n].copy_(layer.keys)
+        buf.v_win[:, :, :n].copy_(layer.values)
+        return buf
+
+    # ------------------------------------------------------------------ decode
+    def _step_inputs(self, B: int, live: int | None):
+        """(pos [1], cs, mask [B, 1, 1, S_pad + W_cap] or None, n_bulk, n_win) for the token at cache.length."""
+        c = self.cache
+        pos = c.length
+        cs = self.cs_table[(pos - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
+        s_pad, w_cap = self._buf[0].a_k.shape[2], self._buf[0].k_win.shape[2]
+        if live is not None:                                   # eager: exact sizes, host lengths
+            n_bulk, n_win = self._sb_host, live - self._sb_host
+            if not self._any_pad:
+                return pos, cs, None, n_bulk, n_win
+            slots = torch.cat([self._slots[:n_bulk], self._slots[self._sb_host:live]])
+            ok = slots[None, :] >= c.pad[:B, None]
+        else:                                                  # graph: full buffers, device lengths
+            n_bulk, n_win = s_pad, w_cap
+            bulk = torch.arange(s_pad, device=self.device)
+            win = self._sb + torch.arange(w_cap, device=self.device)
+            ok = torch.cat([(bulk < self._sb)[None, :] & (bulk[None, :] >= c.pad[:B, None]),
+                            (win <= pos)[None, :] & (win[None, :] >= c.pad[:B, None])], 1)
+        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
+        return pos, cs, mask.view(B, 1, 1, -1), n_bulk, n_win
+
+    def _attn_block(self, i: int, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Decode: x [B, H] -> x + attention read in factor space (bulk) + exact window."""
+        pos, cs, mask, n_bulk, n_win = ctx
+        L, buf = self.layers[i], self._buf[i]
+        B, Hkv, D = x.shape[0], self.n_kv, self.head_dim
+        G = self.n_heads // Hkv
+        h = self._norm(x, L.ln1)
+        q, k, v = L.qkv(h)
+        q = self._rope(q, cs, Hkv, G)                          # [B, Hkv, G, D]
+        k = self._rope(k, cs, Hkv, 1)                          # [B, Hkv, 1, D]
+        slot = pos - self._sb                                  # window slot of this token (device)
+        buf.k_win.index_copy_(2, slot, k)
+        buf.v_win.index_copy_(2, slot, v.view(B, Hkv, 1, D))
+        segs = [LowRankKV(buf.a_k[:, :, :n_bulk], buf.b_k, buf.a_v[:, :, :n_bulk], buf.b_v)] if n_bulk else []
+        kv = FactorKV(segs, buf.k_win[:, :, :n_win], buf.v_win[:, :, :n_win])
+        o = factor_space_attention(q.reshape(B, Hkv * G, 1, D), kv, mask)   # [B, Hq, 1, D]
+        return x + L.o(o.reshape(B, Hkv * G * D))[0]
+
+    # ------------------------------------------------------------------ accounting
+    def kv_report(self) -> dict:
+        """AttSVD accounting of the compressed prompt + the bytes the decode buffers hold."""
+        held = sum(b.nbytes for b in self._buf) if self._buf else 0
+        return {**self._accounting, "buffer_bytes": held, "bucket": self.bucket}
+
+    def report(self) -> dict:
+        rep = super().report()
+        rep["kv"] = "attsvd-factor"
+        rep["kv_cache_bytes"] = self.kv_report()["buffer_bytes"]
+        rep["attsvd"] = {**self.attsvd.to_dict(), **self.kv_report()}
+        return rep
