@@ -3,7 +3,10 @@
 ==================  ==========================================================================
 system              what runs
 ==================  ==========================================================================
-``engine``          our Engine, all mechanisms on (packing, RoPE folding, graphs if configured)
+``engine``          our Engine, all mechanisms on, eager (no graph)
+``engine_step``     + whole decode step as one graph (CUDA graph; torch.compile on CPU)
+``engine_layer``    + one CUDA graph per layer (CUDA only)
+``engine_split``    + attention and MLP graphs per layer (CUDA only)
 ``dense_kv``        our dense cache, no packing, no RoPE folding, no graphs (paper: Dense KV + FA2)
 ``naive``           history kept as rank-space latents, dense K/V rebuilt every step (slow route)
 ``hf_dynamic``      transformers forward (eager Python, sdpa) with ``DynamicCache``
@@ -21,7 +24,10 @@ import torch
 from .config import PRESETS, EngineConfig
 from .engine import Engine, left_pad_counts
 
-SYSTEMS = ("engine", "dense_kv", "naive", "hf_dynamic", "hf_static", "dense_hf_static", "dense_engine")
+SYSTEMS = ("engine", "engine_step", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
+           "dense_hf_static", "dense_engine")
+ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"), "engine_layer": dict(graph="per-layer"),
+                   "engine_split": dict(graph="split"), "dense_engine": {}}
 
 
 class HFRunner:
@@ -91,6 +97,8 @@ def make_runner(system: str, model, dense_model=None, dtype=None, max_seq_len: i
         return HFRunner(_as_dtype(model, dtype), kind, max_cache_len=max_seq_len)
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; use one of {SYSTEMS}")
-    preset = PRESETS.get(system, {}) if system != "dense_engine" else {}
-    kw = {**preset, **engine_kw} if system in ("engine", "dense_engine") else {**engine_kw, **preset}
+    if system in ENGINE_VARIANTS:
+        kw = {**engine_kw, **ENGINE_VARIANTS[system]}
+    else:
+        kw = {**engine_kw, **PRESETS[system]}
     return Engine(model, EngineConfig(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, **kw))

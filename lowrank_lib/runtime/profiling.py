@@ -30,8 +30,10 @@ OP_CLASSES = {
 def op_class(name: str) -> str:
     """'aten.mm.default' -> 'gemm'; elementwise/reductions default to 'elementwise'."""
     base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
+    if any(n in base for n in OP_CLASSES["attention"]):
+        return "attention"
     for cls, names in OP_CLASSES.items():
-        if base in names or any(base.startswith(n) and cls == "attention" for n in names):
+        if base in names:
             return cls
     return "elementwise"
 
@@ -78,16 +80,22 @@ def count_cuda_launches(fn, *args, **kw) -> tuple[int, dict[str, int]]:
 
 
 def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
-    """Leaf ``aten::`` ops recorded by torch.profiler while fn runs (works inside compiled code,
-    where a TorchDispatchMode cannot run). Inductor's fused C++ kernels are NOT dispatcher calls and
-    are not counted; the GEMMs they call out to (``aten::mm``/``addmm``) are."""
+    """Top-level ``aten::`` ops recorded by torch.profiler while fn runs (works inside compiled code,
+    where a TorchDispatchMode cannot run): ops called from Python / generated code, not the ops
+    they dispatch internally. Inductor's fused C++ kernels are NOT dispatcher calls and are not
+    counted; the GEMMs they call out to (``aten::mm``/``addmm``) are."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn(*args, **kw)
     c: Counter = Counter()
     for e in prof.events():
-        if e.name.startswith("aten::") and not any(ch.name.startswith("aten::") for ch in e.cpu_children):
+        if not e.name.startswith("aten::"):
+            continue
+        p = e.cpu_parent
+        while p is not None and not p.name.startswith("aten::"):
+            p = p.cpu_parent
+        if p is None:
             c["aten." + e.name[6:]] += 1
     return c
 

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m lowrank_lib.bench decode --help``."""

@@ -1,0 +1,198 @@
+"""Decode benchmark: every system on the same factors, side by side in one run.
+
+Per system: median decode ms/token (over all steps of all repeats), prefill ms, end-to-end s,
+tokens/s, ATen dispatches (CPU) or kernel launches (CUDA) per token, weight bytes read per token,
+achieved GB/s = bytes / decode time, and the roofline measured in the same run: the machine's copy
+bandwidth (bytes read + written per second of a large ``copy_``); ``roofline_x`` = decode time /
+(weight bytes / copy bandwidth), 1.0 = at the roofline.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..runtime.baselines import make_runner
+from ..runtime.engine import Engine, run_generation
+from ..runtime.profiling import per_token_counts
+
+
+@dataclass
+class DecodeBenchConfig:
+    model: str = "smollm2"
+    method: str = "svd"
+    keep: float = 0.5
+    checkpoint: str | None = None
+    prompt_len: int = 512
+    gen_len: int = 64
+    batch: int = 1
+    dtype: str = "fp32"
+    systems: tuple[str, ...] = ("hf_dynamic", "hf_static", "naive", "dense_kv", "engine", "engine_step")
+    repeats: int = 3
+    count_tokens: int = 3
+    device: str = "cpu"
+    seed: int = 0
+    out_dir: str = "benchmarks/results"
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Copy bandwidth in GB/s: 2 * nbytes (read + write) / median time of ``dst.copy_(src)``."""
+    n = nbytes // 4
+    src = torch.ones(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ts = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * n * 4 / statistics.median(ts[1:]) / 1e9
+
+
+def model_weight_bytes_per_token(model) -> int:
+    """Bytes of parameters one decode step reads: all unique parameters except the input embedding
+    table (one row is read), plus the lm_head matrix even when tied to that table."""
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight if hasattr(model.get_output_embeddings(), "weight") else None
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = p.data_ptr()
+        if key in seen or p is emb:
+            continue
+        seen.add(key)
+        total += p.numel() * p.element_size()
+    if head is not None and head is emb:
+        total += head.numel() * head.element_size()
+    return total
+
+
+def weight_bytes(runner) -> int:
+    if isinstance(runner, Engine):
+        return runner.weight_bytes_per_token()
+    return model_weight_bytes_per_token(runner.model)
+
+
+def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
+    """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
+    from ..runtime.config import parse_dtype
+    from .models import load_bench_models
+
+    dt = parse_dtype(cfg.dtype)
+    dev = torch.device(cfg.device)
+    dense, comp, _ = models or load_bench_models(cfg.model, cfg.method, cfg.keep, cfg.checkpoint, cfg.device)
+    S = cfg.prompt_len + cfg.gen_len
+    g = torch.Generator().manual_seed(cfg.seed)
+    ids = torch.randint(0, comp.config.vocab_size, (cfg.batch, cfg.prompt_len), generator=g).to(dev)
+    runners = {s: make_runner(s, comp, dense, dtype=dt, max_seq_len=S, max_batch=cfg.batch) for s in cfg.systems}
+    bw = copy_bandwidth(dev)
+    steps = {s: [] for s in cfg.systems}
+    pre = {s: [] for s in cfg.systems}
+    e2e = {s: [] for s in cfg.systems}
+    tokens = {}
+    capture = {}
+    for s, r in runners.items():     # warm-up (and graph capture / compile, timed apart)
+        t0 = time.perf_counter()
+        run_generation(r, ids, min(4, cfg.gen_len))
+        capture[s] = getattr(r, "capture_s", 0.0)
+    bar = tqdm(total=cfg.repeats * len(runners), desc="decode bench", disable=not progress)
+    for _ in range(cfg.repeats):          # interleaved: drift hits every system alike
+        for s, r in runners.items():
+            o = run_generation(r, ids, cfg.gen_len)
+            steps[s] += o.step_s
+            pre[s].append(o.prefill_s)
+            e2e[s].append(o.total_s)
+            tokens[s] = o.tokens
+            bar.update(1)
+    bar.close()
+    rows = {}
+    for s, r in runners.items():
+        c = per_token_counts(r, ids, cfg.count_tokens)
+        ms = 1e3 * statistics.median(steps[s])
+        wb = weight_bytes(r)
+        rows[s] = {
+            "decode_ms_per_token": ms, "prefill_ms": 1e3 * statistics.median(pre[s]),
+            "e2e_s": statistics.median(e2e[s]), "tokens_per_s": cfg.batch * cfg.gen_len / statistics.median(e2e[s]),
+            "decode_tokens_per_s": 1e3 * cfg.batch / ms,
+            "per_token_count": c["total"], "count_kind": c["kind"], "count_by_class": c["by_class"],
+            "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
+            "roofline_fraction": (wb / (ms / 1e3) / 1e9) / bw, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
+            "capture_s": capture[s],
+            "info": r.report() if isinstance(r, Engine) else {"runner": type(r).__name__, "cache": r.kind},
+        }
+    base = rows.get("hf_static")
+    for s, row in rows.items():
+        if base:
+            row["decode_speedup_vs_hf_static"] = base["decode_ms_per_token"] / row["decode_ms_per_token"]
+            row["count_ratio_vs_hf_static"] = row["per_token_count"] / base["per_token_count"]
+        ref = tokens.get("hf_dynamic")
+        if ref is not None:
+            row["tokens_match_hf_dynamic"] = float((tokens[s] == ref).float().mean())
+    return {"config": asdict(cfg), "copy_bandwidth_GBps": bw, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "device_name": _device_name(dev), "systems": rows,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _device_name(dev) -> str:
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()}), {torch.get_num_threads()} threads"
+
+
+COLUMNS = [("decode_ms_per_token", "decode ms/tok", "{:.2f}"), ("prefill_ms", "prefill ms", "{:.1f}"),
+           ("e2e_s", "e2e s", "{:.2f}"), ("tokens_per_s", "tok/s", "{:.1f}"),
+           ("per_token_count", "ops/tok", "{:.0f}"), ("weight_bytes_per_token", "MB/tok", None),
+           ("achieved_GBps", "GB/s", "{:.2f}"), ("roofline_x", "x roofline", "{:.2f}"),
+           ("decode_speedup_vs_hf_static", "speedup", "{:.2f}"), ("count_ratio_vs_hf_static", "ops ratio", "{:.3f}"),
+           ("tokens_match_hf_dynamic", "match", "{:.2f}")]
+
+
+def format_table(res: dict) -> str:
+    hdr = ["system"] + [c[1] for c in COLUMNS]
+    lines = [" | ".join(hdr), " | ".join("---" for _ in hdr)]
+    for s, row in res["systems"].items():
+        cells = [s]
+        for key, _, fmt in COLUMNS:
+            v = row.get(key)
+            if v is None:
+                cells.append("-")
+            elif key == "weight_bytes_per_token":
+                cells.append(f"{v / 1e6:.1f}")
+            else:
+                cells.append(fmt.format(v))
+        lines.append(" | ".join(cells))
+    c = res["config"]
+    lines.append(f"\n{c['model']} {c['method']} keep={c['keep']} {c['dtype']} prompt={c['prompt_len']} "
+                 f"gen={c['gen_len']} batch={c['batch']} repeats={c['repeats']}; copy bandwidth "
+                 f"{res['copy_bandwidth_GBps']:.2f} GB/s; {res['device_name']}; ops/tok = "
+                 f"{next(iter(res['systems'].values()))['count_kind']} (see JSON for each system)")
+    return "\n".join(lines)
+
+
+def result_path(res: dict, out_dir: str | Path) -> Path:
+    """benchmarks/results/decode_<model>_<method>_k<keep>_<dtype>_p<P>_g<G>[_N].json, never overwritten."""
+    c = res["config"]
+    name = Path(str(c["model"])).name
+    stem = f"decode_{name}_{c['method']}_k{c['keep']}_{c['dtype']}_p{c['prompt_len']}_g{c['gen_len']}_b{c['batch']}"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    p, i = out / f"{stem}.json", 2
+    while p.exists():
+        p, i = out / f"{stem}_{i}.json", i + 1
+    return p
+
+
+def save(res: dict, out_dir: str | Path) -> Path:
+    p = result_path(res, out_dir)
+    p.write_text(json.dumps(res, indent=2, default=str))
+    return p

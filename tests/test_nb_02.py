@@ -1,0 +1,18 @@
+"""Notebook 02: dispatches per decoded token per system and operator class."""
+import pytest
+
+pytestmark = [pytest.mark.notebook, pytest.mark.smollm2]
+
+
+def test_launch_count_notebook(executed_notebook):
+    m = executed_notebook("02_launch_count_profiling")
+    per, cls, L = m["per_token"], m["by_class"], m["n_layers"]
+    assert set(per) >= {"naive", "dense_kv", "engine", "hf_dynamic", "hf_static", "dense_hf_static", "dense_engine"}
+    # structural GEMM counts: engine = packed qkv (1 + 3 U) + o (2) + packed gate/up (1 + 2) + down (2) per layer
+    # + lm_head; the dense model through the engine = 4 per layer + lm_head; unpacked low-rank = 14 per layer
+    assert cls["engine"]["gemm"] == 11 * L + 1
+    assert cls["dense_engine"]["gemm"] == 4 * L + 1
+    assert cls["dense_kv"]["gemm"] == cls["naive"]["gemm"] == 14 * L + 1
+    assert per["engine"] < per["dense_kv"] < per["naive"] < per["hf_static"]
+    assert m["hf_static_over_engine"] > 2.5 and m["naive_over_engine"] > 1.5
+    assert all(p.endswith(".png") for p in m["figures"])
