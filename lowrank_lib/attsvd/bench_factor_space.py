@@ -242,6 +242,40 @@ def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> l
 
 
 @torch.inference_mode()
+def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
+                 progress: bool = True) -> list[dict]:
+    """The runtime ``Engine`` (dense static KV) vs :class:`FactorEngine` (AttSVD factor space), eager.
+
+    Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
+    Engines run one after another per context (each greedy, ``gen_tokens`` tokens).
+    """
+    from ..data import tokens
+    from ..runtime import Engine, EngineConfig
+    from .config import AttSVDConfig
+    from .factor_engine import FactorEngine
+
+    ids_all = tokens(tok, "test")
+    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    rows = []
+    for n in tqdm(contexts, desc="engine contexts", disable=not progress):
+        ids = ids_all[:n][None]
+        ecfg = EngineConfig(max_seq_len=n + gen_tokens + 1)
+        engines = {("engine_dense", d): Engine(model, ecfg)}
+        for f in rank_fracs:
+            r = max(1, round(f * d))
+            engines[("engine_factor", r)] = FactorEngine(model, ecfg, AttSVDConfig(rank=r, window=window))
+        for (route, r), eng in engines.items():
+            out = eng.generate(ids, gen_tokens)
+            rep = eng.kv_report() if isinstance(eng, FactorEngine) else {}
+            rows.append({"context": n, "route": route, "rank": r,
+                         "ms_token": statistics.median(out.step_s[1:] or out.step_s) * 1e3,
+                         "prefill_s": out.prefill_s, "kv_bytes": eng.report()["kv_cache_bytes"],
+                         "attsvd_ratio": rep.get("attsvd_ratio", 1.0), "tokens": out.tokens[0].tolist()})
+        del engines
+    return rows
+
+
+@torch.inference_mode()
 def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int = 2048, cont_len: int = 128,
                          n_windows: int = 2, window: int = 32, identity_frac: float | None = 0.5,
                          progress: bool = True) -> dict:
@@ -306,6 +340,13 @@ def markdown(result: dict) -> str:
             err = "" if r["max_logit_rel_err"] is None else f"{r['max_logit_rel_err']:.1e}"
             lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
                          f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
+    if result.get("engine"):
+        lines += ["", "## runtime Engine: dense static KV vs AttSVD factor-space KV mode (FactorEngine), eager", "",
+                  "| context | route | rank | ms/token | KV bytes held in decode | AttSVD memory ratio |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["engine"]["rows"]:
+            lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | {r['kv_bytes']} | "
+                         f"{r['attsvd_ratio']:.3f} |")
     if result.get("ppl"):
         p = result["ppl"]
         i = p["identity"]
@@ -339,6 +380,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--e2e", action="store_true", help="also SmolLM2 end-to-end decode ms/token")
     ap.add_argument("--e2e-contexts", type=int, nargs="+", default=None)
     ap.add_argument("--gen", type=int, default=8)
+    ap.add_argument("--engine", action="store_true", help="also the runtime Engine: dense KV vs FactorEngine")
+    ap.add_argument("--engine-contexts", type=int, nargs="+", default=None)
     ap.add_argument("--ppl", action="store_true", help="also the continuation-perplexity identity")
     ap.add_argument("--ppl-prefill", type=int, default=2048)
     ap.add_argument("--out", default="benchmarks/results")
@@ -353,7 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
                        f", torch {torch.__version__}, {args.threads} thread(s)",
                        "command": "python -m lowrank_lib.attsvd.bench_factor_space " + " ".join(argv or [])},
               "attention": {"config": asdict(acfg), "rows": rows, "ratios": attention_ratios(rows)}}
-    if args.e2e or args.ppl:
+    if args.e2e or args.ppl or args.engine:
         from .. import models
 
         model, tok = models.load("smollm2")
@@ -361,6 +404,10 @@ def main(argv: list[str] | None = None) -> dict:
             dcfg = DecodeBenchConfig(contexts=args.e2e_contexts or args.contexts, rank_fracs=args.rank_fracs,
                                      window=args.window, gen_tokens=args.gen)
             result["decode"] = {"config": asdict(dcfg), "rows": bench_decode(model, tok, dcfg)}
+        if args.engine:
+            ectx = args.engine_contexts or args.contexts
+            result["engine"] = {"contexts": ectx, "rows": bench_engine(model, tok, ectx, args.rank_fracs,
+                                                                       args.window, args.gen)}
         if args.ppl:
             result["ppl"] = continuation_by_rank(model, tok, args.rank_fracs, prefill_len=args.ppl_prefill,
                                                  window=args.window, identity_frac=args.rank_fracs[0])

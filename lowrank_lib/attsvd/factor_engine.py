@@ -16,7 +16,8 @@ Bucketing policy (graph capture): the bulk length S_b is padded up to a multiple
 (S_pad; padded rows are masked) and the window buffer holds W_cap = max_seq_len - S_pad + bucket
 slots, so every prompt whose bulk falls in the same bucket has identical buffer shapes: a captured
 decode step (CUDA graph, or ``torch.compile`` on CPU) is reused within a bucket and re-captured when
-the bucket changes. Eager decode slices the live rows instead (no padding cost). S_b itself is a
+the bucket changes. Without graphs the buffers have the exact sizes (S_pad = S_b, W_cap =
+max_seq_len - S_b) and decode slices the live rows. S_b itself is a
 device tensor, so nothing host-side is baked into a graph. Only the accumulate mode is supported
 (stream mode appends frozen blocks: a static version needs a block pool; not implemented).
 
@@ -126,8 +127,11 @@ class FactorEngine(Engine):
         k_valid = None if bool(valid.all()) else valid
         w = self.attsvd.window
         s_b = max(0, T - w)
-        s_pad = max(self.bucket, math.ceil(s_b / self.bucket) * self.bucket)
-        w_cap = self.config.max_seq_len - s_pad + self.bucket
+        if self.graphs is None:               # eager: exact sizes, nothing padded
+            s_pad, w_cap = s_b, self.config.max_seq_len - s_b
+        else:                                 # graphs: one buffer shape per bulk bucket
+            s_pad = max(self.bucket, math.ceil(s_b / self.bucket) * self.bucket)
+            w_cap = self.config.max_seq_len - s_pad + self.bucket
         bufs, stored, dense = [], 0, 0
         for i, q in enumerate(queries):
             K, V = c.k[i][:B], c.v[i][:B]
