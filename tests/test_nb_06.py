@@ -20,6 +20,12 @@ def test_factor_space_same_function_as_rebuild(executed_notebook):
     assert m["continuation"]["factor_calls"] > 0
     routes = {(r["route"], r["rank"]) for r in m["decode_rows"]}
     assert {("dense", 64), ("rebuild", 32), ("factor", 32), ("rebuild", 16), ("factor", 16)} <= routes
+    # the runtime Engine with the factor-space KV mode holds less KV than the dense engine
+    eng = {(r["route"], r["rank"]): r for r in m["engine_rows"]}
+    dense = eng[("engine_dense", 64)]
+    for r in (32, 16):
+        assert eng[("engine_factor", r)]["kv_bytes"] < dense["kv_bytes"]
+        assert eng[("engine_factor", r)]["attsvd_ratio"] < 1
 
 
 def test_tradeoff_and_cost_model(executed_notebook):
