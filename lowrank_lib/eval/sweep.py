@@ -40,3 +40,47 @@ def ppl_vs_keep(model, ids, keeps: Iterable[float], compress: Callable | None = 
             del m
             gc.collect()
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lowrank_lib.eval.sweep``: plain-SVD perplexity table (dense + keeps), JSON + table."""
+    import argparse
+    import json
+    import platform
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from .. import models
+    from ..data import tokens
+
+    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.eval.sweep", description=main.__doc__)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.8, 0.6])
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=16, help="first N windows of WikiText-2 test (0 = all)")
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ppl_svd_<model>_w<N>x<L>.json)")
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    model, tok = models.load(a.model)
+    ids = tokens(tok, "test")
+    win = a.windows or None
+    rows = ppl_vs_keep(model, ids, a.keeps, seq_len=a.seq_len, max_windows=win)
+    print(f"{'method':>6} {'keep':>5} {'ppl':>12} {'params (M)':>10} {'proj kept':>9}")
+    for r in rows:
+        print(f"{r['method']:>6} {r['keep']:5.2f} {r['ppl']:12.3f} {r['params'] / 1e6:10.2f} {r['linear_keep']:9.3f}")
+    out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / \
+        f"ppl_svd_{a.model}_w{a.windows}x{a.seq_len}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or __import__("sys").argv[1:]),
+                               "model": a.model, "seq_len": a.seq_len, "windows": rows[0]["windows"],
+                               "test_tokens_total": int(ids.numel()), "rows": rows, "wall_s": round(time.time() - t0, 1),
+                               "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
+                              indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
