@@ -12,6 +12,7 @@ under the same name (without it transformers silently drops the mask: wrong outp
 """
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 
 import torch
@@ -37,12 +38,20 @@ def _valid_from_mask(mask: torch.Tensor | None, q_len: int) -> tuple[torch.Tenso
     return k_valid, k_valid[:, -q_len:]
 
 
-def _make_attention(base: str):
-    inner = ALL_ATTENTION_FUNCTIONS[base]
+def _inner_attention(base: str, module):
+    """The attention function ``base`` names: the registry's, or the model file's own eager function."""
+    if base in ALL_ATTENTION_FUNCTIONS:
+        return ALL_ATTENTION_FUNCTIONS[base]
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"capture: no attention function {base!r} for {type(module).__name__}")
+    return fn
 
+
+def _make_attention(base: str):
     def attsvd_capture_attention(module, query, key, value, attention_mask, **kwargs):
         """The model's own ``base`` attention, then the post-RoPE queries [B, Hq, q, d] go to the cache."""
-        out = inner(module, query, key, value, attention_mask, **kwargs)
+        out = _inner_attention(base, module)(module, query, key, value, attention_mask, **kwargs)
         cache = _ROUTES.get(id(module))
         if cache is not None:
             layer = cache.layers[module.layer_idx]
