@@ -56,6 +56,21 @@ def test_aware_basis_is_optimal_in_its_metric(seed, r, G):
     assert _weighted_obj_k(K, aw.k.rebuild(), C) <= _weighted_obj_k(K, Xr, C) + 1e-12
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), r=st.integers(1, 7))
+def test_key_mass_extension_optimal_in_two_sided_metric(seed, r):
+    """The key_mass extension minimises sum_i a_i ||(K_i - X_i) C_Q^{1/2}||^2; exact at full rank."""
+    K, V, Q = _head(seed)
+    C = query_metric(Q)
+    a = attention_mass(Q, K, 8 ** -0.5, torch.arange(48), torch.arange(48))
+    km = attention_svd(K, V, r, r, C_Q=C, mass=a, mass_floor=0.0, key_mass=True)
+    paper = attention_svd(K, V, r, r, C_Q=C, mass=a, mass_floor=0.0)
+    obj = lambda X: float(torch.einsum("...s,...sd,...de,...se->...", a, K - X, C, K - X).sum())
+    assert obj(km.k.rebuild()) <= obj(paper.k.rebuild()) * (1 + 1e-9) + 1e-12
+    torch.testing.assert_close(attention_svd(K, V, 8, 8, C_Q=C, mass=a, key_mass=True).k.rebuild(), K)
+    torch.testing.assert_close(km.v.rebuild(), paper.v.rebuild())      # values unchanged
+
+
 @pytest.mark.parametrize("aware", [True, False])
 def test_full_rank_exact_and_error_monotone(aware):
     K, V, Q = _head(3, S=64, d=16, G=3, dtype=torch.float32)

@@ -140,32 +140,36 @@ class LayerFactors:
 def attention_svd(K: torch.Tensor, V: torch.Tensor, rank_k: int | None, rank_v: int | None,
                   C_Q: torch.Tensor | None = None, mass: torch.Tensor | None = None,
                   tau: float | None = None, aggregator: str = "max", rank_max: int | None = None,
-                  mass_floor: float = 1e-3) -> LayerFactors:
+                  mass_floor: float = 1e-3, key_mass: bool = False) -> LayerFactors:
     """AttentionSVD (Algorithm 2) of one layer's bulk K, V [B, H, S, d].
 
     C_Q : [B, H, d, d] query metric (None = no key weighting); mass : [B, H, S] per-key attention mass
     (None = no value weighting). With both None this is SVD on raw K/V. ``tau`` selects the energy rule
     (ranks from each weighted matrix's spectrum, reduced over (batch, head) by ``aggregator``);
     otherwise ``rank_k`` / ``rank_v`` are used as given.
+
+    ``key_mass`` (an extension, NOT in the paper's Algorithm 2; off by default): also row-weight the keys
+    by sqrt(mass), i.e. factor diag(sqrt a) K C_Q^{1/2}, so the logit error is weighted by how much
+    attention each key receives (the two-sided metric is still solved exactly by one SVD).
     """
     Kf, Vf = _f32(K), _f32(V)
-    # keys in the query metric: factor K W, map back with W^{-1}
-    if C_Q is not None:
-        W, Wi = sqrt_and_inv_sqrt(C_Q.to(Kf.dtype))
-        Uk, Sk, Vhk = svd(Kf @ W)
-    else:
-        Wi = None
-        Uk, Sk, Vhk = svd(Kf)
-    # values row-weighted by sqrt(mass + floor * mean mass), un-weighted after truncation
+    # values (and optionally keys) row-weighted by sqrt(mass + floor * mean mass), un-weighted after truncation
+    sa = None
     if mass is not None:
         a = mass.to(Vf.dtype)
         mean = a.mean(-1, keepdim=True)
         a = torch.where(mean > 0, a + mass_floor * mean, torch.ones_like(a))
         sa = a.clamp_min(torch.finfo(a.dtype).tiny).sqrt()
-        Uv, Sv, Vhv = svd(sa[..., None] * Vf)
+    ska = sa if key_mass and sa is not None else None
+    Kin = Kf if ska is None else ska[..., None] * Kf
+    # keys in the query metric: factor K W, map back with W^{-1}
+    if C_Q is not None:
+        W, Wi = sqrt_and_inv_sqrt(C_Q.to(Kf.dtype))
+        Uk, Sk, Vhk = svd(Kin @ W)
     else:
-        sa = None
-        Uv, Sv, Vhv = svd(Vf)
+        Wi = None
+        Uk, Sk, Vhk = svd(Kin)
+    Uv, Sv, Vhv = svd(Vf if sa is None else sa[..., None] * Vf)
     hrk = hrv = None
     if tau is not None:
         hrk, hrv = energy_rank(Sk, tau), energy_rank(Sv, tau)
@@ -176,6 +180,8 @@ def attention_svd(K: torch.Tensor, V: torch.Tensor, rank_k: int | None, rank_v: 
     fk, fv = trunc(Uk, Sk, Vhk, rank_k), trunc(Uv, Sv, Vhv, rank_v)
     if Wi is not None:
         fk = Factors(fk.A, fk.B @ Wi)
+    if ska is not None:
+        fk = Factors(fk.A / ska[..., None], fk.B)
     if sa is not None:
         fv = Factors(fv.A / sa[..., None], fv.B)
     return LayerFactors(fk, fv, Sk, Sv, hrk, hrv, weighted=C_Q is not None or mass is not None)

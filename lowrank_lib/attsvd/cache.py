@@ -208,7 +208,8 @@ class AttSVDLayer(PrefillCompressedLayer):
         if not cfg.dynamic:
             rk, rv = cfg.fixed_ranks(d)
         info = attention_svd(Kb, Vb, rk, rv, C_Q=C_Q, mass=mass, tau=cfg.tau, aggregator=cfg.aggregator,
-                             rank_max=cfg.rank_max, mass_floor=cfg.mass_floor)
+                             rank_max=cfg.rank_max, mass_floor=cfg.mass_floor,
+                             key_mass=cfg.key_mass)
         self.info = info
         self.bulk_k, self.bulk_v = info.k.to(K.dtype), info.v.to(V.dtype)
         # free the dense bulk: keep only the exact window (a copy, so the prefill tensor can be released)

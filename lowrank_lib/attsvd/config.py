@@ -34,6 +34,8 @@ class AttSVDConfig:
     eps : ridge of C_Q = Q^T Q + eps * mean-trace * I.
     mass_floor : a <- a + mass_floor * mean(a) (guards the un-weighting diag(1/sqrt a)).
     obs_window : use only the last ``obs_window`` queries for C_Q and the mass (None = all queries).
+    key_mass : extension beyond the paper (default off): also row-weight the keys by the attention mass,
+        i.e. factor diag(sqrt a) K C_Q^{1/2} (logit errors weighted by how much each key is attended).
     """
 
     rank: int | None = None
@@ -50,6 +52,7 @@ class AttSVDConfig:
     eps: float = 1e-3
     mass_floor: float = 1e-3
     obs_window: int | None = None
+    key_mass: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:

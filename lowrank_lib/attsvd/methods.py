@@ -2,6 +2,8 @@
 all at one memory budget b (fraction of the dense KV bytes).
 
 AttSVD at budget b uses r = round(b d) for K and V (b = 0.5 is the paper's "50 % cache", r/d = 0.5).
+"attsvd-km" is the accumulate cache with the ``key_mass`` extension (keys also mass-weighted; not in the
+paper), reported beside the paper's algorithm, never instead of it.
 Eviction baselines keep the number of tokens whose exact bytes equal AttSVD's stored bytes (Eq. 6):
 
     n = [(r_K + r_V)(S - w + d) + 2 w d] / (2 d)
@@ -16,7 +18,7 @@ from .cache import AttSVDCache, _model_geometry
 from .config import AttSVDConfig
 from .policies import POLICIES, EvictionBudget, EvictionCache
 
-LOWRANK = ("attsvd", "attsvd-stream", "svd")
+LOWRANK = ("attsvd", "attsvd-stream", "svd", "attsvd-km")
 METHODS = ("dense", *LOWRANK, *POLICIES)
 
 
@@ -43,6 +45,8 @@ class MethodSpec:
             cfg = replace(cfg, mode="stream")
         if self.name == "svd":
             cfg = replace(cfg, attention_aware=False)
+        if self.name == "attsvd-km":
+            cfg = replace(cfg, key_mass=True)
         return cfg
 
     def make(self, model, prompt_len: int):
