@@ -14,10 +14,14 @@ def test_graph_replay_ablation_notebook(executed_notebook):
     assert {"hf_static", "hf_dynamic"} <= set(mech)
     assert {k for k in MECHANISMS if "graph" not in k} <= set(mech)
     ops = {k: v["ops_per_token"] for k, v in mech.items()}
-    eng = ops["+ fold norm (= engine, eager)"]
+    eng = ops["+ fold RoPE (= engine, eager)"]
     assert eng < ops["dense KV"] < ops["naive: low-rank history rebuilt"] < ops["hf_static"]
-    for k in ("engine - pack qkv", "engine - pack mlp", "engine - fold RoPE", "engine - fold norm"):
-        assert ops[k] > eng, k                      # every mechanism removes dispatches
+    for k in ("engine - pack qkv", "engine - fold RoPE"):
+        assert ops[k] > eng, k                      # these mechanisms remove CPU dispatches
+    # packed gate/up trades 2 GEMMs for 1 GEMM + split: the same CPU dispatch count (on CUDA the
+    # split is a view, so it saves a launch)
+    assert ops["engine - pack mlp"] == eng
+    assert ops["engine + fold norm (ulp drift)"] < eng
     for rows, n in ((m["by_prompt"], 4 * 2), (m["by_gen"], 4 * 2), (m["step_latency"], 4 * 2)):
         assert len(rows) == n
     assert len(m["by_keep"]) == 2 * 2

@@ -14,7 +14,8 @@ from lowrank_lib.runtime.baselines import HFRunner, make_runner
 CONFIGS = {
     "all_on": {},
     "unpacked": dict(pack_qkv=False, pack_mlp=False),
-    "no_fold": dict(fold_rope=False, fold_norm=False),
+    "no_fold": dict(fold_rope=False),
+    "fold_norm": dict(fold_norm=True),
     "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False),
     "rebuild": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False),
 }
@@ -24,10 +25,12 @@ def _ref(model, ids, n, mask=None):
     return run_generation(HFRunner(model, "dynamic"), ids, n, mask, return_logits=True)
 
 
-def _cmp(out, ref, tol=1e-4):
+def _cmp(out, ref, tol=1e-4, rel=False):
+    """Tokens equal; max logit error < tol (absolute), or < tol * max|logit| when ``rel``."""
     assert torch.equal(out.tokens, ref.tokens)
     err = max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits))
-    assert err < tol, err
+    scale = max(float(a.abs().max()) for a in ref.logits) if rel else 1.0
+    assert err < tol * scale, (err, scale)
 
 
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
@@ -191,4 +194,9 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
     eng = Engine(lr, EngineConfig(max_seq_len=64))
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
-        _cmp(eng.generate(ids, 12, return_logits=True), _ref(lr, ids, 12))
+        ref = _ref(lr, ids, 12)
+        # logits reach |35| here; HF's own StaticCache differs from DynamicCache by ~9e-5 on them,
+        # so the bound is relative: 1e-5 * max|logit| (~3.5e-4)
+        _cmp(eng.generate(ids, 12, return_logits=True), ref, 1e-5, rel=True)
+        st = run_generation(HFRunner(lr, "static", 64), ids, 12, return_logits=True)
+        _cmp(st, ref, 1e-5, rel=True)

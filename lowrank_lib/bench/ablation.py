@@ -24,13 +24,12 @@ MECHANISMS: dict[str, dict] = {
     "dense KV": PRESETS["dense_kv"],
     "dense KV + pack qkv": dict(pack_mlp=False, **_OFF),
     "dense KV + pack qkv + pack mlp": dict(_OFF),
-    "+ fold RoPE": dict(fold_norm=False),
-    "+ fold norm (= engine, eager)": {},
+    "+ fold RoPE (= engine, eager)": {},
     "+ whole-step graph": dict(graph="whole-step"),
     "engine - pack qkv": dict(pack_qkv=False),
     "engine - pack mlp": dict(pack_mlp=False),
     "engine - fold RoPE": dict(fold_rope=False),
-    "engine - fold norm": dict(fold_norm=False),
+    "engine + fold norm (ulp drift)": dict(fold_norm=True),
 }
 
 

@@ -80,8 +80,9 @@ def flash_decode(q, k, v, K, V, cache, pos, mask):
 
     B, Hkv, G, D = q.shape
     seqlens = cache.length.to(torch.int32).expand(B).contiguous()
+    kw = {"cache_leftpad": cache.pad[:B].to(torch.int32)} if cache.any_pad else {}   # flash-attn >= 2.6
     o = flash_attn_with_kvcache(q.reshape(B, 1, Hkv * G, D), K, V, k=k.transpose(1, 2), v=v.transpose(1, 2),
-                                cache_seqlens=seqlens, cache_leftpad=cache.pad[:B].to(torch.int32), causal=True)
+                                cache_seqlens=seqlens, causal=True, **kw)
     return o.reshape(B, Hkv * G * D)
 
 

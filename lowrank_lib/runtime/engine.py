@@ -339,7 +339,7 @@ class Engine:
         self.cache.check_room(T)
         pad = left_pad_counts(None if attention_mask is None else attention_mask.to(self.device), input_ids)
         self.cache.reset(pad)
-        self._any_pad = bool((pad > 0).any())
+        self._any_pad = self.cache.any_pad
         self._B = B
         Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         slots = self._slots[:T]

@@ -4,8 +4,8 @@ CUDA (``torch.cuda.CUDAGraph``): every mode reads the live cache length / pad fr
 so one capture per batch size serves every step (no length buckets).
 
 - ``whole-step``: embedding -> all layers -> final norm -> lm_head -> ``length += 1``: ONE replay.
-- ``per-layer``: an eager prologue (embedding, RoPE gather, slot mask into static buffers), one
-  replay per layer (attention + MLP), an eager epilogue (final norm, lm_head, length += 1).
+- ``per-layer``: a small prologue graph (embedding, RoPE gather, slot mask), one graph per layer
+  (attention + MLP), a small epilogue graph (final norm, lm_head, length += 1): L + 2 replays.
 - ``split``: as per-layer but attention and MLP are two graphs (the paper's "split graph").
 
 CPU: there is no launch to save, only Python/dispatcher overhead. "Graph" on CPU means
@@ -64,20 +64,9 @@ class GraphRunner:
         if self.impl != "cuda-graph":
             return st["fn"](tokens)
         st["tokens"].copy_(tokens)
-        if self.mode == "whole-step":
-            st["graphs"][0].replay()
-            return st["out"]
-        eng = self.eng
-        _, cs, mask, _, _ = eng._step_inputs(B, None)
-        st["x"].copy_(torch.nn.functional.embedding(tokens, eng.embed))
-        st["cs"].copy_(cs)
-        if mask is not None:
-            st["mask"].copy_(mask)
-        for g in st["graphs"]:
+        for g in st["graphs"]:        # whole-step: 1 replay; per-layer: L + 2; split: 2L + 2
             g.replay()
-        logits = eng._head(st["out"])
-        eng.cache.length.add_(1)
-        return logits
+        return st["out"]
 
     # ------------------------------------------------------------------ CPU
     def _compile_cpu(self, B: int) -> dict:
@@ -90,43 +79,51 @@ class GraphRunner:
         return {"fn": fn}
 
     # ------------------------------------------------------------------ CUDA
+    def _stages(self, B: int, tokens: torch.Tensor) -> list:
+        """The decode step cut into graph regions; each stage maps the previous stage's carry."""
+        eng = self.eng
+        if self.mode == "whole-step":
+            return [lambda _: eng.decode_body(tokens, live=None)]
+
+        def prologue(_):        # embedding + RoPE gather + slot mask: one small graph
+            return torch.nn.functional.embedding(tokens, eng.embed), eng._step_inputs(B, None)
+
+        def epilogue(carry):    # final norm + lm_head + length += 1: one small graph
+            logits = eng._head(carry[0])
+            eng.cache.length.add_(1)
+            return logits
+
+        stages = [prologue]
+        for i in range(eng.n_layers):
+            attn = lambda carry, i=i: (eng._attn_block(i, carry[0], carry[1]), carry[1])
+            mlp = lambda carry, i=i: (eng._mlp_block(i, carry[0]), carry[1])
+            if self.mode == "per-layer":
+                stages.append(lambda carry, a=attn, m=mlp: m(a(carry)))
+            else:
+                stages += [attn, mlp]
+        return stages + [epilogue]
+
     def _capture_cuda(self, B: int) -> dict:
         eng, c = self.eng, self.eng.cache
-        dev = eng.device
-        tokens = torch.zeros(B, dtype=torch.long, device=dev)
-        pool = torch.cuda.graph_pool_handle()
-        if self.mode == "whole-step":
-            bodies = [lambda: eng.decode_body(tokens, live=None)]
-            st = {"tokens": tokens}
-        else:
-            pos, cs, mask, Ks, Vs = eng._step_inputs(B, None)
-            x = torch.zeros(B, eng.hidden, dtype=eng.dtype, device=dev)
-            st = {"tokens": tokens, "x": x, "cs": cs.clone(), "mask": mask.clone()}
-            ctx = (c.length, st["cs"], st["mask"], Ks, Vs)
-            bodies = []
-            for i in range(eng.n_layers):
-                attn = lambda inp, i=i: eng._attn_block(i, inp, ctx)
-                mlp = lambda inp, i=i: eng._mlp_block(i, inp)
-                if self.mode == "per-layer":
-                    bodies.append(lambda inp, a=attn, m=mlp: m(a(inp)))
-                else:
-                    bodies += [attn, mlp]
+        tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
+        stages = self._stages(B, tokens)
         saved = c.length.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():     # warm-up (allocator, lazy inits, autotune)
+        with torch.cuda.stream(side), torch.no_grad():     # warm-up (allocator, lazy inits, Triton JIT)
             for _ in range(2):
-                inp = st.get("x")
-                for body in bodies:
-                    inp = body() if self.mode == "whole-step" else body(inp)
+                carry = None
+                for f in stages:
+                    carry = f(carry)
                 c.length.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
-        graphs, inp = [], st.get("x")
+        pool = torch.cuda.graph_pool_handle()
+        graphs, carries, carry = [], [], None
         with torch.no_grad():
-            for body in bodies:
+            for f in stages:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    inp = body() if self.mode == "whole-step" else body(inp)
+                    carry = f(carry)
                 graphs.append(g)
-        st["graphs"], st["out"] = graphs, inp
-        return st
+                carries.append(carry)     # keep every region's outputs alive (static addresses)
+        return {"tokens": tokens, "graphs": graphs, "out": carry, "carries": carries}

@@ -49,6 +49,7 @@ class StaticKVCache:
             self.k, self.v = list(views[0::2]), list(views[1::2])
         self.length = torch.zeros(1, dtype=torch.long, device=device)
         self.pad = torch.zeros(batch, dtype=torch.long, device=device)
+        self.any_pad = False
         self.host_len = 0  # mirror of ``length`` for eager slicing (never read inside a graph)
 
     @property
@@ -63,6 +64,7 @@ class StaticKVCache:
         self.pad[: pad.shape[0]].copy_(pad)
         self.length.zero_()
         self.host_len = 0
+        self.any_pad = bool((pad > 0).any())   # host flag (one sync per request, never in a step)
 
     def check_room(self, needed: int) -> None:
         if needed > self.max_len:
