@@ -88,7 +88,8 @@ def test_native_layouts(calibrated, tmp_path):
     with pytest.raises(RuntimeError, match="CUDA"):      # saved "from a GPU", like the original
         torch.load(p, weights_only=False)
     assert load_checkpoint(p.parent).lowrank_meta["keep"] == 0.6
-    d = write_native(_compress(m, stats, "basis_sharing"), "basis_sharing", tmp_path / "bs")
+    d = write_native(_compress(m, stats, "basis_sharing"), "basis_sharing", tmp_path / "share_tiny_40")
+    assert load_checkpoint(d).lowrank_meta["keep"] == 0.6
     sd = torch.load(d / "pytorch_model.bin", weights_only=True)
     a, b = sd["model.layers.0.self_attn.q_basis.weight"], sd["model.q_basis.1.weight"]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()   # aliases share one storage

@@ -143,9 +143,12 @@ def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results", m
     if out_dir is not None:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        name = f"quality_{cfg.model}_w{cfg.max_windows}x{cfg.seq_len}_c{cfg.calib_samples}x{cfg.calib_seq_len}.json"
-        (out / name).write_text(json.dumps(result, indent=2) + "\n")
-        result["path"] = str(out / name)
+        stem = f"quality_{Path(cfg.model).name}_w{cfg.max_windows}x{cfg.seq_len}_c{cfg.calib_samples}x{cfg.calib_seq_len}"
+        target = out / f"{stem}.json"
+        if target.exists():                       # never overwrite an earlier run silently
+            target = out / f"{stem}_{time.strftime('%Y%m%dT%H%M%S')}.json"
+        target.write_text(json.dumps(result, indent=2) + "\n")
+        result["path"] = str(target)
     return result
 
 

@@ -13,6 +13,7 @@ Reading: for each group, every alias of its basis must be equal (else refused) a
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -98,7 +99,9 @@ def read(path: str | Path, dtype=torch.float32):
             if len(g) > 1:
                 shared.append([f"model.layers.{i}.{parent}.{t}_proj.V" for i in g])
     cfg_l = dict(cfg, model_type="llama")
-    meta = {"family": "basis_sharing", "keep": None, "shared_groups": shared,
+    m = re.search(r"_(\d+(?:\.\d+)?)$", path.name)      # share_<model>_<compression_ratio %>
+    meta = {"family": "basis_sharing", "keep": round(1 - float(m.group(1)) / 100, 6) if m else None,
+            "shared_groups": shared,
             "groups": {t: cfg.get(f"{t}_groups") for t in TYPES},
             "num_basis": {t: cfg.get(f"num_basis_{t}") for t in TYPES}}
     return build_model(llama_config(cfg_l, str(path)), sd, factors, meta, path, dtype)

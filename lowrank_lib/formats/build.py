@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..factorized import LowRankLinear, replace_with_factors, shared_groups
+from ..factorized import LowRankLinear, account, replace_with_factors, shared_groups
 
 #: Llama-family architecture fields read from a (pickled, 4.x or 5.x) config.
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -137,6 +137,7 @@ def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], 
     model.requires_grad_(False)
     info = dict(meta)
     info.setdefault("shared_groups", shared_groups(model))
+    info["realised_keep"] = account(model).linear_keep
     info["source"] = source
     model.lowrank_meta.update(info)
     return model
