@@ -192,3 +192,29 @@ def test_unknown_layouts(tmp_path):
         detect_format(p)
     with pytest.raises(CheckpointError, match="no such file"):
         load_checkpoint(tmp_path / "nope")
+
+
+def test_restricted_loader_equals_torch_weights_only(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 8, generator=g)
+    obj = {"a": base, "view": base[2:, 1::2], "t": base.T, "h": torch.randn(5, generator=g).half(),
+           "u8": torch.randint(0, 255, (7,), generator=g, dtype=torch.uint8), "i": torch.arange(4),
+           "p": torch.nn.Parameter(torch.ones(3)), "nested": [("x", torch.zeros(2, 0)), None, 1.5, "s"]}
+    p = tmp_path / "sd.pt"
+    torch.save(obj, p)
+    ours, ref = safe_torch_load(p), torch.load(p, weights_only=True)
+    for k in ("a", "view", "t", "h", "u8", "i", "p"):
+        assert ours[k].dtype == ref[k].dtype and torch.equal(ours[k], ref[k]), k
+        assert ours[k].stride() == ref[k].stride(), k
+    assert ours["view"].untyped_storage().data_ptr() == ours["a"].untyped_storage().data_ptr()  # sharing kept
+    assert ours["nested"][0][0] == "x" and ours["nested"][1:] == [None, 1.5, "s"]
+
+
+def test_fake_class_registration_never_shadows(tmp_path):
+    import transformers.models.llama.modeling_llama as ml
+
+    clash = fake_class("transformers.models.llama.modeling_llama.LlamaModel")
+    with pytest.raises(RuntimeError, match="refusing to shadow"):
+        with registered([clash]):
+            pass
+    assert ml.LlamaModel is not clash
