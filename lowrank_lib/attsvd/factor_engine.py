@@ -132,7 +132,7 @@ class FactorEngine(Engine):
         else:                                 # graphs: one buffer shape per bulk bucket
             s_pad = max(self.bucket, math.ceil(s_b / self.bucket) * self.bucket)
             w_cap = self.config.max_seq_len - s_pad + self.bucket
-        bufs, stored, dense = [], 0, 0
+        layers, stored, dense = [], 0, 0
         for i, q in enumerate(queries):
             K, V = c.k[i][:B], c.v[i][:B]
             if self.backend.layout == "bshd":
@@ -144,29 +144,35 @@ class FactorEngine(Engine):
             layer.observe(Observation(q, D ** -0.5, slots, k_valid, k_valid))
             stored += layer.stored_bytes()
             dense += layer.dense_bytes()
-            bufs.append(self._buffers(layer, B, s_b, s_pad, w_cap))
+            layers.append(layer)
+        ranks = [(l.rank_k, l.rank_v) if s_b else (1, 1) for l in layers]
+        key = (B, s_pad, w_cap, tuple(ranks))
+        if key != self._key:                  # new shapes: new buffers, and graphs must be re-captured
+            self._buf = [self._alloc(B, s_pad, w_cap, rk, rv) for rk, rv in ranks]
+            if self.graphs is not None:
+                self.graphs._state.clear()
+            self._key = key
+        for layer, buf in zip(layers, self._buf):  # same bucket: overwrite in place (captured addresses)
+            self._fill(buf, layer, s_b)
         self._accounting = {"attsvd_stored_bytes": stored, "attsvd_dense_bytes": dense,
                             "attsvd_ratio": stored / max(1, dense), "bulk_len": s_b, "bulk_padded": s_pad,
-                            "window_capacity": w_cap, "rank_k": bufs[0].a_k.shape[-1] if s_b else 0,
-                            "rank_v": bufs[0].a_v.shape[-1] if s_b else 0}
-        self._buf = bufs
+                            "window_capacity": w_cap, "rank_k": ranks[0][0] if s_b else 0,
+                            "rank_v": ranks[0][1] if s_b else 0}
         self._sb.fill_(s_b)
         self._sb_host = s_b
         self._free_dense()                    # decode reads only the factors and the window
-        key = (B, s_pad)
-        if self.graphs is not None and key != self._key:
-            self.graphs._state.clear()        # shapes changed bucket: re-capture on the next prepare()
-        self._key = key
 
-    def _buffers(self, layer: AttSVDLayer, B: int, s_b: int, s_pad: int, w_cap: int) -> _LayerBuffers:
-        dev, dt, Hkv, D = self.device, self.dtype, self.n_kv, self.head_dim
-        rk, rv = (layer.rank_k, layer.rank_v) if s_b else (1, 1)
-        buf = _LayerBuffers(torch.zeros(B, Hkv, s_pad, rk, dtype=dt, device=dev),
-                            torch.zeros(B, Hkv, rk, D, dtype=dt, device=dev),
-                            torch.zeros(B, Hkv, s_pad, rv, dtype=dt, device=dev),
-                            torch.zeros(B, Hkv, rv, D, dtype=dt, device=dev),
-                            torch.zeros(B, Hkv, w_cap, D, dtype=dt, device=dev),
-                            torch.zeros(B, Hkv, w_cap, D, dtype=dt, device=dev))
+    def _alloc(self, B: int, s_pad: int, w_cap: int, rk: int, rv: int) -> _LayerBuffers:
+        z = lambda *shape: torch.zeros(*shape, dtype=self.dtype, device=self.device)
+        Hkv, D = self.n_kv, self.head_dim
+        return _LayerBuffers(z(B, Hkv, s_pad, rk), z(B, Hkv, rk, D), z(B, Hkv, s_pad, rv), z(B, Hkv, rv, D),
+                             z(B, Hkv, w_cap, D), z(B, Hkv, w_cap, D))
+
+    @staticmethod
+    def _fill(buf: _LayerBuffers, layer: AttSVDLayer, s_b: int) -> None:
+        """Copy a compressed layer into its static buffers (rows past S_b / past the window zeroed)."""
+        for t in buf.__dict__.values():
+            t.zero_()
         if s_b:
             buf.a_k[:, :, :s_b].copy_(layer.bulk_k.A)
             buf.b_k.copy_(layer.bulk_k.B)
@@ -175,7 +181,6 @@ class FactorEngine(Engine):
         n = layer.keys.shape[-2]
         buf.k_win[:, :, :n].copy_(layer.keys)
         buf.v_win[:, :, :n].copy_(layer.values)
-        return buf
 
     # ------------------------------------------------------------------ decode
     def _step_inputs(self, B: int, live: int | None):
