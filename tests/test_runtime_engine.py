@@ -54,6 +54,7 @@ def test_dense_model_and_mixed_model():
     eng = Engine(mixed, EngineConfig(max_seq_len=24))
     g = eng.layers[0].qkv
     assert [m.U is None for m in g.members] == [True, False, True]
+    assert not eng.fold and g.S.shape[0] == 64 + 5 + 32       # dense q/k: RoPE not folded (no doubled W)
     _cmp(eng.generate(ids, 8, return_logits=True), _ref(mixed, ids, 8))
 
 

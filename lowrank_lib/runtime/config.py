@@ -40,6 +40,7 @@ class EngineConfig:
         U factors. Exact algebra; a basis shared by several projections is applied once.
     fold_rope : store [U; P U] for q and k (P = RoPE's signed rotate-half permutation, exact in
         floating point) so one GEMM yields q and rotate_half(q); RoPE is then 1 mul + 1 sum.
+        Applied only when every q/k projection is low rank (for a dense W it doubles the bytes read).
     fold_norm : fold each RMSNorm weight into the next stage-1 GEMM (S diag(w)), saving one
         elementwise op per norm. Exact in real arithmetic but NOT in floating point: on SmolLM2
         (norm weights with outliers) logits drift by ~1e-3 in fp32, so it is off by default.

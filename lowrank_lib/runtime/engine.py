@@ -24,6 +24,7 @@ from torch import nn
 from .attention import DECODE, prefill_attention, select_backend
 from .config import EngineConfig
 from .kv_cache import CacheFullError, StaticKVCache
+from ..factorized import LowRankLinear
 from .packing import ProjectionGroup
 
 NEG_INF = float("-inf")
@@ -189,7 +190,11 @@ class Engine:
         cv = lambda t: t.detach().to(device=dev, dtype=dt).contiguous()
         self.embed = cv(model.get_input_embeddings().weight)
         self.norm = cv(model.model.norm.weight)
-        fold = cfg.fold_rope and cfg.kv == "dense"
+        # RoPE folding doubles the stored rows of q/k: cheap for a low-rank U [out, r], a bad trade for
+        # a dense W [out, in] (decode is bandwidth bound), so it applies when every q/k is low rank.
+        lr_qk = all(isinstance(getattr(L.self_attn, n), LowRankLinear) for L in model.model.layers
+                    for n in ("q_proj", "k_proj"))
+        fold = cfg.fold_rope and cfg.kv == "dense" and lr_qk
         self.fold, self.fold_norm = fold, cfg.fold_norm
         nw = (lambda w: w) if cfg.fold_norm else (lambda w: None)
         self.lm_head = ProjectionGroup({"lm_head": model.get_output_embeddings()}, True, dt, dev,
@@ -238,7 +243,7 @@ class Engine:
         return sum(g.nbytes for g in groups) + sum(t.numel() * t.element_size() for t in norms)
 
     def report(self) -> dict:
-        return {"backend": self.backend.name, "backend_reason": self.backend.reason,
+        return {"backend": self.backend.name, "backend_reason": self.backend.reason, "rope_folded": self.fold,
                 "graph": self.config.graph, "graph_impl": self.graphs.impl if self.graphs else "eager",
                 "capture_s_total": self.capture_s, "kv_cache_bytes": self.cache.nbytes,
                 "weight_bytes_per_token": self.weight_bytes_per_token(), "config": self.config.to_dict()}
