@@ -79,34 +79,10 @@ class GraphRunner:
         return {"fn": fn}
 
     # ------------------------------------------------------------------ CUDA
-    def _stages(self, B: int, tokens: torch.Tensor) -> list:
-        """The decode step cut into graph regions; each stage maps the previous stage's carry."""
-        eng = self.eng
-        if self.mode == "whole-step":
-            return [lambda _: eng.decode_body(tokens, live=None)]
-
-        def prologue(_):        # embedding + RoPE gather + slot mask: one small graph
-            return torch.nn.functional.embedding(tokens, eng.embed), eng._step_inputs(B, None)
-
-        def epilogue(carry):    # final norm + lm_head + length += 1: one small graph
-            logits = eng._head(carry[0])
-            eng.cache.length.add_(1)
-            return logits
-
-        stages = [prologue]
-        for i in range(eng.n_layers):
-            attn = lambda carry, i=i: (eng._attn_block(i, carry[0], carry[1]), carry[1])
-            mlp = lambda carry, i=i: (eng._mlp_block(i, carry[0]), carry[1])
-            if self.mode == "per-layer":
-                stages.append(lambda carry, a=attn, m=mlp: m(a(carry)))
-            else:
-                stages += [attn, mlp]
-        return stages + [epilogue]
-
     def _capture_cuda(self, B: int) -> dict:
         eng, c = self.eng, self.eng.cache
         tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
-        stages = self._stages(B, tokens)
+        stages = decode_stages(eng, self.mode, B, tokens)
         saved = c.length.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -127,3 +103,34 @@ class GraphRunner:
                 graphs.append(g)
                 carries.append(carry)     # keep every region's outputs alive (static addresses)
         return {"tokens": tokens, "graphs": graphs, "out": carry, "carries": carries}
+
+
+def decode_stages(eng, mode: str, B: int, tokens: torch.Tensor) -> list:
+    """The decode step cut into graph regions; stage k maps stage k-1's carry (the first gets None).
+
+    ``whole-step``: [step]; ``per-layer``: [prologue, layer_0, ..., layer_{L-1}, epilogue];
+    ``split``: [prologue, attn_0, mlp_0, ..., epilogue]. Running the stages in order IS one decode
+    step (CPU tests check this against ``decode_body``); on CUDA each stage is captured as a graph.
+    """
+    if mode == "whole-step":
+        return [lambda _: eng.decode_body(tokens, live=None)]
+
+    def prologue(_):        # embedding + RoPE gather + slot mask: one small graph
+        return torch.nn.functional.embedding(tokens, eng.embed), eng._step_inputs(B, None)
+
+    def epilogue(carry):    # final norm + lm_head + length += 1: one small graph
+        logits = eng._head(carry[0])
+        eng.cache.length.add_(1)
+        return logits
+
+    stages = [prologue]
+    for i in range(eng.n_layers):
+        attn = lambda carry, i=i: (eng._attn_block(i, carry[0], carry[1]), carry[1])
+        mlp = lambda carry, i=i: (eng._mlp_block(i, carry[0]), carry[1])
+        if mode == "per-layer":
+            stages.append(lambda carry, a=attn, m=mlp: m(a(carry)))
+        elif mode == "split":
+            stages += [attn, mlp]
+        else:
+            raise ValueError(f"graph mode {mode!r}")
+    return stages + [epilogue]
