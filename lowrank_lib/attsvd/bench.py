@@ -38,7 +38,7 @@ def _out_path(out_dir: Path, stem: str) -> Path:
 def targets(quality: dict, longctx: dict | None, budget: float = 0.5) -> dict:
     """The issue's acceptance checks at ``budget`` from one prefill length's results."""
     key = lambda m: f"{m}@{budget:g}"
-    if key("attsvd") not in quality:
+    if key("attsvd") not in quality or key("svd") not in quality:
         return {}
     a, s = quality[key("attsvd")], quality[key("svd")]
     evict = {m: quality[key(m)]["kl"] for m in ("streamingllm", "h2o", "snapkv", "keydiff") if key(m) in quality}
@@ -85,7 +85,7 @@ def table(res: dict) -> str:
 
 def run(model_name: str, prefill: list[int], windows: int, cont: int, budgets: list[float], methods: list[str],
         window: int, chunk: int, lengths: list[int], n_per: int, tasks: list[str], step: int, seed: int,
-        longctx_budgets: list[float], progress: bool = True) -> dict:
+        longctx_budgets: list[float], progress: bool = True, checkpoint=None) -> dict:
     from .. import models
     from ..eval import kvquality, longctx
 
@@ -101,6 +101,9 @@ def run(model_name: str, prefill: list[int], windows: int, cont: int, budgets: l
         q = kvquality.continuation_quality(model, W, P, specs, step=step, progress=progress)
         res["quality"][str(P)] = {k: v.to_dict() for k, v in q.items()}
         res["timing_s"][f"quality_{P}"] = time.perf_counter() - t0
+        res["targets"][str(P)] = targets(res["quality"][str(P)], None, 0.5)
+        if checkpoint is not None:      # keep finished stages on disk while the long-context stage runs
+            checkpoint(res)
     lc = None
     if lengths and tasks:
         t0 = time.perf_counter()
@@ -140,13 +143,16 @@ def main(argv: list[str] | None = None) -> int:
                 window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
                 n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
                 longctx_budgets=a.longctx_budgets)
-    res = run(**args)
-    res["args"] = args
-    res["command"] = "python -m lowrank_lib.attsvd.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    res["torch_threads"] = torch.get_num_threads()
     stem = f"attsvd_{a.model}_p{'-'.join(map(str, args['prefill']))}_n{args['windows']}"
     path = _out_path(Path(a.out), stem)
-    path.write_text(json.dumps(res, indent=1))
+    meta = {"args": args, "torch_threads": torch.get_num_threads(),
+            "command": "python -m lowrank_lib.attsvd.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
+
+    def save(partial: dict) -> None:
+        path.write_text(json.dumps(partial | meta, indent=1))
+
+    res = run(**args, checkpoint=save) | meta
+    save(res)
     txt = table(res)
     path.with_suffix(".txt").write_text(txt + "\n")
     print(txt)
