@@ -45,3 +45,7 @@ def test_quickstart_metrics(executed_notebook):
     assert m["params_compressed"] < m["params_dense"]
     assert "Paris" in m["answer_dense"]
     assert m["figures"] and all(f.endswith(".png") for f in m["figures"])
+    sens = m["sensitivity_ppl"]
+    assert set(sens) == {"dense", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    # on SmolLM2 one type (v_proj) breaks plain SVD: at least one isolated truncation must hurt a lot
+    assert max(sens.values()) > 2 * sens["dense"]

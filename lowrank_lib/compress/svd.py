@@ -35,9 +35,10 @@ class SVDSpectra:
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
 
     def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None, dtype=torch.float32):
-        """``{name: LowRankLinear}`` at a canonical keep ratio or explicit per-matrix ranks."""
+        """``{name: LowRankLinear}`` at a canonical keep ratio, or for the matrices named in ``ranks``."""
         out = {}
-        for name, (U, S, Vh) in self.svd.items():
+        for name in (ranks if ranks is not None else self.svd):
+            U, S, Vh = self.svd[name]
             r = ranks[name] if ranks is not None else keep_rank(U.shape[0], Vh.shape[1], keep)
             A, B = split_sqrt(U, S, Vh, r, dtype)
             out[name] = LowRankLinear(A, B, self.bias[name])

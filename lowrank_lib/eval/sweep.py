@@ -42,11 +42,37 @@ def ppl_vs_keep(model, ids, keeps: Iterable[float], compress: Callable | None = 
     return rows
 
 
+def sensitivity_by_type(model, ids, rank_frac: float = 0.9, seq_len: int = 512, max_windows: int = 2,
+                        progress: bool = True, spectra=None) -> dict[str, float]:
+    """Perplexity when ONLY one projection type is truncated to ``rank_frac`` of its full rank.
+
+    Answers "which matrices break plain SVD?": ``{"dense": ppl, "q_proj": ppl, ...}``. The other
+    projections stay dense (exact), so each entry isolates one type.
+    """
+    import copy
+
+    from ..compress.svd import SVDSpectra
+    from ..factorized import LLAMA_PROJ, replace_with_factors
+
+    spectra = spectra or SVDSpectra(model, progress=progress)
+    out = {"dense": perplexity(model, ids, seq_len=seq_len, max_windows=max_windows, progress=False).ppl}
+    for t in tqdm(LLAMA_PROJ, desc="types", disable=not progress):
+        names = [n for n in spectra.svd if n.rsplit(".", 1)[-1] == t]
+        ranks = {n: max(1, int(rank_frac * min(spectra.svd[n][0].shape[0], spectra.svd[n][2].shape[1])))
+                 for n in names}
+        facs = spectra.factors(ranks=ranks)
+        m = replace_with_factors(copy.deepcopy(model), facs)
+        out[t] = perplexity(m, ids, seq_len=seq_len, max_windows=max_windows, progress=False).ppl
+        del m
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m lowrank_lib.eval.sweep``: plain-SVD perplexity table (dense + keeps), JSON + table."""
     import argparse
     import json
     import platform
+    import sys
     import time
     from pathlib import Path
 
@@ -60,12 +86,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.8, 0.6])
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=16, help="first N windows of WikiText-2 test (0 = all)")
+    ap.add_argument("--sensitivity", type=float, default=None, metavar="RANK_FRAC",
+                    help="instead: PPL with only one projection type truncated to RANK_FRAC of full rank")
     ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ppl_svd_<model>_w<N>x<L>.json)")
     a = ap.parse_args(argv)
     t0 = time.time()
     model, tok = models.load(a.model)
     ids = tokens(tok, "test")
     win = a.windows or None
+    if a.sensitivity is not None:
+        res = sensitivity_by_type(model, ids, a.sensitivity, seq_len=a.seq_len, max_windows=win)
+        for k, v in res.items():
+            print(f"{k:>10} {v:12.3f}")
+        out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / \
+            f"svd_sensitivity_{a.model}_r{a.sensitivity}_w{a.windows}x{a.seq_len}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]),
+                                   "rank_frac": a.sensitivity, "seq_len": a.seq_len, "windows": a.windows,
+                                   "ppl": res, "wall_s": round(time.time() - t0, 1)}, indent=2))
+        print(f"wrote {out}")
+        return 0
     rows = ppl_vs_keep(model, ids, a.keeps, seq_len=a.seq_len, max_windows=win)
     print(f"{'method':>6} {'keep':>5} {'ppl':>12} {'params (M)':>10} {'proj kept':>9}")
     for r in rows:
@@ -73,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / \
         f"ppl_svd_{a.model}_w{a.windows}x{a.seq_len}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or __import__("sys").argv[1:]),
+    out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]),
                                "model": a.model, "seq_len": a.seq_len, "windows": rows[0]["windows"],
                                "test_tokens_total": int(ids.numel()), "rows": rows, "wall_s": round(time.time() - t0, 1),
                                "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
