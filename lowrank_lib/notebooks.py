@@ -8,6 +8,7 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
     python -m lowrank_lib.notebooks run                 # report: reports/<nb>.ipynb, figures/
     python -m lowrank_lib.notebooks run --ci            # CI: reports/ci/<nb>.ipynb, reports/ci/figures/
     python -m lowrank_lib.notebooks run --ci 00_quickstart
+    python -m lowrank_lib.notebooks run --params notebooks/params/paper.yaml   # bigger machine
     python -m lowrank_lib.notebooks list
 
 Inside a notebook::
@@ -50,9 +51,9 @@ def on_disk() -> list[str]:
     return sorted(p.stem for p in notebooks_dir().glob("[0-9][0-9]_*.ipynb"))
 
 
-def ci_params() -> dict:
-    """The parsed ``notebooks/params/ci.yaml`` (keys: notebooks, parameters, overrides)."""
-    with open(notebooks_dir() / "params" / "ci.yaml") as f:
+def ci_params(path: str | Path | None = None) -> dict:
+    """A parsed parameter file (keys: notebooks, parameters, overrides); default ``params/ci.yaml``."""
+    with open(path or notebooks_dir() / "params" / "ci.yaml") as f:
         cfg = yaml.safe_load(f) or {}
     cfg.setdefault("notebooks", [])
     cfg.setdefault("parameters", {})
@@ -117,23 +118,30 @@ class NotebookContext:
         return path
 
 
-def plan(name: str, ci: bool) -> dict:
-    """The parameters a run of notebook ``name`` gets (only names the notebook declares)."""
+def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
+    """The parameters a run of notebook ``name`` gets (only names the notebook declares).
+
+    Report runs use the notebook's defaults, or ``params_file`` on top of them; ``ci`` uses
+    ``params/ci.yaml`` and redirects outputs under ``reports/ci``.
+    """
     path = notebooks_dir() / f"{name}.ipynb"
     declared = declared_parameters(path)
     out_base = "reports/ci" if ci else "reports"
     params = {"OUT_DIR": f"{out_base}/{name}", "FIG_DIR": f"{out_base}/figures" if ci else "figures"}
-    if ci:
-        cfg = ci_params()
+    if ci or params_file:
+        cfg = ci_params(None if ci else params_file)
+        overrides = cfg["overrides"].get(name, {})
+        unknown = [k for k in overrides if k not in declared]
+        if unknown:
+            raise ValueError(f"{params_file or 'ci.yaml'} overrides {unknown} for {name}, which its parameters "
+                             f"cell does not declare")
         params.update(cfg["parameters"])
-        params.update(cfg["overrides"].get(name, {}))
-    unknown = [k for k in cfg["overrides"].get(name, {}) if k not in declared] if ci else []
-    if unknown:
-        raise ValueError(f"ci.yaml overrides {unknown} for {name}, which its parameters cell does not declare")
+        params.update(overrides)
     return {k: v for k, v in params.items() if k in declared}
 
 
-def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True) -> dict:
+def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True,
+        params_file: str | Path | None = None) -> dict:
     """Execute notebooks headless with papermill; return ``{name: metrics dict}``.
 
     ``names`` default: every notebook CI runs (``ci.yaml`` list) in CI mode, every one on disk otherwise.
@@ -149,7 +157,7 @@ def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3
         raise FileNotFoundError(f"no notebook named {missing} in {notebooks_dir()}")
     results = {}
     for name in names:
-        params = plan(name, ci)
+        params = plan(name, ci, params_file)
         out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
         out_nb.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.time()
@@ -174,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="execute notebooks headless with papermill")
     r.add_argument("names", nargs="*", help="notebook stems (default: all)")
     r.add_argument("--ci", action="store_true", help="small CI parameters from notebooks/params/ci.yaml")
+    r.add_argument("--params", default=None, help="report run: a YAML of parameters/overrides on top of the "
+                   "defaults (e.g. notebooks/params/paper.yaml)")
     r.add_argument("--no-progress", action="store_true")
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
     args = ap.parse_args(argv)
@@ -182,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in on_disk():
             print(f"{n}\t{'ci' if n in ci else 'NOT IN CI'}")
         return 0
-    run(args.names or None, ci=args.ci, progress=not args.no_progress)
+    run(args.names or None, ci=args.ci, progress=not args.no_progress, params_file=args.params)
     return 0
 
 

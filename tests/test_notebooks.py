@@ -49,3 +49,16 @@ def test_quickstart_metrics(executed_notebook):
     assert set(sens) == {"dense", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     # on SmolLM2 one type (v_proj) breaks plain SVD: at least one isolated truncation must hurt a lot
     assert max(sens.values()) > 2 * sens["dense"]
+
+
+def test_paper_params_file_only_overrides_declared_names(tmp_path):
+    p = notebooks.notebooks_dir() / "params" / "paper.yaml"
+    for name in notebooks.ci_params(p)["overrides"]:
+        plan = notebooks.plan(name, ci=False, params_file=p)  # raises on undeclared names
+        assert plan["OUT_DIR"] == f"reports/{name}" and plan["FIG_DIR"] == "figures"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("overrides:\n  00_quickstart:\n    NOT_A_PARAM: 1\n")
+    import pytest
+
+    with pytest.raises(ValueError, match=r"overrides \['NOT_A_PARAM'\] for 00_quickstart"):
+        notebooks.plan("00_quickstart", ci=False, params_file=bad)
