@@ -35,14 +35,9 @@ def load_text(split: str = "test", path: str | Path | None = None) -> str:
 
 
 @lru_cache(maxsize=8)
-def _tokens_cached(tok_id: int, tokenizer, split: str) -> torch.Tensor:
-    ids = tokenizer(load_text(split), return_tensors="pt", add_special_tokens=False).input_ids[0]
-    return ids
-
-
 def tokens(tokenizer, split: str = "test") -> torch.Tensor:
     """The whole split as one 1-D LongTensor of token ids (cached per tokenizer object)."""
-    return _tokens_cached(id(tokenizer), tokenizer, split)
+    return tokenizer(load_text(split), return_tensors="pt", add_special_tokens=False).input_ids[0]
 
 
 def calibration_batches(tokenizer, n_samples: int = 32, seq_len: int = 512, seed: int = 0,

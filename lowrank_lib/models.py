@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,20 +268,14 @@ def load(name: str | Path = "smollm2", dtype=torch.float32, device: str | torch.
         return tiny_model(name_s, seed=seed, dtype=dtype).to(device), None
     if name_s.lower() in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         path = fetch_smollm2(cache_dir)
-        t0 = _now()
+        t0 = time.perf_counter()
         out = load_dir(path, dtype=dtype, device=device)
-        _log(f"loaded SmolLM2 from cache {path} in {_now() - t0:.1f}s")
+        _log(f"loaded SmolLM2 from cache {path} in {time.perf_counter() - t0:.1f}s")
         return out
     if Path(name_s).exists():
         return load_dir(name_s, dtype=dtype, device=device)
     raise ModelLoadError(f"unknown model {name_s!r}: use 'smollm2', one of {sorted(PRESETS)}, "
                          f"or a local directory")
-
-
-def _now() -> float:
-    import time
-
-    return time.perf_counter()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -94,30 +94,26 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = models.load(a.model)
     ids = tokens(tok, "test")
     win = a.windows or None
+    info = {"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]), "model": a.model,
+            "seq_len": a.seq_len, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     if a.sensitivity is not None:
         res = sensitivity_by_type(model, ids, a.sensitivity, seq_len=a.seq_len, max_windows=win)
         for k, v in res.items():
             print(f"{k:>10} {v:12.3f}")
-        out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / \
-            f"svd_sensitivity_{a.model}_r{a.sensitivity}_w{a.windows}x{a.seq_len}.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]),
-                                   "rank_frac": a.sensitivity, "seq_len": a.seq_len, "windows": a.windows,
-                                   "ppl": res, "wall_s": round(time.time() - t0, 1)}, indent=2))
-        print(f"wrote {out}")
-        return 0
-    rows = ppl_vs_keep(model, ids, a.keeps, seq_len=a.seq_len, max_windows=win)
-    print(f"{'method':>6} {'keep':>5} {'ppl':>12} {'params (M)':>10} {'proj kept':>9}")
-    for r in rows:
-        print(f"{r['method']:>6} {r['keep']:5.2f} {r['ppl']:12.3f} {r['params'] / 1e6:10.2f} {r['linear_keep']:9.3f}")
-    out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / \
-        f"ppl_svd_{a.model}_w{a.windows}x{a.seq_len}.json"
+        default_name = f"svd_sensitivity_{a.model}_r{a.sensitivity}_w{a.windows}x{a.seq_len}.json"
+        info.update(rank_frac=a.sensitivity, windows=a.windows, ppl=res)
+    else:
+        rows = ppl_vs_keep(model, ids, a.keeps, seq_len=a.seq_len, max_windows=win)
+        print(f"{'method':>6} {'keep':>5} {'ppl':>12} {'params (M)':>10} {'proj kept':>9}")
+        for r in rows:
+            print(f"{r['method']:>6} {r['keep']:5.2f} {r['ppl']:12.3f} {r['params'] / 1e6:10.2f} "
+                  f"{r['linear_keep']:9.3f}")
+        default_name = f"ppl_svd_{a.model}_w{a.windows}x{a.seq_len}.json"
+        info.update(windows=rows[0]["windows"], test_tokens_total=int(ids.numel()), rows=rows)
+    out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / default_name
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]),
-                               "model": a.model, "seq_len": a.seq_len, "windows": rows[0]["windows"],
-                               "test_tokens_total": int(ids.numel()), "rows": rows, "wall_s": round(time.time() - t0, 1),
-                               "torch": torch.__version__, "machine": platform.processor() or platform.machine()},
-                              indent=2))
+    info["wall_s"] = round(time.time() - t0, 1)
+    out.write_text(json.dumps(info, indent=2))
     print(f"wrote {out}")
     return 0
 
