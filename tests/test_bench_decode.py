@@ -61,3 +61,22 @@ def test_op_classes_and_counter():
     with DispatchCounter() as c:
         torch.mm(a, a).relu()
     assert c.counts == {"aten.mm.default": 1, "aten.relu.default": 1} and c.by_class() == {"gemm": 1, "elementwise": 1}
+
+
+def test_layout_bench_counts_every_operand(tmp_path, capsys):
+    from lowrank_lib.bench.layout import engine_operand_shapes
+
+    model = compress_svd(models.tiny_model("tiny-gqa", seed=0), 0.5)
+    eng = Engine(model, EngineConfig(max_seq_len=8, weight_layout="out_major"))
+    shapes = engine_operand_shapes(eng)
+    L = model.config.num_hidden_layers
+    # per layer: packed qkv S + 3 U, o V + U, packed gate/up S + 2 U, down V + U; plus lm_head
+    assert sum(shapes.values()) == 11 * L + 1
+    assert shapes[(model.config.vocab_size, model.config.hidden_size)] == 1
+    assert main(["layout", "--model", "tiny-gqa", "--working-set-mb", "2", "--repeats", "1",
+                 "--out-dir", str(tmp_path)]) == 0
+    res = json.loads(next(tmp_path.glob("layout_*.json")).read_text())
+    assert {r["auto"] for r in res["rows"]} <= {"out_major", "in_major"}
+    assert all(r["GBps"]["out_major"] > 0 and r["GBps"]["in_major"] > 0 for r in res["rows"])
+    assert res["ms_per_token"]["best"] <= min(res["ms_per_token"]["out_major"], res["ms_per_token"]["in_major"])
+    assert "fastest" in capsys.readouterr().out

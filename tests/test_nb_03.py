@@ -14,7 +14,8 @@ def test_graph_replay_ablation_notebook(executed_notebook):
     assert {"hf_static", "hf_dynamic"} <= set(mech)
     assert {k for k in MECHANISMS if "graph" not in k} <= set(mech)
     ops = {k: v["ops_per_token"] for k, v in mech.items()}
-    eng = ops["+ fold RoPE (= engine, eager)"]
+    eng = ops["+ weight layout (= engine, eager)"]
+    assert ops["engine - weight layout (out_major)"] == eng == ops["+ fold RoPE"]   # layout: same ops, other order
     assert eng < ops["dense KV"] < ops["naive: low-rank history rebuilt"] < ops["hf_static"]
     for k in ("engine - pack qkv", "engine - fold RoPE"):
         assert ops[k] > eng, k                      # these mechanisms remove CPU dispatches

@@ -16,6 +16,8 @@ CONFIGS = {
     "unpacked": dict(pack_qkv=False, pack_mlp=False),
     "no_fold": dict(fold_rope=False),
     "fold_norm": dict(fold_norm=True),
+    "in_major": dict(weight_layout="in_major"),
+    "out_major": dict(weight_layout="out_major"),
     "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False),
     "rebuild": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False),
 }
@@ -53,7 +55,7 @@ def test_dense_model_and_mixed_model():
     mixed = factorize(models.tiny_model("tiny-gqa", seed=2), ranks=ranks)
     eng = Engine(mixed, EngineConfig(max_seq_len=24))
     g = eng.layers[0].qkv
-    assert [m.U is None for m in g.members] == [True, False, True]
+    assert [m.lowrank for m in g.members] == [False, True, False]
     assert not eng.fold and g.S.shape[0] == 64 + 5 + 32       # dense q/k: RoPE not folded (no doubled W)
     _cmp(eng.generate(ids, 8, return_logits=True), _ref(mixed, ids, 8))
 
@@ -95,6 +97,33 @@ def test_packed_equals_unpacked_bitwise_close():
         ids, 8, return_logits=True)
     assert torch.equal(a.tokens, b.tokens)
     assert max(float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)) < 1e-5
+
+
+def test_weight_layout_rule_and_storage():
+    from lowrank_lib.runtime.packing import ProjectionGroup, pick_layout
+
+    cpu = torch.device("cpu")
+    assert pick_layout(49152, 576, cpu) == "in_major"            # lm_head: long output side contiguous
+    assert pick_layout(1536, 209, cpu) == "in_major"             # up/gate U
+    assert pick_layout(209, 1536, cpu) == "out_major"            # down V: rows are the long side
+    assert pick_layout(384, 72, cpu) == "out_major"              # tiny rows stay nn.Linear-like
+    assert pick_layout(4096, 1024, torch.device("meta")) == "out_major"   # non-CPU: auto = out_major
+    with pytest.raises(ValueError, match="layout"):
+        pick_layout(4, 4, cpu, "column")
+    with pytest.raises(ValueError, match="weight_layout"):
+        EngineConfig(weight_layout="column")
+    g = torch.Generator().manual_seed(0)
+    mods = {"gate_proj": LowRankLinear(torch.randn(300, 130, generator=g), torch.randn(130, 200, generator=g)),
+            "up_proj": nn.Linear(200, 300, bias=True)}
+    x = torch.randn(5, 200, generator=g)
+    ref = [mods["gate_proj"](x), mods["up_proj"](x)]
+    for pack in (True, False):
+        grp = {lay: ProjectionGroup(mods, pack, torch.float32, cpu, layout=lay) for lay in ("out_major", "in_major")}
+        assert grp["in_major"].nbytes == grp["out_major"].nbytes          # same bytes, other order
+        assert grp["in_major"].U_t[0].is_contiguous() and not grp["out_major"].U_t[0].is_contiguous()
+        for lay, gp in grp.items():
+            for y, r in zip(gp(x), ref):
+                torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])

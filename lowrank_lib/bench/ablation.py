@@ -16,7 +16,7 @@ from ..runtime.baselines import make_runner
 from ..runtime.config import PRESETS
 from ..runtime.profiling import per_token_counts
 
-_OFF = dict(fold_rope=False, fold_norm=False)
+_OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 
 #: row name -> (EngineConfig keywords); cumulative ladder first, then leave-one-out from the engine.
 MECHANISMS: dict[str, dict] = {
@@ -24,11 +24,13 @@ MECHANISMS: dict[str, dict] = {
     "dense KV": PRESETS["dense_kv"],
     "dense KV + pack qkv": dict(pack_mlp=False, **_OFF),
     "dense KV + pack qkv + pack mlp": dict(_OFF),
-    "+ fold RoPE (= engine, eager)": {},
+    "+ fold RoPE": dict(weight_layout="out_major"),
+    "+ weight layout (= engine, eager)": {},
     "+ whole-step graph": dict(graph="whole-step"),
     "engine - pack qkv": dict(pack_qkv=False),
     "engine - pack mlp": dict(pack_mlp=False),
     "engine - fold RoPE": dict(fold_rope=False),
+    "engine - weight layout (out_major)": dict(weight_layout="out_major"),
     "engine + fold norm (ulp drift)": dict(fold_norm=True),
 }
 

@@ -1,4 +1,5 @@
-"""``python -m lowrank_lib.bench decode [options]``: prints a table, writes JSON to benchmarks/results/."""
+"""``python -m lowrank_lib.bench decode|fidelity|layout [options]``: prints a table, writes JSON to
+benchmarks/results/."""
 from __future__ import annotations
 
 import argparse
@@ -42,7 +43,21 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--ppl-windows", type=int, default=2, help="0 = skip perplexity")
     f.add_argument("--threads", type=int, default=None)
     f.add_argument("--out-dir", default=d.out_dir)
+    lay = sub.add_parser("layout", help="one-row GEMM bandwidth per stored weight layout (cold cache)")
+    lay.add_argument("--model", default="smollm2")
+    lay.add_argument("--keep", type=float, default=0.5)
+    lay.add_argument("--dtype", default="fp32")
+    lay.add_argument("--working-set-mb", type=int, default=256)
+    lay.add_argument("--repeats", type=int, default=5)
+    lay.add_argument("--threads", type=int, default=None)
+    lay.add_argument("--out-dir", default=d.out_dir)
     a = ap.parse_args(argv)
+    if a.cmd == "layout":
+        from .layout import main as layout_main
+
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        return layout_main(a)
     if a.cmd == "fidelity":
         if a.threads:
             torch.set_num_threads(a.threads)

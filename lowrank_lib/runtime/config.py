@@ -5,6 +5,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .packing import LAYOUTS
+
 GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
 KV_MODES = ("dense", "rebuild")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
@@ -44,6 +46,10 @@ class EngineConfig:
     fold_norm : fold each RMSNorm weight into the next stage-1 GEMM (S diag(w)), saving one
         elementwise op per norm. Exact in real arithmetic but NOT in floating point: on SmolLM2
         (norm weights with outliers) logits drift by ~1e-3 in fp32, so it is off by default.
+    weight_layout : ``"auto"`` (default), ``"out_major"`` (nn.Linear's [out, in]) or ``"in_major"``:
+        how each GEMM operand is stored (``runtime.packing.pick_layout``). Same bytes and dot
+        products; on CPU a one-row GEMM over a wide matrix runs ~2x faster with the long side
+        contiguous, so ``auto`` stores those [in, out]. On CUDA ``auto`` keeps out_major.
     attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA, sdpa on CPU).
     graph : ``"none"``, ``"split"`` (attention and MLP captured apart), ``"per-layer"``,
         ``"whole-step"`` (embedding to logits). CUDA graphs on CUDA; on CPU the same regions are
@@ -62,6 +68,7 @@ class EngineConfig:
     pack_mlp: bool = True
     fold_rope: bool = True
     fold_norm: bool = False
+    weight_layout: str = "auto"
     attention: str = "auto"
     graph: str = "none"
     compile_backend: str = "inductor"
@@ -72,6 +79,8 @@ class EngineConfig:
             raise ValueError(f"kv={self.kv!r}: use one of {KV_MODES}")
         if self.graph not in GRAPH_MODES:
             raise ValueError(f"graph={self.graph!r}: use one of {GRAPH_MODES}")
+        if self.weight_layout not in LAYOUTS:
+            raise ValueError(f"weight_layout={self.weight_layout!r}: use one of {LAYOUTS}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={self.attention!r}: use one of {ATTENTION_BACKENDS}")
         if self.kv == "rebuild" and self.graph != "none":
@@ -88,6 +97,8 @@ class EngineConfig:
 #: Named configurations used by benchmarks and notebooks (the paper's systems + our extras).
 PRESETS: dict[str, dict] = {
     "engine": dict(),
-    "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, graph="none"),
-    "naive": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, graph="none"),
+    "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, weight_layout="out_major",
+                     graph="none"),
+    "naive": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False,
+                  weight_layout="out_major", graph="none"),
 }

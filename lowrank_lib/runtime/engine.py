@@ -197,8 +197,9 @@ class Engine:
         fold = cfg.fold_rope and cfg.kv == "dense" and lr_qk
         self.fold, self.fold_norm = fold, cfg.fold_norm
         nw = (lambda w: w) if cfg.fold_norm else (lambda w: None)
+        lay = dict(layout=cfg.weight_layout)
         self.lm_head = ProjectionGroup({"lm_head": model.get_output_embeddings()}, True, dt, dev,
-                                       in_scale=nw(model.model.norm.weight))
+                                       in_scale=nw(model.model.norm.weight), **lay)
         rope = {"q_proj": (self.n_heads, self.head_dim), "k_proj": (self.n_kv, self.head_dim)} if fold else {}
         self.layers: list[_Layer] = []
         for L in model.model.layers:
@@ -207,12 +208,12 @@ class Engine:
             self.layers.append(_Layer(
                 cv(w1),
                 ProjectionGroup({"q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj}, cfg.pack_qkv, dt, dev,
-                                rope, in_scale=nw(w1)),
-                ProjectionGroup({"o_proj": a.o_proj}, True, dt, dev),
+                                rope, in_scale=nw(w1), **lay),
+                ProjectionGroup({"o_proj": a.o_proj}, True, dt, dev, **lay),
                 cv(w2),
                 ProjectionGroup({"gate_proj": m.gate_proj, "up_proj": m.up_proj}, cfg.pack_mlp, dt, dev,
-                                in_scale=nw(w2)),
-                ProjectionGroup({"down_proj": m.down_proj}, True, dt, dev)))
+                                in_scale=nw(w2), **lay),
+                ProjectionGroup({"down_proj": m.down_proj}, True, dt, dev, **lay)))
         # RoPE table [Smax, 2, D] = (cos, sin) per position, from the model's own rotary module
         S = cfg.max_seq_len
         pos = torch.arange(S, device=p0.device)[None]

@@ -1,0 +1,100 @@
+"""Weight-layout microbenchmark: one-row GEMM bandwidth per stored layout, cold cache.
+
+``python -m lowrank_lib.bench layout --model smollm2 --keep 0.5`` times ``x @ Wt`` for every
+distinct GEMM operand shape of the engine, with W stored ``out_major`` ([out, in], nn.Linear) and
+``in_major`` ([in, out]). Each shape is replicated until the working set exceeds the last-level
+cache (default 256 MB), so every call streams from DRAM as in a real decode step. Prints the
+table (GB/s per layout, what ``pick_layout("auto")`` chooses, and the per-token time of both
+layouts weighted by how many such matrices one step reads) and writes JSON.
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..runtime.packing import pick_layout
+
+
+def engine_operand_shapes(engine) -> Counter:
+    """(out, in) of every GEMM operand one decode step reads -> how many per token."""
+    groups = [engine.lm_head] + [g for L in engine.layers for g in (L.qkv, L.o, L.gate_up, L.down)]
+    shapes = Counter()
+    for g in groups:
+        ops = ([g.S_t] if g.pack else list(g.parts_t)) + [u for u in g.U_t if u is not None]
+        for Wt in ops:
+            shapes[(Wt.shape[1], Wt.shape[0])] += 1
+    return shapes
+
+
+def _cold_gemv_seconds(out_f: int, in_f: int, layout: str, dtype, working_set: int, repeats: int) -> float:
+    """Median-of-repeats seconds per ``x @ Wt`` over enough copies of W to defeat the caches."""
+    n = max(2, working_set // (out_f * in_f * torch.finfo(dtype).bits // 8))
+    g = torch.Generator().manual_seed(0)
+    mats = [torch.randn(out_f, in_f, generator=g).to(dtype) for _ in range(n)]
+    ops = [W.t().contiguous() if layout == "in_major" else W.t() for W in mats]
+    del mats
+    x = torch.randn(1, in_f, generator=g).to(dtype)
+    for Wt in ops[:2]:
+        torch.mm(x, Wt)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for Wt in ops:
+            torch.mm(x, Wt)
+        ts.append((time.perf_counter() - t0) / len(ops))
+    return sorted(ts)[len(ts) // 2]
+
+
+def layout_bench(shapes: Counter, dtype=torch.float32, working_set_mb: int = 256, repeats: int = 5,
+                 progress: bool = True) -> dict:
+    """Per shape: GB/s for both layouts and the auto choice; totals per decode token."""
+    rows = []
+    for (o, i), count in tqdm(sorted(shapes.items()), desc="layout bench", disable=not progress):
+        nbytes = o * i * torch.finfo(dtype).bits // 8
+        t = {lay: _cold_gemv_seconds(o, i, lay, dtype, working_set_mb << 20, repeats)
+             for lay in ("out_major", "in_major")}
+        rows.append({"out": o, "in": i, "per_token": count, "bytes": nbytes,
+                     "GBps": {k: nbytes / v / 1e9 for k, v in t.items()}, "us": {k: 1e6 * v for k, v in t.items()},
+                     "auto": pick_layout(o, i, torch.device("cpu")),
+                     "best": min(t, key=t.get)})
+    tot = {lay: sum(r["us"][lay] * r["per_token"] for r in rows) / 1e3 for lay in ("out_major", "in_major")}
+    tot["auto"] = sum(r["us"][r["auto"]] * r["per_token"] for r in rows) / 1e3
+    tot["best"] = sum(r["us"][r["best"]] * r["per_token"] for r in rows) / 1e3
+    return {"dtype": str(dtype).replace("torch.", ""), "threads": torch.get_num_threads(),
+            "working_set_mb": working_set_mb, "rows": rows, "ms_per_token": tot}
+
+
+def format_layout_table(res: dict) -> str:
+    lines = ["out x in | per token | out_major GB/s | in_major GB/s | auto | fastest",
+             "---|---|---|---|---|---"]
+    for r in res["rows"]:
+        lines.append(f"{r['out']} x {r['in']} | {r['per_token']} | {r['GBps']['out_major']:.1f} | "
+                     f"{r['GBps']['in_major']:.1f} | {r['auto']} | {r['best']}")
+    t = res["ms_per_token"]
+    lines.append(f"\nGEMM ms per decode token (cold, {res['dtype']}, {res['threads']} threads): "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+    return "\n".join(lines)
+
+
+def main(a) -> int:
+    from ..runtime import Engine, EngineConfig
+    from ..runtime.config import parse_dtype
+    from .models import load_bench_models
+
+    _, comp, _ = load_bench_models(a.model, "svd", a.keep)
+    dt = parse_dtype(a.dtype)
+    eng = Engine(comp, EngineConfig(max_seq_len=8, dtype=dt, weight_layout="out_major", fold_rope=True))
+    res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
+    res.update(model=a.model, keep=a.keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    print(format_layout_table(res))
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    p = out / f"layout_{Path(a.model).name}_k{a.keep}_{res['dtype']}.json"
+    p.write_text(json.dumps(res, indent=1))
+    print(f"wrote {p}")
+    return 0
