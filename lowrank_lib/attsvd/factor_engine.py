@@ -3,8 +3,8 @@
 :class:`FactorEngine` is an ``Engine`` (same packed projections, RoPE / norm folding, sampling loop,
 timings) whose decode attention reads AttSVD factors in factor space instead of a dense KV cache:
 
-- prefill: the engine's own dense prefill (exact logits); its post-RoPE queries are taken from the
-  engine's RoPE stage and every layer's prompt bulk is factorized with the AttSVD cache's own
+- prefill: the engine's own dense prefill (exact logits); its post-RoPE queries arrive through the
+  engine's ``prefill_kv`` hook and every layer's prompt bulk is factorized with the AttSVD cache's own
   compression (``AttSVDLayer`` update + observe: Algorithm 2, attention-aware, GQA-aware), then the
   transient dense K/V are freed;
 - decode: static, preallocated buffers per layer: A_K, A_V [B, Hkv, S_pad, r], B_K, B_V [B, Hkv, r, d]
@@ -90,11 +90,11 @@ class FactorEngine(Engine):
         c.kv, c.k, c.v = None, [], []
 
     # ------------------------------------------------------------------ prefill
-    def _rope(self, y, cs, n_kv, g):
-        out = super()._rope(y, cs, n_kv, g)
+    def prefill_kv(self, i, q, k, v, slots):
+        """Dense K/V into the transient prompt cache, and the post-RoPE queries for Algorithm 2."""
+        super().prefill_kv(i, q, k, v, slots)
         if self._q_capture is not None:
-            self._q_capture.append(out)       # prefill calls RoPE for q then k, layer by layer
-        return out
+            self._q_capture.append(q)         # [B, Hq, T, D]
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -113,14 +113,14 @@ class FactorEngine(Engine):
             logits = super().prefill(input_ids, attention_mask, all_logits)
         finally:
             caps, self._q_capture = self._q_capture, None
-        if len(caps) != 2 * self.n_layers:
-            raise RuntimeError(f"FactorEngine: expected {2 * self.n_layers} RoPE calls in prefill, saw {len(caps)}")
-        self._compress(caps[0::2], B, T)
+        if len(caps) != self.n_layers:
+            raise RuntimeError(f"FactorEngine: expected queries of {self.n_layers} layers in prefill, saw {len(caps)}")
+        self._compress(caps, B, T)
         self.cache.max_len = cfg.max_seq_len
         return logits
 
     def _compress(self, queries: list[torch.Tensor], B: int, T: int) -> None:
-        c, Hq, Hkv, D = self.cache, self.n_heads, self.n_kv, self.head_dim
+        c, D = self.cache, self.head_dim
         pad = c.pad[:B]
         slots = self._slots[:T]
         valid = slots[None, :] >= pad[:, None]                                  # [B, T]
@@ -140,7 +140,6 @@ class FactorEngine(Engine):
             K, V = K[:, :, :T], V[:, :, :T]                                       # [B, Hkv, T, D]
             layer = AttSVDLayer(self.attsvd)
             layer.update(K, V)
-            q = q.view(B, T, Hq, D).transpose(1, 2)                               # [B, Hq, T, D]
             layer.observe(Observation(q, D ** -0.5, slots, k_valid, k_valid))
             stored += layer.stored_bytes()
             dense += layer.dense_bytes()
@@ -183,7 +182,7 @@ class FactorEngine(Engine):
         buf.v_win[:, :, :n].copy_(layer.values)
 
     # ------------------------------------------------------------------ decode
-    def _step_inputs(self, B: int, live: int | None):
+    def step_context(self, B: int, live: int | None):
         """(pos [1], cs, mask [B, 1, 1, S_pad + W_cap] or None, n_bulk, n_win) for the token at cache.length."""
         c = self.cache
         pos = c.length
@@ -204,23 +203,18 @@ class FactorEngine(Engine):
         mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
         return pos, cs, mask.view(B, 1, 1, -1), n_bulk, n_win
 
-    def _attn_block(self, i: int, x: torch.Tensor, ctx) -> torch.Tensor:
-        """Decode: x [B, H] -> x + attention read in factor space (bulk) + exact window."""
-        pos, cs, mask, n_bulk, n_win = ctx
-        L, buf = self.layers[i], self._buf[i]
-        B, Hkv, D = x.shape[0], self.n_kv, self.head_dim
-        G = self.n_heads // Hkv
-        h = self._norm(x, L.ln1)
-        q, k, v = L.qkv(h)
-        q = self._rope(q, cs, Hkv, G)                          # [B, Hkv, G, D]
-        k = self._rope(k, cs, Hkv, 1)                          # [B, Hkv, 1, D]
+    def decode_attention(self, i, q, k, v, ctx):
+        """q [B, Hkv, G, D], k/v [B, Hkv, 1, D] -> [B, Hq * D]: bulk read in factor space + exact window."""
+        pos, _, mask, n_bulk, n_win = ctx
+        buf = self._buf[i]
+        B, Hkv, G, D = q.shape
         slot = pos - self._sb                                  # window slot of this token (device)
         buf.k_win.index_copy_(2, slot, k)
-        buf.v_win.index_copy_(2, slot, v.view(B, Hkv, 1, D))
+        buf.v_win.index_copy_(2, slot, v)
         segs = [LowRankKV(buf.a_k[:, :, :n_bulk], buf.b_k, buf.a_v[:, :, :n_bulk], buf.b_v)] if n_bulk else []
         kv = FactorKV(segs, buf.k_win[:, :, :n_win], buf.v_win[:, :, :n_win])
         o = factor_space_attention(q.reshape(B, Hkv * G, 1, D), kv, mask)   # [B, Hq, 1, D]
-        return x + L.o(o.reshape(B, Hkv * G * D))[0]
+        return o.reshape(B, Hkv * G * D)
 
     # ------------------------------------------------------------------ accounting
     def kv_report(self) -> dict:

@@ -263,19 +263,48 @@ class Engine:
         return y * cs[:, 0] + _rotate_half(y) * cs[:, 1]
 
     def _attn_block(self, i: int, x: torch.Tensor, ctx) -> torch.Tensor:
-        """Decode: x [B, H] -> x + attention [B, H]. ctx = (pos, cs, mask, Ks, Vs) from _step_inputs."""
-        pos, cs, mask, Ks, Vs = ctx
+        """Decode: x [B, H] -> x + attention [B, H]; ``ctx`` from :meth:`step_context`."""
         L = self.layers[i]
         B, Hkv, D = x.shape[0], self.n_kv, self.head_dim
         G = self.n_heads // Hkv
         h = self._norm(x, L.ln1)
         if self.config.kv == "rebuild":
+            pos, cs, mask, _, _ = ctx
             return x + L.o(self._rebuild_attn(i, h, cs, pos, mask))[0]
         q, k, v = L.qkv(h)
-        q = self._rope(q, cs, Hkv, G)                    # [B, Hkv, G, D]
-        k = self._rope(k, cs, Hkv, 1)                    # [B, Hkv, 1, D]
-        o = self._decode_attn(q, k, v.view(B, Hkv, 1, D), Ks[i], Vs[i], self.cache, pos, mask)
-        return x + L.o(o)[0]
+        q = self._rope(q, ctx[1], Hkv, G)                # [B, Hkv, G, D]
+        k = self._rope(k, ctx[1], Hkv, 1)                # [B, Hkv, 1, D]
+        return x + L.o(self.decode_attention(i, q, k, v.view(B, Hkv, 1, D), ctx))[0]
+
+    # ------------------------------------------------------------------ KV-mode hooks
+    # A KV mode (the dense cache here; AttSVD factors in ``attsvd.factor_engine``) overrides these three:
+    # what the prefill stores, what one decode step's attention needs, and how it attends.
+    def prefill_kv(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """Prefill of layer i: post-RoPE q [B, Hq, T, D], k/v [B, Hkv, T, D] -> stored (dense cache)."""
+        if self.config.kv == "dense":
+            self.cache.write(i, k, v, slots)
+
+    def step_context(self, B: int, live: int | None):
+        """What every layer's decode attention reads, built once per step: (pos [1], cs [B,2,1,1,D],
+        mask [B,1,1,S] or None, Ks, Vs). Every KV mode's context starts with (pos, cs, mask). ``live`` = live slots (eager) or None (graphs: all Smax
+        slots, validity from the device-side length / pad tensors)."""
+        c = self.cache
+        pos = c.length
+        cs = self.cs_table[(pos - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
+        Ks, Vs = c.views(B, live)
+        if live is None:
+            ok = (self._slots[None, :] >= c.pad[:B, None]) & (self._slots[None, :] <= pos)
+        elif self._any_pad:                  # eager with padding: mask the pad slots only
+            ok = self._slots[None, :live] >= c.pad[:B, None]
+        else:
+            return pos, cs, None, Ks, Vs
+        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
+        return pos, cs, mask.view(B, 1, 1, -1), Ks, Vs
+
+    def decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+        """Append the current token's k/v [B, Hkv, 1, D] and attend with q [B, Hkv, G, D] -> [B, Hq * D]."""
+        pos, _, mask, Ks, Vs = ctx
+        return self._decode_attn(q, k, v, Ks[i], Vs[i], self.cache, pos, mask)
 
     def _rebuild_attn(self, i, h, cs, pos, mask):
         """The slow route: k/v history kept as rank-space latents, dense K/V rebuilt every step."""
@@ -303,24 +332,9 @@ class Engine:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self._norm(x, self.norm))[0]
 
-    def _step_inputs(self, B: int, live: int | None):
-        """(pos [1], cs [B,2,1,1,D], mask [B,1,1,S] or None, Ks, Vs) for the token at slot cache.length."""
-        c = self.cache
-        pos = c.length
-        cs = self.cs_table[(pos - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
-        Ks, Vs = c.views(B, live)
-        if live is None:                     # graph: all Smax slots, validity from device tensors
-            ok = (self._slots[None, :] >= c.pad[:B, None]) & (self._slots[None, :] <= pos)
-        elif self._any_pad:                  # eager with padding: mask the pad slots only
-            ok = self._slots[None, :live] >= c.pad[:B, None]
-        else:
-            return pos, cs, None, Ks, Vs
-        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
-        return pos, cs, mask.view(B, 1, 1, -1), Ks, Vs
-
     def decode_body(self, tokens: torch.Tensor, live: int | None = None) -> torch.Tensor:
         """One decode step, all on device: tokens [B] -> logits [B, V]; appends to the cache."""
-        ctx = self._step_inputs(tokens.shape[0], live)
+        ctx = self.step_context(tokens.shape[0], live)
         x = F.embedding(tokens, self.embed)
         for i in range(self.n_layers):
             x = self._attn_block(i, x, ctx)
@@ -371,8 +385,7 @@ class Engine:
             q = q.view(B, T, Hq, D).transpose(1, 2)
             k = k.view(B, T, Hkv, D).transpose(1, 2)
             v = v.view(B, T, Hkv, D).transpose(1, 2)
-            if self.config.kv == "dense":
-                self.cache.write(i, k, v, slots)
+            self.prefill_kv(i, q, k, v, slots)
             o = prefill_attention(q, k, v, mask).transpose(1, 2).reshape(B * T, Hq * D)
             x = x + L.o(o)[0]
             x = self._mlp_block(i, x)

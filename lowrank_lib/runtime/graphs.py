@@ -116,7 +116,7 @@ def decode_stages(eng, mode: str, B: int, tokens: torch.Tensor) -> list:
         return [lambda _: eng.decode_body(tokens, live=None)]
 
     def prologue(_):        # embedding + RoPE gather + slot mask: one small graph
-        return torch.nn.functional.embedding(tokens, eng.embed), eng._step_inputs(B, None)
+        return torch.nn.functional.embedding(tokens, eng.embed), eng.step_context(B, None)
 
     def epilogue(carry):    # final norm + lm_head + length += 1: one small graph
         logits = eng._head(carry[0])
