@@ -9,6 +9,7 @@ from transformers import DynamicCache
 from lowrank_lib import models
 from lowrank_lib.attsvd import METHODS, AttSVDConfig, MethodSpec, attsvd_stored_tokens, capture
 from lowrank_lib.attsvd.cache import Observation
+from lowrank_lib.attsvd.methods import EXT_OBS_WINDOW
 from lowrank_lib.attsvd.policies import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
 from lowrank_lib.attsvd.record import dense_from, record_prefill, replay
 
@@ -90,7 +91,9 @@ def test_methods_matched_memory_and_replay_equals_live(tiny):
             # memory of the prefill part (before the 4 decode tokens) from the layers' own accounting
             ratios[name] = rep.stored_bytes / rep.dense_bytes
     lowrank = ratios["attsvd"]
-    assert lowrank == pytest.approx(ratios["svd"]) and lowrank < 0.75
+    assert lowrank == pytest.approx(ratios["svd"]) == pytest.approx(ratios["attsvd-ext"]) and lowrank < 0.75
+    ext = MethodSpec("attsvd-ext", 0.5, base).attsvd_config(16)
+    assert ext.key_mass and ext.obs_window == EXT_OBS_WINDOW and ext.rank == 8 and ext.attention_aware
     n = attsvd_stored_tokens(S, 16, 8, 8, 8)
     for name in POLICIES:
         assert ratios[name] == pytest.approx(lowrank, abs=1.0 / S)   # matched to within one token

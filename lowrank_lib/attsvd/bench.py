@@ -49,11 +49,12 @@ def targets(quality: dict, longctx: dict | None, budget: float = 0.5) -> dict:
     out["pass_kl_3x"] = out["kl_ratio_svd_over_attsvd"] >= 3.0
     out["pass_ppl_2pct"] = abs(out["ppl_gap_pct"]) <= 2.0
     out["pass_vs_eviction"] = bool(evict) and a["kl"] <= min(evict.values())
-    if key("attsvd-km") in quality:   # the key_mass extension (not the paper's algorithm), reported beside it
-        km = quality[key("attsvd-km")]
-        out |= {"kl_attsvd_km": km["kl"], "ppl_gap_pct_km": 100 * (km["ppl"] / km["ppl_dense"] - 1),
-                "kl_ratio_svd_over_attsvd_km": s["kl"] / km["kl"],
-                "pass_vs_eviction_km": bool(evict) and km["kl"] <= min(evict.values())}
+    for ext, tag in (("attsvd-km", "km"), ("attsvd-ext", "ext")):   # our extensions, reported beside the paper's
+        if key(ext) in quality:
+            x = quality[key(ext)]
+            out |= {f"kl_attsvd_{tag}": x["kl"], f"ppl_gap_pct_{tag}": 100 * (x["ppl"] / x["ppl_dense"] - 1),
+                    f"kl_ratio_svd_over_attsvd_{tag}": s["kl"] / x["kl"],
+                    f"pass_vs_eviction_{tag}": bool(evict) and x["kl"] <= min(evict.values())}
     if longctx:
         summ = longctx["summary"]
         if key("attsvd") in summ and "dense" in summ and "passkey" in summ["dense"]:
