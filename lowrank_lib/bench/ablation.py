@@ -27,6 +27,7 @@ MECHANISMS: dict[str, dict] = {
     "+ fold RoPE": dict(weight_layout="out_major"),
     "+ weight layout (= engine, eager)": {},
     "+ whole-step graph": dict(graph="whole-step"),
+    "whole-step graph - fused lowering (aten mm/SDPA)": dict(graph="whole-step", fused_compile=False),
     "engine - pack qkv": dict(pack_qkv=False),
     "engine - pack mlp": dict(pack_mlp=False),
     "engine - fold RoPE": dict(fold_rope=False),

@@ -74,6 +74,23 @@ def sdpa_decode(q, k, v, K, V, cache, pos, mask):
     return o.view(B, Hkv * G * D)
 
 
+def fused_decode(q, k, v, K, V, cache, pos, mask):
+    """sdpa_decode written as broadcast-multiply-reduce, for a ``torch.compile``-d step only.
+
+    Inductor fuses each reduction into one vectorised loop over the cache (no SDPA call, no [S]
+    temporaries in memory): on the 2-core CPU a SmolLM2 step over 576 slots drops from 26.8 to
+    23.9 ms. Eagerly this would materialise [B, Hkv, G, S, D] products, so the engine uses it only
+    while compiling (``EngineConfig.fused_compile``)."""
+    B, Hkv, G, D = q.shape
+    K.index_copy_(2, pos, k)
+    V.index_copy_(2, pos, v)
+    s = (q[:, :, :, None, :] * K[:, :, None, :, :]).sum(-1) * D ** -0.5        # [B, Hkv, G, S]
+    if mask is not None:
+        s = s + mask
+    o = (s.softmax(-1)[..., None] * V[:, :, None, :, :]).sum(-2)               # [B, Hkv, G, D]
+    return o.reshape(B, Hkv * G * D)
+
+
 # --------------------------------------------------------------------------- flash_attn
 def flash_decode(q, k, v, K, V, cache, pos, mask):
     from flash_attn import flash_attn_with_kvcache

@@ -55,6 +55,10 @@ class EngineConfig:
         ``"whole-step"`` (embedding to logits). CUDA graphs on CUDA; on CPU the same regions are
         ``torch.compile``-d (inductor, fixed shapes, ``fullgraph=True``); compile/capture time is
         reported in ``Engine.capture_s``.
+    fused_compile : only when the step is ``torch.compile``-d (CPU graphs): one-row GEMMs over
+        out_major operands and the sdpa decode attention are traced as broadcast-multiply-reduce
+        expressions that inductor fuses into single vectorised loops (``runtime.packing._mm``,
+        ``runtime.attention.fused_decode``). False keeps aten mm / SDPA calls inside the graph.
     compile_backend : torch.compile backend used for CPU "graphs" (``"inductor"``; ``"aot_eager"``
         checks tracing without code generation).
     """
@@ -71,6 +75,7 @@ class EngineConfig:
     weight_layout: str = "auto"
     attention: str = "auto"
     graph: str = "none"
+    fused_compile: bool = True
     compile_backend: str = "inductor"
 
     def __post_init__(self):

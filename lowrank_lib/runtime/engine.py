@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import DECODE, prefill_attention, select_backend
+from .attention import DECODE, fused_decode, prefill_attention, select_backend
 from .config import EngineConfig
 from .kv_cache import CacheFullError, StaticKVCache
 from ..factorized import LowRankLinear
@@ -197,7 +197,7 @@ class Engine:
         fold = cfg.fold_rope and cfg.kv == "dense" and lr_qk
         self.fold, self.fold_norm = fold, cfg.fold_norm
         nw = (lambda w: w) if cfg.fold_norm else (lambda w: None)
-        lay = dict(layout=cfg.weight_layout)
+        lay = dict(layout=cfg.weight_layout, fuse_gemv=cfg.fused_compile)
         self.lm_head = ProjectionGroup({"lm_head": model.get_output_embeddings()}, True, dt, dev,
                                        in_scale=nw(model.model.norm.weight), **lay)
         rope = {"q_proj": (self.n_heads, self.head_dim), "k_proj": (self.n_kv, self.head_dim)} if fold else {}
@@ -229,6 +229,7 @@ class Engine:
         self.cache = StaticKVCache(self.n_layers, cfg.max_batch, S, self.n_kv, self.head_dim, dt, dev,
                                    self.backend.layout, lat)
         self._decode_attn = DECODE[self.backend.name]
+        self._fused_attn = cfg.fused_compile and self.backend.name == "sdpa"
         self._slots = torch.arange(S, device=dev)
         self._B = None
         from .graphs import GraphRunner
@@ -304,7 +305,8 @@ class Engine:
     def decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         """Append the current token's k/v [B, Hkv, 1, D] and attend with q [B, Hkv, G, D] -> [B, Hq * D]."""
         pos, _, mask, Ks, Vs = ctx
-        return self._decode_attn(q, k, v, Ks[i], Vs[i], self.cache, pos, mask)
+        attn = fused_decode if self._fused_attn and torch.compiler.is_compiling() else self._decode_attn
+        return attn(q, k, v, Ks[i], Vs[i], self.cache, pos, mask)
 
     def _rebuild_attn(self, i, h, cs, pos, mask):
         """The slow route: k/v history kept as rank-space latents, dense K/V rebuilt every step."""
