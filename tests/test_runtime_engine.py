@@ -108,6 +108,8 @@ def test_weight_layout_rule_and_storage():
     assert pick_layout(209, 1536, cpu) == "out_major"            # down V: rows are the long side
     assert pick_layout(384, 72, cpu) == "out_major"              # tiny rows stay nn.Linear-like
     assert pick_layout(4096, 1024, torch.device("meta")) == "out_major"   # non-CPU: auto = out_major
+    assert pick_layout(49152, 576, cpu, dtype=torch.bfloat16) == "out_major"   # bf16 vocab projection
+    assert pick_layout(1536, 209, cpu, dtype=torch.bfloat16) == "in_major"
     with pytest.raises(ValueError, match="layout"):
         pick_layout(4, 4, cpu, "column")
     with pytest.raises(ValueError, match="weight_layout"):

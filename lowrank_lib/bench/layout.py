@@ -60,7 +60,7 @@ def layout_bench(shapes: Counter, dtype=torch.float32, working_set_mb: int = 256
              for lay in ("out_major", "in_major")}
         rows.append({"out": o, "in": i, "per_token": count, "bytes": nbytes,
                      "GBps": {k: nbytes / v / 1e9 for k, v in t.items()}, "us": {k: 1e6 * v for k, v in t.items()},
-                     "auto": pick_layout(o, i, torch.device("cpu")),
+                     "auto": pick_layout(o, i, torch.device("cpu"), "auto", dtype),
                      "best": min(t, key=t.get)})
     tot = {lay: sum(r["us"][lay] * r["per_token"] for r in rows) / 1e3 for lay in ("out_major", "in_major")}
     tot["auto"] = sum(r["us"][r["auto"]] * r["per_token"] for r in rows) / 1e3

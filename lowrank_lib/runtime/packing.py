@@ -46,22 +46,28 @@ def rotate_half_rows(R: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tens
 LAYOUTS = ("auto", "out_major", "in_major")
 
 
-def pick_layout(out_features: int, in_features: int, device: torch.device, layout: str = "auto") -> str:
-    """The stored layout of one [out, in] matrix. ``auto``: on CPU, in_major when the output side is
+def pick_layout(out_features: int, in_features: int, device: torch.device, layout: str = "auto",
+                dtype: torch.dtype = torch.float32) -> str:
+    """The stored layout of one [out, in] matrix. ``auto``, on CPU: in_major when the output side is
     the long one (out > in) and the rows are not tiny (in >= 128: for in = 72 the in_major walk is
-    slower); out_major otherwise and on every non-CPU device (cuBLAS takes either at full speed)."""
+    slower); for 16-bit dtypes not for a vocabulary-sized projection (out >= 16 in: bf16 lm_head
+    8.0 GB/s out_major vs 6.6 in_major); out_major otherwise and on every non-CPU device (cuBLAS
+    takes either at full speed). ``python -m lowrank_lib.bench layout --dtype ...`` measures it."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: use one of {LAYOUTS}")
     if layout != "auto":
         return layout
     if torch.device(device).type != "cpu":
         return "out_major"
-    return "in_major" if out_features > in_features and in_features >= 128 else "out_major"
+    wide = out_features > in_features and in_features >= 128
+    if dtype.itemsize < 4 and out_features >= 16 * in_features:
+        wide = False
+    return "in_major" if wide else "out_major"
 
 
 def gemm_operand(W: torch.Tensor, layout: str) -> torch.Tensor:
     """W [out, in] -> the [in, out] operand of ``x @ Wt``: a view (out_major) or a contiguous copy."""
-    return W.t().contiguous() if pick_layout(W.shape[0], W.shape[1], W.device, layout) == "in_major" else W.t()
+    return W.t().contiguous() if pick_layout(W.shape[0], W.shape[1], W.device, layout, W.dtype) == "in_major" else W.t()
 
 
 def _mm(x: torch.Tensor, Wt: torch.Tensor, b: torch.Tensor | None, fuse: bool = False) -> torch.Tensor:
