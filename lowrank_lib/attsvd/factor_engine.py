@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime.config import EngineConfig
-from ..runtime.engine import NEG_INF, Engine
+from ..runtime.engine import Engine
 from ..runtime.kv_cache import StaticKVCache
 from .cache import AttSVDLayer, Observation
 from .config import AttSVDConfig
@@ -185,8 +185,7 @@ class FactorEngine(Engine):
     def step_context(self, B: int, live: int | None):
         """(pos [1], cs, mask [B, 1, 1, S_pad + W_cap] or None, n_bulk, n_win) for the token at cache.length."""
         c = self.cache
-        pos = c.length
-        cs = self.cs_table[(pos - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
+        pos, cs = c.length, self._step_rope(B)
         s_pad, w_cap = self._buf[0].a_k.shape[2], self._buf[0].k_win.shape[2]
         if live is not None:                                   # eager: exact sizes, host lengths
             n_bulk, n_win = self._sb_host, live - self._sb_host
@@ -200,8 +199,7 @@ class FactorEngine(Engine):
             win = self._sb + torch.arange(w_cap, device=self.device)
             ok = torch.cat([(bulk < self._sb)[None, :] & (bulk[None, :] >= c.pad[:B, None]),
                             (win <= pos)[None, :] & (win[None, :] >= c.pad[:B, None])], 1)
-        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
-        return pos, cs, mask.view(B, 1, 1, -1), n_bulk, n_win
+        return pos, cs, self._additive_mask(ok).view(B, 1, 1, -1), n_bulk, n_win
 
     def decode_attention(self, i, q, k, v, ctx):
         """q [B, Hkv, G, D], k/v [B, Hkv, 1, D] -> [B, Hq * D]: bulk read in factor space + exact window."""

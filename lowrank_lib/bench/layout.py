@@ -33,7 +33,7 @@ def engine_operand_shapes(engine) -> Counter:
 
 def _cold_gemv_seconds(out_f: int, in_f: int, layout: str, dtype, working_set: int, repeats: int) -> float:
     """Median-of-repeats seconds per ``x @ Wt`` over enough copies of W to defeat the caches."""
-    n = max(2, working_set // (out_f * in_f * torch.finfo(dtype).bits // 8))
+    n = max(2, working_set // (out_f * in_f * dtype.itemsize))
     g = torch.Generator().manual_seed(0)
     mats = [torch.randn(out_f, in_f, generator=g).to(dtype) for _ in range(n)]
     ops = [W.t().contiguous() if layout == "in_major" else W.t() for W in mats]
@@ -55,7 +55,7 @@ def layout_bench(shapes: Counter, dtype=torch.float32, working_set_mb: int = 256
     """Per shape: GB/s for both layouts and the auto choice; totals per decode token."""
     rows = []
     for (o, i), count in tqdm(sorted(shapes.items()), desc="layout bench", disable=not progress):
-        nbytes = o * i * torch.finfo(dtype).bits // 8
+        nbytes = o * i * dtype.itemsize
         t = {lay: _cold_gemv_seconds(o, i, lay, dtype, working_set_mb << 20, repeats)
              for lay in ("out_major", "in_major")}
         rows.append({"out": o, "in": i, "per_token": count, "bytes": nbytes,

@@ -287,11 +287,11 @@ class Engine:
 
     def step_context(self, B: int, live: int | None):
         """What every layer's decode attention reads, built once per step: (pos [1], cs [B,2,1,1,D],
-        mask [B,1,1,S] or None, Ks, Vs). Every KV mode's context starts with (pos, cs, mask). ``live`` = live slots (eager) or None (graphs: all Smax
-        slots, validity from the device-side length / pad tensors)."""
+        mask [B,1,1,S] or None, Ks, Vs). Every KV mode's context starts with (pos, cs, mask).
+        ``live`` = live slots (eager) or None (graphs: all Smax slots, validity from the device-side
+        length / pad tensors)."""
         c = self.cache
-        pos = c.length
-        cs = self.cs_table[(pos - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
+        pos, cs = c.length, self._step_rope(B)
         Ks, Vs = c.views(B, live)
         if live is None:
             ok = (self._slots[None, :] >= c.pad[:B, None]) & (self._slots[None, :] <= pos)
@@ -299,8 +299,16 @@ class Engine:
             ok = self._slots[None, :live] >= c.pad[:B, None]
         else:
             return pos, cs, None, Ks, Vs
-        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
-        return pos, cs, mask.view(B, 1, 1, -1), Ks, Vs
+        return pos, cs, self._additive_mask(ok).view(B, 1, 1, -1), Ks, Vs
+
+    def _step_rope(self, B: int) -> torch.Tensor:
+        """(cos, sin) of the token at slot cache.length for each row (left pad shifts positions): [B,2,1,1,D]."""
+        c = self.cache
+        return self.cs_table[(c.length - c.pad[:B]).clamp_min(0)].view(B, 2, 1, 1, self.head_dim)
+
+    def _additive_mask(self, ok: torch.Tensor) -> torch.Tensor:
+        """bool "may attend" -> additive mask in the engine dtype (0 / -inf), same shape."""
+        return torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)
 
     def decode_attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         """Append the current token's k/v [B, Hkv, 1, D] and attend with q [B, Hkv, G, D] -> [B, Hq * D]."""
@@ -370,7 +378,7 @@ class Engine:
         G = Hq // Hkv
         ok = (slots[None, :] <= slots[:, None])[None] & (slots[None, None, :] >= pad[:, None, None])
         ok = ok | torch.eye(T, dtype=torch.bool, device=self.device)[None]    # pad rows see themselves (no NaN)
-        mask = torch.zeros(ok.shape, dtype=self.dtype, device=self.device).masked_fill_(~ok, NEG_INF)[:, None]
+        mask = self._additive_mask(ok)[:, None]
         x = F.embedding(input_ids.reshape(-1), self.embed)                     # [B*T, H]
         for i, L in enumerate(self.layers):
             h = self._norm(x, L.ln1)

@@ -121,7 +121,6 @@ class ProjectionGroup:
             raise ValueError(f"projections of one group must share in_features, got {ins}")
         self.names = list(modules)
         self.pack = pack
-        self.layout = layout
         self.fuse = fuse_gemv
         cv = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
         w_in = None if in_scale is None else in_scale.detach().float()
