@@ -51,7 +51,7 @@ def on_disk() -> list[str]:
     return sorted(p.stem for p in notebooks_dir().glob("[0-9][0-9]_*.ipynb"))
 
 
-def ci_params(path: str | Path | None = None) -> dict:
+def read_params(path: str | Path | None = None) -> dict:
     """A parsed parameter file (keys: notebooks, parameters, overrides); default ``params/ci.yaml``."""
     with open(path or notebooks_dir() / "params" / "ci.yaml") as f:
         cfg = yaml.safe_load(f) or {}
@@ -129,7 +129,7 @@ def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
     out_base = "reports/ci" if ci else "reports"
     params = {"OUT_DIR": f"{out_base}/{name}", "FIG_DIR": f"{out_base}/figures" if ci else "figures"}
     if ci or params_file:
-        cfg = ci_params(None if ci else params_file)
+        cfg = read_params(None if ci else params_file)
         overrides = cfg["overrides"].get(name, {})
         unknown = [k for k in overrides if k not in declared]
         if unknown:
@@ -151,7 +151,7 @@ def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3
 
     base = root()
     if not names:
-        names = ci_params()["notebooks"] if ci else on_disk()
+        names = read_params()["notebooks"] if ci else on_disk()
     missing = [n for n in names if not (notebooks_dir() / f"{n}.ipynb").exists()]
     if missing:
         raise FileNotFoundError(f"no notebook named {missing} in {notebooks_dir()}")
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
     args = ap.parse_args(argv)
     if args.cmd == "list":
-        ci = set(ci_params()["notebooks"])
+        ci = set(read_params()["notebooks"])
         for n in on_disk():
             print(f"{n}\t{'ci' if n in ci else 'NOT IN CI'}")
         return 0

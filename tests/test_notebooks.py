@@ -1,12 +1,14 @@
 """Every notebook on disk runs in CI; the runner plans parameters correctly; notebook 00's metrics."""
 import math
 
+import pytest
+
 from lowrank_lib import notebooks
 
 
 def test_ci_runs_every_notebook_on_disk():
     on_disk = set(notebooks.on_disk())
-    listed = notebooks.ci_params()["notebooks"]
+    listed = notebooks.read_params()["notebooks"]
     assert len(listed) == len(set(listed)), "duplicate notebook in ci.yaml"
     assert on_disk == set(listed), (f"not executed by CI: {sorted(on_disk - set(listed))}; "
                                     f"listed but missing: {sorted(set(listed) - on_disk)}")
@@ -53,12 +55,10 @@ def test_quickstart_metrics(executed_notebook):
 
 def test_paper_params_file_only_overrides_declared_names(tmp_path):
     p = notebooks.notebooks_dir() / "params" / "paper.yaml"
-    for name in notebooks.ci_params(p)["overrides"]:
+    for name in notebooks.read_params(p)["overrides"]:
         plan = notebooks.plan(name, ci=False, params_file=p)  # raises on undeclared names
         assert plan["OUT_DIR"] == f"reports/{name}" and plan["FIG_DIR"] == "figures"
     bad = tmp_path / "bad.yaml"
     bad.write_text("overrides:\n  00_quickstart:\n    NOT_A_PARAM: 1\n")
-    import pytest
-
     with pytest.raises(ValueError, match=r"overrides \['NOT_A_PARAM'\] for 00_quickstart"):
         notebooks.plan("00_quickstart", ci=False, params_file=bad)
