@@ -9,7 +9,7 @@ PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup test report fetch clean-venv
+.PHONY: setup test lint report fetch clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -26,7 +26,10 @@ setup: $(VENV)/.installed
 
 fetch: setup
 
-test: setup
+lint: setup
+	$(PY) -m ruff check lowrank_lib tests benchmarks
+
+test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 report: setup

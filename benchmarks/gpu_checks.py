@@ -73,7 +73,7 @@ def speed(model: str, settings, systems, dtype: str, device: str, repeats: int, 
                                 repeats=repeats, device=device)
         try:
             out.append(run_decode_bench(cfg, models=models_, progress=progress))
-        except Exception as e:
+        except Exception:
             out.append({"config": {"prompt_len": p, "gen_len": g}, "error": traceback.format_exc()[-2000:]})
     return out, models_[1].config.num_hidden_layers
 

@@ -3,8 +3,6 @@ error falls with rank, generate() == manual loop, left padding, stream window bo
 reversible registration, memory accounting (Eq. 6 at 8k, synthetic), MHA and GQA."""
 from __future__ import annotations
 
-import warnings
-
 import pytest
 import torch
 from transformers import DynamicCache

@@ -238,19 +238,18 @@ def test_baseline_systems_agree():
 
 
 @pytest.mark.smollm2
-def test_smollm2_engine_matches_hf_dynamic(smollm2):
+def test_smollm2_hf_static_matches_hf_dynamic(smollm2):
+    """hf_static, the baseline every speed-up is quoted against, does the same work as hf_dynamic.
+
+    Logits reach |35| on plain SVD keep 0.5; HF's StaticCache differs from its DynamicCache by ~9e-5
+    there, so the bound is relative: 1e-5 * max|logit| (~3.5e-4). (The engine against hf_dynamic on
+    the real model is ``test_smollm2_engine_matches_hf_dynamic``.)"""
     model, tok = smollm2
     lr = compress_svd(model, 0.5)
-    prompts = ["The capital of France is", "def fibonacci(n):"]
-    eng = Engine(lr, EngineConfig(max_seq_len=64))
-    for p in prompts:
+    for p in ["The capital of France is", "def fibonacci(n):"]:
         ids = tok(p, return_tensors="pt").input_ids
-        ref = _ref(lr, ids, 12)
-        # logits reach |35| here; HF's own StaticCache differs from DynamicCache by ~9e-5 on them,
-        # so the bound is relative: 1e-5 * max|logit| (~3.5e-4)
-        _cmp(eng.generate(ids, 12, return_logits=True), ref, 1e-5, rel=True)
         st = run_generation(HFRunner(lr, "static", 64), ids, 12, return_logits=True)
-        _cmp(st, ref, 1e-5, rel=True)
+        _cmp(st, _ref(lr, ids, 12), 1e-5, rel=True)
 
 
 @pytest.mark.parametrize("mode", ["split", "per-layer", "whole-step"])

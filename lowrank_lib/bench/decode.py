@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -100,7 +100,6 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
     tokens = {}
     capture = {}
     for s, r in runners.items():     # warm-up (and graph capture / compile, timed apart)
-        t0 = time.perf_counter()
         run_generation(r, ids, min(4, cfg.gen_len))
         capture[s] = getattr(r, "capture_s", 0.0)
     bar = tqdm(total=cfg.repeats * len(runners), desc="decode bench", disable=not progress)

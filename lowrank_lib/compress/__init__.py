@@ -18,5 +18,5 @@ COMPRESSORS = {
     "palu": compress_palu,
 }
 
-__all__ = ["COMPRESSORS", "CalibStats", "cholesky_lower", "collect_stats", "compress_asvd", "compress_basis_sharing",
+__all__ = ["COMPRESSORS", "CalibStats", "SVDSpectra", "cholesky_lower", "collect_stats", "compress_asvd", "compress_basis_sharing",
            "compress_dobi", "compress_palu", "compress_svd", "compress_svdllm", "compress_svdllm_v2"]
