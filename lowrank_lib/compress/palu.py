@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs import block_diag_u, split_block_diag  # noqa: F401 (re-export)
 from .calib import CalibStats, cholesky_lower
 from .common import compress_each, whitened_factors
 
@@ -29,24 +30,6 @@ PALU_TARGETS = ("k_proj", "v_proj")
 def palu_group_rank(group_dim: int, keep: float, align: int = 32) -> int:
     r = int(round(group_dim * keep / align)) * align
     return max(min(align, group_dim), min(r, group_dim))
-
-
-def block_diag_u(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """[gd, r_g] blocks -> [sum gd, sum r_g] block-diagonal U."""
-    return torch.block_diag(*blocks)
-
-
-def split_block_diag(U: torch.Tensor, ranks: list[int]) -> list[torch.Tensor]:
-    """Inverse of :func:`block_diag_u` for G equal row groups; checks off-block entries are zero."""
-    G = len(ranks)
-    gd = U.shape[0] // G
-    blocks, c = [], 0
-    for g, r in enumerate(ranks):
-        blocks.append(U[g * gd:(g + 1) * gd, c:c + r])
-        c += r
-    if not torch.equal(block_diag_u(blocks), U):
-        raise ValueError("U is not block-diagonal for the recorded head-group ranks")
-    return blocks
 
 
 def compress_palu(model, stats: CalibStats, keep: float, head_group_size: int = 1, align: int = 32,
