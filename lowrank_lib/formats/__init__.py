@@ -26,6 +26,7 @@ import torch
 from .. import families
 from . import lowrank
 from .errors import CheckpointError, UnclassifiedCheckpointError, UnsafePickleError, guarded
+from .common import single_pt
 from .files import read_json, regular_file
 from .safe_pickle import FAMILY_MARKERS, pickle_globals
 
@@ -51,14 +52,6 @@ def _detect_pickle(path: Path) -> str:
     shown = sorted(names)[:8]
     raise CheckpointError(f"{path}: a torch pickle without SVD-LLM (component.svd_*) or Dobi "
                           f"(modules.module.SVDTransformLayer) classes; found {shown}", path=path)
-
-
-def _single_pt(path: Path) -> Path:
-    pts = sorted(p for p in path.glob("*.pt") if p.is_file())
-    if len(pts) != 1:
-        raise CheckpointError(f"{path}: expected exactly one .pt checkpoint in the folder, found "
-                              f"{[p.name for p in pts][:5]}", path=path)
-    return pts[0]
 
 
 @guarded
@@ -113,7 +106,7 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     path = Path(path)
     fmt = _format(family, path) if family is not None else families.get(detect_format(path))
     if fmt.name == "svdllm" and path.is_dir():
-        path = _single_pt(path)
+        path = single_pt(path)
     return fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite)
 
 

@@ -28,14 +28,19 @@ def fake_class(path: str, base: type = nn.Module) -> type:
     return _FAKE_CLASSES[path]
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
-def registered(classes: list[type]):
-    """Make ``classes`` importable at their ``__module__`` paths for the duration of a write, then undo.
+def registered(classes: list, shadow: bool = False):
+    """Make ``classes`` (or functions) importable at their ``__module__`` paths for the duration of a write.
 
     Missing modules are created in ``sys.modules`` (and removed afterwards); a class missing from an
     existing module (e.g. ``LlamaSdpaAttention`` in transformers 5) is set on it and deleted afterwards.
+    An existing different object at the path is an error unless ``shadow=True`` (tests that rebuild 4.x
+    files replace a transformers 5 class for the duration), in which case it is restored afterwards.
     """
-    added_mods, added_attrs = [], []
+    added_mods, restore = [], []
     try:
         for cls in classes:
             parts = cls.__module__.split(".")
@@ -48,15 +53,19 @@ def registered(classes: list[type]):
                         sys.modules[name] = types.ModuleType(name)
                         added_mods.append(name)
             mod = sys.modules[cls.__module__]
-            if getattr(mod, cls.__name__, None) is not cls:
-                if hasattr(mod, cls.__name__):
+            old = mod.__dict__.get(cls.__name__, _ABSENT)
+            if old is not cls:
+                if old is not _ABSENT and not shadow:
                     raise RuntimeError(f"{cls.__module__}.{cls.__name__} exists; refusing to shadow it")
                 setattr(mod, cls.__name__, cls)
-                added_attrs.append((mod, cls.__name__))
+                restore.append((mod, cls.__name__, old))
         yield
     finally:
-        for mod, name in added_attrs:
-            delattr(mod, name)
+        for mod, name, old in reversed(restore):
+            if old is _ABSENT:
+                delattr(mod, name)
+            else:
+                setattr(mod, name, old)
         for name in reversed(added_mods):
             sys.modules.pop(name, None)
 
@@ -153,6 +162,14 @@ def read_torch_bin_dir(d: Path, name: str = "pytorch_model.bin") -> dict[str, to
     for p in shard_files(d, f"{name}.index.json", name):
         _merge(out, _state_dict(safe_torch_load(p, "state_dict"), p), p)
     return out
+
+
+def single_pt(folder: Path) -> Path:
+    """The one ``.pt`` checkpoint in a folder (SVD-LLM saves one file per run); refused if none or several."""
+    pts = sorted(p for p in Path(folder).glob("*.pt") if p.is_file())
+    if len(pts) != 1:
+        fail(folder, f"expected exactly one .pt checkpoint in the folder, found {[p.name for p in pts][:5]}")
+    return pts[0]
 
 
 def keep_from_name(name: str) -> float | None:

@@ -19,7 +19,7 @@ FAMILY_NOTES = {f.name: f.notes for f in families.formats()}
 
 
 def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
-    from .common import read_safetensors_dir, read_torch_bin_dir
+    from .common import read_safetensors_dir, read_torch_bin_dir, single_pt
     from .pickled import read_pickled_model
     from .safe_pickle import safe_torch_load
 
@@ -29,9 +29,7 @@ def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
         elif family == "dobi":
             f = path / "DobiSVD_Model.pt"
         else:
-            from . import _single_pt
-
-            f = _single_pt(path)
+            f = single_pt(path)
         return read_pickled_model(f, family)[0].state()
     if family == "dobi-remap":
         from .dobi import check_remap_entry

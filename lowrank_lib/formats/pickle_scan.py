@@ -21,10 +21,10 @@ from __future__ import annotations
 import pickletools
 from dataclasses import dataclass, field
 
-from .errors import fail
+from .errors import CheckpointError, fail
 
 #: Opcode budget of one pickle (see the module doc).
-MAX_OPS = 4_000_000
+MAX_OPS = 2_000_000
 
 _STRING_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING",
                "STRING"}
@@ -53,7 +53,7 @@ def scan(stream, source, max_ops: int = MAX_OPS, length: int | None = None) -> S
     memo: dict[int, object] = {}
     n_memo = 0
     strings: list[str] = []          # the last two string values pushed (STACK_GLOBAL operands)
-    last_string: str | None = None   # what the previous opcode pushed, if it was a string
+    top_string: str | None = None    # the top of the stack, if the last push was a string
     try:
         for op, arg, pos in pickletools.genops(stream):
             out.n_ops += 1
@@ -69,14 +69,14 @@ def scan(stream, source, max_ops: int = MAX_OPS, length: int | None = None) -> S
                     fail(source, f"pickle FRAME at byte {pos} claims {arg} bytes, more than the file holds")
             elif name in _STRING_OPS:
                 pushed = arg.decode("latin-1") if isinstance(arg, bytes) else str(arg)
-            elif name in _PUT_OPS or name == "MEMOIZE":
+            elif name in _PUT_OPS or name == "MEMOIZE":     # memoize the top of the stack; pushes nothing
                 idx = n_memo if name == "MEMOIZE" else int(arg)
                 if idx > n_memo:
                     fail(source, f"pickle memo index {idx} at byte {pos} skips past the {n_memo} entries so far "
                                  f"(a memo-growth attack or corruption)")
-                memo[idx] = last_string
+                memo[idx] = top_string
                 n_memo = max(n_memo, idx + 1)
-                pushed = last_string
+                continue
             elif name in _GET_OPS:
                 pushed = memo.get(int(arg))
             elif name == "GLOBAL":
@@ -87,9 +87,11 @@ def scan(stream, source, max_ops: int = MAX_OPS, length: int | None = None) -> S
                     out.globals.add((strings[-2], strings[-1]))
             if isinstance(pushed, str):
                 strings = (strings + [pushed])[-2:]
-            last_string = pushed if isinstance(pushed, str) else None
+            top_string = pushed if isinstance(pushed, str) else None
             if name == "STOP":
                 break
+    except CheckpointError:
+        raise
     except (ValueError, EOFError, TypeError, OverflowError, UnicodeDecodeError) as e:   # genops' parse errors
         fail(source, f"corrupt pickle ({e})")
     out.end = stream.tell() - start

@@ -23,10 +23,11 @@ def read_pickled_model(path: Path, family: str) -> tuple[ModuleTree, dict]:
         found = [brief(k) for k in list(obj)[:5]] if isinstance(obj, dict) else brief(obj)
         fail(path, f"expected a pickled {{'model': nn.Module, 'tokenizer': ...}}, found {found}")
     root = obj["model"]
+    tree = module_tree(root, path)
     cfg = plain_data(root.__dict__.get("config"), path, "the model's config")
     if not isinstance(cfg, dict):
         fail(path, "the pickled model carries no config")
-    return module_tree(root, path), cfg
+    return tree, cfg
 
 
 def pair_factors(state: dict, pattern: re.Pattern, module: Callable[[dict], str], key: Callable[[dict, str, str], str],

@@ -69,6 +69,7 @@ TRANSFORMERS_CLASSES = {
     "transformers.tokenization_utils_fast": ("PreTrainedTokenizerFast",),
     "transformers.tokenization_utils_tokenizers": ("TokenizersBackend",),     # transformers 5
     "transformers.tokenization_utils_base": ("AddedToken",),                  # 4.x without `tokenizers`
+    "transformers.tokenization_utils": ("Trie",),                             # slow tokenizers' added-token trie
     "tokenizers": ("Tokenizer", "AddedToken"),
     "tokenizers.models": ("Model", "BPE", "Unigram", "WordPiece", "WordLevel"),
 }
@@ -327,6 +328,12 @@ class RestrictedUnpickler(pickle.Unpickler):
                                 f"allow-list for this file; nothing was executed)", path=self._source, key=path)
 
     def persistent_load(self, pid):
+        if isinstance(pid, tuple) and len(pid) == 4 and pid[0] == "module" and self._tf.kind == "legacy":
+            # the legacy container names each nn.Module class once as ('module', class, source file, source);
+            # the class itself came through find_class, so it is an allow-listed stub
+            if not (isinstance(pid[1], type) and issubclass(pid[1], Stub)):
+                raise UnsafePickleError(f"legacy module id names {brief(pid[1])}, not an allow-listed class")
+            return pid[1]
         if not (isinstance(pid, tuple) and len(pid) in (5, 6) and pid[0] == "storage"):
             raise UnsafePickleError(f"persistent id {brief(pid)} (torch writes ('storage', type, key, location, "
                                     f"numel))")

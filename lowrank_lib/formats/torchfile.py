@@ -42,8 +42,10 @@ LEGACY_PROTOCOL = 1001                     # torch.serialization.PROTOCOL_VERSIO
 #: Largest ``data.pkl`` we unpickle: real ones are a few MB (a 128k-vocab fast tokenizer ~10 MB).
 MAX_PICKLE_BYTES = 64 << 20
 MAX_RECORDS = 1 << 18
+MAX_DIRECTORY_BYTES = 32 << 20
 _SMALL_RECORD = 1 << 16
 _LOCAL_HEADER = struct.Struct("<4s5HL2L2H")   # zip local file header, 30 bytes
+_FLAGS_OK = 0x2 | 0x4 | 0x8 | 0x800            # deflate options, data descriptor, UTF-8 names
 
 
 def container_kind(path) -> str:
@@ -144,25 +146,29 @@ class TorchFile:
         pass
 
 
-def _check_entry_count(f, path) -> None:
-    """Read the entry count from the end-of-central-directory record BEFORE ``zipfile`` builds one
-    object per entry (a central directory of millions of tiny entries would exhaust memory)."""
+def _check_directory(f, path) -> None:
+    """Read the entry count and directory size from the end-of-central-directory record BEFORE ``zipfile``
+    builds one object per entry: ``zipfile`` parses the whole directory whatever count it claims, so a
+    directory of millions of tiny entries would exhaust memory."""
     size = f.seek(0, 2)
     f.seek(max(0, size - (22 + 65535)))
     tail = f.read()
     at = tail.rfind(b"PK\x05\x06")
     if at < 0 or at + 22 > len(tail):
         return                                   # zipfile reports the missing record itself
-    count = struct.unpack_from("<H", tail, at + 10)[0]
+    count, cd_size = struct.unpack_from("<HL", tail, at + 10)
     loc = at - 20
-    if count == 0xFFFF and loc >= 0 and tail[loc:loc + 4] == b"PK\x06\x07":
+    if (count == 0xFFFF or cd_size == 0xFFFFFFFF) and loc >= 0 and tail[loc:loc + 4] == b"PK\x06\x07":
         z64 = struct.unpack_from("<Q", tail, loc + 8)[0]
+        if z64 > size - 56:
+            return                               # zipfile refuses the broken zip64 record itself
         f.seek(z64)
         rec = f.read(56)
         if len(rec) == 56 and rec[:4] == b"PK\x06\x06":
-            count = struct.unpack_from("<Q", rec, 32)[0]
-    if count > MAX_RECORDS:
-        fail(path, f"zip directory lists {count} records, more than the {MAX_RECORDS} a torch.save archive can need")
+            count, cd_size = struct.unpack_from("<QQ", rec, 32)
+    if count > MAX_RECORDS or cd_size > MAX_DIRECTORY_BYTES:
+        fail(path, f"zip directory lists {count} records in {cd_size} bytes, more than a torch.save archive can "
+                   f"need ({MAX_RECORDS} records, {MAX_DIRECTORY_BYTES} bytes)")
 
 
 class ZipArchive(TorchFile):
@@ -179,7 +185,7 @@ class ZipArchive(TorchFile):
 
     def _init(self):
         path = self.path
-        _check_entry_count(self._f, path)
+        _check_directory(self._f, path)
         try:
             self._zf = zipfile.ZipFile(self._f)
             infos = self._zf.infolist()
@@ -204,8 +210,12 @@ class ZipArchive(TorchFile):
             if not n.startswith(self.prefix) or n == self.prefix:
                 fail(path, f"zip record '{n}' is outside the archive folder '{self.prefix}' torch reads")
             rel = n[len(self.prefix):]
-            if info.flag_bits & 0x1:
-                fail(path, f"zip record '{n}' is encrypted")
+            if info.flag_bits & ~_FLAGS_OK:
+                fail(path, f"zip record '{n}' has flags {info.flag_bits:#x} (encryption or patch data; torch.save "
+                           f"writes none)")
+            if not 0 <= info.header_offset <= size - 30:
+                fail(path, f"zip record '{n}' claims a header at byte {info.header_offset}, outside the "
+                           f"{size}-byte file (truncated?)")
             if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
                 fail(path, f"zip record '{n}' uses compression method {info.compress_type} (torch.save stores)")
             if info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size:
@@ -261,7 +271,7 @@ class ZipArchive(TorchFile):
         try:
             with self._zf.open(info) as r:
                 data = r.read(cap + 1)
-        except (zipfile.BadZipFile, OSError, EOFError, zlib.error, ValueError) as e:
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error, ValueError, NotImplementedError) as e:
             fail(self.path, f"zip record '{info.filename}' is corrupt ({type(e).__name__}: {e})")
         if len(data) != info.file_size:
             fail(self.path, f"zip record '{info.filename}' holds {len(data)} bytes, its header says {info.file_size}")
