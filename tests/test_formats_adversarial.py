@@ -609,9 +609,13 @@ def test_lowrank_reader_cases(ckpts, tmp_path):
     refused(load_checkpoint, d, key="stowaway", match="does not use", path=d / "model.safetensors")
 
 
-def test_unknown_family_names(ckpts):
+def test_unknown_family_names_and_bad_arguments(ckpts):
     refused(load_checkpoint, ckpts["asvd"], family="nope", match="unknown family 'nope'")
     assert load_checkpoint(ckpts["dobi-remap"], family="dobi_remap").lowrank_meta["family"] == "dobi-remap"
+    refused(load_checkpoint, ckpts["asvd"], dtype="float16", match="not a floating torch.dtype")
+    with pytest.raises(CheckpointError, match="not a path") as ei:
+        load_checkpoint(12)
+    assert not isinstance(ei.value, UnclassifiedCheckpointError)
 
 
 # =========================================================================== 4. unbounded work (child process)

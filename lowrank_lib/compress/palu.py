@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import block_diag_u, split_block_diag  # noqa: F401 (re-export)
+from ..geometry import geometry
 from .calib import CalibStats, cholesky_lower
 from .common import compress_each, whitened_factors
 
@@ -35,8 +36,7 @@ def palu_group_rank(group_dim: int, keep: float, align: int = 32) -> int:
 def compress_palu(model, stats: CalibStats, keep: float, head_group_size: int = 1, align: int = 32,
                   whiten: bool = True, inplace: bool = False, progress: bool = True):
     """Palu k/v factors (G head groups per projection); ``lowrank_meta['head_wise_ranks']``."""
-    cfg = model.config
-    n_kv = cfg.num_key_value_heads
+    n_kv = geometry(model).n_kv_heads
     if n_kv % head_group_size:
         raise ValueError(f"head_group_size {head_group_size} does not divide num_key_value_heads {n_kv}")
     G = n_kv // head_group_size

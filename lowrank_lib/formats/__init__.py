@@ -88,7 +88,10 @@ def detect_format(path: str | Path) -> str:
     pts = sorted(p for p in path.glob("*.pt") if p.is_file())
     if len(pts) == 1:
         return _detect_pickle(pts[0])
-    files = sorted(p.name for p in path.iterdir())[:10]
+    try:
+        files = sorted(p.name for p in path.iterdir())[:10]
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list the folder ({e.strerror or e})", path=path) from None
     raise CheckpointError(f"{path}: unknown layout (files: {files}); expected one of {FAMILIES}", path=path)
 
 
@@ -104,6 +107,8 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     groups, source. Every failure is a :class:`CheckpointError` naming the file (and tensor).
     """
     path = Path(path)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointError(f"{path}: dtype {dtype!r} is not a floating torch.dtype (or None)", path=path)
     fmt = _format(family, path) if family is not None else families.get(detect_format(path))
     if fmt.name == "svdllm" and path.is_dir():
         path = single_pt(path)

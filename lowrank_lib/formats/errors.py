@@ -13,6 +13,7 @@ The fuzz tests assert that no input ever reaches that subclass.
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 
 
@@ -57,6 +58,8 @@ def guarded(fn):
 
     @functools.wraps(fn)
     def wrapper(path, *args, **kwargs):
+        if not isinstance(path, (str, os.PathLike)):
+            raise CheckpointError(f"{brief(path)}: not a path (expected str or os.PathLike)")
         try:
             return fn(path, *args, **kwargs)
         except CheckpointError:

@@ -57,7 +57,7 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
         new_at = ATTN()
         new_at.config = cfg
         new_at.hidden_size = cfg.hidden_size
-        new_at.num_heads = cfg.num_attention_heads
+        new_at.num_heads = geometry(cfg).n_heads
         new_at.head_dim = geometry(cfg).head_dim
         new_at.max_position_embeddings = cfg.max_position_embeddings
         rope = ROPE()
