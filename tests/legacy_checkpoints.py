@@ -298,7 +298,8 @@ def stored_as(cm, fam: str):
 
 # --------------------------------------------------------------------------- SVD-LLM (transformers 4.35.2)
 def svdllm_pickle(cm, folder: Path, version: str = "4.35.2", protocol: int = 2, location: str = "cpu",
-                  zipfile_format: bool = True, tokenizer: str = "slow", keep: float = 0.6) -> tuple[Path, nn.Module]:
+                  zipfile_format: bool = True, tokenizer: str = "slow", keep: float = 0.6,
+                  variant: str = "whitening_only") -> tuple[Path, nn.Module]:
     """SVD-LLM's ``torch.save({'model': model, 'tokenizer': tokenizer}, <model>_whitening_only_<keep>.pt)``.
 
     Per layer (component/svd_llama.py): ``self_attn`` = ``SVD_LlamaAttention`` {config, hidden_size,
@@ -338,7 +339,7 @@ def svdllm_pickle(cm, folder: Path, version: str = "4.35.2", protocol: int = 2, 
     model.seqlen = 2048
     tok = slow_llama_tokenizer() if tokenizer == "slow" else fast_llama_tokenizer()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"jeffwan_llama_7b_hf_whitening_only_{keep}.pt"
+    path = folder / f"jeffwan_llama_7b_hf_{variant}_{keep}.pt"      # v2 runners write ..._v2_<keep>.pt
     _save({"model": model, "tokenizer": tok}, path, protocol, location, zipfile_format)
     return path, rounded(cm, keep_factors_fp32=True)
 

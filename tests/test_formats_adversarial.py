@@ -522,6 +522,29 @@ def test_own_format_overlapping_spans_are_refused(ckpts, tmp_path):
     refused(load_checkpoint, d, match="overlap|hole", path=p)
 
 
+def test_readers_write_nothing(ckpts):
+    """Loading (and failing to load) leaves every checkpoint byte-for-byte and file-for-file as it was."""
+    def snapshot():
+        out = {}
+        for root in ckpts.values():
+            for p in ([root] if root.is_file() else sorted(root.parent.rglob("*") if root.suffix == ".pt" else
+                                                                 root.rglob("*"))):
+                if p.is_file():
+                    st = p.stat()
+                    out[str(p)] = (st.st_size, st.st_mtime_ns, p.read_bytes())
+        return out
+
+    before = snapshot()
+    for name, root in ckpts.items():
+        load_checkpoint(root)
+        for fam in ("svdllm", "dobi", "asvd", "lowrank"):
+            try:
+                load_checkpoint(root, family=fam)
+            except CheckpointError:
+                pass
+    assert snapshot() == before
+
+
 # =========================================================================== every family reader
 def test_svdllm_reader_cases(ckpts, tmp_path):
     src = ckpts["legacy_svdllm"]

@@ -68,6 +68,18 @@ def test_svdllm_whole_model_pickles(compressed, tmp_path, version, protocol, loc
     assert r.lowrank_meta["keep"] == 0.6 and r.lowrank_meta["ranks"] == compressed["svdllm"].lowrank_meta["ranks"]
 
 
+def test_svdllm_v2_heterogeneous_ranks(tmp_path):
+    """SVD-LLM v2 stores the same modules with per-matrix ranks (stale in/out features everywhere)."""
+    mha = models.tiny_model("tiny-mha", seed=0)
+    stats = collect_stats(mha, random_token_batches(256, 4, 32, seed=1), progress=False)
+    cm = families.get("svdllm_v2").compress(mha, stats, 0.6, progress=False)
+    assert len(set(cm.lowrank_meta["ranks"].values())) > 2
+    p, ref = svdllm_pickle(cm, tmp_path, protocol=2, location="cuda:0", variant="v2")
+    r = load_checkpoint(p)
+    assert rel(r, ref) < 1e-6
+    assert r.lowrank_meta["variant"] == "v2" and r.lowrank_meta["ranks"] == cm.lowrank_meta["ranks"]
+
+
 def test_svdllm_in_the_pre_1_6_container(compressed, tmp_path):
     p, ref = svdllm_pickle(compressed["svdllm"], tmp_path, protocol=2, location="cuda:0", zipfile_format=False)
     assert container_kind(p) == "legacy"

@@ -15,8 +15,9 @@ which checks nothing. :func:`check_safetensors` is the one validator both use (a
   begins where the previous ended, the last ends at the end of the file (so a truncated file, a
   file with trailing bytes and two tensors sharing bytes are all refused).
 
-:func:`read_safetensors` then maps the file (copy-on-write) and returns views, or loads it with the
-safetensors library (``use_mmap=False``).
+:func:`read_safetensors` then maps the file (copy-on-write) and returns views of exactly the byte
+ranges the validated header declares (one parse of the header, the one we checked), or loads it with
+the safetensors library (``use_mmap=False``).
 """
 from __future__ import annotations
 

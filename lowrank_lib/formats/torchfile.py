@@ -19,6 +19,12 @@ CRCs are verified, and ``byteorder`` (if present) is ``little``.
 
 Storages come back as 1-D ``uint8`` tensors on the CPU whatever device the file names (Dobi-SVD
 saves ``cuda:0``); a stored (uncompressed) zip record is a copy-on-write view of the mapped file.
+
+Why not ``torch.load`` itself: with ``weights_only=True`` it refuses the families' classes and
+accepts no ``pickle_module`` (so no allow-list of ours), and its safe-globals registry would need
+the real 4.x classes importable; with ``weights_only=False`` it runs the file. The containers are
+therefore read here with the standard library (``zipfile``, ``tarfile``, ``pickle``), following
+torch's own decisions step by step.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, fail
+from .errors import CheckpointError, fail, guarded
 from .files import map_file, open_regular
 from .pickle_scan import scan
 
@@ -48,6 +54,7 @@ _LOCAL_HEADER = struct.Struct("<4s5HL2L2H")   # zip local file header, 30 bytes
 _FLAGS_OK = 0x2 | 0x4 | 0x8 | 0x800            # deflate options, data descriptor, UTF-8 names
 
 
+@guarded
 def container_kind(path) -> str:
     """``"zip"`` or ``"legacy"``, decided as ``torch.load`` decides (see the module doc)."""
     path = Path(path)
@@ -369,6 +376,7 @@ class LegacyFile(TorchFile):
 
 
 
+@guarded
 def open_torch_file(path) -> TorchFile:
     """The container at ``path`` (decided as torch decides); CheckpointError if it is neither."""
     kind = container_kind(path)
