@@ -6,10 +6,12 @@ readers did not classify) or any other exception; and it never hangs (each examp
 and the number of examples is bounded). Inputs: random and mutated opcode streams fed to the
 unpickler inside a valid torch.save archive, and real checkpoints of every family truncated,
 bit-flipped or overwritten in places (the whole file, or the pickle / JSON inside it so the outer
-checks pass and the inner readers are reached). Examples are derandomized so CI runs the same ones.
+checks pass and the inner readers are reached), and random config.json values. Examples are
+derandomized so CI runs the same ones; LOWRANK_FUZZ_EXAMPLES=N runs N random examples per test.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import zipfile
@@ -26,7 +28,9 @@ from lowrank_lib import families, load_checkpoint, models
 from lowrank_lib.formats import CheckpointError, UnclassifiedCheckpointError, detect_format, write_native
 from lowrank_lib.formats.safe_pickle import safe_torch_load
 
-FUZZ = settings(max_examples=60, deadline=timedelta(seconds=20), derandomize=True, database=None,
+#: ``LOWRANK_FUZZ_EXAMPLES=2000 pytest tests/test_formats_fuzz.py`` runs a longer, randomized hunt.
+_N = int(os.environ.get("LOWRANK_FUZZ_EXAMPLES", "0") or 0)
+FUZZ = settings(max_examples=_N or 60, deadline=timedelta(seconds=20), derandomize=not _N, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
@@ -224,3 +228,31 @@ def test_torch_saves_load_as_torch_loads_them_or_are_refused(obj, protocol, lega
             raw[f % len(raw)] ^= 1 << (f % 8)
         p.write_bytes(bytes(raw))
         outcome(safe_torch_load, p, "state_dict")
+
+
+# --------------------------------------------------------------------------- config.json values
+_json = st.recursive(st.none() | st.booleans() | st.integers(-3, 1 << 40) | st.floats(allow_nan=True) |
+                     st.text(max_size=6) | st.sampled_from(["default", "linear", "dynamic", "yarn", "llama3", "silu"]),
+                     lambda kids: st.lists(kids, max_size=3) | st.dictionaries(
+                         st.sampled_from(["rope_type", "type", "factor", "rope_theta", "low_freq_factor",
+                                          "high_freq_factor", "original_max_position_embeddings", "x"]),
+                         kids, max_size=4), max_leaves=8)
+_FIELDS = ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+           "tie_word_embeddings", "attention_bias", "mlp_bias", "rope_theta", "rope_scaling", "rope_parameters",
+           "eos_token_id", "truncation_ranks", "architectures", "model_type"]
+
+
+@FUZZ
+@given(edits=st.dictionaries(st.sampled_from(_FIELDS), _json, min_size=1, max_size=3))
+def test_random_config_values(base, edits):
+    import json
+
+    with tempfile.TemporaryDirectory() as d:
+        dst = Path(shutil.copytree(base["asvd"], Path(d) / "asvd"))
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg.update(edits)
+        (dst / "config.json").write_text(json.dumps(cfg))
+        res = outcome(load_checkpoint, dst)
+        if not isinstance(res, CheckpointError):
+            valid_model(res)

@@ -117,6 +117,7 @@ def llama_config(d: dict, source="<config>"):
             rp["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
         kw["rope_parameters"] = rp
     kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    _check_rope_values(kw["rope_parameters"], source)
     try:
         cfg = LlamaConfig(**kw, attn_implementation="sdpa")
     except Exception as e:  # transformers' own validation (rope parameters, ...)
@@ -130,7 +131,44 @@ def llama_config(d: dict, source="<config>"):
         fail(source, f"config head_dim {g.head_dim} is odd; rotary embeddings need an even head_dim", key="head_dim")
     if (cfg.rope_parameters or {}).get("rope_type", "default") not in _rope_types():
         fail(source, f"config rope type {cfg.rope_parameters.get('rope_type')!r} is not one transformers implements")
+    rope_frequencies(cfg, source)
     return cfg
+
+
+def _check_rope_values(rp: dict, source) -> None:
+    """RoPE parameters are a type name and numbers (or lists of numbers, for long-context scalings)."""
+    for k, v in rp.items():
+        if not isinstance(k, str):
+            fail(source, f"config RoPE parameter key {brief(k)} is not a string", key="rope_parameters")
+        if k in ("rope_type", "type"):
+            if not isinstance(v, str):
+                fail(source, f"config RoPE {k} = {brief(v)}: expected a name", key="rope_parameters")
+            continue
+        vals = v if isinstance(v, list) else [v]
+        if v is not None and not all(_finite_number(x) for x in vals):
+            fail(source, f"config RoPE parameter {k} = {brief(v)}: expected finite numbers", key="rope_parameters")
+    theta = rp.get("rope_theta", 10000.0)
+    if not _finite_number(theta) or theta <= 0:
+        fail(source, f"config rope_theta = {brief(theta)}: expected a positive number", key="rope_theta")
+    if rp.get("factor") is not None and rp["factor"] < 1:
+        fail(source, f"config RoPE factor = {brief(rp['factor'])}: expected >= 1", key="rope_parameters")
+
+
+def rope_frequencies(cfg, source) -> tuple[torch.Tensor, float, str]:
+    """``(inv_freq, attention_scaling, rope_type)`` transformers computes for ``cfg``; CheckpointError if it
+    cannot, or if they are not finite (so a bad config fails here, not inside the model)."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    try:
+        rot = LlamaRotaryEmbedding(config=cfg)
+        inv, scale = rot.inv_freq, float(getattr(rot, "attention_scaling", 1.0) or 1.0)
+    except Exception as e:  # transformers' RoPE initialisers on odd parameters
+        fail(source, f"config RoPE parameters {brief(str(cfg.rope_parameters), 200)} cannot be computed "
+                     f"({type(e).__name__}: {str(e)[:200]})", key="rope_parameters")
+    if not bool(torch.isfinite(inv).all()) or not math.isfinite(scale) or not bool((inv > 0).all()):
+        fail(source, f"config RoPE parameters {brief(str(cfg.rope_parameters), 200)} give non-finite or "
+                     f"non-positive frequencies", key="rope_parameters")
+    return inv, scale, rot.rope_type
 
 
 def _rope_types() -> set[str]:

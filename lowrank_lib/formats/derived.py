@@ -45,15 +45,13 @@ def _tol(dtype: torch.dtype) -> float:
     return 4 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
 
 
-def _expected_rope(cfg):
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+def _expected_rope(cfg, source):
+    from .build import rope_frequencies
 
-    rot = LlamaRotaryEmbedding(config=cfg)      # CPU, tiny: [head_dim / 2]
-    factor = None
+    inv, scale, rtype = rope_frequencies(cfg, source)      # CPU, tiny: [head_dim / 2]
     rp = getattr(cfg, "rope_parameters", None) or {}
-    if rot.rope_type == "linear":
-        factor = float(rp.get("factor", 1.0))
-    return rot.inv_freq.double(), float(getattr(rot, "attention_scaling", 1.0) or 1.0), rot.rope_type, factor
+    factor = float(rp.get("factor", 1.0)) if rtype == "linear" else None
+    return inv.double(), scale, rtype, factor
 
 
 def split_derived(tensors: dict[str, torch.Tensor], cfg, source, candidates=None) -> tuple[dict, list[str]]:
@@ -81,7 +79,7 @@ def split_derived(tensors: dict[str, torch.Tensor], cfg, source, candidates=None
                 keep[key] = t      # a buffer of a layer the config does not have: unexpected, by name
                 continue
             if rope is None:
-                rope = _expected_rope(cfg)
+                rope = _expected_rope(cfg, source)
             inv, scale, rtype, factor = rope
             kind = m.group("kind")
             if kind in ("inv_freq", "original_inv_freq"):
