@@ -187,6 +187,14 @@ def test_codecs_encode_is_latin1_only(tmp_path):
     refused(safe_torch_load, p, cls=UnsafePickleError, match="latin1")
 
 
+def test_plain_data_globals_stay_data(tmp_path):
+    p = tmp_path / "d.pt"
+    torch.save({"d": torch.device("cuda", 0), "s": torch.Size([2, 3]), "set": {1, 2}, "b": b"\x00x"}, p)
+    assert safe_torch_load(p) == {"d": ("device", "cuda", 0), "s": torch.Size([2, 3]), "set": {1, 2}, "b": b"\x00x"}
+    bad = torch_zip(tmp_path / "dev.pt", pickle_bytes(glob("torch", "device") + b"(" + binint(3) + b"tR"))
+    refused(safe_torch_load, bad, cls=UnsafePickleError, match="torch.device")
+
+
 # =========================================================================== 2. seeing the file as torch does
 def test_legacy_pickle_with_a_zip_appended_is_the_legacy_pickle(ckpts, tmp_path):
     """torch.load decides by the leading bytes: such a file IS the legacy pickle; the old reader certified the zip."""

@@ -14,10 +14,10 @@ A^T A (the activation principal directions), then factored by an exact SVD:
 
 Remap form: W_new = U S Vh with k components; Sigma goes on U when m >= n, on Vh when m < n; the
 first min(m, n) entries of each component are 8-bit quantised with bitsandbytes' signed dynamic
-map (re-implemented here), the rest ("tuple_info" tail) stays fp16. :func:`remap_encode` and
-:func:`remap_decode` are exact inverses on decoded data; the in-memory model holds the decoded
-fp16 factors and keeps the codes on the module (``module.dobi_remap``) so a writer reproduces
-the same bytes.
+map (re-implemented in :mod:`lowrank_lib.codecs`, shared with the readers), the rest
+("tuple_info" tail) stays fp16. :func:`remap_encode` and :func:`remap_decode` are exact inverses on
+decoded data; the in-memory model holds the decoded fp16 factors and keeps the codes on the module
+(``module.dobi_remap``) so a writer reproduces the same bytes.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ What a pickle may name (exact ``module.name`` pairs, no prefixes, so ``tokenizer
 
 * :data:`TENSOR_GLOBALS`: the tensor rebuild functions and storage types torch writes, mapped to
   OUR implementations, which only slice byte buffers of the file (and check every offset, size and
-  stride first); ``OrderedDict``, ``set``, ``frozenset``, ``torch.Size``, dtypes;
-  ``_codecs.encode`` restricted to latin-1 (protocol 2 stores bytes that way);
+  stride first); ``OrderedDict``, ``set``, ``frozenset``, ``torch.Size``, dtypes, ``torch.device``
+  (kept as the plain tuple ``('device', type, index)``); ``_codecs.encode`` restricted to latin-1
+  (protocol 2 stores bytes that way);
 * :data:`FAMILY_CLASSES`: per family, the classes its original code really pickles (transformers
   4.35 to 4.45 and 5.x Llama/Mistral module, config and tokenizer classes, ``torch.nn`` containers,
   the family's own ``component.*`` / ``modules.*`` classes). Each becomes an inert :class:`Stub`
@@ -271,6 +272,14 @@ def _size(dims=()):
     return torch.Size(dims)
 
 
+def _device(*args):
+    """``torch.device(...)`` kept as plain data (a module may remember where it ran): ('device', type, index)."""
+    if not (1 <= len(args) <= 2 and isinstance(args[0], str) and len(args[0]) <= 32
+            and (len(args) == 1 or args[1] is None or _is_int(args[1]))):
+        raise UnsafePickleError(f"torch.device of {brief(args)}")
+    return ("device",) + args
+
+
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
     "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -294,6 +303,7 @@ TENSOR_GLOBALS: dict[tuple[str, str], object] = {
     ("torch", "Tensor"): _TensorType("Tensor"),
     ("torch.nn.parameter", "Parameter"): _TensorType("Parameter"),
     ("torch", "Size"): _size,
+    ("torch", "device"): _device,
 }
 for _n, _dt in _STORAGE_DTYPES.items():
     TENSOR_GLOBALS[("torch", _n)] = _StorageType(_dt)
