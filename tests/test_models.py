@@ -81,6 +81,36 @@ def test_cache_is_reused_without_network(tmp_path, monkeypatch, saved_tiny):
     assert m.config.num_key_value_heads == 2
 
 
+def test_progress_goes_to_logging_not_stderr(tmp_path, monkeypatch, saved_tiny, caplog, capsys):
+    """Notebooks must not show loader chatter on stderr; applications see it through logging (INFO)."""
+    import logging
+
+    _, d = saved_tiny
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.parent.mkdir(parents=True)
+    d.rename(target)
+    (target / "lowrank_lib_cache.json").write_text(json.dumps({"format_version": 1}))
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="lowrank_lib.models"):
+        models.load("smollm2", cache_dir=tmp_path)
+    assert any(r.name == "lowrank_lib.models" and "loaded SmolLM2 from cache" in r.getMessage() for r in caplog.records)
+    assert "lowrank_lib.models" not in capsys.readouterr().err
+
+
+def test_cli_prints_the_cached_path(tmp_path, saved_tiny):
+    import subprocess
+    import sys
+
+    _, d = saved_tiny
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.parent.mkdir(parents=True)
+    d.rename(target)
+    (target / "lowrank_lib_cache.json").write_text(json.dumps({"format_version": 1}))
+    out = subprocess.run([sys.executable, "-m", "lowrank_lib.models", "fetch", "smollm2", "--cache-dir", str(tmp_path)],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(target)
+
+
 def test_incomplete_cache_is_refused(tmp_path, monkeypatch):
     target = tmp_path / "models" / "smollm2-135m-instruct"
     target.mkdir(parents=True)
