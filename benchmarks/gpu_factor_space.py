@@ -27,9 +27,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lowrank_lib.attsvd.bench_factor_space import AttnBenchConfig, attention_ratios, bench_attention  # noqa: E402
-from lowrank_lib.attsvd.factor_space import (FactorKV, factor_from_dense, factor_space_attention,  # noqa: E402
-                                             rebuild_then_attend, rel_err)
+from lowrank_lib.attsvd.bench_factor_space import (AttnBenchConfig, attention_ratios, bench_attention,  # noqa: E402
+                                                   rel_err, svd_run)
+from lowrank_lib.attsvd.factor_space import factor_space_attention, rebuild_then_attend  # noqa: E402
+from lowrank_lib.attsvd.kv import LowRankKV  # noqa: E402
 
 GEOMETRIES = {"llama7b": dict(q_heads=32, kv_heads=32, head_dim=128, layers=32),
               "llama3_8b_gqa": dict(q_heads=32, kv_heads=8, head_dim=128, layers=32)}
@@ -43,18 +44,16 @@ def correctness(dev: str) -> dict:
         k = torch.randn(2, 8, 4096, 128, device=dev)
         v = torch.randn(2, 8, 4096, 128, device=dev)
         q = torch.randn(2, 32, 1, 128, device=dev)
-        kv = FactorKV([factor_from_dense(k[:, :, :3000], v[:, :, :3000], 64),
-                       factor_from_dense(k[:, :, 3000:4000], v[:, :, 3000:4000], 32)],
-                      k[:, :, 4000:], v[:, :, 4000:])
-        kvd = FactorKV([type(s)(*(t.to(dt) for t in (s.a_k, s.b_k, s.a_v, s.b_v))) for s in kv.segments],
-                       kv.k_win.to(dt), kv.v_win.to(dt))
+        kv = LowRankKV([svd_run(k[:, :, :3000], v[:, :, :3000], 64), svd_run(k[:, :, 3000:4000], v[:, :, 3000:4000], 32)],
+                       k[:, :, 4000:], v[:, :, 4000:])
+        kvd = kv.to(dt)
         e = rel_err(factor_space_attention(q.to(dt), kvd), rebuild_then_attend(q.to(dt), kvd))
         out[str(dt)] = {"rel_err": e, "tol": tol, "ok": e < tol}
     return out
 
 
 def engine_graphs(dev: str) -> dict:
-    """FactorEngine eager vs CUDA-graph modes on a random tiny-smol model (fp32)."""
+    """The Engine with the AttSVD store, eager vs CUDA-graph modes, on a random tiny-smol model (fp32)."""
     from lowrank_lib import models
     from lowrank_lib.attsvd.config import AttSVDConfig
     from lowrank_lib.attsvd.factor_engine import FactorEngine

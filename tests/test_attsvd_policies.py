@@ -7,11 +7,10 @@ import torch
 from transformers import DynamicCache
 
 from lowrank_lib import models
-from lowrank_lib.attsvd import METHODS, AttSVDConfig, MethodSpec, attsvd_stored_tokens, capture
-from lowrank_lib.attsvd.cache import Observation
-from lowrank_lib.attsvd.methods import EXT_OBS_WINDOW
-from lowrank_lib.attsvd.policies import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
-from lowrank_lib.attsvd.record import dense_from, record_prefill, replay
+from lowrank_lib.attsvd import AttSVDConfig
+from lowrank_lib.eval.methods import EXT_OBS_WINDOW, METHODS, MethodSpec, attsvd_stored_tokens
+from lowrank_lib.eviction import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
+from lowrank_lib.hf import Observation, capture, dense_from, record_prefill, replay
 
 
 @pytest.fixture(scope="module")

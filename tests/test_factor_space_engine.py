@@ -9,8 +9,9 @@ from lowrank_lib import models
 from lowrank_lib.attsvd.config import AttSVDConfig
 from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route
 from lowrank_lib.attsvd.factor_engine import FactorEngine
-from lowrank_lib.attsvd.factor_space import rel_err
 from lowrank_lib.runtime import EngineConfig
+
+from helpers import rel_err
 
 TOL = 1e-5
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .config import AttSVDConfig
-from .methods import METHODS, MethodSpec
+from ..eval.methods import METHODS, MethodSpec
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)

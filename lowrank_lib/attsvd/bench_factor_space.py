@@ -36,8 +36,24 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .factor_space import (FactorKV, dense_attention, factor_from_dense, factor_space_attention,
-                           rebuild_then_attend, rel_err, step_cost)
+from ..geometry import geometry
+
+from ..bench.cost import step_cost
+from .basis import attention_svd
+from .factor_space import dense_attention, factor_space_attention, rebuild_then_attend
+from .kv import LowRankKV
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def svd_run(k: torch.Tensor, v: torch.Tensor, rank: int) -> tuple:
+    """Raw truncated-SVD factors (a_k, b_k, a_v, b_v) of exact K/V [B, H, n, d] (fp32 SVD, k's dtype)."""
+    return tuple(t.to(k.dtype) for t in attention_svd(k, v, rank, rank).runs[0])
 
 
 # --------------------------------------------------------------------------- part 1: attention per step
@@ -117,7 +133,7 @@ def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
     return q, k, v
 
 
-def _rebuild_preallocated(q, kv: FactorKV, seg, n_b: int):
+def _rebuild_preallocated(q, kv: LowRankKV, seg, n_b: int):
     """Rebuild into K/V buffers allocated once (window already in place), then dense attention.
 
     The fairest rebuild: no allocation or concatenation per step, only the S r d GEMMs.
@@ -127,8 +143,9 @@ def _rebuild_preallocated(q, kv: FactorKV, seg, n_b: int):
 
     def run():
         if seg is not None:
-            torch.matmul(seg.a_k, seg.b_k, out=k_buf[:, :, :n_b])
-            torch.matmul(seg.a_v, seg.b_v, out=v_buf[:, :, :n_b])
+            a_k, b_k, a_v, b_v = seg
+            torch.matmul(a_k, b_k, out=k_buf[:, :, :n_b])
+            torch.matmul(a_v, b_v, out=v_buf[:, :, :n_b])
         return dense_attention(q, k_buf, v_buf)
 
     return run
@@ -148,8 +165,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
                "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
         kvs = {}
         for r in cfg.ranks():
-            seg = factor_from_dense(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
-            kv = FactorKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
+            seg = svd_run(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
+            kv = LowRankKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
             kvs[r] = kv
             fns[f"rebuild_r{r}"] = (lambda kv=kv: rebuild_then_attend(q, kv))
             fns[f"rebuildpre_r{r}"] = _rebuild_preallocated(q, kv, seg, n - w)
@@ -210,11 +227,10 @@ def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> l
     from ..data import tokens
     from .config import AttSVDConfig
     from .factor_cache import FactorSpaceAttSVDCache, factor_space
-    from .record import dense_from, record_prefill, replay
+    from ..hf.record import dense_from, record_prefill, replay
 
     ids_all = tokens(tok, "test")
-    d = model.config.hidden_size // model.config.num_attention_heads
-    d = getattr(model.config, "head_dim", None) or d
+    d = geometry(model).head_dim
     rows = []
     for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
         ids = ids_all[:n][None]
@@ -267,7 +283,7 @@ def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> l
 @torch.inference_mode()
 def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
                  progress: bool = True) -> list[dict]:
-    """The runtime ``Engine`` (dense static KV) vs :class:`FactorEngine` (AttSVD factor space), eager.
+    """The runtime ``Engine`` with its dense store vs with the AttSVD factor store, eager.
 
     Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
     All engines are prefilled, then their greedy decode steps are interleaved (shuffled per step), so
@@ -279,7 +295,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     from .factor_engine import FactorEngine
 
     ids_all = tokens(tok, "test")
-    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    d = geometry(model).head_dim
     rows = []
     for n in tqdm(contexts, desc="engine contexts", disable=not progress):
         ids = ids_all[:n][None]
@@ -328,7 +344,7 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
     from .config import AttSVDConfig
     from .factor_cache import FactorSpaceAttSVDCache, factor_space
 
-    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    d = geometry(model).head_dim
     cfgs = {f: AttSVDConfig(rank=max(1, round(f * d)), window=window) for f in rank_fracs}
     methods = {f"factor@{f}": (lambda m, n, c=c: FactorSpaceAttSVDCache(m, c, route="factor"))
                for f, c in cfgs.items()}
@@ -380,7 +396,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
                          f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
     if result.get("engine"):
-        lines += ["", "## runtime Engine: dense static KV vs AttSVD factor-space KV mode (FactorEngine), eager", "",
+        lines += ["", "## runtime Engine: dense store vs AttSVD factor store (AttSVDStore), eager", "",
                   "| context | route | rank | ms/token | KV bytes held in decode | AttSVD memory ratio |",
                   "|---|---|---|---|---|---|"]
         for r in result["engine"]["rows"]:
@@ -419,7 +435,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--e2e", action="store_true", help="also SmolLM2 end-to-end decode ms/token")
     ap.add_argument("--e2e-contexts", type=int, nargs="+", default=None)
     ap.add_argument("--gen", type=int, default=8)
-    ap.add_argument("--engine", action="store_true", help="also the runtime Engine: dense KV vs FactorEngine")
+    ap.add_argument("--engine", action="store_true", help="also the runtime Engine: dense store vs AttSVD store")
     ap.add_argument("--engine-contexts", type=int, nargs="+", default=None)
     ap.add_argument("--ppl", action="store_true", help="also the continuation-perplexity identity")
     ap.add_argument("--ppl-prefill", type=int, default=2048)

@@ -34,9 +34,11 @@ import torch
 from ..runtime.config import EngineConfig
 from ..runtime.engine import Engine
 from ..runtime.kv_cache import StaticKVCache
-from .cache import AttSVDLayer, Observation
+from ..hf.cache import Observation
+from .cache import AttSVDLayer
 from .config import AttSVDConfig
-from .factor_space import FactorKV, LowRankKV, factor_space_attention
+from .factor_space import factor_space_attention
+from .kv import LowRankKV
 
 
 @dataclass
@@ -141,8 +143,8 @@ class FactorEngine(Engine):
             layer = AttSVDLayer(self.attsvd)
             layer.update(K, V)
             layer.observe(Observation(q, D ** -0.5, slots, k_valid, k_valid))
-            stored += layer.stored_bytes()
-            dense += layer.dense_bytes()
+            stored += layer.nbytes
+            dense += layer.dense_nbytes
             layers.append(layer)
         ranks = [(l.rank_k, l.rank_v) if s_b else (1, 1) for l in layers]
         key = (B, s_pad, w_cap, tuple(ranks))
@@ -173,10 +175,11 @@ class FactorEngine(Engine):
         for t in buf.__dict__.values():
             t.zero_()
         if s_b:
-            buf.a_k[:, :, :s_b].copy_(layer.bulk_k.A)
-            buf.b_k.copy_(layer.bulk_k.B)
-            buf.a_v[:, :, :s_b].copy_(layer.bulk_v.A)
-            buf.b_v.copy_(layer.bulk_v.B)
+            a_k, b_k, a_v, b_v = layer.kv.runs[0]
+            buf.a_k[:, :, :s_b].copy_(a_k)
+            buf.b_k.copy_(b_k)
+            buf.a_v[:, :, :s_b].copy_(a_v)
+            buf.b_v.copy_(b_v)
         n = layer.keys.shape[-2]
         buf.k_win[:, :, :n].copy_(layer.keys)
         buf.v_win[:, :, :n].copy_(layer.values)
@@ -209,8 +212,8 @@ class FactorEngine(Engine):
         slot = pos - self._sb                                  # window slot of this token (device)
         buf.k_win.index_copy_(2, slot, k)
         buf.v_win.index_copy_(2, slot, v)
-        segs = [LowRankKV(buf.a_k[:, :, :n_bulk], buf.b_k, buf.a_v[:, :, :n_bulk], buf.b_v)] if n_bulk else []
-        kv = FactorKV(segs, buf.k_win[:, :, :n_win], buf.v_win[:, :, :n_win])
+        segs = [(buf.a_k[:, :, :n_bulk], buf.b_k, buf.a_v[:, :, :n_bulk], buf.b_v)] if n_bulk else []
+        kv = LowRankKV(segs, buf.k_win[:, :, :n_win], buf.v_win[:, :, :n_win])
         o = factor_space_attention(q.reshape(B, Hkv * G, 1, D), kv, mask)   # [B, Hq, 1, D]
         return o.reshape(B, Hkv * G * D)
 
