@@ -56,8 +56,8 @@ def engine_graphs(dev: str) -> dict:
     """The Engine with the AttSVD store, eager vs CUDA-graph modes, on a random tiny-smol model (fp32)."""
     from lowrank_lib import models
     from lowrank_lib.attsvd.config import AttSVDConfig
-    from lowrank_lib.attsvd.factor_engine import FactorEngine
-    from lowrank_lib.runtime import EngineConfig
+    from lowrank_lib.attsvd.store import AttSVDStore
+    from lowrank_lib.runtime import Engine, EngineConfig
 
     model = models.tiny_model("tiny-smol", seed=0).to(dev)
     acfg = AttSVDConfig(ratio=0.5, window=16)
@@ -65,7 +65,7 @@ def engine_graphs(dev: str) -> dict:
     ref = {}
     for graph in ("none", "whole-step", "per-layer"):
         try:
-            eng = FactorEngine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph), acfg, bucket=64)
+            eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph), kv=AttSVDStore(acfg, bucket=64))
             res = []
             for T in (300, 310, 400):                     # bulks 284, 294 (bucket 320), 384 (384)
                 g = torch.Generator().manual_seed(T)

@@ -292,7 +292,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     from ..data import tokens
     from ..runtime import Engine, EngineConfig
     from .config import AttSVDConfig
-    from .factor_engine import FactorEngine
+    from .store import AttSVDStore
 
     ids_all = tokens(tok, "test")
     d = geometry(model).head_dim
@@ -303,7 +303,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
         engines = {("engine_dense", d): Engine(model, ecfg)}
         for f in rank_fracs:
             r = max(1, round(f * d))
-            engines[("engine_factor", r)] = FactorEngine(model, ecfg, AttSVDConfig(rank=r, window=window))
+            engines[("engine_factor", r)] = Engine(model, ecfg, kv=AttSVDStore(AttSVDConfig(rank=r, window=window)))
         state, times, prefill_s = {}, {k: [] for k in engines}, {}
         for k, eng in engines.items():
             t0 = time.perf_counter()
@@ -321,7 +321,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
                     times[k].append(time.perf_counter() - t0)
                 toks[k].append(int(state[k]))
         for (route, r), eng in engines.items():
-            rep = eng.kv_report() if isinstance(eng, FactorEngine) else {}
+            rep = eng.kv.report()
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
                          "prefill_s": prefill_s[(route, r)], "kv_bytes": eng.report()["kv_cache_bytes"],
                          "attsvd_ratio": rep.get("attsvd_ratio", 1.0), "tokens": toks[(route, r)]})

@@ -18,7 +18,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime.baselines import make_runner
-from ..runtime.engine import Engine, run_generation
+from ..generation import run_generation
+from ..runtime.engine import Engine
 from ..runtime.profiling import per_token_counts
 
 

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from .baselines import make_runner
-from .engine import Engine, run_generation
+from ..generation import run_generation
+from .engine import Engine
 
 PROMPTS = [
     "The capital of France is",
