@@ -293,7 +293,7 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
 
     Measured on 6 prompts x 64 tokens: dense max |logit err| 9.3e-5, SVD keep 0.5 6.6e-4 on logits
     up to ~36 (1.8e-5 relative); the full 20 x 64 audit is ``python -m lowrank_lib.bench fidelity``."""
-    from lowrank_lib.runtime.fidelity import PROMPTS
+    from lowrank_lib.eval.fidelity import PROMPTS
 
     dense, tok = smollm2
     for model, rel in ((dense, False), (compress_svd(dense, 0.5), True)):
