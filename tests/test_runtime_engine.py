@@ -125,7 +125,9 @@ def test_weight_layout_rule_and_storage():
         assert grp["in_major"].U_t[0].is_contiguous() and not grp["out_major"].U_t[0].is_contiguous()
         for lay, gp in grp.items():
             for y, r in zip(gp(x), ref):
-                torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
+                # the layouts sum the same products in another order: fp32 round-off scales with |output|
+                # (~1e2 here), so the absolute bound is relative to the output's scale
+                torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()))
 
 
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])

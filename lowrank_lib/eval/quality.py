@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..geometry import geometry
+
 #: family -> native checkpoint family it is written as ("svd" = plain SVD, kept in our own format)
 FAMILY_FORMAT = {"svd": "lowrank", "asvd": "asvd", "svdllm": "svdllm", "svdllm_v2": "svdllm",
                  "basis_sharing": "basis_sharing", "dobi": "dobi", "dobi-remap": "dobi-remap", "palu": "palu"}
@@ -60,7 +62,7 @@ def compress_family(model, family: str, stats, keep: float, cfg: QualityConfig):
     if family == "basis_sharing":
         kw["group_size"] = cfg.basis_group_size
     if family == "palu":
-        kw["head_group_size"] = cfg.palu_head_group_size or model.config.num_key_value_heads
+        kw["head_group_size"] = cfg.palu_head_group_size or geometry(model).n_kv_heads
         kw["align"] = cfg.palu_align
     return COMPRESSORS[family](model, stats, keep, **kw)
 

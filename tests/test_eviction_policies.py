@@ -1,5 +1,6 @@
-"""Eviction baselines: real eviction (stored rows shrink), memory matched to AttSVD (Eq. 6), positions and
-masks right after eviction, each policy keeps what it claims; method registry end to end."""
+"""Eviction baselines (lowrank_lib.eviction, every policy of the POLICIES registry): real eviction (stored
+rows shrink), memory matched to AttSVD (Eq. 6), positions and masks right after eviction, each policy keeps
+what it claims; the KV method registry (lowrank_lib.eval.methods) end to end."""
 from __future__ import annotations
 
 import pytest
