@@ -173,7 +173,7 @@ class Engine:
             o = prefill_attention(q, k, v, ctx.mask).transpose(1, 2).reshape(B * T, Hq * D)
         else:
             if not kv.stores_latents:
-                kept = k.view(B, Hkv, 1, D), v.view(B, Hkv, 1, D)
+                kept = k, v.view(B, Hkv, 1, D)                                        # k: [B, Hkv, 1, D] already
             kv.append(i, *kept, ctx)
             o = kv.attend(i, q, ctx)                                                  # [B, Hq * D]
         return x + L.o(o)[0]

@@ -66,14 +66,16 @@ class DenseKV:
 
     def store_prefill(self, layer: int, q, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [B, Hkv, T, D] post-RoPE -> slots [0, T)."""
-        self._write(layer, k, v, self._slots[:k.shape[2]])
+        K, V = self.k[layer], self.v[layer]
+        if k.shape[0] != self.spec.max_batch:
+            K, V = K[:k.shape[0]], V[:k.shape[0]]
+        self._write(K, V, k, v, self._slots[:k.shape[2]])
 
     def end_prefill(self) -> None:
         pass
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        B = k.shape[0]
-        K, V = self.k[layer][:B], self.v[layer][:B]
+    def _write(self, K: torch.Tensor, V: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] into buffers (views) K, V at slots ``pos`` [T], in the store's layout."""
         if self.layout == "bhsd":
             K.index_copy_(2, pos, k)
             V.index_copy_(2, pos, v)
@@ -99,13 +101,7 @@ class DenseKV:
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: DenseStep) -> None:
         """The current token's k/v [B, Hkv, 1, D] -> slot ``cursor.length`` (into the step's views)."""
-        K, V = ctx.k[layer], ctx.v[layer]
-        if self.layout == "bhsd":
-            K.index_copy_(2, ctx.pos, k)
-            V.index_copy_(2, ctx.pos, v)
-        else:
-            K.index_copy_(1, ctx.pos, k.transpose(1, 2))
-            V.index_copy_(1, ctx.pos, v.transpose(1, 2))
+        self._write(ctx.k[layer], ctx.v[layer], k, v, ctx.pos)
 
     def attend(self, layer: int, q: torch.Tensor, ctx: DenseStep) -> torch.Tensor:
         """q [B, Hkv, G, D] over this layer's slots -> [B, Hq * D] (the backend's kernel)."""

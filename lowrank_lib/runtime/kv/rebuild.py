@@ -51,10 +51,7 @@ class RebuildKV:
 
     def store_prefill(self, layer: int, q, hk: torch.Tensor, hv: torch.Tensor) -> None:
         """Latents hk [B, T, r_k], hv [B, T, r_v] -> slots [0, T)."""
-        B, T = hk.shape[:2]
-        pos = self._slots[:T]
-        self.k[layer][:B].index_copy_(1, pos, hk)
-        self.v[layer][:B].index_copy_(1, pos, hv)
+        self._write(layer, hk, hv, self._slots[:hk.shape[1]])
 
     def end_prefill(self) -> None:
         pass
@@ -67,9 +64,14 @@ class RebuildKV:
 
     def append(self, layer: int, hk: torch.Tensor, hv: torch.Tensor, ctx: StepContext) -> None:
         """The current token's latents [B, 1, r] -> slot ``cursor.length``."""
-        B = hk.shape[0]
-        self.k[layer][:B].index_copy_(1, ctx.pos, hk)
-        self.v[layer][:B].index_copy_(1, ctx.pos, hv)
+        self._write(layer, hk, hv, ctx.pos)
+
+    def _write(self, layer: int, hk: torch.Tensor, hv: torch.Tensor, pos: torch.Tensor) -> None:
+        K, V = self.k[layer], self.v[layer]
+        if hk.shape[0] != self.spec.max_batch:
+            K, V = K[:hk.shape[0]], V[:hk.shape[0]]
+        K.index_copy_(1, pos, hk)
+        V.index_copy_(1, pos, hv)
 
     def attend(self, layer: int, q: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Rebuild K, V [B, n, Hkv, D] of the n live slots (U h, RoPE per position), then sdpa."""
