@@ -33,7 +33,7 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "decode ms/tok" in out and "hf_static" in out
     rows = res["systems"]
-    assert set(rows) == {"hf_static", "engine", "naive"} and "decode" in res["command"]
+    assert set(rows) == {"hf_static", "engine", "naive"} and res["command"] == "python -m lowrank_lib.bench " + " ".join(argv)
     for r in rows.values():
         # every derived figure is the arithmetic of the raw step times of this run (1 repeat x 3 steps)
         assert len(r["step_ms"]) == 3 and "tokens_match_hf_dynamic" not in r

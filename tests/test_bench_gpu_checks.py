@@ -11,7 +11,7 @@ def test_gpu_checks_dry_run_pipeline(tmp_path):
     assert all(r.get("tokens_equal") and r["max_logit_err"] < 1e-4 for r in rep["correctness"])
     assert [r["config"]["prompt_len"] for r in rep["speed"]] == [32, 64]
     assert "dense_hf_static" in rep["speed"][0]["systems"] and "dense_hf_static" not in rep["speed"][1]["systems"]
-    assert rep["command"].endswith("gpu-checks --dry-run --out " + str(tmp_path) + " --repeats 1") or rep["command"]
+    assert rep["command"] == f"python -m lowrank_lib.bench gpu-checks --dry-run --out {tmp_path} --repeats 1"
     assert "## Targets" in (tmp_path / "gpu_checks_dry-run.md").read_text()
 
 

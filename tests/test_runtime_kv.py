@@ -190,3 +190,19 @@ def test_triton_decode_kernel_reads_the_stores_slots_in_the_interpreter():
     r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert float(r.stdout.strip().splitlines()[-1]) < 1e-5
+
+
+def test_every_capture_compiles_apart_past_dynamos_recompile_limit(model):
+    """An AttSVD store crossing 10 bulk buckets on one compiled engine: 10 captures (dynamo's per-code
+    recompile limit is 8; each capture has its own code object), each bucket equal to eager, only the
+    live capture kept."""
+    ecfg = dict(max_batch=1, max_seq_len=120)
+    comp = Engine(model, EngineConfig(**ecfg, graph="whole-step", compile_backend="aot_eager"),
+                  kv=AttSVDStore(AttSVDConfig(rank=4, window=4), bucket=8))
+    eager = Engine(model, EngineConfig(**ecfg), kv=AttSVDStore(AttSVDConfig(rank=4, window=4), bucket=8))
+    for i in range(10):
+        ids = torch.randint(3, 256, (1, 12 + 8 * i), generator=torch.Generator().manual_seed(i))
+        a, b = eager.generate(ids, 2, return_logits=True), comp.generate(ids, 2, return_logits=True)
+        assert b.info["capture_s"] > 0 and comp.kv.shape_key()[1] == 8 * (i + 1)
+        assert torch.equal(a.tokens, b.tokens) and rel_err(torch.stack(b.logits), torch.stack(a.logits)) < 1e-5
+        assert comp.graphs.captured == [(1, comp.kv.shape_key())]

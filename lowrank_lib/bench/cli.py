@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import sys
 
 from .results import DEFAULT_OUT
 
@@ -43,7 +44,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    args.command_line = " ".join(["python -m lowrank_lib.bench", *argv])     # recorded in every result
     if args.threads:
         import torch
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import json
 import re
-import sys
 import time
 from pathlib import Path
 
@@ -22,10 +21,6 @@ DEFAULT_OUT = "benchmarks/results"
 def slug(*parts) -> str:
     """Join the non-empty parts with ``_``; characters outside [A-Za-z0-9.-] become ``-``."""
     return "_".join(re.sub(r"[^A-Za-z0-9.\-]+", "-", str(p)) for p in parts if p not in (None, ""))
-
-
-def command_line(prog: str = "python -m lowrank_lib.bench", argv: list[str] | None = None) -> str:
-    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
 
 
 class ResultFiles:

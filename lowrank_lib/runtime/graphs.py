@@ -22,10 +22,25 @@ store across bulk buckets) reports a new shape key; the runner then drops every 
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Hashable
 
 import torch
+
+_captures = itertools.count()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own (a renamed copy of its code).
+
+    Dynamo keys its compile cache, and its recompile limit (8 by default), by code object. With one
+    shared function every engine of the process and every store shape key would be another recompile of
+    the same code, and the 9th fails under ``fullgraph=True`` (an AttSVD store crossing 9 bulk buckets,
+    say). With one code object per capture each is compiled once, and the compiled code goes when the
+    runner drops the function (:meth:`GraphRunner.invalidate`)."""
+    fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_captures)}")
+    return fn
 
 
 class GraphRunner:
@@ -92,8 +107,11 @@ class GraphRunner:
     # ------------------------------------------------------------------ CPU
     def _compile_cpu(self, B: int) -> dict:
         eng = self.eng
-        fn = torch.compile(lambda t: eng.decode_body(t, live=None), fullgraph=True, dynamic=False,
-                           backend=eng.config.compile_backend)
+
+        def decode_step(t):
+            return eng.decode_body(t, live=None)
+
+        fn = torch.compile(_own_code(decode_step), fullgraph=True, dynamic=False, backend=eng.config.compile_backend)
         dummy = torch.zeros(B, dtype=torch.long, device=eng.device)
         with torch.no_grad():
             fn(dummy)            # compile + one warm run (writes slot `length`, overwritten by the real step)

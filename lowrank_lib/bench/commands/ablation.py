@@ -19,7 +19,7 @@ def run(a) -> int:
     from ...runtime.config import parse_dtype
     from ..ablation import MECHANISMS, mechanism_table
     from ..models import load_bench_models
-    from ..results import command_line, slug, write_result
+    from ..results import slug, write_result
 
     dense, comp, _ = load_bench_models(a.model, "svd", a.keep)
     rows = [k for k in MECHANISMS if not (a.no_compiled and "graph" in k)]
@@ -31,7 +31,7 @@ def run(a) -> int:
               for r in table]
     print("\n".join(lines))
     res = {"model": a.model, "keep": a.keep, "dtype": a.dtype, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-           "repeats": a.repeats, "rows": table, "command": command_line()}
+           "repeats": a.repeats, "rows": table, "command": a.command_line}
     tag = slug(Path(a.model).name, f"k{a.keep}", a.dtype, f"p{a.prompt_len}", f"g{a.gen_len}")
     print(f"wrote {write_result(a.out, 'ablation', tag, res, md=chr(10).join(lines))}")
     return 0

@@ -26,7 +26,7 @@ def run(a) -> int:
     import torch
 
     from ...eval.kv_sweep import QUICK, REPORT, budget_sweep, table
-    from ..results import ResultFiles, command_line, slug
+    from ..results import ResultFiles, slug
 
     preset = REPORT if a.report else QUICK
     args = dict(model_name=a.model, prefill=a.prefill or preset["prefill"], windows=a.windows or preset["windows"],
@@ -35,7 +35,7 @@ def run(a) -> int:
                 n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
                 longctx_budgets=a.longctx_budgets)
     files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, args["prefill"])), f"n{args['windows']}"))
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": command_line()}
+    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line}
     res = budget_sweep(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
     txt = table(res)
     files.write(res, txt=txt)

@@ -27,7 +27,7 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     from ...runtime.baselines import SYSTEMS
     from ..decode import DecodeBenchConfig, format_table, run_decode_bench
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
     unknown = [s for s in systems if s not in SYSTEMS]
@@ -38,5 +38,5 @@ def run(a) -> int:
     res = run_decode_bench(cfg)
     table = format_table(res)
     print(table)
-    print(f"\nwrote {write_result(a.out, 'decode', cfg.slug(), {**res, 'command': command_line()}, md=table)}")
+    print(f"\nwrote {write_result(a.out, 'decode', cfg.slug(), {**res, 'command': a.command_line}, md=table)}")
     return 0

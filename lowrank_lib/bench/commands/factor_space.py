@@ -27,14 +27,14 @@ def run(a) -> int:
 
     from ..factor_space import (AttnBenchConfig, FactorDecodeConfig, attention_ratios, bench_attention, bench_decode,
                                 bench_engine, continuation_by_rank, markdown)
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     acfg = AttnBenchConfig(contexts=a.contexts, rank_fracs=a.rank_fracs, repeats=a.repeats, window=a.window)
     rows = bench_attention(acfg)
     threads = torch.get_num_threads()
     result = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        "machine": f"{platform.machine()} {platform.processor() or ''}".strip() +
-                       f", torch {torch.__version__}, {threads} thread(s)", "command": command_line()},
+                       f", torch {torch.__version__}, {threads} thread(s)", "command": a.command_line},
               "attention": {"config": asdict(acfg), "rows": rows, "ratios": attention_ratios(rows)}}
     if a.e2e or a.ppl or a.engine:
         from ... import models

@@ -21,7 +21,7 @@ def run(a) -> int:
     from ...eval.fidelity import audit, perplexity_table
     from ...runtime.config import parse_dtype
     from ..models import load_bench_models
-    from ..results import command_line, slug, write_result
+    from ..results import slug, write_result
 
     dense, comp, tok = load_bench_models(a.model, a.method, a.keep, a.checkpoint)
     if tok is None:
@@ -44,5 +44,5 @@ def run(a) -> int:
                          f"{pp.get('prefill', float('nan')):.3f} | {pp.get('decode', float('nan')):.3f}")
     print("\n".join(lines))
     tag = slug(Path(a.model).name, a.method, f"k{a.keep}", f"n{a.prompts}x{a.tokens}")
-    print(f"wrote {write_result(a.out, 'fidelity', tag, {**res, 'table': lines, 'command': command_line()})}")
+    print(f"wrote {write_result(a.out, 'fidelity', tag, {**res, 'table': lines, 'command': a.command_line})}")
     return 0

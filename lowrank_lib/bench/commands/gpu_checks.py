@@ -14,7 +14,7 @@ def run(a) -> int:
     import torch
 
     from ..gpu import checks_markdown, gpu_checks
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     if not a.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
@@ -24,5 +24,5 @@ def run(a) -> int:
     text = checks_markdown(report)
     print(text)
     tag = "dry-run" if a.dry_run else f"{report['model']}_{report['dtype']}"
-    print(f"wrote {write_result(a.out, 'gpu_checks', tag, {**report, 'command': command_line()}, md=text)}")
+    print(f"wrote {write_result(a.out, 'gpu_checks', tag, {**report, 'command': a.command_line}, md=text)}")
     return 0

@@ -13,7 +13,7 @@ def run(a) -> int:
     import torch
 
     from ..gpu import gpu_factor_space
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     if not a.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
@@ -22,5 +22,5 @@ def run(a) -> int:
     print(json.dumps({"correctness": result["correctness"], "engine_graphs": result["engine_graphs"]}, indent=1))
     print(md)
     tag = "dry-run" if a.dry_run else "cuda"
-    print(f"wrote {write_result(a.out, 'factor_space_gpu', tag, {**result, 'command': command_line()}, md=md)}")
+    print(f"wrote {write_result(a.out, 'factor_space_gpu', tag, {**result, 'command': a.command_line}, md=md)}")
     return 0 if result["ok"] else 1

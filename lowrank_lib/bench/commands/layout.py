@@ -18,14 +18,14 @@ def run(a) -> int:
     from ...runtime.config import parse_dtype
     from ..layout import engine_operand_shapes, format_layout_table, layout_bench
     from ..models import load_bench_models
-    from ..results import command_line, slug, write_result
+    from ..results import slug, write_result
 
     _, comp, _ = load_bench_models(a.model, "svd", a.keep)
     dt = parse_dtype(a.dtype)
     eng = Engine(comp, EngineConfig(max_seq_len=8, dtype=dt, weight_layout="out_major", fold_rope=True))
     res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
     res.update(model=a.model, keep=a.keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               command=command_line())
+               command=a.command_line)
     table = format_layout_table(res)
     print(table)
     print(f"wrote {write_result(a.out, 'layout', slug(Path(a.model).name, f'k{a.keep}', res['dtype']), res, md=table)}")

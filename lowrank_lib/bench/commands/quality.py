@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     from ...eval.quality import QualityConfig, format_table
     from ...eval.quality import run as quality_table
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     cfg = QualityConfig(model=a.model, keeps=tuple(a.keeps), families=tuple(a.families), max_windows=a.windows,
                         seq_len=a.seq_len, calib_samples=a.calib_samples, calib_seq_len=a.calib_seq_len,
@@ -26,5 +26,5 @@ def run(a) -> int:
     res = quality_table(cfg)
     table = format_table(res)
     print(table)
-    print(f"wrote {write_result(a.out, 'quality', cfg.slug(), {**res, 'command': command_line()}, md=table)}")
+    print(f"wrote {write_result(a.out, 'quality', cfg.slug(), {**res, 'command': a.command_line}, md=table)}")
     return 0

@@ -20,13 +20,13 @@ def run(a) -> int:
     from ... import models
     from ...data import tokens
     from ...eval.sweep import ppl_vs_keep, sensitivity_by_type
-    from ..results import command_line, write_result
+    from ..results import write_result
 
     t0 = time.time()
     model, tok = models.load(a.model)
     ids = tokens(tok, "test")
     win = a.windows or None
-    info = {"command": command_line(), "model": a.model, "seq_len": a.seq_len, "torch": torch.__version__,
+    info = {"command": a.command_line, "model": a.model, "seq_len": a.seq_len, "torch": torch.__version__,
             "machine": platform.processor() or platform.machine()}
     if a.sensitivity is not None:
         res = sensitivity_by_type(model, ids, a.sensitivity, seq_len=a.seq_len, max_windows=win)
