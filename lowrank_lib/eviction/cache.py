@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache import CompressedKVCache, Observation, PrefillCompressedLayer, _model_geometry
+from ..geometry import geometry
+from ..hf.cache import CompressedKVCache, Observation, PrefillCompressedLayer
 
 
 @dataclass
@@ -36,7 +37,7 @@ class EvictionLayer(PrefillCompressedLayer):
         self.kept_idx: torch.Tensor | None = None   # [B, H, n] kept prefill positions (sorted)
         self.needs_queries = getattr(policy, "needs_queries", False)
 
-    def _compress(self, obs: Observation | None) -> None:
+    def compress(self, obs: Observation | None) -> None:
         K, V = self.keys, self.values                      # [B, H, S, d]
         B, H, S, d = K.shape
         n = self.budget.keep(S)
@@ -47,7 +48,7 @@ class EvictionLayer(PrefillCompressedLayer):
                                       "run one prompt per batch")
         if obs is None and self.needs_queries:
             raise RuntimeError(f"{type(self.policy).__name__} scores with attention and needs the post-RoPE "
-                               f"queries: run the prefill inside lowrank_lib.attsvd.capture.capture(model, cache)")
+                               f"queries: run the prefill inside lowrank_lib.hf.capture(model, cache)")
         w = min(self.budget.window, n)
         score = self.policy.score(K, V, obs).float()        # [B, H, S]
         if w > 0:
@@ -57,9 +58,6 @@ class EvictionLayer(PrefillCompressedLayer):
         g = idx[..., None].expand(-1, -1, -1, d)
         self.keys = K.gather(2, g).contiguous()
         self.values = V.gather(2, g).contiguous()
-
-    def _full(self):
-        return self.keys, self.values
 
     def stored_len(self) -> int:
         return self.keys.shape[-2] if self.keys is not None else 0
@@ -75,6 +73,5 @@ class EvictionCache(CompressedKVCache):
     """Eviction baseline cache for ``model_or_config`` with ``policy`` and ``budget``."""
 
     def __init__(self, model_or_config, policy, budget: EvictionBudget):
-        n_layers = _model_geometry(model_or_config)[0]
         self.policy, self.budget = policy, budget
-        super().__init__([EvictionLayer(policy, budget) for _ in range(n_layers)])
+        super().__init__([EvictionLayer(policy, budget) for _ in range(geometry(model_or_config).n_layers)])

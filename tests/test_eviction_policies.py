@@ -1,5 +1,6 @@
-"""Eviction baselines: real eviction (stored rows shrink), memory matched to AttSVD (Eq. 6), positions and
-masks right after eviction, each policy keeps what it claims; method registry end to end."""
+"""Eviction baselines (lowrank_lib.eviction, every policy of the POLICIES registry): real eviction (stored
+rows shrink), memory matched to AttSVD (Eq. 6), positions and masks right after eviction, each policy keeps
+what it claims; the KV method registry (lowrank_lib.eval.methods) end to end."""
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,10 @@ import torch
 from transformers import DynamicCache
 
 from lowrank_lib import models
-from lowrank_lib.attsvd import METHODS, AttSVDConfig, MethodSpec, attsvd_stored_tokens, capture
-from lowrank_lib.attsvd.cache import Observation
-from lowrank_lib.attsvd.methods import EXT_OBS_WINDOW
-from lowrank_lib.attsvd.policies import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
-from lowrank_lib.attsvd.record import dense_from, record_prefill, replay
+from lowrank_lib.attsvd import AttSVDConfig
+from lowrank_lib.eval.methods import EXT_OBS_WINDOW, METHODS, MethodSpec, attsvd_stored_tokens
+from lowrank_lib.eviction import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
+from lowrank_lib.hf import Observation, capture, dense_from, record_prefill, replay
 
 
 @pytest.fixture(scope="module")

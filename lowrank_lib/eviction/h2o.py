@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..basis import attention_mass
+from ..attention_mass import attention_mass
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..basis import attention_mass
+from ..attention_mass import attention_mass
 
 
 @dataclass

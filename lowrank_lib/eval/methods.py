@@ -1,5 +1,6 @@
-"""Method registry for evaluations: dense, AttSVD (accumulate / stream), raw-K/V SVD, eviction baselines,
-all at one memory budget b (fraction of the dense KV bytes).
+"""Method registry of the KV-cache evaluations (``eval.kvquality``, ``eval.longctx``, ``bench attsvd``):
+dense, AttSVD (accumulate / stream), raw-K/V SVD, eviction baselines, all at one memory budget b
+(fraction of the dense KV bytes).
 
 AttSVD at budget b uses r = round(b d) for K and V (b = 0.5 is the paper's "50 % cache", r/d = 0.5).
 "attsvd-km" is the accumulate cache with the ``key_mass`` extension (keys also mass-weighted; not in the
@@ -18,9 +19,10 @@ from dataclasses import dataclass, field, replace
 
 from transformers import DynamicCache
 
-from .cache import AttSVDCache, _model_geometry
-from .config import AttSVDConfig
-from .policies import POLICIES, EvictionBudget, EvictionCache
+from ..attsvd.cache import AttSVDCache
+from ..attsvd.config import AttSVDConfig
+from ..eviction import POLICIES, EvictionBudget, EvictionCache
+from ..geometry import geometry
 
 LOWRANK = ("attsvd", "attsvd-stream", "svd", "attsvd-km", "attsvd-ext")
 EXT_OBS_WINDOW = 512
@@ -60,7 +62,7 @@ class MethodSpec:
         """A fresh cache for a prompt of ``prompt_len`` tokens."""
         if self.name not in METHODS:
             raise ValueError(f"unknown method {self.name!r}; choose from {METHODS}")
-        _, _, _, d = _model_geometry(model)
+        d = geometry(model).head_dim
         if self.name == "dense":
             return DynamicCache(config=model.config)
         if self.name in LOWRANK:

@@ -1,7 +1,7 @@
-"""Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV.
+"""Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV (library of ``bench factor-space``).
 
-    python -m lowrank_lib.attsvd.bench_factor_space                       # attention per step, 1k-8k
-    python -m lowrank_lib.attsvd.bench_factor_space --e2e --ppl           # + SmolLM2 ms/token, ppl identity
+    python -m lowrank_lib.bench factor-space                     # attention per step, 1k-8k
+    python -m lowrank_lib.bench factor-space --e2e --ppl         # + SmolLM2 ms/token, ppl identity
 
 Part 1 (``attention``): one decode step of ONE layer's attention at SmolLM2 head geometry (9 query
 heads, 3 KV heads, d = 64), batch 1, for: ``dense`` (our grouped attention on exact K/V), ``sdpa``
@@ -12,32 +12,43 @@ allocated once: only the GEMMs) and
 timed side by side in one run, interleaved call by call in a shuffled order; medians are reported,
 and the per-token attention estimate multiplies by the layer count.
 
-Part 2 (``--e2e``): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
+Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
 ``DynamicCache``, AttSVD rebuild (the cache's own path) and AttSVD factor space, from ONE recorded
 prefill and ONE compression per rank (the factor cache is a deep copy of the same compressed cache),
 decode steps interleaved across routes. ``--ppl``: the continuation perplexity of the AttSVD issue
-(``eval.kvquality.continuation_quality``) through both routes.
+(``eval.kvquality.continuation_quality``) through both routes. ``--engine``: the runtime Engine with its
+dense store vs with the AttSVD store.
 
-Results: ``benchmarks/results/factor_space_<tag>.json`` and ``.md`` (never overwritten: a counter is
-appended when the name exists).
+Results: ``factor_space_<tag>.json`` and ``.md`` through :mod:`lowrank_lib.bench.results`.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
-import platform
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
 
-from .factor_space import (FactorKV, dense_attention, factor_from_dense, factor_space_attention,
-                           rebuild_then_attend, rel_err, step_cost)
+from ..attsvd.basis import attention_svd
+from ..attsvd.factor_space import dense_attention, factor_space_attention, rebuild_then_attend
+from ..attsvd.kv import LowRankKV
+from ..geometry import geometry
+from .cost import step_cost
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def svd_run(k: torch.Tensor, v: torch.Tensor, rank: int) -> tuple:
+    """Raw truncated-SVD factors (a_k, b_k, a_v, b_v) of exact K/V [B, H, n, d] (fp32 SVD, k's dtype)."""
+    return tuple(t.to(k.dtype) for t in attention_svd(k, v, rank, rank).runs[0])
 
 
 # --------------------------------------------------------------------------- part 1: attention per step
@@ -117,7 +128,7 @@ def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
     return q, k, v
 
 
-def _rebuild_preallocated(q, kv: FactorKV, seg, n_b: int):
+def _rebuild_preallocated(q, kv: LowRankKV, seg, n_b: int):
     """Rebuild into K/V buffers allocated once (window already in place), then dense attention.
 
     The fairest rebuild: no allocation or concatenation per step, only the S r d GEMMs.
@@ -127,8 +138,9 @@ def _rebuild_preallocated(q, kv: FactorKV, seg, n_b: int):
 
     def run():
         if seg is not None:
-            torch.matmul(seg.a_k, seg.b_k, out=k_buf[:, :, :n_b])
-            torch.matmul(seg.a_v, seg.b_v, out=v_buf[:, :, :n_b])
+            a_k, b_k, a_v, b_v = seg
+            torch.matmul(a_k, b_k, out=k_buf[:, :, :n_b])
+            torch.matmul(a_v, b_v, out=v_buf[:, :, :n_b])
         return dense_attention(q, k_buf, v_buf)
 
     return run
@@ -148,8 +160,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
                "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
         kvs = {}
         for r in cfg.ranks():
-            seg = factor_from_dense(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
-            kv = FactorKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
+            seg = svd_run(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
+            kv = LowRankKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
             kvs[r] = kv
             fns[f"rebuild_r{r}"] = (lambda kv=kv: rebuild_then_attend(q, kv))
             fns[f"rebuildpre_r{r}"] = _rebuild_preallocated(q, kv, seg, n - w)
@@ -192,8 +204,9 @@ def attention_ratios(rows: list[dict]) -> list[dict]:
 
 # --------------------------------------------------------------------------- part 2: end to end
 @dataclass
-class DecodeBenchConfig:
-    """SmolLM2 greedy decode after a WikiText-2 prompt, three routes side by side."""
+class FactorDecodeConfig:
+    """SmolLM2 greedy decode through transformers after a WikiText-2 prompt: dense, AttSVD rebuild and
+    AttSVD factor space side by side (the runtime systems' decode benchmark is ``bench.decode``)."""
 
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])
@@ -205,16 +218,15 @@ class DecodeBenchConfig:
 
 
 @torch.inference_mode()
-def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> list[dict]:
+def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> list[dict]:
     """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}."""
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
     from ..data import tokens
-    from .config import AttSVDConfig
-    from .factor_cache import FactorSpaceAttSVDCache, factor_space
-    from .record import dense_from, record_prefill, replay
+    from ..hf.record import dense_from, record_prefill, replay
 
     ids_all = tokens(tok, "test")
-    d = model.config.hidden_size // model.config.num_attention_heads
-    d = getattr(model.config, "head_dim", None) or d
+    d = geometry(model).head_dim
     rows = []
     for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
         ids = ids_all[:n][None]
@@ -242,7 +254,7 @@ def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> l
                 rng.shuffle(order)
                 for k in order:
                     t0 = time.perf_counter()
-                    out = model(state[k], past_key_values=caches[k], use_cache=True)
+                    out = model(state[k], cache=caches[k], use_cache=True)
                     lg = out.logits[:, -1].float()
                     state[k] = lg.argmax(-1, keepdim=True)
                     dt = time.perf_counter() - t0
@@ -267,19 +279,19 @@ def bench_decode(model, tok, cfg: DecodeBenchConfig, progress: bool = True) -> l
 @torch.inference_mode()
 def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
                  progress: bool = True) -> list[dict]:
-    """The runtime ``Engine`` (dense static KV) vs :class:`FactorEngine` (AttSVD factor space), eager.
+    """The runtime ``Engine`` with its dense store vs with the AttSVD factor store, eager.
 
     Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
     All engines are prefilled, then their greedy decode steps are interleaved (shuffled per step), so
     the ratios are measured side by side; the first step is a warm-up.
     """
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.store import AttSVDStore
     from ..data import tokens
     from ..runtime import Engine, EngineConfig
-    from .config import AttSVDConfig
-    from .factor_engine import FactorEngine
 
     ids_all = tokens(tok, "test")
-    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    d = geometry(model).head_dim
     rows = []
     for n in tqdm(contexts, desc="engine contexts", disable=not progress):
         ids = ids_all[:n][None]
@@ -287,7 +299,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
         engines = {("engine_dense", d): Engine(model, ecfg)}
         for f in rank_fracs:
             r = max(1, round(f * d))
-            engines[("engine_factor", r)] = FactorEngine(model, ecfg, AttSVDConfig(rank=r, window=window))
+            engines[("engine_factor", r)] = Engine(model, ecfg, kv=AttSVDStore(AttSVDConfig(rank=r, window=window)))
         state, times, prefill_s = {}, {k: [] for k in engines}, {}
         for k, eng in engines.items():
             t0 = time.perf_counter()
@@ -305,7 +317,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
                     times[k].append(time.perf_counter() - t0)
                 toks[k].append(int(state[k]))
         for (route, r), eng in engines.items():
-            rep = eng.kv_report() if isinstance(eng, FactorEngine) else {}
+            rep = eng.kv.report()
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
                          "prefill_s": prefill_s[(route, r)], "kv_bytes": eng.report()["kv_cache_bytes"],
                          "attsvd_ratio": rep.get("attsvd_ratio", 1.0), "tokens": toks[(route, r)]})
@@ -323,12 +335,12 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
     path runs too, on the same windows, so the identity of the two routes shows in the same numbers.
     Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}}.
     """
+    from ..attsvd.cache import AttSVDCache
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
     from ..eval.kvquality import continuation_quality, wikitext_windows
-    from .cache import AttSVDCache
-    from .config import AttSVDConfig
-    from .factor_cache import FactorSpaceAttSVDCache, factor_space
 
-    d = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    d = geometry(model).head_dim
     cfgs = {f: AttSVDConfig(rank=max(1, round(f * d)), window=window) for f in rank_fracs}
     methods = {f"factor@{f}": (lambda m, n, c=c: FactorSpaceAttSVDCache(m, c, route="factor"))
                for f, c in cfgs.items()}
@@ -380,7 +392,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
                          f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
     if result.get("engine"):
-        lines += ["", "## runtime Engine: dense static KV vs AttSVD factor-space KV mode (FactorEngine), eager", "",
+        lines += ["", "## runtime Engine: dense store vs AttSVD factor store (AttSVDStore), eager", "",
                   "| context | route | rank | ms/token | KV bytes held in decode | AttSVD memory ratio |",
                   "|---|---|---|---|---|---|"]
         for r in result["engine"]["rows"]:
@@ -398,68 +410,3 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['rank_frac']} | {r['rank']} | {r['ppl']:.4f} | {r['kl']:.4f} | {r['memory_ratio']:.3f} |"
                   for r in p["rows"]]
     return "\n".join(lines) + "\n"
-
-
-def _unique(path: Path) -> Path:
-    if not path.exists():
-        return path
-    i = 1
-    while path.with_name(f"{path.stem}_{i}{path.suffix}").exists():
-        i += 1
-    return path.with_name(f"{path.stem}_{i}{path.suffix}")
-
-
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    ap.add_argument("--rank-fracs", type=float, nargs="+", default=[0.5, 0.25])
-    ap.add_argument("--repeats", type=int, default=40)
-    ap.add_argument("--window", type=int, default=32)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the machine is shared)")
-    ap.add_argument("--e2e", action="store_true", help="also SmolLM2 end-to-end decode ms/token")
-    ap.add_argument("--e2e-contexts", type=int, nargs="+", default=None)
-    ap.add_argument("--gen", type=int, default=8)
-    ap.add_argument("--engine", action="store_true", help="also the runtime Engine: dense KV vs FactorEngine")
-    ap.add_argument("--engine-contexts", type=int, nargs="+", default=None)
-    ap.add_argument("--ppl", action="store_true", help="also the continuation-perplexity identity")
-    ap.add_argument("--ppl-prefill", type=int, default=2048)
-    ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--tag", default="cpu")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    acfg = AttnBenchConfig(contexts=args.contexts, rank_fracs=args.rank_fracs, repeats=args.repeats,
-                           window=args.window)
-    rows = bench_attention(acfg)
-    result = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "machine": f"{platform.machine()} {platform.processor() or ''}".strip() +
-                       f", torch {torch.__version__}, {args.threads} thread(s)",
-                       "command": "python -m lowrank_lib.attsvd.bench_factor_space " + " ".join(argv or [])},
-              "attention": {"config": asdict(acfg), "rows": rows, "ratios": attention_ratios(rows)}}
-    if args.e2e or args.ppl or args.engine:
-        from .. import models
-
-        model, tok = models.load("smollm2")
-        if args.e2e:
-            dcfg = DecodeBenchConfig(contexts=args.e2e_contexts or args.contexts, rank_fracs=args.rank_fracs,
-                                     window=args.window, gen_tokens=args.gen)
-            result["decode"] = {"config": asdict(dcfg), "rows": bench_decode(model, tok, dcfg)}
-        if args.engine:
-            ectx = args.engine_contexts or args.contexts
-            result["engine"] = {"contexts": ectx, "rows": bench_engine(model, tok, ectx, args.rank_fracs,
-                                                                       args.window, args.gen)}
-        if args.ppl:
-            result["ppl"] = continuation_by_rank(model, tok, args.rank_fracs, prefill_len=args.ppl_prefill,
-                                                 window=args.window, identity_frac=args.rank_fracs[0])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    js = _unique(out / f"factor_space_{args.tag}.json")
-    js.write_text(json.dumps(result, indent=2))
-    md = markdown(result)
-    js.with_suffix(".md").write_text(md)
-    print(md)
-    print(f"wrote {js} and {js.with_suffix('.md')}")
-    return result
-
-
-if __name__ == "__main__":
-    main(__import__("sys").argv[1:])

@@ -16,8 +16,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .baselines import make_runner
-from .engine import Engine, run_generation
+from ..generation import run_generation
+from ..runtime.baselines import make_runner
+from ..runtime.engine import Engine
+from .perplexity import windows
 
 PROMPTS = [
     "The capital of France is",
@@ -87,17 +89,14 @@ def audit(model, tok, systems=("hf_dynamic", "hf_static", "dense_kv", "engine"),
 @torch.no_grad()
 def runtime_perplexity(runner, ids: torch.Tensor, seq_len: int = 256, max_windows: int = 2,
                        mode: str = "decode", progress: bool = False) -> float:
-    """Perplexity of a runner on 1-D ``ids`` over non-overlapping windows.
+    """Perplexity of a runner on 1-D ``ids`` over the windows of :func:`lowrank_lib.eval.perplexity.windows`.
 
     ``mode="prefill"``: all logits of a window from one prefill (Engine) or forward (HF runner).
     ``mode="decode"``: prefill the first token, then teacher-force the rest through ``step``.
     """
-    n_win = min(ids.numel() // seq_len, max_windows)
-    if n_win < 1:
-        raise ValueError(f"{ids.numel()} tokens do not fill one window of {seq_len}")
     nll, count = 0.0, 0
-    for w in tqdm(range(n_win), desc=f"ppl/{mode}", disable=not progress):
-        x = ids[w * seq_len:(w + 1) * seq_len][None]
+    for x in tqdm(windows(ids, seq_len, max_windows), desc=f"ppl/{mode}", disable=not progress):
+        x = x[None]
         if mode == "prefill":
             if isinstance(runner, Engine):
                 logits = runner.prefill(x, all_logits=True)[0, :-1]

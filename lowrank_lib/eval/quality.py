@@ -1,7 +1,7 @@
 """Quality table: every family at each keep, compressed -> written natively -> read back -> perplexity.
 
-    OMP_NUM_THREADS=1 python -m lowrank_lib.compress.quality            # SmolLM2, keep 0.8 / 0.6 + dense
-    python -m lowrank_lib.compress.quality --model tiny-smol --windows 1 --seq-len 128   # smoke run
+    python -m lowrank_lib.bench quality --threads 1                 # SmolLM2, keep 0.8 / 0.6 + dense
+    python -m lowrank_lib.bench quality --model tiny-smol --windows 1 --seq-len 128   # smoke run
 
 Each row is measured on the model READ BACK from the family's native checkpoint (the normalised
 representation), so the table also certifies the readers. Perplexity uses the first
@@ -11,8 +11,6 @@ WikiText-2 valid (seeded). Settings are written into the JSON next to the result
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 import tempfile
 import time
@@ -21,6 +19,8 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from ..geometry import geometry
 
 #: family -> native checkpoint family it is written as ("svd" = plain SVD, kept in our own format)
 FAMILY_FORMAT = {"svd": "lowrank", "asvd": "asvd", "svdllm": "svdllm", "svdllm_v2": "svdllm",
@@ -44,6 +44,9 @@ class QualityConfig:
     progress: bool = True
     extra: dict = field(default_factory=dict)
 
+    def slug(self) -> str:
+        return f"{Path(self.model).name}_w{self.max_windows}x{self.seq_len}_c{self.calib_samples}x{self.calib_seq_len}"
+
 
 def dir_bytes(path: Path) -> int:
     path = Path(path)
@@ -51,7 +54,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def compress_family(model, family: str, stats, keep: float, cfg: QualityConfig):
-    from . import COMPRESSORS, compress_svd
+    from ..compress import COMPRESSORS, compress_svd
 
     if family == "svd":
         return compress_svd(model, keep)
@@ -59,7 +62,7 @@ def compress_family(model, family: str, stats, keep: float, cfg: QualityConfig):
     if family == "basis_sharing":
         kw["group_size"] = cfg.basis_group_size
     if family == "palu":
-        kw["head_group_size"] = cfg.palu_head_group_size or model.config.num_key_value_heads
+        kw["head_group_size"] = cfg.palu_head_group_size or geometry(model).n_kv_heads
         kw["align"] = cfg.palu_align
     return COMPRESSORS[family](model, stats, keep, **kw)
 
@@ -73,9 +76,8 @@ def eval_tokens(model, tok, cfg: QualityConfig) -> torch.Tensor:
     return random_token_batches(model.config.vocab_size, 1, n, seed=cfg.seed + 1)[0]
 
 
-def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results", model=None, tok=None, stats=None,
-        keep_dir: str | Path | None = None) -> dict:
-    """Build the table; returns ``{"config", "rows"}`` and writes JSON into ``out_dir`` (unless None).
+def run(cfg: QualityConfig, model=None, tok=None, stats=None, keep_dir: str | Path | None = None) -> dict:
+    """Build the table; returns ``{"config", "rows"}`` (``bench quality`` writes it).
 
     ``model``/``tok``/``stats`` reuse an already loaded model and its calibration statistics.
     ``keep_dir``: keep the native checkpoints there (row["path"]) instead of deleting them.
@@ -83,9 +85,9 @@ def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results", m
     on the first 64 evaluation tokens (fp16-stored families differ by their storage rounding).
     """
     from .. import account, models
-    from ..eval.perplexity import perplexity
+    from ..compress.calib import calibration_data, collect_stats
     from ..formats import detect_format, load_checkpoint, write_native
-    from .calib import calibration_data, collect_stats
+    from .perplexity import perplexity
 
     torch.manual_seed(cfg.seed)
     if model is None:
@@ -136,20 +138,10 @@ def run(cfg: QualityConfig, out_dir: str | Path | None = "benchmarks/results", m
     finally:
         if keep_dir is None:
             shutil.rmtree(tmp, ignore_errors=True)
-    result = {"config": {**asdict(cfg), "calib_split": "wikitext-2 valid", "eval_split": "wikitext-2 test",
-                         "eval_tokens_per_window": cfg.seq_len, "calib_seconds": round(calib_s, 1),
-                         "torch": torch.__version__, "threads": torch.get_num_threads()},
-              "rows": rows}
-    if out_dir is not None:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = f"quality_{Path(cfg.model).name}_w{cfg.max_windows}x{cfg.seq_len}_c{cfg.calib_samples}x{cfg.calib_seq_len}"
-        target = out / f"{stem}.json"
-        if target.exists():                       # never overwrite an earlier run silently
-            target = out / f"{stem}_{time.strftime('%Y%m%dT%H%M%S')}.json"
-        target.write_text(json.dumps(result, indent=2) + "\n")
-        result["path"] = str(target)
-    return result
+    return {"config": {**asdict(cfg), "calib_split": "wikitext-2 valid", "eval_split": "wikitext-2 test",
+                       "eval_tokens_per_window": cfg.seq_len, "calib_seconds": round(calib_s, 1),
+                       "torch": torch.__version__, "threads": torch.get_num_threads()},
+            "rows": rows}
 
 
 def format_table(result: dict) -> str:
@@ -159,28 +151,3 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['family']} | {r['keep']} | {r['ppl']:.2f} | {r['total_params'] / 1e6:.2f} | "
                      f"{r['linear_keep']:.3f} | {disk} |")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.compress.quality", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--keeps", type=float, nargs="+", default=[0.8, 0.6])
-    ap.add_argument("--families", nargs="+", default=list(FAMILY_FORMAT))
-    ap.add_argument("--windows", type=int, default=8, help="first N windows of WikiText-2 test")
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--calib-samples", type=int, default=32)
-    ap.add_argument("--calib-seq-len", type=int, default=512)
-    ap.add_argument("--palu-align", type=int, default=32)
-    ap.add_argument("--out-dir", default="benchmarks/results")
-    a = ap.parse_args(argv)
-    cfg = QualityConfig(model=a.model, keeps=tuple(a.keeps), families=tuple(a.families), max_windows=a.windows,
-                        seq_len=a.seq_len, calib_samples=a.calib_samples, calib_seq_len=a.calib_seq_len,
-                        palu_align=a.palu_align)
-    res = run(cfg, a.out_dir)
-    print(format_table(res))
-    print(f"wrote {res['path']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,38 +1,27 @@
-"""AttSVD budget sweep: every method at every KV budget, quality vs the dense cache + long-context tasks.
+"""KV budget sweep: every method at every KV budget, quality vs the dense cache + long-context tasks, and
+the AttSVD issue's acceptance checks (``targets``). The library of ``python -m lowrank_lib.bench attsvd``:
 
-    python -m lowrank_lib.attsvd.bench                      # quick: tiny sizes (minutes on a 2-core CPU)
-    python -m lowrank_lib.attsvd.bench --report             # report parameters: SmolLM2, prefill 2k/4k/8k,
+    python -m lowrank_lib.bench attsvd                      # quick: tiny sizes (minutes on a 2-core CPU)
+    python -m lowrank_lib.bench attsvd --report             # report parameters: SmolLM2, prefill 2k/4k/8k,
                                                             # 8 windows, long-context 1k-8k (hours on CPU)
-    python -m lowrank_lib.attsvd.bench --prefill 2048 --windows 8 --budgets 0.5
+    python -m lowrank_lib.bench attsvd --prefill 2048 --windows 8 --budgets 0.5
 
-Writes ``benchmarks/results/attsvd_<model>_p<prefills>_n<windows>[_k].json`` (never overwritten: a suffix
-is added) and prints a table: per method and budget the mean KL(dense || method) +- std over windows,
-continuation perplexity vs dense, measured memory ratio; long-context exact / partial match.
+The command writes ``attsvd_<model>_p<prefills>_n<windows>.json`` + ``.txt`` (the table: per method and
+budget the mean KL(dense || method) +- std over windows, continuation perplexity vs dense, measured
+memory ratio; long-context exact / partial match) through ``lowrank_lib.bench.results``.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .config import AttSVDConfig
-from .methods import METHODS, MethodSpec
+from ..attsvd.config import AttSVDConfig
+from .methods import MethodSpec
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)
 QUICK = dict(prefill=[512], windows=2, cont=64, budgets=[1.0, 0.8, 0.6, 0.5, 0.25], lengths=[512], n_per=1)
-
-
-def _out_path(out_dir: Path, stem: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    p, k = out_dir / f"{stem}.json", 1
-    while p.exists():
-        p, k = out_dir / f"{stem}_{k}.json", k + 1
-    return p
 
 
 def targets(quality: dict, longctx: dict | None, budget: float = 0.5) -> dict:
@@ -84,11 +73,13 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def run(model_name: str, prefill: list[int], windows: int, cont: int, budgets: list[float], methods: list[str],
-        window: int, chunk: int, lengths: list[int], n_per: int, tasks: list[str], step: int, seed: int,
-        longctx_budgets: list[float], progress: bool = True, checkpoint=None) -> dict:
+def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, budgets: list[float],
+                 methods: list[str], window: int, chunk: int, lengths: list[int], n_per: int, tasks: list[str],
+                 step: int, seed: int, longctx_budgets: list[float], progress: bool = True, checkpoint=None) -> dict:
+    """Quality of every ``method`` at every budget for each prefill length, then long-context tasks;
+    ``checkpoint(partial)`` is called after each finished prefill length (long runs keep their results)."""
     from .. import models
-    from ..eval import kvquality, longctx
+    from . import kvquality, longctx
 
     torch.manual_seed(seed)
     model, tok = models.load(model_name)
@@ -117,49 +108,3 @@ def run(model_name: str, prefill: list[int], windows: int, cont: int, budgets: l
     for P, q in res["quality"].items():
         res["targets"][P] = targets(q, lc, 0.5)
     return res
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.attsvd.bench", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--report", action="store_true", help="the report parameters (SmolLM2 up to 8k tokens)")
-    ap.add_argument("--prefill", type=int, nargs="+")
-    ap.add_argument("--windows", type=int)
-    ap.add_argument("--cont", type=int)
-    ap.add_argument("--budgets", type=float, nargs="+")
-    ap.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "dense"], choices=METHODS)
-    ap.add_argument("--window", type=int, default=32, help="AttSVD exact window w (also kept by eviction)")
-    ap.add_argument("--chunk", type=int, default=128, help="stream chunk l")
-    ap.add_argument("--step", type=int, default=32, help="teacher-forced continuation tokens per forward")
-    ap.add_argument("--lengths", type=int, nargs="*", help="long-context prompt lengths (empty: skip)")
-    ap.add_argument("--n-per", type=int)
-    ap.add_argument("--tasks", nargs="*", default=["passkey", "needle_single", "needle_multikey", "variable_tracking"])
-    ap.add_argument("--longctx-budgets", type=float, nargs="+", default=[0.5])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="benchmarks/results")
-    a = ap.parse_args(argv)
-    preset = REPORT if a.report else QUICK
-    args = dict(model_name=a.model, prefill=a.prefill or preset["prefill"], windows=a.windows or preset["windows"],
-                cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
-                window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
-                n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
-                longctx_budgets=a.longctx_budgets)
-    stem = f"attsvd_{a.model}_p{'-'.join(map(str, args['prefill']))}_n{args['windows']}"
-    path = _out_path(Path(a.out), stem)
-    meta = {"args": args, "torch_threads": torch.get_num_threads(),
-            "command": "python -m lowrank_lib.attsvd.bench " + " ".join(argv if argv is not None else sys.argv[1:])}
-
-    def save(partial: dict) -> None:
-        path.write_text(json.dumps(partial | meta, indent=1))
-
-    res = run(**args, checkpoint=save) | meta
-    save(res)
-    txt = table(res)
-    path.with_suffix(".txt").write_text(txt + "\n")
-    print(txt)
-    print(f"\nwrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
