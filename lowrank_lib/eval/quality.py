@@ -20,18 +20,19 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .. import families
 from ..geometry import geometry
 
-#: family -> native checkpoint family it is written as ("svd" = plain SVD, kept in our own format)
-FAMILY_FORMAT = {"svd": "lowrank", "asvd": "asvd", "svdllm": "svdllm", "svdllm_v2": "svdllm",
-                 "basis_sharing": "basis_sharing", "dobi": "dobi", "dobi-remap": "dobi-remap", "palu": "palu"}
+#: every compression method of the family registry, in table order (each is written in its own
+#: native format: ``families.get_format(name)``; "svd" = plain SVD, kept in our own format)
+METHOD_NAMES = tuple(f.name for f in families.methods())
 
 
 @dataclass
 class QualityConfig:
     model: str = "smollm2"
     keeps: tuple[float, ...] = (0.8, 0.6)
-    families: tuple[str, ...] = tuple(FAMILY_FORMAT)
+    families: tuple[str, ...] = METHOD_NAMES
     calib_samples: int = 32
     calib_seq_len: int = 512
     seq_len: int = 2048
@@ -54,17 +55,16 @@ def dir_bytes(path: Path) -> int:
 
 
 def compress_family(model, family: str, stats, keep: float, cfg: QualityConfig):
-    from ..compress import COMPRESSORS, compress_svd
-
-    if family == "svd":
-        return compress_svd(model, keep)
+    fam = families.get(family)
+    if not fam.needs_stats:
+        return fam.compress(model, stats, keep)
     kw = {"progress": False}
-    if family == "basis_sharing":
+    if fam.name == "basis_sharing":
         kw["group_size"] = cfg.basis_group_size
-    if family == "palu":
+    if fam.name == "palu":
         kw["head_group_size"] = cfg.palu_head_group_size or geometry(model).n_kv_heads
         kw["align"] = cfg.palu_align
-    return COMPRESSORS[family](model, stats, keep, **kw)
+    return fam.compress(model, stats, keep, **kw)
 
 
 def eval_tokens(model, tok, cfg: QualityConfig) -> torch.Tensor:
@@ -114,7 +114,7 @@ def run(cfg: QualityConfig, model=None, tok=None, stats=None, keep_dir: str | Pa
                 t1 = time.perf_counter()
                 cm = compress_family(model, fam, stats, keep, cfg)
                 t_comp = time.perf_counter() - t1
-                fmt = FAMILY_FORMAT[fam]
+                fmt = families.get_format(fam).name
                 disk = err = p = None
                 if cfg.roundtrip:
                     p = write_native(cm, fmt, tmp / f"{fam}-{keep}", tokenizer=None)

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
-    from ...eval.quality import FAMILY_FORMAT
+    from ...eval.quality import METHOD_NAMES
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--keeps", type=float, nargs="+", default=[0.8, 0.6])
-    p.add_argument("--families", nargs="+", default=list(FAMILY_FORMAT))
+    p.add_argument("--families", nargs="+", default=list(METHOD_NAMES))
     p.add_argument("--windows", type=int, default=8, help="first N windows of WikiText-2 test")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--calib-samples", type=int, default=32)
