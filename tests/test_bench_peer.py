@@ -248,6 +248,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
     assert {(r["system"], r["dtype"]) for r in res["rows"]} == {(s, d) for s in peer.SYSTEMS for d in ("fp32", "bf16")}
     for r in res["rows"]:
         assert r["decode_steps"] == 7 and r["decode_ms_per_token"] > 0
+        assert 0 < r["decode_cpu_ms_per_token"] <= 1.5 * r["decode_ms_per_token"]   # 1 thread: CPU ~ wall
     assert peer.format_table(res).count("\n") >= 8
     p = peer.save(res, tmp_path)
     assert json.loads(p.read_text())["rows"]

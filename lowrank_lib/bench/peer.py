@@ -18,7 +18,8 @@ All three run through ``runtime.run_generation`` (the one decode loop): decode m
 median over every decode step of every repeat (the step that feeds one token and returns its
 logits); prefill ms the median prompt time. For llama.cpp the bare ``Llama.eval`` of each token
 (``eval_ms_per_token``) and llama.cpp's own perf counters (``perf_eval_ms_per_token``) are
-reported too. Before any timing, llama.cpp and our dense engine must produce the same 64 greedy
+reported too, and at 1 thread the calling thread's CPU time per step (``decode_cpu_ms_per_token``,
+:class:`CpuClocked`: what an idle core would give, robust to other jobs on a shared machine). Before any timing, llama.cpp and our dense engine must produce the same 64 greedy
 tokens from the same prompt tokens in fp32 (``equivalence``: the first divergence and the logit
 margins there if not). Copy bandwidth (``decode.copy_bandwidth``) is measured at each thread count
 in the same run; ``roofline_x`` = decode time / (weight bytes / copy bandwidth). Compile time of
@@ -115,6 +116,27 @@ def compare_greedy(a, b) -> dict:
 
 
 # --------------------------------------------------------------------------- one benchmark run
+class CpuClocked:
+    """A runner wrapper that also records the calling thread's CPU seconds of every ``step``.
+
+    At 1 thread every runner computes on the calling thread, so this is the wall time an idle core
+    would give: robust to other processes taking turns on a shared machine (not to their memory
+    traffic). Everything else is delegated to the wrapped runner.
+    """
+
+    def __init__(self, runner):
+        self.runner, self.cpu_s = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def step(self, tokens):
+        c0 = time.thread_time()
+        y = self.runner.step(tokens)
+        self.cpu_s.append(time.thread_time() - c0)
+        return y
+
+
 def _median_ms(xs) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
@@ -176,6 +198,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
            "machine": {"cpu": _cpu_name(), "cores": _nproc(),
                        "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
            "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
+           "load_average": {"start": _loadavg()},
            "note": cfg.note, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
@@ -207,14 +230,15 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             for s in cfg.systems:
                 if s == "llamacpp_dense":
                     fa = _resolve_fa(cfg, ggufs[dt], dt, th, ids, fa_choice)
-                    runners[(s, dt)] = _llama(ggufs[dt], dt, th, cfg, fa)
+                    runners[(s, dt)] = CpuClocked(_llama(ggufs[dt], dt, th, cfg, fa))
                 else:
-                    runners[(s, dt)] = _engine(dense if s == "lowrank_lib_dense" else comp, tdt, cfg)
+                    runners[(s, dt)] = CpuClocked(_engine(dense if s == "lowrank_lib_dense" else comp, tdt, cfg))
         compile_s = {}
         for k, r in runners.items():          # warm-up; our engine compiles its step here (timed apart)
             t0 = time.perf_counter()
             run_generation(r, ids, min(4, cfg.gen_len))
-            compile_s[k] = (getattr(r, "capture_s", 0.0), time.perf_counter() - t0)
+            compile_s[k] = (getattr(r.runner, "capture_s", 0.0), time.perf_counter() - t0)
+            r.cpu_s.clear()
         steps = {k: [] for k in runners}
         pre = {k: [] for k in runners}
         evals = {k: [] for k in runners}
@@ -233,6 +257,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                 bar.update(1)
         bar.close()
         bws.append(copy_bandwidth(torch.device("cpu")))
+        res["load_average"][f"after_{th}_threads"] = _loadavg()    # what else ran shows here
         bw = statistics.median(bws)
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
         for (s, dt), r in runners.items():
@@ -243,7 +268,8 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                    "prefill_ms": _median_ms(pre[k]), "weight_bytes_per_token": wb,
                    "decode_ms_p10": 1e3 * _quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * _quantile(steps[k], 0.9),
                    "decode_steps": len(steps[k]), "achieved_GBps": wb / (ms / 1e3) / 1e9,
-                   "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9))}
+                   "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
+                   "decode_cpu_ms_per_token": _median_ms(r.cpu_s) if th == 1 else None}
             if s == "llamacpp_dense":
                 row.update(eval_ms_per_token=_median_ms(evals[k]),
                            perf_eval_ms_per_token=statistics.median(p["eval_ms_per_token"] for p in perf[k]),
@@ -276,6 +302,15 @@ def _quantile(xs, q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _loadavg() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _nproc() -> int:
@@ -333,10 +368,12 @@ def targets(comps: list[dict]) -> list[dict]:
 
 
 def format_table(res: dict) -> str:
-    lines = ["system | dtype | threads | decode ms/tok | prefill ms | MB/tok | GB/s | x roofline",
-             "---|---|---|---|---|---|---|---"]
+    lines = ["system | dtype | threads | decode ms/tok | cpu ms/tok | prefill ms | MB/tok | GB/s | x roofline",
+             "---|---|---|---|---|---|---|---|---"]
     for r in sorted(res["rows"], key=lambda r: (r["threads"], r["dtype"], SYSTEMS.index(r["system"]))):
+        cpu = r.get("decode_cpu_ms_per_token")
         lines.append(f"{r['system']} | {r['dtype']} | {r['threads']} | {r['decode_ms_per_token']:.2f} | "
+                     f"{'-' if cpu is None else f'{cpu:.2f}'} | "
                      f"{r['prefill_ms']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} | {r['achieved_GBps']:.1f} | "
                      f"{r['roofline_x']:.2f}")
     bw = ", ".join(f"{t} thread(s) {v:.1f}" for t, v in res["copy_bandwidth_GBps_by_threads"].items())
@@ -404,7 +441,9 @@ def config_from_args(a) -> PeerConfig:
 def run(a) -> int:
     cfg = config_from_args(a)
     res = run_peer(cfg)
-    res["command"] = "python -m lowrank_lib.bench.peer " + " ".join(getattr(a, "_argv", None) or sys.argv[1:])
+    import shlex
+
+    res["command"] = "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:])
     print(format_table(res))
     print(f"\nwrote {save(res, cfg.out)}")
     return 0
