@@ -23,8 +23,7 @@ COMMANDS: dict[str, str] = {
     "attsvd": "lowrank_lib.bench.commands.attsvd",
     "quality": "lowrank_lib.bench.commands.quality",
     "sweep": "lowrank_lib.bench.commands.sweep",
-    "gpu-checks": "lowrank_lib.bench.commands.gpu_checks",
-    "gpu-factor-space": "lowrank_lib.bench.commands.gpu_factor_space",
+    "gpu-session": "lowrank_lib.bench.commands.gpu_session",
 }
 
 

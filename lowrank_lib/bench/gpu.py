@@ -1,33 +1,31 @@
-"""The prepared GPU checks (library of ``bench gpu-checks`` and ``bench gpu-factor-space``).
+"""The prepared GPU checks: ``python -m lowrank_lib.bench gpu-session`` (library of that command).
 
-On the GPU machine, both in ONE device call (about 8-12 minutes on an H100/H200-class GPU)::
+On the GPU machine, everything in ONE device call of at most 10 minutes (stages that no longer fit the
+budget are skipped and recorded; results are rewritten after every stage)::
 
-    python -m lowrank_lib.bench gpu-checks --out "$OUT" && python -m lowrank_lib.bench gpu-factor-space --out "$OUT"
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m lowrank_lib.bench gpu-session --budget-s 500 --out "$OUT"
 
-On a CPU, ``--dry-run`` runs each pipeline on a tiny model with short lengths (tested in CI).
+On a CPU, ``--dry-run`` runs every stage on tiny sizes (tested in CI). The stages, in order
+(:data:`SESSION_STAGES`; ``--stages`` reruns a subset):
 
-``gpu-checks`` (the decode-runtime issue):
+1. ``correctness``: tiny GQA model, fp32, the engine with every attention backend (sdpa, triton,
+   flash_attn in bf16) x graph mode (none, split, per-layer, whole-step) vs transformers'
+   DynamicCache, left-padded batch: greedy tokens equal, max logit error, which backend ran and why;
+2. ``factor_correctness``: factor-space attention vs rebuild-then-attend, fp32 (rel. err < 1e-5) and bf16;
+3. ``engine_graphs``: the Engine with the AttSVD store, eager vs whole-step vs per-layer capture on a
+   random tiny-smol model, fp32: tokens equal, logits within 1e-5, a capture reused inside a bulk bucket;
+4. ``speed_p512`` / ``speed_p2048``: LLaMA-7B-shaped random weights, plain low-rank at keep 0.5, bf16,
+   prompt 512 / gen 32 and 2048 / gen 128: hf_static, hf_dynamic, dense_kv, the engine (eager / split /
+   per-layer / whole-step graphs), the dense model through hf_static (first setting) and through the
+   gpt-fast-style compiled baseline (``dense_hf_compiled``: StaticCache + torch.compile
+   "reduce-overhead"): decode ms/token, launches per token, x roofline; verdicts: engine >= 3x
+   hf_static, engine faster than the compiled dense baseline, launches/token <= L + 10 (per-layer)
+   and <= 5 (whole step), within 2x of the weight-bytes roofline;
+5. ``factor_llama7b`` / ``factor_gqa``: decode attention of one layer per step, bf16, batch 1,
+   contexts 1k-32k, r/d = 0.5 and 0.25, w = 32, routes sdpa / dense / rebuild / factor, side by side,
+   eager and CUDA-graph replay, LLaMA-7B heads (32 q / 32 kv, d = 128) and a GQA variant (32 / 8).
 
-1. correctness on CUDA: tiny GQA model, fp32, engine (every attention backend x graph mode) vs
-   transformers DynamicCache: greedy tokens equal, max logit error;
-2. LLaMA-7B-shaped random weights, plain low-rank at keep 0.5, bf16, prompt 512 / gen 32 and
-   prompt 2048 / gen 128: hf_static, hf_dynamic, dense_kv, engine (eager / split / per-layer /
-   whole-step graphs), the uncompressed model (first setting): decode ms/token, launches per token;
-3. verdicts against the targets: engine >= 3x hf_static; launches/token <= L + 10 (per-layer) and
-   <= 5 (whole step).
-
-``gpu-factor-space`` (factor-space attention at LLaMA-7B-like head counts):
-
-1. correctness on the GPU: factor space vs rebuild-then-attend, fp32 (rel. err < 1e-5) and bf16;
-2. per-step decode attention of one layer, bf16, batch 1, contexts 1k-32k, r/d = 0.5 and 0.25,
-   w = 32, routes sdpa / dense / rebuild / factor, side by side (interleaved, medians), eager and
-   CUDA-graph replay, for LLaMA-7B (32 q / 32 kv heads, d = 128, 32 layers) and a GQA variant
-   (32 q / 8 kv heads, LLaMA-3-8B-like);
-3. the Engine with the AttSVD store under graphs: eager vs whole-step vs per-layer capture on a small
-   random Llama (tiny-smol preset), fp32: tokens equal, logits within 1e-5, two prompts in one bulk
-   bucket reuse the capture.
-
-Every check is wrapped: one failure is recorded and the rest still run.
+Every stage is wrapped: one failure is recorded and the rest still run.
 """
 from __future__ import annotations
 
@@ -43,7 +41,7 @@ from .factor_space import AttnBenchConfig, attention_ratios, bench_attention, re
 GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step")
 
 
-# --------------------------------------------------------------------------- gpu-checks
+# --------------------------------------------------------------------------- decode runtime checks
 def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=("none", "split", "per-layer", "whole-step")):
     """Engine vs HF DynamicCache on a tiny model (fp32; flash_attn in bf16 against HF bf16)."""
     from .. import models
@@ -75,23 +73,6 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
     return rows
 
 
-def speed(model: str, settings, systems, dtype: str, device: str, repeats: int, keep: float, progress=True):
-    from .decode import DecodeBenchConfig, run_decode_bench
-    from .models import load_bench_models
-
-    models_ = load_bench_models(model, "svd", keep, None, device)
-    out = []
-    for i, (p, g) in enumerate(settings):
-        sys_ = [s for s in systems if i == 0 or s != "dense_hf_static"]
-        cfg = DecodeBenchConfig(model=model, keep=keep, prompt_len=p, gen_len=g, dtype=dtype, systems=tuple(sys_),
-                                repeats=repeats, device=device)
-        try:
-            out.append(run_decode_bench(cfg, models=models_, progress=progress))
-        except Exception:
-            out.append({"config": {"prompt_len": p, "gen_len": g}, "error": traceback.format_exc()[-2000:]})
-    return out, models_[1].config.num_hidden_layers
-
-
 def verdicts(speed_results: list[dict], n_layers: int) -> list[dict]:
     """Targets of the issue, checked on measured results (pure function, tested on CPU)."""
     out = []
@@ -106,6 +87,15 @@ def verdicts(speed_results: list[dict], n_layers: int) -> list[dict]:
             sp = hs["decode_ms_per_token"] / rows[best]["decode_ms_per_token"]
             out.append({"setting": tag, "target": "engine decode >= 3x hf_static", "system": best,
                         "value": sp, "met": sp >= 3.0})
+        gf = rows.get("dense_hf_compiled")
+        if gf and best:          # the gpt-fast-style dense baseline: torch.compile(reduce-overhead) + StaticCache
+            sp = gf["decode_ms_per_token"] / rows[best]["decode_ms_per_token"]
+            out.append({"setting": tag, "target": "engine faster than the compiled dense baseline (gpt-fast style)",
+                        "system": best, "value": sp, "met": sp > 1.0})
+        if best:
+            rx = rows[best]["roofline_x"]
+            out.append({"setting": tag, "target": "engine within 2x of the weight-bytes roofline", "system": best,
+                        "value": rx, "met": rx <= 2.0})
         for s, lim in (("engine_layer", n_layers + 10), ("engine_step", 5)):
             if s in rows:
                 v = rows[s]["per_token_count"]
@@ -132,31 +122,7 @@ def checks_markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def gpu_checks(dry_run: bool = False, repeats: int = 2) -> dict:
-    """All checks of ``gpu-checks`` in one call; ``dry_run``: CPU, tiny model, short lengths."""
-    if dry_run:
-        device, model, dtype, settings = "cpu", "tiny-smol", "fp32", [(32, 4), (64, 6)]
-        systems = ("hf_static", "hf_dynamic", "dense_kv", "engine", "dense_hf_static")
-        backends, graphs = ("sdpa",), ("none",)
-    else:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device: use --dry-run on CPU")
-        device, model, dtype, settings = "cuda", "llama7b-random", "bf16", [(512, 32), (2048, 128)]
-        systems = ("hf_static", "hf_dynamic", "dense_kv") + GRAPH_SYSTEMS + ("dense_hf_static",)
-        backends, graphs = ("sdpa", "triton", "flash_attn"), ("none", "split", "per-layer", "whole-step")
-    t0 = time.time()
-    report = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (dry run)",
-              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model, "keep": 0.5,
-              "dtype": dtype, "torch": torch.__version__}
-    report["correctness"] = correctness(device, backends, graphs)
-    report["speed"], L = speed(model, settings, systems, dtype, device, repeats, 0.5)
-    report["n_layers"] = L
-    report["verdicts"] = verdicts(report["speed"], L)
-    report["wall_s"] = time.time() - t0
-    return report
-
-
-# --------------------------------------------------------------------------- gpu-factor-space
+# --------------------------------------------------------------------------- factor-space checks
 GEOMETRIES = {"llama7b": dict(q_heads=32, kv_heads=32, head_dim=128, layers=32),
               "llama3_8b_gqa": dict(q_heads=32, kv_heads=8, head_dim=128, layers=32)}
 CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -211,43 +177,128 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
     return out
 
 
-def gpu_factor_space(dry_run: bool = False) -> tuple[dict, str]:
-    """All checks of ``gpu-factor-space`` in one call -> (result, markdown); ``dry_run``: CPU, small sizes."""
+# --------------------------------------------------------------------------- one device call
+#: (stage, seconds it needs at least on an H200, estimated) in the order the session runs them: the
+#: correctness checks first, then the 512/32 speed setting, then what only adds numbers
+SESSION_STAGES = (("correctness", 60), ("factor_correctness", 30), ("engine_graphs", 60), ("speed_p512", 150),
+                  ("factor_llama7b", 90), ("speed_p2048", 200), ("factor_gqa", 90))
+
+
+def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats: int = 2, progress=True,
+                stages: tuple[str, ...] | None = None, command: str | None = None) -> dict:
+    """Every GPU check of the project in ONE call, inside ``budget_s`` seconds (a device call's limit).
+
+    Stages run in :data:`SESSION_STAGES` order; one whose estimated need no longer fits the remaining
+    budget is recorded as skipped, so the call returns in time with everything that ran. Results are
+    rewritten after every stage (``gpu_checks_<tag>.json/.md``, ``factor_space_gpu_<tag>.json/.md``), so a
+    killed call still leaves what finished. ``stages``: run only these (a rerun of what failed).
+    ``dry_run``: the same pipeline on the CPU with tiny sizes."""
+    from .results import ResultFiles
+
+    t0 = time.time()
     if dry_run:
-        dev, name, contexts, geoms = "cpu", "cpu (dry run)", [256, 512], {"gqa_small": dict(q_heads=8, kv_heads=2,
-                                                                                           head_dim=128, layers=4)}
-        graph_modes, cuda_graphs, kw = ("none", "whole-step"), (False,), dict(repeats=3, warmup=1, inner=1)
+        device, model, dtype, settings = "cpu", "tiny-smol", "fp32", {"speed_p512": (32, 4), "speed_p2048": (64, 6)}
+        systems = ("hf_static", "hf_dynamic", "dense_kv", "engine", "dense_hf_static")
+        backends, graphs, dev_name = ("sdpa",), ("none",), "cpu (dry run)"
+        contexts, geoms = [256, 512], {"factor_llama7b": ("gqa_small", dict(q_heads=8, kv_heads=2, head_dim=128,
+                                                                              layers=4))}
+        fs_graph_modes, cuda_graphs, kw = ("none", "whole-step"), (False,), dict(repeats=3, warmup=1, inner=1)
     else:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device: use --dry-run on CPU")
-        dev, name, contexts, geoms = "cuda", torch.cuda.get_device_name(0), CONTEXTS, GEOMETRIES
-        graph_modes, cuda_graphs, kw = ("none", "whole-step", "per-layer"), (False, True), dict(repeats=30, warmup=5,
-                                                                                              inner=20)
-    result = {"meta": {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": name,
-                       "torch": torch.__version__},
-              "correctness": factor_correctness(dev, 512 if dry_run else 4096), "runs": {}}
-    result["engine_graphs"] = engine_graphs(dev, graph_modes, "aot_eager" if dry_run else "inductor")
-    lines = [f"# factor-space attention on {name} ({result['meta']['when']})", ""]
-    for geom, g in geoms.items():
-        for graphs in cuda_graphs:
-            cfg = AttnBenchConfig(contexts=contexts, rank_fracs=[0.5, 0.25], window=32,
-                                  dtype="float32" if dry_run else "bfloat16", device=dev, cuda_graphs=graphs, **kw, **g)
-            rows = bench_attention(cfg, progress=False)
-            ratios = attention_ratios(rows)
-            key = f"{geom}_{'graphs' if graphs else 'eager'}"
-            result["runs"][key] = {"config": cfg.__dict__, "rows": rows, "ratios": ratios}
-            lines += [f"## {key}: {g['q_heads']} q / {g['kv_heads']} kv heads, d={g['head_dim']}, {cfg.dtype}, "
-                      f"per layer per step (ms), x{g['layers']} layers for the per-token estimate", "",
-                      "| context | rank | factor | rebuild | rebuild (prealloc) | best dense | rebuild/factor | "
-                      "rebuild (prealloc)/factor | dense/factor |",
-                      "|---|---|---|---|---|---|---|---|---|"]
-            for r in ratios:
-                lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.4f} | {r['rebuild_ms']:.4f} | "
-                             f"{r['rebuild_prealloc_ms']:.4f} | {r['best_dense_ms']:.4f} | "
-                             f"{r['rebuild_over_factor']:.1f}x | {r['rebuild_prealloc_over_factor']:.1f}x | "
-                             f"{r['dense_over_factor']:.2f}x |")
-            lines.append("")
-    ok = all(c["ok"] for c in result["correctness"].values())
-    ok &= all("error" not in v and all(v["tokens_equal_eager"]) for v in result["engine_graphs"].values())
-    result["ok"] = ok
-    return result, "\n".join(lines) + "\n"
+        device, model, dtype = "cuda", "llama7b-random", "bf16"
+        settings = {"speed_p512": (512, 32), "speed_p2048": (2048, 128)}
+        systems = ("hf_static", "hf_dynamic", "dense_kv") + GRAPH_SYSTEMS + ("dense_hf_static", "dense_hf_compiled")
+        backends, graphs, dev_name = ("sdpa", "triton", "flash_attn"), ("none", "split", "per-layer", "whole-step"), \
+            torch.cuda.get_device_name()
+        contexts = CONTEXTS
+        geoms = {"factor_llama7b": ("llama7b", GEOMETRIES["llama7b"]),
+                 "factor_gqa": ("llama3_8b_gqa", GEOMETRIES["llama3_8b_gqa"])}
+        fs_graph_modes, cuda_graphs, kw = ("none", "whole-step", "per-layer"), (False, True), dict(repeats=30, warmup=5,
+                                                                                                 inner=20)
+    tag = "dry-run" if dry_run else f"{model}_{dtype}"
+    checks_f, fs_f = ResultFiles(out_dir, "gpu_checks", tag), ResultFiles(out_dir, "factor_space_gpu", tag)
+    checks = {"device": dev_name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,
+              "keep": 0.5, "dtype": dtype, "torch": torch.__version__, "budget_s": budget_s, "correctness": [],
+              "speed": [], "verdicts": [], "stages": {}, "command": command}
+    fs = {"meta": {"when": checks["time"], "device": dev_name, "torch": torch.__version__}, "runs": {}, "stages": {},
+          "command": command}
+    models_, n_layers, md_fs = None, None, [f"# factor-space attention on {dev_name} ({checks['time']})", ""]
+
+    def save():
+        checks["n_layers"] = n_layers
+        checks["verdicts"] = verdicts(checks["speed"], n_layers) if n_layers else []
+        checks["wall_s"] = fs["wall_s"] = time.time() - t0
+        fc, eg = fs.get("correctness", {}), fs.get("engine_graphs", {})     # ok = ran AND passed
+        fs["ok"] = bool(fc) and bool(eg) and all(c.get("ok", False) for c in fc.values()) and \
+            all("error" not in v and all(v["tokens_equal_eager"]) for v in eg.values())
+        checks_f.write(checks, md=checks_markdown(checks))
+        fs_f.write(fs, md="\n".join(md_fs) + "\n")
+
+    for stage, need in SESSION_STAGES:
+        left = budget_s - (time.time() - t0)
+        rec = checks["stages"] if stage in ("correctness",) or stage.startswith("speed") else fs["stages"]
+        if (stage in ("factor_gqa", "factor_llama7b") and stage not in geoms) or (stages and stage not in stages):
+            continue
+        if left < need:
+            rec[stage] = f"skipped: {left:.0f} s of the {budget_s:.0f} s budget left, needs ~{need} s"
+            continue
+        ts = time.time()
+        if progress:
+            print(f"[gpu-session] {stage} ({left:.0f} s left)", flush=True)
+        try:
+            if stage == "correctness":
+                checks["correctness"] = correctness(device, backends, graphs)
+            elif stage == "factor_correctness":
+                fs["correctness"] = factor_correctness(device, 512 if dry_run else 4096)
+            elif stage == "engine_graphs":
+                fs["engine_graphs"] = engine_graphs(device, fs_graph_modes, "aot_eager" if dry_run else "inductor")
+            elif stage.startswith("speed"):
+                if models_ is None:
+                    from .models import load_bench_models
+
+                    models_ = load_bench_models(model, "svd", 0.5, None, device)
+                    n_layers = models_[1].config.num_hidden_layers
+                p, g = settings[stage]
+                sys_ = tuple(s for s in systems if stage == "speed_p512" or s != "dense_hf_static")
+                checks["speed"] += speed_setting(models_, model, p, g, sys_, dtype, device, repeats, progress)
+            else:
+                name, geo = geoms[stage]
+                for cg in cuda_graphs:
+                    cfg = AttnBenchConfig(contexts=contexts, rank_fracs=[0.5, 0.25], window=32,
+                                          dtype="float32" if dry_run else "bfloat16", device=device, cuda_graphs=cg,
+                                          **kw, **geo)
+                    rows = bench_attention(cfg, progress=False)
+                    key = f"{name}_{'graphs' if cg else 'eager'}"
+                    fs["runs"][key] = {"config": cfg.__dict__, "rows": rows, "ratios": attention_ratios(rows)}
+                    md_fs.extend(_factor_md(key, geo, cfg, fs["runs"][key]["ratios"]))
+            rec[stage] = f"done in {time.time() - ts:.1f} s"
+        except Exception:
+            rec[stage] = "error: " + traceback.format_exc()[-1500:]
+        save()
+    return {"gpu_checks": checks, "factor_space": fs, "files": [str(checks_f.path), str(fs_f.path)]}
+
+
+def speed_setting(models_, model: str, p: int, g: int, systems, dtype: str, device: str, repeats: int, progress=True,
+                  keep: float = 0.5):
+    """One decode setting of the speed checks -> [result] (or [{"error"}])."""
+    from .decode import DecodeBenchConfig, run_decode_bench
+
+    cfg = DecodeBenchConfig(model=model, keep=keep, prompt_len=p, gen_len=g, dtype=dtype, systems=tuple(systems),
+                            repeats=repeats, device=device)
+    try:
+        return [run_decode_bench(cfg, models=models_, progress=progress)]
+    except Exception:
+        return [{"config": {"prompt_len": p, "gen_len": g}, "error": traceback.format_exc()[-2000:]}]
+
+
+def _factor_md(key: str, g: dict, cfg, ratios) -> list[str]:
+    lines = [f"## {key}: {g['q_heads']} q / {g['kv_heads']} kv heads, d={g['head_dim']}, {cfg.dtype}, "
+             f"per layer per step (ms), x{g['layers']} layers for the per-token estimate", "",
+             "| context | rank | factor | rebuild | rebuild (prealloc) | best dense | rebuild/factor | "
+             "rebuild (prealloc)/factor | dense/factor |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in ratios:
+        lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.4f} | {r['rebuild_ms']:.4f} | "
+                     f"{r['rebuild_prealloc_ms']:.4f} | {r['best_dense_ms']:.4f} | {r['rebuild_over_factor']:.1f}x | "
+                     f"{r['rebuild_prealloc_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x |")
+    return lines + [""]

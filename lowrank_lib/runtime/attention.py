@@ -18,6 +18,7 @@ path never touches them.
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,14 +38,22 @@ def select_backend(requested: str, device: torch.device, head_dim: int, dtype: t
     cuda = device.type == "cuda"
     fa_ok = cuda and _has("flash_attn") and dtype in (torch.float16, torch.bfloat16)
     tr_ok = cuda and _has("triton") and head_dim in (16, 32, 64, 128, 256)
+    # Triton's interpreter runs the same kernel on CPU tensors (correctness checks only: slow). It is set
+    # for the whole process by TRITON_INTERPRET=1 before triton compiles anything, so it is read here,
+    # once per engine, and only for an explicit request.
+    interp = (not cuda and requested == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
+              and _has("triton") and head_dim in (16, 32, 64, 128, 256))
     if requested == "flash_attn":
         if not fa_ok:
             raise RuntimeError(f"attention='flash_attn' needs CUDA, the flash_attn package and fp16/bf16 "
                                f"(device={device.type}, installed={_has('flash_attn')}, dtype={dtype})")
         return BackendChoice("flash_attn", "requested", "bshd")
     if requested == "triton":
+        if interp:
+            return BackendChoice("triton", "requested; Triton interpreter on CPU (TRITON_INTERPRET=1): "
+                                           "correctness checks only", "bhsd")
         if not tr_ok:
-            raise RuntimeError(f"attention='triton' needs CUDA, triton and a power-of-two head_dim "
+            raise RuntimeError(f"attention='triton' needs CUDA (or TRITON_INTERPRET=1 on CPU), triton and a power-of-two head_dim "
                                f"(device={device.type}, installed={_has('triton')}, head_dim={head_dim})")
         return BackendChoice("triton", "requested", "bhsd")
     if requested == "sdpa":
@@ -86,10 +95,12 @@ def flash_decode(q, K, V, cursor, mask):
     from flash_attn import flash_attn_with_kvcache
 
     B, Hkv, G, D = q.shape
-    # the store already wrote this token at slot `length`: attend over length + 1 slots (no k/v to append)
+    # the store already wrote this token at slot `length`: attend over length + 1 slots (no k/v to append).
+    # cache_leftpad is passed ALWAYS (zeros without padding): a host-side "any padding?" branch would be
+    # baked into a captured graph and replayed for later, padded requests (flash-attn >= 2.6).
     seqlens = (cursor.length + 1).to(torch.int32).expand(B).contiguous()
-    kw = {"cache_leftpad": cursor.pad[:B].to(torch.int32)} if cursor.any_pad else {}   # flash-attn >= 2.6
-    o = flash_attn_with_kvcache(q.reshape(B, 1, Hkv * G, D), K, V, cache_seqlens=seqlens, causal=True, **kw)
+    o = flash_attn_with_kvcache(q.reshape(B, 1, Hkv * G, D), K, V, cache_seqlens=seqlens, causal=True,
+                                cache_leftpad=cursor.pad[:B].to(torch.int32))
     return o.reshape(B, Hkv * G * D)
 
 
@@ -141,17 +152,37 @@ def _triton_kernel():
     return _decode_attn
 
 
-def triton_decode(q, K, V, cursor, mask):
-    B, Hkv, G, D = q.shape
-    Hq = Hkv * G
-    q = q.reshape(B, Hq, D).contiguous()
+def _triton_launch(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, n: torch.Tensor, pad: torch.Tensor,
+                   G: int) -> torch.Tensor:
+    """q [B, Hq, D] contiguous, K/V [B, Hkv, S, D] (stride-1 last dim), n [1] slots written, pad [>=B]."""
+    B, Hq, D = q.shape
     o = torch.empty_like(q)
-    kern = _triton_kernel()
-    # the kernel reads length = written slots; this token was just written at slot `length`
-    n = cursor.length + 1
-    kern[(B, Hq)](q, K, V, o, n, cursor.pad, q.stride(0), q.stride(1), K.stride(0), K.stride(1), K.stride(2),
-                  o.stride(0), o.stride(1), D ** -0.5, G=Hq // Hkv, D=D, BLOCK=64)
-    return o.view(B, Hq * D)
+    _triton_kernel()[(B, Hq)](q, K, V, o, n, pad, q.stride(0), q.stride(1), K.stride(0), K.stride(1), K.stride(2),
+                              o.stride(0), o.stride(1), D ** -0.5, G=G, D=D, BLOCK=64)
+    return o
+
+
+_TRITON_OP = None
+
+
+def _triton_op():
+    """The launch as a torch custom op (built once): the dispatcher then sees the kernel as ONE op, so
+    torch.compile treats it as opaque and a CUDA-graph capture, or the CPU emulator of one
+    (``tests/graph_emulator.py``), records it with its device-side length/pad arguments."""
+    global _TRITON_OP
+    if _TRITON_OP is None:
+        op = torch.library.custom_op("lowrank_lib::triton_decode_attention", _triton_launch, mutates_args=())
+        op.register_fake(lambda q, K, V, n, pad, G: torch.empty_like(q))
+        _TRITON_OP = op
+    return _TRITON_OP
+
+
+def triton_decode(q, K, V, cursor, mask):
+    """q [B, Hkv, G, D]; K/V the store's buffers (all slots); reads length and pad from device memory."""
+    B, Hkv, G, D = q.shape
+    # the kernel reads n = slots written; this token was just written at slot `length`
+    o = _triton_op()(q.reshape(B, Hkv * G, D).contiguous(), K, V, cursor.length + 1, cursor.pad, G)
+    return o.view(B, Hkv * G * D)
 
 
 DECODE = {"sdpa": sdpa_decode, "flash_attn": flash_decode, "triton": triton_decode}

@@ -12,6 +12,9 @@ system              what runs
 ``hf_dynamic``      transformers forward (eager Python, sdpa) with ``DynamicCache``
 ``hf_static``       transformers forward with ``StaticCache`` (max_cache_len = prompt + new)
 ``dense_hf_static`` the uncompressed model through ``hf_static``
+``hf_compiled``     gpt-fast style: ``StaticCache``, fixed-shape decode forward under ``torch.compile``
+                    (fullgraph; ``mode="reduce-overhead"``, i.e. CUDA graphs, on CUDA)
+``dense_hf_compiled`` the uncompressed model through ``hf_compiled``: the dense baseline to beat
 ``dense_engine``    the uncompressed model through the engine
 ==================  ==========================================================================
 """
@@ -24,9 +27,10 @@ import torch
 from ..generation import left_pad_counts
 from .config import PRESETS, EngineConfig
 from .engine import Engine
+from .graphs import own_code
 
 SYSTEMS = ("engine", "engine_step", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
-           "dense_hf_static", "dense_engine")
+           "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
 ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"), "engine_layer": dict(graph="per-layer"),
                    "engine_split": dict(graph="split"), "dense_engine": {}}
 
@@ -75,6 +79,83 @@ class HFRunner:
         return out.logits[:, -1]
 
 
+class HFCompiledRunner(HFRunner):
+    """gpt-fast style: transformers' model, a ``StaticCache`` of ``max_cache_len`` slots, and ONE
+    fixed-shape decode forward under ``torch.compile(fullgraph=True, dynamic=False)``.
+
+    Shapes never change between steps: the 2-D attention mask is the whole ``[B, max_cache_len]``
+    (zeros only on left-pad slots; future slots are hidden by causality), tokens ``[B, 1]``, position
+    ids ``[B, 1]``. On CUDA the mode is ``"reduce-overhead"`` (inductor's CUDA graphs), the baseline
+    gpt-fast measures; on CPU the default mode. Prefill runs eagerly. ``prepare`` compiles (and
+    records the graphs) with warm-up steps at the next position, whose K/V slot the first real step
+    overwrites; its seconds are reported as capture time, apart from decode time.
+    """
+
+    def __init__(self, model, max_cache_len: int, backend: str = "inductor", mode: str | None = None):
+        super().__init__(model, "static", max_cache_len)
+        if mode is None:
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+        self.backend, self.mode = backend, mode
+
+        def hf_decode(tokens, mask, pos, cache):
+            return self.model(tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+
+        kw = {} if backend != "inductor" else {"mode": mode}
+        self._fn = torch.compile(own_code(hf_decode), fullgraph=True, dynamic=False, backend=backend, **kw)
+        self._prepared: set[int] = set()
+
+    def _new_cache(self, T: int):
+        """ONE StaticCache per batch size, reset between requests: its tensors keep their addresses, so
+        the compiled step (and its CUDA graphs) is reused, not re-recorded, by every request."""
+        B = self._batch
+        if getattr(self, "_caches", None) is None:
+            self._caches = {}
+        if B not in self._caches:
+            self._caches[B] = super()._new_cache(T)
+        else:
+            self._caches[B].reset()
+        return self._caches[B]
+
+    @torch.no_grad()
+    def prefill(self, input_ids, attention_mask=None):
+        self._batch = input_ids.shape[0]
+        logits = super().prefill(input_ids, attention_mask)
+        B, T = input_ids.shape
+        pad = T - self.mask.sum(1)
+        self.mask = (torch.arange(self.max_cache_len, device=self.device)[None] >= pad[:, None]).long()
+        return logits
+
+    @torch.no_grad()
+    def prepare(self, B: int) -> float:
+        if B in self._prepared:
+            return 0.0
+        import time
+
+        self._prepared.add(B)
+        t0 = time.perf_counter()
+        dummy = torch.zeros(B, 1, dtype=torch.long, device=self.device)
+        # a StaticCache layer writes at its own device-side counter (``cumulative_length``, advanced in
+        # place by every forward): the warm-up steps must leave it where the prefill put it
+        counters = [(layer, getattr(layer, "cumulative_length", None)) for layer in self.cache.layers]
+        if not all(isinstance(n, torch.Tensor) for _, n in counters):
+            self.warmup = "skipped: this transformers' StaticCache has no device-side write counter"
+            return 0.0                  # compiled in the first timed step instead (the median absorbs it)
+        counters = [(layer, n.clone()) for layer, n in counters]
+        self.warmup = "done"
+        for _ in range(3 if self.mode == "reduce-overhead" else 1):     # cudagraph trees record on a later call
+            self._fn(dummy, self.mask, self.pos + 1, self.cache)
+            for layer, n in counters:
+                layer.cumulative_length.copy_(n)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def step(self, tokens):
+        self.pos = self.pos + 1
+        return self._fn(tokens.to(self.device)[:, None], self.mask, self.pos, self.cache)[:, -1].clone()
+
+
 def _as_dtype(model, dtype):
     p = next(model.parameters())
     if dtype is None or p.dtype == dtype:
@@ -93,6 +174,8 @@ def make_runner(system: str, model, dense_model=None, dtype=None, max_seq_len: i
         if dense_model is None:
             raise ValueError(f"system {system!r} needs the uncompressed model (dense_model=...)")
         model = dense_model
+    if system in ("hf_compiled", "dense_hf_compiled"):
+        return HFCompiledRunner(_as_dtype(model, dtype), max_seq_len, backend=engine_kw.get("compile_backend", "inductor"))
     if system in ("hf_dynamic", "hf_static", "dense_hf_static"):
         kind = "dynamic" if system == "hf_dynamic" else "static"
         return HFRunner(_as_dtype(model, dtype), kind, max_cache_len=max_seq_len)

@@ -31,7 +31,7 @@ import torch
 _captures = itertools.count()
 
 
-def _own_code(fn):
+def own_code(fn):
     """``fn`` with a code object of its own (a renamed copy of its code).
 
     Dynamo keys its compile cache, and its recompile limit (8 by default), by code object. With one
@@ -46,10 +46,15 @@ def _own_code(fn):
 class GraphRunner:
     """Owns the captured graphs (or compiled step) of one Engine, keyed by (batch size, store shape key)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, impl: str | None = None):
+        """``impl``: None = by device (CUDA graphs on CUDA, torch.compile on CPU); ``"cuda-graph"`` forces
+        the CUDA-graph bookkeeping whatever the device (CPU tests run it with ``torch.cuda``'s capture
+        API replaced by an emulator that replays the recorded ATen ops: ``tests/graph_emulator.py``)."""
         self.eng = engine
         self.mode = engine.config.graph
-        if engine.device.type == "cuda":
+        if impl not in (None, "cuda-graph"):
+            raise ValueError(f"impl={impl!r}: use None (by device) or 'cuda-graph'")
+        if impl == "cuda-graph" or engine.device.type == "cuda":
             self.impl = "cuda-graph"
         else:
             if self.mode != "whole-step":
@@ -111,7 +116,7 @@ class GraphRunner:
         def decode_step(t):
             return eng.decode_body(t, live=None)
 
-        fn = torch.compile(_own_code(decode_step), fullgraph=True, dynamic=False, backend=eng.config.compile_backend)
+        fn = torch.compile(own_code(decode_step), fullgraph=True, dynamic=False, backend=eng.config.compile_backend)
         dummy = torch.zeros(B, dtype=torch.long, device=eng.device)
         with torch.no_grad():
             fn(dummy)            # compile + one warm run (writes slot `length`, overwritten by the real step)
