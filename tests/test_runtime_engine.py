@@ -211,10 +211,10 @@ def test_compiled_fused_lowering_equals_eager_and_replaces_aten_calls():
 
     model = compress_svd(models.tiny_model("tiny-gqa", seed=9), 0.5)
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(5))
-    eager = Engine(model, EngineConfig(max_seq_len=20)).generate(ids, 6, return_logits=True)
+    eager = Engine(model, EngineConfig(max_seq_len=20, kernels="portable")).generate(ids, 6, return_logits=True)
     counts = {}
-    for fused in (True, False):
-        eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", fused_compile=fused))
+    for fused in (True, False):     # the portable lowering (our compiled kernels: tests/test_kernels_lrk.py)
+        eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", fused_compile=fused, kernels="portable"))
         out = eng.generate(ids, 6, return_logits=True)
         assert torch.equal(out.tokens, eager.tokens), fused
         assert max(float((a - b).abs().max()) for a, b in zip(out.logits, eager.logits)) < 1e-4, fused
