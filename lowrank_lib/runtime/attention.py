@@ -12,8 +12,8 @@ written the current token's k/v at slot ``cursor.length``: one place appends, no
 Backends: ``flash_attn`` (``flash_attn_with_kvcache`` over ``length + 1`` slots from device memory,
 left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel: reads the length and
 pad counts from device memory, loops only over live slots), ``cpu_lrk`` (our compiled AVX-512 CPU
-kernel, ``runtime/kernels``: reads the length and pad counts, loops only over live slots; ~5x faster
-than SDPA at 576 slots) and ``sdpa`` (portable; under graphs it attends over all Smax slots with a
+kernel, ``runtime/kernels``: reads the length and pad counts, loops only over live slots) and
+``sdpa`` (portable; under graphs it attends over all Smax slots with a
 device-built mask). CUDA-only modules are imported lazily: the CPU path never touches them.
 """
 from __future__ import annotations

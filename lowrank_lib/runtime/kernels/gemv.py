@@ -15,11 +15,13 @@ backend                what runs a decode GEMV (a few rows of x against one stor
                        ``packing.pick_layout``), any device and dtype
 =====================  ===========================================================================
 
-Why our own kernel (measured on the 2-core AVX512-BF16 CI machine, 1 thread, cold cache): nothing
-torch ships streams bf16 weights near bandwidth for one row (aten's bf16 GEMV 2-16 GB/s, oneDNN's
-prepacked linear 0.5-0.8x of the kernel, inductor's CPP GEMM templates under max-autotune no
-better), and in fp32 MKL's GEMV and the fused reduction reach 0.5-0.9x of it; the kernel streams
-28-43 GB/s against a copy bandwidth of ~37 GB/s. ``python -m lowrank_lib.bench layout`` times them.
+Why our own kernel: the issue's routes were tried first (prototypes on the shared 2-core AVX512-BF16
+machine, 1 thread, streaming from DRAM): aten's bf16 one-row GEMM ran far below copy bandwidth (compute
+bound), oneDNN's prepacked linear (inductor freezing) and inductor's CPP GEMM templates under
+max-autotune did not reach the kernel, and in fp32 MKL's GEMV and the fused reduction stayed below it.
+The end-to-end evidence is the peer benchmark (``python -m lowrank_lib.bench.peer``,
+``benchmarks/results/peer_cpu_2.json``): the same engine beside llama.cpp, kernel and reason recorded
+per row.
 
 ``EngineConfig(kernels=...)``: ``"auto"`` (the kernel where it can run, else the portable path, with
 the reason), ``"portable"`` (never the kernel) or ``"lrk"`` (the kernel or an error saying why not).
