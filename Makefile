@@ -18,7 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
 	fi
-	$(PIP) install -q -e ".[notebooks,dev,triton]"
+	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
+	$(PIP) install -q setuptools wheel ninja
+	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton]"
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -53,7 +53,7 @@ def test_one_cli_for_every_benchmark():
     """Every command is a module with add_arguments / run; --out is a folder everywhere."""
     ap = parser()
     assert set(COMMANDS) >= {"decode", "fidelity", "layout", "ablation", "factor-space", "attsvd", "quality", "sweep",
-                             "gpu-session"}
+                             "gpu-session", "peer"}
     for name in COMMANDS:
         a = ap.parse_args([name])
         assert a.out == "benchmarks/results" and hasattr(a._module, "run")

@@ -40,4 +40,16 @@ def test_graph_replay_ablation_notebook(executed_notebook):
     for s in ("naive", "engine"):
         lat = sorted((r["cached_len"], r["step_ms"]) for r in m["step_latency"] if r["system"] == s)
         assert m[f"growth_{s}"] == pytest.approx(lat[-1][1] / lat[0][1])
-    assert len(m["figures"]) == 3
+    # llama.cpp side by side when the `peer` extra is installed, a plain reason when not
+    peer = m["peer"]
+    from lowrank_lib.bench.llamacpp import available
+
+    assert peer["available"] == available()[0]
+    if peer["ran"]:
+        assert {(r["system"], r["dtype"]) for r in peer["rows"]} == {
+            (s, "fp32") for s in ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")}
+        assert peer["equivalence"]["tokens_equal"]
+        assert all(r["decode_ms_per_token"] > 0 for r in peer["rows"])
+    else:
+        assert "not installed" in peer["why_not"]
+    assert len(m["figures"]) == 3 + peer["ran"]

@@ -211,10 +211,10 @@ def test_compiled_fused_lowering_equals_eager_and_replaces_aten_calls():
 
     model = compress_svd(models.tiny_model("tiny-gqa", seed=9), 0.5)
     ids = torch.randint(0, 256, (1, 7), generator=torch.Generator().manual_seed(5))
-    eager = Engine(model, EngineConfig(max_seq_len=20)).generate(ids, 6, return_logits=True)
+    eager = Engine(model, EngineConfig(max_seq_len=20, kernels="portable")).generate(ids, 6, return_logits=True)
     counts = {}
-    for fused in (True, False):
-        eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", fused_compile=fused))
+    for fused in (True, False):     # the portable lowering (our compiled kernels: tests/test_kernels_lrk.py)
+        eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", fused_compile=fused, kernels="portable"))
         out = eng.generate(ids, 6, return_logits=True)
         assert torch.equal(out.tokens, eager.tokens), fused
         assert max(float((a - b).abs().max()) for a, b in zip(out.logits, eager.logits)) < 1e-4, fused
@@ -300,7 +300,11 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
     dense, tok = smollm2
     for model, rel in ((dense, False), (compress_svd(dense, 0.5), True)):
         eng = Engine(model, EngineConfig(max_seq_len=64))
-        assert eng.lm_head.S_t.is_contiguous()                   # the vocab projection runs in_major
+        g = eng.lm_head                    # the vocab projection: our packed kernel, else aten on in_major
+        if g.gemv.packed:
+            assert g.S_p.P.numel() >= g.S_p.out * g.S_p.inp
+        else:
+            assert g.S_t.is_contiguous()
         for p in PROMPTS[:2]:
             ids = tok(p, return_tensors="pt").input_ids
             _cmp(eng.generate(ids, 16, return_logits=True), _ref(model, ids, 16), tol=1e-4, rel=rel)

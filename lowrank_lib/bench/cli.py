@@ -3,7 +3,7 @@
 Each command is a module in :data:`COMMANDS` exposing ``add_arguments(parser)`` and ``run(args) -> int``
 (its docstring's first line is the help); adding a benchmark is one module and one line here. Every
 command takes ``--out FOLDER`` (default ``benchmarks/results``; results are written by
-:mod:`lowrank_lib.bench.results`, never overwritten) and ``--threads N`` (``torch.set_num_threads``).
+:mod:`lowrank_lib.bench.results`, never overwritten) and ``--threads N`` (``torch.set_num_threads``; a command that sweeps thread counts, ``peer``, owns it).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "quality": "lowrank_lib.bench.commands.quality",
     "sweep": "lowrank_lib.bench.commands.sweep",
     "gpu-session": "lowrank_lib.bench.commands.gpu_session",
+    "peer": "lowrank_lib.bench.commands.peer",
 }
 
 
@@ -36,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or "").strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--out", default=DEFAULT_OUT, help="results folder (never a file; nothing is overwritten)")
-        p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the CPU may be shared)")
+        if not getattr(mod, "OWN_THREADS", False):      # a command that sweeps thread counts owns --threads
+            p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the CPU may be shared)")
         mod.add_arguments(p)
         p.set_defaults(_module=mod, _prog=f"python -m lowrank_lib.bench {name}")
     return ap
@@ -46,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.command_line = " ".join(["python -m lowrank_lib.bench", *argv])     # recorded in every result
-    if args.threads:
+    if args.threads and not getattr(args._module, "OWN_THREADS", False):
         import torch
 
         torch.set_num_threads(args.threads)

@@ -23,9 +23,8 @@ def engine_operand_shapes(engine) -> Counter:
     groups = [engine.lm_head] + [g for L in engine.layers for g in (L.qkv, L.o, L.gate_up, L.down)]
     shapes = Counter()
     for g in groups:
-        ops = ([g.S_t] if g.pack else list(g.parts_t)) + [u for u in g.U_t if u is not None]
-        for Wt in ops:
-            shapes[(Wt.shape[1], Wt.shape[0])] += 1
+        for shape in g.operand_shapes():          # (out, in), whatever backend stores them
+            shapes[shape] += 1
     return shapes
 
 

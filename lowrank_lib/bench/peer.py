@@ -277,7 +277,10 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                            info={**r.report(), "flash_attn_probe": fa_choice.get((dt, th), {}).get("probe")})
                 r.close()
             else:
-                row.update(compile_s=compile_s[k][0], warmup_s=compile_s[k][1], info=r.report())
+                info = r.report()         # which kernels ran and why (the engine's backend registries)
+                row.update(compile_s=compile_s[k][0], warmup_s=compile_s[k][1], gemv=info["gemv"],
+                           gemv_reason=info["gemv_reason"], attention=info["backend"],
+                           attention_reason=info["backend_reason"], compiles=info["compiles"], info=info)
             res["rows"].append(row)
         del runners
         torch._dynamo.reset()           # the next thread count compiles afresh (inductor fixes its thread count)
@@ -390,6 +393,34 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
+    """Decode ms/token against weight bytes per token, one marker per (system, dtype) at ``threads``;
+    llama.cpp dense as the horizontal reference line of each dtype, and the copy-bandwidth roofline
+    (bytes / bandwidth) as the diagonal. Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if r["threads"] == threads]
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    marker = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+    color = {"fp32": "tab:blue", "bf16": "tab:orange"}
+    for r in rows:
+        ax.plot(r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], marker[r["system"]],
+                color=color.get(r["dtype"], "gray"), ms=11 if r["system"] == "lowrank_lib_lowrank" else 8,
+                label=f"{r['system']} {r['dtype']}")
+        if r["system"] == "llamacpp_dense":
+            ax.axhline(r["decode_ms_per_token"], color=color.get(r["dtype"], "gray"), ls="--", lw=1)
+    bw = res["copy_bandwidth_GBps_by_threads"].get(str(threads))
+    if bw and rows:
+        xs = [0.0, max(r["weight_bytes_per_token"] for r in rows) / 1e6 * 1.05]
+        ax.plot(xs, [x * 1e6 / (bw * 1e9) * 1e3 for x in xs], ":", color="k", lw=1,
+                label=f"roofline (copy {bw:.0f} GB/s)")
+    ax.set(xlabel="weight bytes per token (MB)", ylabel="decode ms/token", xlim=(0, None), ylim=(0, None),
+           title=f"decode vs bytes, {threads} thread(s); dashed: llama.cpp dense")
+    ax.legend(fontsize=7)
+    return ax.figure
+
+
 def result_path(out_dir, stem: str = "peer_cpu") -> Path:
     """``<out_dir>/<stem>.json``, or ``<stem>_2.json``, ... : an existing result is never overwritten."""
     import itertools
@@ -407,7 +438,8 @@ def save(res: dict, out_dir) -> Path:
 
 
 # --------------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, out: bool = True) -> None:
+    """The peer's options; ``out=False`` when the bench CLI already gives ``--out``."""
     d = PeerConfig()
     p.add_argument("--model", default=d.model, help="smollm2 (default) or a tiny preset / local HF dir")
     p.add_argument("--keep", type=float, default=d.keep, help="plain-SVD keep ratio of the low-rank system")
@@ -422,7 +454,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=d.prompt, choices=("wikitext", "random"))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else was running)")
-    p.add_argument("--out", default=d.out, help="output FOLDER (peer_cpu.json, never overwritten)")
+    if out:
+        p.add_argument("--out", default=d.out, help="output FOLDER (peer_cpu.json, never overwritten)")
 
 
 def config_from_args(a) -> PeerConfig:
@@ -443,7 +476,8 @@ def run(a) -> int:
     res = run_peer(cfg)
     import shlex
 
-    res["command"] = "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:])
+    res["command"] = getattr(a, "command_line", None) or (
+        "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:]))
     print(format_table(res))
     print(f"\nwrote {save(res, cfg.out)}")
     return 0

@@ -11,9 +11,10 @@ written the current token's k/v at slot ``cursor.length``: one place appends, no
 
 Backends: ``flash_attn`` (``flash_attn_with_kvcache`` over ``length + 1`` slots from device memory,
 left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel: reads the length and
-pad counts from device memory, loops only over live slots) and ``sdpa`` (portable; under graphs it
-attends over all Smax slots with a device-built mask). CUDA-only modules are imported lazily: the CPU
-path never touches them.
+pad counts from device memory, loops only over live slots), ``cpu_lrk`` (our compiled AVX-512 CPU
+kernel, ``runtime/kernels``: reads the length and pad counts, loops only over live slots) and
+``sdpa`` (portable; under graphs it attends over all Smax slots with a
+device-built mask). CUDA-only modules are imported lazily: the CPU path never touches them.
 """
 from __future__ import annotations
 
@@ -33,9 +34,32 @@ def _has(mod: str) -> bool:
         return False
 
 
-def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:
-    """Pick a backend and say why. Raises if an explicitly requested backend cannot run."""
+def cpu_lrk_unavailable(device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto") -> str | None:
+    """Why our compiled CPU decode-attention kernel cannot run (None: it can)."""
+    if kernels == "portable":
+        return "kernels='portable'"
+    if head_dim % 16 or head_dim > 128:
+        return f"head_dim {head_dim}: the kernel serves multiples of 16 up to 128"
+    from .kernels.gemv import lrk_unavailable
+
+    return lrk_unavailable(device, dtype)
+
+
+def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype,
+                   kernels: str = "auto") -> BackendChoice:
+    """Pick a backend and say why. Raises if an explicitly requested backend cannot run. ``kernels``:
+    ``EngineConfig.kernels`` (``"portable"`` rules out ``cpu_lrk``; ``"lrk"`` makes ``auto`` require it on CPU)."""
     cuda = device.type == "cuda"
+    if requested == "cpu_lrk" or (requested == "auto" and not cuda):
+        why = cpu_lrk_unavailable(device, head_dim, dtype, kernels)
+        if why is None:
+            return BackendChoice("cpu_lrk", ("requested" if requested == "cpu_lrk" else "auto") +
+                                 ": our compiled decode-attention kernel (AVX-512, reads the cursor's length/pad)",
+                                 "bhsd")
+        if requested == "cpu_lrk" or kernels == "lrk":
+            raise RuntimeError(f"attention='cpu_lrk' cannot run: {why}")
+        if not cuda:
+            return BackendChoice("sdpa", f"auto: portable path (CPU device; cpu_lrk: {why})", "bhsd")
     fa_ok = cuda and _has("flash_attn") and dtype in (torch.float16, torch.bfloat16)
     tr_ok = cuda and _has("triton") and head_dim in (16, 32, 64, 128, 256)
     # Triton's interpreter runs the same kernel on CPU tensors (correctness checks only: slow). It is set
@@ -185,7 +209,16 @@ def triton_decode(q, K, V, cursor, mask):
     return o.view(B, Hkv * G * D)
 
 
-DECODE = {"sdpa": sdpa_decode, "flash_attn": flash_decode, "triton": triton_decode}
+# --------------------------------------------------------------------------- cpu_lrk
+def cpu_lrk_decode(q, K, V, cursor, mask):
+    """Our AVX-512 kernel (``runtime/kernels/lrk.cpp``): slots ``pad[b] <= s <= length`` of each row,
+    scores and softmax in fp32, G query heads per KV head (GQA native), any head_dim multiple of 16."""
+    from .kernels.ops import attend
+
+    return attend(q, K, V, cursor.length, cursor.pad, q.shape[-1] ** -0.5)
+
+
+DECODE = {"sdpa": sdpa_decode, "cpu_lrk": cpu_lrk_decode, "flash_attn": flash_decode, "triton": triton_decode}
 
 
 def prefill_attention(q, k, v, mask):

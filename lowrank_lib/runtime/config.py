@@ -5,12 +5,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .kernels.gemv import KERNEL_MODES
 from .kv import STORES
 from .packing import LAYOUTS
 
 GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
 KV_MODES = tuple(STORES)
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_lrk", "triton", "flash_attn")
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -52,7 +53,13 @@ class EngineConfig:
         how each GEMM operand is stored (``runtime.packing.pick_layout``). Same bytes and dot
         products; on CPU a one-row GEMM over a wide matrix runs ~2x faster with the long side
         contiguous, so ``auto`` stores those [in, out]. On CUDA ``auto`` keeps out_major.
-    attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA, sdpa on CPU).
+    attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA; on CPU ``cpu_lrk``, our
+        compiled decode-attention kernel, when ``kernels`` allows it and it can run, else sdpa).
+    kernels : our compiled CPU kernels (``runtime/kernels``): ``"auto"`` (where they can run: the
+        library loads or builds, the CPU has the ISA, fp32/bf16; else the portable path, and
+        ``Engine.report()`` says why), ``"portable"`` (never: aten / inductor only) or ``"lrk"`` (always;
+        an error says why when they cannot run). Covers the decode GEMVs and, with
+        ``attention="auto"``, the decode attention.
     graph : ``"none"``, ``"split"`` (attention and MLP captured apart), ``"per-layer"``,
         ``"whole-step"`` (embedding to logits). CUDA graphs on CUDA; on CPU the same regions are
         ``torch.compile``-d (inductor, fixed shapes, ``fullgraph=True``); compile/capture time is
@@ -63,6 +70,14 @@ class EngineConfig:
         ``runtime.attention.fused_decode``). False keeps aten mm / SDPA calls inside the graph.
     compile_backend : torch.compile backend used for CPU "graphs" (``"inductor"``; ``"aot_eager"``
         checks tracing without code generation).
+    skip_guards : CPU compiled step only: dynamo evaluates no guard before each call (its
+        ``skip_all_guards_unsafe`` filter). Safe here: every capture compiles its OWN code object, whose
+        one cache entry is only ever called by its GraphRunner with the inputs it was made for (the
+        batch size and store shape key are the capture's key; every tensor the step reads is owned by
+        the engine and never replaced while the capture lives; ``GraphRunner.invalidate()`` drops it
+        otherwise). Saves the per-step guard evaluation (hundreds of tensor checks).
+    cpp_wrapper : CPU compiled step only: inductor's C++ wrapper instead of its Python wrapper (no
+        Python between the kernels of a step; a longer cold compile).
     """
 
     max_batch: int = 1
@@ -79,6 +94,9 @@ class EngineConfig:
     graph: str = "none"
     fused_compile: bool = True
     compile_backend: str = "inductor"
+    kernels: str = "auto"
+    skip_guards: bool = True
+    cpp_wrapper: bool = False
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype)
@@ -88,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"graph={self.graph!r}: use one of {GRAPH_MODES}")
         if self.weight_layout not in LAYOUTS:
             raise ValueError(f"weight_layout={self.weight_layout!r}: use one of {LAYOUTS}")
+        if self.kernels not in KERNEL_MODES:
+            raise ValueError(f"kernels={self.kernels!r}: use one of {KERNEL_MODES}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={self.attention!r}: use one of {ATTENTION_BACKENDS}")
         if self.kv == "rebuild" and self.graph != "none":
@@ -104,8 +124,9 @@ class EngineConfig:
 #: Named configurations used by benchmarks and notebooks (the paper's systems + our extras).
 PRESETS: dict[str, dict] = {
     "engine": dict(),
+    # the paper's baselines run the portable path (aten GEMMs, sdpa): our kernels are a mechanism of the engine
     "dense_kv": dict(pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False, weight_layout="out_major",
-                     graph="none"),
+                     graph="none", kernels="portable"),
     "naive": dict(kv="rebuild", pack_qkv=False, pack_mlp=False, fold_rope=False, fold_norm=False,
-                  weight_layout="out_major", graph="none"),
+                  weight_layout="out_major", graph="none", kernels="portable"),
 }

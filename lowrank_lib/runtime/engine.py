@@ -26,6 +26,7 @@ from ..generation import GenerateOutput, left_pad_counts, run_generation
 from ..geometry import geometry
 from .attention import prefill_attention
 from .config import EngineConfig
+from .kernels.gemv import select_gemv
 from .kv import CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask, make_store
 from .packing import ProjectionGroup
 from .rope import apply_rope, rope_table
@@ -93,7 +94,9 @@ class Engine:
         fold = cfg.fold_rope and not self.kv.stores_latents and lr_qk
         self.fold, self.fold_norm = fold, cfg.fold_norm
         nw = (lambda w: w) if cfg.fold_norm else (lambda w: None)
-        lay = dict(layout=cfg.weight_layout, fuse_gemv=cfg.fused_compile)
+        compiled = cfg.graph != "none" and self.device.type == "cpu"
+        self.gemv = select_gemv(cfg.kernels, self.device, dt, compiled, cfg.fused_compile)
+        lay = dict(layout=cfg.weight_layout, fuse_gemv=cfg.fused_compile, gemv=self.gemv)
         self.lm_head = ProjectionGroup({"lm_head": model.get_output_embeddings()}, True, dt, dev,
                                        in_scale=nw(model.model.norm.weight), **lay)
         rope = {"q_proj": (self.n_heads, self.head_dim), "k_proj": (self.n_kv, self.head_dim)} if fold else {}
@@ -116,7 +119,7 @@ class Engine:
         self.cursor = Cursor(cfg.max_batch, S, dev)
         self.kv.allocate(KVSpec(
             self.n_layers, self.n_heads, self.n_kv, self.head_dim, cfg.max_batch, S, dt, dev, self.cursor,
-            graphs=cfg.graph != "none", attention=cfg.attention, fused_compile=cfg.fused_compile,
+            graphs=cfg.graph != "none", attention=cfg.attention, fused_compile=cfg.fused_compile, kernels=cfg.kernels,
             latent_dims=[(l.qkv.latent_dim(1), l.qkv.latent_dim(2)) for l in self.layers],
             expand=lambda i, j, h: self.layers[i].qkv.stage2(j, h), rope_table=self.cs_table))
         self.backend = self.kv.backend
@@ -127,17 +130,27 @@ class Engine:
         self.capture_s = 0.0
 
     # ------------------------------------------------------------------ accounting
+    def _groups(self) -> list[ProjectionGroup]:
+        return [self.lm_head] + [g for l in self.layers for g in (l.qkv, l.o, l.gate_up, l.down)]
+
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights one decode step reads (packed tensors, norms, lm_head; embedding rows ~0)."""
-        groups = [self.lm_head] + [g for l in self.layers for g in (l.qkv, l.o, l.gate_up, l.down)]
+        groups = self._groups()
         norms = [self.norm] + [t for l in self.layers for t in (l.ln1, l.ln2)]
         return sum(g.nbytes for g in groups) + sum(t.numel() * t.element_size() for t in norms)
 
     def report(self) -> dict:
+        """What runs and why: the attention backend, the GEMV backend (with the kernel library's state),
+        graph / compile mode and every compile's time and cache hits, the store, bytes."""
+        from .kernels.build import status
+
         return {"backend": self.backend.name, "backend_reason": self.backend.reason, "rope_folded": self.fold,
+                "gemv": self.gemv.name, "gemv_reason": self.gemv.reason, "kernels": status(),
                 "graph": self.config.graph, "graph_impl": self.graphs.impl if self.graphs else "eager",
-                "capture_s_total": self.capture_s, "kv": self.kv.name, "kv_cache_bytes": self.kv.nbytes,
+                "capture_s_total": self.capture_s, "compiles": list(self.graphs.compiles) if self.graphs else [],
+                "kv": self.kv.name, "kv_cache_bytes": self.kv.nbytes,
                 "kv_store": self.kv.report(), "weight_bytes_per_token": self.weight_bytes_per_token(),
+                "stored_weight_bytes": sum(g.stored_nbytes for g in self._groups()),
                 "config": self.config.to_dict()}
 
     # ------------------------------------------------------------------ building blocks
@@ -157,14 +170,18 @@ class Engine:
         L, kv = self.layers[i], self.kv
         B, T, Hq, Hkv, D = ctx.B, ctx.T, self.n_heads, self.n_kv, self.head_dim
         h = self._norm(x, L.ln1)
-        hs = L.qkv.stage1(h)                                     # rank-space latents (or dense outputs)
-        mq, mk, mv = L.qkv.members
-        q = self._rope(L.qkv.stage2(0, hs[mq.first]), ctx.rope, Hkv, Hq // Hkv)      # [B*T, Hkv, G, D]
-        if kv.stores_latents:
+        if kv.stores_latents:                                    # the store keeps k/v rank-space latents
+            hs = L.qkv.stage1(h)
+            mq, mk, mv = L.qkv.members
             kept = hs[mk.first].view(B, T, -1), hs[mv.first].view(B, T, -1)          # [B, T, r]
+            yq = L.qkv.stage2(0, hs[mq.first])
+            if ctx.prefill:
+                yk, v = L.qkv.stage2(1, hs[mk.first]), L.qkv.stage2(2, hs[mv.first])
+        else:
+            yq, yk, v = L.qkv(h)                                 # stage 1 + every stage-2 factor
+        q = self._rope(yq, ctx.rope, Hkv, Hq // Hkv)                                  # [B*T, Hkv, G, D]
         if ctx.prefill or not kv.stores_latents:
-            k = self._rope(L.qkv.stage2(1, hs[mk.first]), ctx.rope, Hkv, 1)          # [B*T, Hkv, 1, D]
-            v = L.qkv.stage2(2, hs[mv.first])                                         # [B*T, Hkv*D]
+            k = self._rope(yk, ctx.rope, Hkv, 1)                                      # [B*T, Hkv, 1, D]
         if ctx.prefill:
             q = q.view(B, T, Hq, D).transpose(1, 2)                                   # [B, Hq, T, D]
             k = k.view(B, T, Hkv, D).transpose(1, 2)                                  # [B, Hkv, T, D]

@@ -63,6 +63,9 @@ class GraphRunner:
             self.impl = f"torch.compile(backend={engine.config.compile_backend!r}, fullgraph, static shapes)"
         self._state: dict[tuple, dict] = {}
         self._store_key: Hashable = None
+        #: one record per CPU compile: seconds and the inductor / AOT-autograd cache hits and misses
+        #: (a miss is a cold compile, a hit a warm one), apart from any decode time
+        self.compiles: list[dict] = []
 
     # ------------------------------------------------------------------ public
     @property
@@ -111,15 +114,35 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ CPU
     def _compile_cpu(self, B: int) -> dict:
-        eng = self.eng
+        """``torch.compile`` of the whole step for batch B, compiled here by one warm run.
+
+        Guards (``EngineConfig.skip_guards``): the function has a code object of its own (``own_code``), so
+        its compiled entry is called by this runner only, with the batch size and store shapes of its key;
+        every tensor the step reads (weights, norms, RoPE table, cursor, store buffers) is owned by the
+        engine and updated in place, never replaced while the capture lives (a store that reallocates
+        reports a new shape key, and :meth:`invalidate` drops the capture). Nothing a guard would check
+        can change, so none is evaluated per step."""
+        eng, cfg = self.eng, self.eng.config
 
         def decode_step(t):
             return eng.decode_body(t, live=None)
 
-        fn = torch.compile(own_code(decode_step), fullgraph=True, dynamic=False, backend=eng.config.compile_backend)
+        options = {}
+        if cfg.skip_guards:
+            options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
+        if cfg.cpp_wrapper and cfg.compile_backend == "inductor":
+            options["cpp_wrapper"] = True
+        fn = torch.compile(own_code(decode_step), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
+                           options=options or None)
         dummy = torch.zeros(B, dtype=torch.long, device=eng.device)
+        before = _cache_counters()
+        t0 = time.perf_counter()
         with torch.no_grad():
             fn(dummy)            # compile + one warm run (writes slot `length`, overwritten by the real step)
+        after = _cache_counters()
+        self.compiles.append({"batch": B, "seconds": time.perf_counter() - t0, "backend": cfg.compile_backend,
+                              "cpp_wrapper": "cpp_wrapper" in options, "skip_guards": cfg.skip_guards,
+                              **{k: after[k] - before[k] for k in after}})
         return {"fn": fn}
 
     # ------------------------------------------------------------------ CUDA
@@ -145,6 +168,15 @@ class GraphRunner:
                 graphs.append(g)
                 carries.append(carry)     # keep every region's outputs alive (static addresses)
         return {"tokens": tokens, "graphs": graphs, "out": carry, "carries": carries}
+
+
+def _cache_counters() -> dict[str, int]:
+    """Inductor's FX-graph cache and AOT-autograd cache hit / miss counters of this process."""
+    from torch._dynamo.utils import counters
+
+    ind, aot = counters["inductor"], counters["aot_autograd"]
+    return {"fxgraph_cache_hit": ind["fxgraph_cache_hit"], "fxgraph_cache_miss": ind["fxgraph_cache_miss"],
+            "autograd_cache_hit": aot["autograd_cache_hit"], "autograd_cache_miss": aot["autograd_cache_miss"]}
 
 
 def decode_stages(eng, mode: str, B: int, tokens: torch.Tensor) -> list:

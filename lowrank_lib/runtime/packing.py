@@ -94,6 +94,28 @@ class _Member:
     bias: torch.Tensor | None  # [out(*2)] (stage-2 bias; dense members' bias lives in stage 1)
 
 
+class _Packed:
+    """One matrix W [out, in] in the packed kernel's layout (``runtime/kernels/lrk.cpp``), stored once.
+
+    Up to ``LRK_MAX_ROWS`` rows of x run the kernel; more rows (prefill, the rebuild store's history)
+    unpack W into a temporary and run aten, so no second copy of the weights is kept."""
+
+    def __init__(self, W: torch.Tensor):
+        from .kernels.ops import pack
+
+        self.out, self.inp = W.shape
+        self.P = pack(W.contiguous())
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        from .kernels.gemv import LRK_MAX_ROWS
+        from .kernels.ops import gemv, unpack
+
+        if x.dim() == 2 and x.shape[0] <= LRK_MAX_ROWS:
+            y = gemv(x, [self.P], [self.out], [self.inp], [0])
+            return y if b is None else y + b
+        return F.linear(x, unpack(self.P, self.out, self.inp), b)
+
+
 class ProjectionGroup:
     """Projections reading one input, packed (one stage-1 GEMM) or not.
 
@@ -105,23 +127,31 @@ class ProjectionGroup:
     dtype, device : where the (copied) weights live.
     in_scale : [in] RMSNorm weight folded into the stage-1 matrices (S diag(w)); the caller then
         applies the norm without its weight. Exact in real arithmetic, computed in fp32.
-    layout : ``"out_major"`` | ``"in_major"`` | ``"auto"`` (see the module docstring).
+    layout : ``"out_major"`` | ``"in_major"`` | ``"auto"`` (see the module docstring); portable path only.
     fuse_gemv : under ``torch.compile``, one-row GEMMs over out_major operands become fused
-        reductions (see ``_mm``); no effect eagerly.
+        reductions (see ``_mm``); no effect eagerly; portable path only.
+    gemv : the decode GEMV backend (:func:`lowrank_lib.runtime.kernels.select_gemv`); None = aten.
+        ``lrk_avx512`` stores every matrix ONCE in the packed kernel's layout (the portable operands
+        are not kept): decode runs one kernel call for the stage-1 matrix and ONE segmented call for
+        all stage-2 factors of the group (each member reads its slice of the stage-1 output).
 
-    GEMMs run as ``torch.mm(x, Wt)`` on the stored [in, out] operands (one dispatch, no ``t``).
+    Portable GEMMs run as ``torch.mm(x, Wt)`` on the stored [in, out] operands (one dispatch, no ``t``).
     """
 
     def __init__(self, modules: dict[str, nn.Module], pack: bool, dtype, device,
                  rope_heads: dict[str, tuple[int, int]] | None = None, in_scale: torch.Tensor | None = None,
-                 layout: str = "out_major", fuse_gemv: bool = False):
+                 layout: str = "out_major", fuse_gemv: bool = False, gemv=None):
+        from .kernels.gemv import GemvChoice
+
         rope_heads = rope_heads or {}
         ins = {n: m.in_features for n, m in modules.items()}
         if len(set(ins.values())) != 1:
             raise ValueError(f"projections of one group must share in_features, got {ins}")
         self.names = list(modules)
+        self.in_features = next(iter(ins.values()))
         self.pack = pack
         self.fuse = fuse_gemv
+        self.gemv = gemv or GemvChoice("aten", "portable path (no backend chosen)")
         cv = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
         w_in = None if in_scale is None else in_scale.detach().float()
         scale = lambda M: cv(M) if w_in is None else cv(M.detach().float() * w_in.to(M.device)[None, :])
@@ -154,9 +184,10 @@ class ProjectionGroup:
             else:
                 raise TypeError(f"{name}: cannot serve a {type(m).__name__} (need nn.Linear or LowRankLinear)")
         self.sizes = [t.shape[0] for t in stage1]
-        op = lambda W: gemm_operand(W, layout)
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.out_features = [(u.shape[0] if u is not None else stage1[m.first].shape[0]) for u, m in zip(U, self.members)]
         if pack:
-            self.S_t = op(torch.cat(stage1, 0) if len(stage1) > 1 else stage1[0])
+            S = torch.cat(stage1, 0) if len(stage1) > 1 else stage1[0]
             if any(b is not None for b in stage1_bias):
                 self.S_bias = torch.cat([b if b is not None else torch.zeros(t.shape[0], dtype=t.dtype, device=t.device)
                                          for t, b in zip(stage1, stage1_bias)])
@@ -164,37 +195,126 @@ class ProjectionGroup:
                 self.S_bias = None
         else:
             self.part_bias = stage1_bias
-            self.parts_t = [op(W) for W in stage1]
-        self.U_t = [None if u is None else op(u) for u in U]    # only the GEMM operands are kept
+        if self.gemv.packed:
+            if pack:
+                self.S_p = _Packed(S)
+            else:
+                self.parts_p = [_Packed(W) for W in stage1]
+            self.U_p = [None if u is None else _Packed(u) for u in U]
+            self._segment(pack)
+        else:
+            op = lambda W: gemm_operand(W, layout)
+            if pack:
+                self.S_t = op(S)
+            else:
+                self.parts_t = [op(W) for W in stage1]
+            self.U_t = [None if u is None else op(u) for u in U]    # only the GEMM operands are kept
 
+    def _segment(self, pack: bool) -> None:
+        """The ONE stage-2 call of a packed group: every low-rank member's U reads its slice of h."""
+        lr = [i for i, m in enumerate(self.members) if m.lowrank]
+        self.seg = None
+        if not (pack and lr):
+            return
+        Ps = [self.U_p[i].P for i in lr]
+        outs = [self.U_p[i].out for i in lr]
+        ins = [self.sizes[self.members[i].first] for i in lr]
+        xoffs = [self.offsets[self.members[i].first] for i in lr]
+        bs = [self.members[i].bias for i in lr]
+        bias = None
+        if any(b is not None for b in bs):
+            bias = torch.cat([b if b is not None else Ps[0].new_zeros(o) for b, o in zip(bs, outs)])
+        self.seg = {"members": lr, "Ps": Ps, "outs": outs, "ins": ins, "xoffs": xoffs, "bias": bias}
+
+    # ------------------------------------------------------------------ views of the stored weights
     @property
     def S(self) -> torch.Tensor:
-        """The packed stage-1 matrix [sum of rank / out widths, in] (a view of the stored operand)."""
+        """The packed stage-1 matrix [sum of rank / out widths, in] (a view of the stored operand, or an
+        unpacked copy of the kernel's layout)."""
+        if self.gemv.packed:
+            from .kernels.ops import unpack
+
+            return unpack(self.S_p.P, self.S_p.out, self.S_p.inp)
         return self.S_t.t()
+
+    def operand_shapes(self) -> list[tuple[int, int]]:
+        """(out, in) of every matrix one decode step of this group reads."""
+        stage1 = [(s, self.in_features) for s in self.sizes] if not self.pack else [(sum(self.sizes), self.in_features)]
+        stage2 = [(o, self.sizes[m.first]) for o, m in zip(self.out_features, self.members) if m.lowrank]
+        return stage1 + stage2
+
+    # ------------------------------------------------------------------ compute
+    def _stage1_full(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv.packed:
+            return self.S_p(x, self.S_bias)
+        return _mm(x, self.S_t, self.S_bias, self.fuse)
 
     def stage1(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [N, in] -> the stage-1 slices (rank-space latents or dense outputs)."""
         if self.pack:
-            h = _mm(x, self.S_t, self.S_bias, self.fuse)
+            h = self._stage1_full(x)
             return [h] if len(self.sizes) == 1 else list(h.split(self.sizes, -1))
+        if self.gemv.packed:
+            return [P(x, b) for P, b in zip(self.parts_p, self.part_bias)]
         return [_mm(x, Wt, b, self.fuse) for Wt, b in zip(self.parts_t, self.part_bias)]
 
     def stage2(self, i: int, h: torch.Tensor) -> torch.Tensor:
         m = self.members[i]
-        return h if self.U_t[i] is None else _mm(h, self.U_t[i], m.bias, self.fuse)
+        if not m.lowrank:
+            return h
+        if self.gemv.packed:
+            return self.U_p[i](h, m.bias)
+        return _mm(h, self.U_t[i], m.bias, self.fuse)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """x [N, in] -> [y_1 [N, out_1], ...] (outputs of folded members are [N, 2 out])."""
+        from .kernels.gemv import LRK_MAX_ROWS
+
+        if self.gemv.packed and self.seg is not None and x.dim() == 2 and x.shape[0] <= LRK_MAX_ROWS:
+            from .kernels.ops import gemv
+
+            h = self._stage1_full(x)
+            sg = self.seg
+            y = gemv(h, sg["Ps"], sg["outs"], sg["ins"], sg["xoffs"])
+            if sg["bias"] is not None:
+                y = y + sg["bias"]
+            ys = y.split(sg["outs"], -1) if len(sg["outs"]) > 1 else [y]
+            out: list[torch.Tensor | None] = [None] * len(self.members)
+            for i, yi in zip(sg["members"], ys):
+                out[i] = yi
+            for i, m in enumerate(self.members):
+                if out[i] is None:              # a dense member: its slice of the stage-1 output
+                    out[i] = h.narrow(-1, self.offsets[m.first], self.sizes[m.first])
+            return out
         hs = self.stage1(x)
         return [self.stage2(i, hs[m.first]) for i, m in enumerate(self.members)]
 
+    # ------------------------------------------------------------------ accounting
     def tensors(self) -> list[torch.Tensor]:
-        ts = [self.S_t, self.S_bias] if self.pack else self.parts_t + self.part_bias
-        ts = ts + self.U_t + [m.bias for m in self.members]
+        if self.gemv.packed:
+            ts = ([self.S_p.P, self.S_bias] if self.pack else [p.P for p in self.parts_p] + self.part_bias)
+            ts = ts + [None if u is None else u.P for u in self.U_p]
+        else:
+            ts = [self.S_t, self.S_bias] if self.pack else self.parts_t + self.part_bias
+            ts = ts + self.U_t
+        ts = ts + [m.bias for m in self.members]
         return [t for t in ts if t is not None]
 
     @property
     def nbytes(self) -> int:
+        """Weight bytes of the group's matrices and biases (what one decode step must read), the same on
+        every backend; the packed layout's zero padding is not counted (see :attr:`stored_nbytes`)."""
+        if not self.gemv.packed:
+            return self.stored_nbytes
+        mats = ([self.S_p] if self.pack else list(self.parts_p)) + [u for u in self.U_p if u is not None]
+        es = mats[0].P.element_size()
+        biases = [self.S_bias] if self.pack else list(self.part_bias)
+        biases = [b for b in biases + [m.bias for m in self.members] if b is not None]
+        return sum(p.out * p.inp * es for p in mats) + sum(b.numel() * b.element_size() for b in biases)
+
+    @property
+    def stored_nbytes(self) -> int:
+        """Bytes held in memory (and streamed by the packed kernel): the packed layout's padding included."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def latent_dim(self, i: int) -> int:

@@ -14,8 +14,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 OP_CLASSES = {
-    "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot"),
-    "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax"),
+    "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
+    "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),
     "view": ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select", "expand",
              "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "as_strided", "alias", "unbind",
              "narrow", "detach", "_reshape_alias", "unflatten"),
@@ -28,8 +28,9 @@ OP_CLASSES = {
 
 
 def op_class(name: str) -> str:
-    """'aten.mm.default' -> 'gemm'; elementwise/reductions default to 'elementwise'."""
-    base = name.split(".")[1] if name.startswith("aten.") else name.split(".")[0]
+    """'aten.mm.default' -> 'gemm' (our kernels' 'lowrank_lrk.gemv.default' too); elementwise/reductions
+    default to 'elementwise'."""
+    base = name.split(".")[1] if name.startswith(("aten.", "lowrank_lrk.")) else name.split(".")[0]
     if any(n in base for n in OP_CLASSES["attention"]):
         return "attention"
     for cls, names in OP_CLASSES.items():
@@ -88,15 +89,16 @@ def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn(*args, **kw)
+    ours = ("aten::", "lowrank_lrk::")         # lowrank_lrk: our compiled kernels (runtime/kernels), one call each
     c: Counter = Counter()
     for e in prof.events():
-        if not e.name.startswith("aten::"):
+        if not e.name.startswith(ours):
             continue
         p = e.cpu_parent
-        while p is not None and not p.name.startswith("aten::"):
+        while p is not None and not p.name.startswith(ours):
             p = p.cpu_parent
         if p is None:
-            c["aten." + e.name[6:]] += 1
+            c[e.name.replace("::", ".", 1)] += 1
     return c
 
 

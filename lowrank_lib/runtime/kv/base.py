@@ -98,6 +98,7 @@ class KVSpec:
     graphs: bool = False                 # decode runs captured / compiled: static shapes, device lengths
     attention: str = "auto"              # the requested attention backend (EngineConfig.attention)
     fused_compile: bool = True           # EngineConfig.fused_compile
+    kernels: str = "auto"                # EngineConfig.kernels (whether our compiled CPU kernels may run)
     latent_dims: list[tuple[int, int]] | None = None   # per layer (r_k, r_v): k/v stage-1 widths
     expand: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
     # ^ (layer, 1 = k | 2 = v, latents [..., r]) -> [..., Hkv * D]: the U factor of that projection

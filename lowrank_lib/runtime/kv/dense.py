@@ -39,7 +39,7 @@ class DenseKV:
     # ------------------------------------------------------------------ allocation
     def allocate(self, spec: KVSpec) -> None:
         self.spec, self.cursor = spec, spec.cursor
-        self.backend = select_backend(spec.attention, spec.device, spec.head_dim, spec.dtype)
+        self.backend = select_backend(spec.attention, spec.device, spec.head_dim, spec.dtype, spec.kernels)
         self.layout = self.backend.layout
         B, S, H, D = spec.max_batch, spec.max_seq_len, spec.n_kv_heads, spec.head_dim
         shape = (B, H, S, D) if self.layout == "bhsd" else (B, S, H, D)
@@ -49,6 +49,7 @@ class DenseKV:
         self._slots = torch.arange(S, device=spec.device)
         self._decode = DECODE[self.backend.name]
         self._fused = spec.fused_compile and self.backend.name == "sdpa"
+        self._needs_mask = self.backend.name != "cpu_lrk"
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +97,8 @@ class DenseKV:
 
     def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> DenseStep:
         Ks, Vs = self.views(B, live)
-        mask = slot_mask(self.cursor, self._slots, B, live, self.spec.dtype)
+        # cpu_lrk reads the cursor's length and pad counts, no mask
+        mask = slot_mask(self.cursor, self._slots, B, live, self.spec.dtype) if self._needs_mask else None
         return DenseStep(B, 1, False, rope, mask, self.cursor.length, live, Ks, Vs)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: DenseStep) -> None:

@@ -1,0 +1,184 @@
+"""The compiled kernels' library: found ahead-of-time built, else built just in time, else absent (with why).
+
+ONE source file (``lrk.cpp`` beside this module, shipped as package data) and ONE set of flags
+(:data:`CFLAGS`), two routes:
+
+- **ahead of time**: ``pip install`` (``setup.py``) compiles it when torch is importable in the build
+  environment (``make`` installs torch first and the package with ``--no-build-isolation``), as the
+  extension ``lowrank_lib.runtime.kernels._lrk_<tag>`` (``<tag>`` = hash of the source and flags, so
+  a stale build of an edited source is never loaded);
+- **just in time**: otherwise, on first use, ``torch.utils.cpp_extension.load`` compiles it into
+  :func:`jit_dir` (the model cache's ``kernels/`` when ``$LOWRANK_LIB_CACHE`` is set, else torch's
+  extension folder; once per torch version and source; needs a C++ compiler and ninja);
+- **absent**: no compiler, a failed build, or a CPU without AVX-512: :func:`load` returns a
+  :class:`KernelLibrary` with ``available=False`` and the reason, and the engine runs the portable path.
+
+This module imports only the standard library at import time (``setup.py`` reads :func:`source_tag`
+and :func:`extension_kwargs` from it before the package is installed).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import importlib.machinery
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("lrk.cpp")
+NAMESPACE = "lowrank_lrk"
+#: the compile flags of BOTH routes (no -march: the AVX-512 code is selected by target pragmas and a
+#: run-time CPUID check, so the library builds and loads on any x86-64)
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+#: isa_flags() bits
+ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8}
+
+
+def source_tag() -> str:
+    """12 hex digits of sha256(source + flags): names the AOT module and the JIT build folder."""
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS + LDFLAGS).encode())
+    return h.hexdigest()[:12]
+
+
+def module_name() -> str:
+    return f"_lrk_{source_tag()}"
+
+
+def define_flags() -> list[str]:
+    return [f"-DLRK_SOURCE_TAG={source_tag()}"]
+
+
+def extension_kwargs() -> dict:
+    """What ``setup.py`` passes to ``torch.utils.cpp_extension.CppExtension``."""
+    return {"name": f"lowrank_lib.runtime.kernels.{module_name()}", "sources": [str(SOURCE)],
+            "extra_compile_args": CFLAGS + define_flags(), "extra_link_args": LDFLAGS}
+
+
+@dataclass
+class KernelLibrary:
+    """What :func:`load` found: whether the ops are callable, which route built them, and why not."""
+
+    available: bool
+    reason: str
+    route: str | None = None          # "aot" (built by pip install) | "jit" (built on first use) | None
+    path: str | None = None           # the shared library loaded
+    tag: str = ""
+    build_s: float = 0.0              # seconds spent compiling in THIS process (JIT), 0 if none
+    isa: dict = field(default_factory=dict)
+
+    def has(self, *features: str) -> bool:
+        return self.available and all(self.isa.get(f, False) for f in features)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LIB: KernelLibrary | None = None
+
+
+def aot_library() -> Path | None:
+    """The ahead-of-time built library of THIS source, if ``pip install`` built it."""
+    d = SOURCE.parent
+    for suf in importlib.machinery.EXTENSION_SUFFIXES:
+        hits = glob.glob(str(d / f"{module_name()}{suf}"))
+        if hits:
+            return Path(hits[0])
+    return None
+
+
+def jit_dir() -> Path:
+    """Where the JIT build goes: ``$LOWRANK_LIB_CACHE/kernels/<torch version>-<tag>/`` when the model cache
+    is set by the environment, else torch's own extension folder (``$TORCH_EXTENSIONS_DIR`` or
+    ``~/.cache/torch_extensions/<py/cuda tag>/``), sub-folder ``lowrank_lrk-<torch version>-<tag>``.
+    (``runtime/`` may not import ``models``, which resolves the checkout's default cache.)"""
+    import torch
+
+    env = os.environ.get("LOWRANK_LIB_CACHE")
+    if env:
+        return Path(env) / "kernels" / f"{torch.__version__}-{source_tag()}"
+    import torch.utils.cpp_extension as ce
+
+    return Path(ce.get_default_build_root()) / f"lowrank_lrk-{torch.__version__}-{source_tag()}"
+
+
+def _jit_build(log) -> str:
+    """Compile with ``torch.utils.cpp_extension.load`` into :func:`jit_dir`; returns the library path."""
+    import torch.utils.cpp_extension as ce
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not on PATH)")
+    if not ce.is_ninja_available():
+        raise RuntimeError("ninja is not installed (torch's JIT build needs it: pip install ninja)")
+    d = jit_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    name = f"lowrank_lrk_{source_tag()}"
+    lib = d / f"{name}.so"
+    if not lib.exists():
+        log(f"[lowrank_lib.kernels] compiling {SOURCE.name} into {d} (once per torch version and source; ~1 min)")
+    ce.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + define_flags(), extra_ldflags=LDFLAGS,
+            build_directory=str(d), is_python_module=False, verbose=False)
+    return str(lib)
+
+
+def _register_fakes() -> None:
+    """Shape functions for torch.compile's tracing (the ops are pure: new outputs, no aliasing)."""
+    import torch
+
+    @torch.library.register_fake(f"{NAMESPACE}::pack")
+    def _(W):
+        raise RuntimeError("lowrank_lrk::pack runs eagerly (weights are packed when the engine is built)")
+
+    @torch.library.register_fake(f"{NAMESPACE}::unpack")
+    def _(P, out, inp):
+        return P.new_empty(out, inp)
+
+    @torch.library.register_fake(f"{NAMESPACE}::gemv")
+    def _(x, Ps, outs, ins, xoffs):
+        return x.new_empty(x.shape[0], sum(outs))
+
+    @torch.library.register_fake(f"{NAMESPACE}::attend")
+    def _(q, K, V, length, pad, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2] * q.shape[3])
+
+
+def load(jit: bool = True, log=None) -> KernelLibrary:
+    """The kernel library of this process (loaded once; a failed attempt is remembered too)."""
+    global _LIB
+    if _LIB is not None:
+        return _LIB
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    import torch
+
+    tag = source_tag()
+    route, path, t0 = None, None, time.perf_counter()
+    try:
+        aot = aot_library()
+        if aot is not None:
+            torch.ops.load_library(str(aot))
+            route, path = "aot", str(aot)
+        elif jit:
+            path = _jit_build(log)
+            route = "jit"
+        else:
+            raise RuntimeError("not built ahead of time and just-in-time building is off")
+    except Exception as e:  # noqa: BLE001  (any build/load failure means: portable path, say why)
+        _LIB = KernelLibrary(False, f"kernel library unavailable: {type(e).__name__}: {str(e).strip()[:300]}",
+                             tag=tag)
+        return _LIB
+    build_s = time.perf_counter() - t0 if route == "jit" else 0.0
+    _register_fakes()
+    flags = int(getattr(torch.ops, NAMESPACE).isa_flags())
+    isa = {k: bool(flags & b) for k, b in ISA_BITS.items()}
+    _LIB = KernelLibrary(True, f"loaded ({route})", route, path, tag, build_s, isa)
+    return _LIB
+
+
+def status() -> dict:
+    """The library as :meth:`Engine.report` shows it (without loading it)."""
+    return _LIB.to_dict() if _LIB is not None else {"available": None, "reason": "not loaded yet"}

@@ -1,0 +1,35 @@
+"""Python entry points of the compiled ops (``torch.ops.lowrank_lrk``); see ``lrk.cpp`` for the layout.
+
+Call :func:`lowrank_lib.runtime.kernels.build.load` first (the registry does). Each function is a
+plain call of the op, so ``torch.compile`` traces it as one extern kernel call.
+"""
+from __future__ import annotations
+
+import torch
+
+from .build import NAMESPACE
+
+
+def _ops():
+    return getattr(torch.ops, NAMESPACE)
+
+
+def pack(W: torch.Tensor) -> torch.Tensor:
+    """W [out, in] (fp32 / bf16) -> the packed 1-D layout of ``lrk.cpp``."""
+    return _ops().pack(W)
+
+
+def unpack(P: torch.Tensor, out: int, inp: int) -> torch.Tensor:
+    """The inverse of :func:`pack`: W [out, in] (a new tensor)."""
+    return _ops().unpack(P, out, inp)
+
+
+def gemv(x: torch.Tensor, Ps: list[torch.Tensor], outs: list[int], ins: list[int], xoffs: list[int]) -> torch.Tensor:
+    """y [N, sum outs]: matrix m reads columns [xoffs[m], xoffs[m] + ins[m]) of x [N, X]."""
+    return _ops().gemv(x, Ps, outs, ins, xoffs)
+
+
+def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, length: torch.Tensor, pad: torch.Tensor,
+           scale: float) -> torch.Tensor:
+    """Decode attention: q [B, Hkv, G, D] over slots pad[b] <= s <= length of K/V [>=B, Hkv, S, D]."""
+    return _ops().attend(q, K, V, length, pad, scale)
