@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "hf": {"geometry"},
     "attsvd": CORE | {"hf", "runtime.kv"},
     "eviction": CORE | {"hf"},
-    "composed": CORE | {"hf", "attsvd", "eviction"},
+    "composed": CORE | {"hf", "attsvd", "eviction", "runtime.kv"},
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families"},
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families"},
     "notebooks": None,          # the notebook runner may import anything

@@ -54,6 +54,7 @@ def test_sharded_runs_merge_to_the_full_run(full, tmp_path):
 
 
 def test_lowrank_budget_fits_the_bytes():
-    b = lowrank_budget(0.25, 2048, 64, 32)          # rank 15: (30 (2016 + 64) + 2 * 32 * 64) / (128 * 2048)
-    assert b == 15 / 64
+    # Eq. 6 bytes / dense = (2r (2016 + 64) + 2 * 32 * 64) / (2 * 64 * 2048) <= 0.25  <=>  r <= 14.77
+    assert lowrank_budget(0.25, 2048, 64, 32) == 14 / 64
+    assert lowrank_budget(0.5, 2048, 64, 32) == 30 / 64
     assert lowrank_budget(0.001, 2048, 64, 32) == 1 / 64     # never below rank 1
