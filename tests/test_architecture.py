@@ -26,8 +26,9 @@ ALLOWED: dict[str, set[str]] = {
     "hf": {"geometry"},
     "attsvd": CORE | {"hf", "runtime.kv"},
     "eviction": CORE | {"hf"},
-    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "families"},
-    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "eval", "families"},
+    "composed": CORE | {"hf", "attsvd", "eviction", "runtime.kv"},
+    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families"},
+    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families"},
     "notebooks": None,          # the notebook runner may import anything
     "__init__": None,           # the package root re-exports the core API
 }

@@ -30,7 +30,8 @@ def test_eviction_stores_budget_and_decodes_consistently(tiny, name):
         assert torch.equal(pre, ref)
         layer = cache.layers[0]
         assert layer.keys.shape == (1, 2, 20, 16) and cache.get_seq_length() == 64
-        assert layer.kept_idx[..., -6:].tolist() == [[list(range(58, 64))] * 2]      # window always kept
+        if getattr(POLICIES[name], "forced_window", None) != 0:                     # the normalised ones opt out
+            assert layer.kept_idx[..., -6:].tolist() == [[list(range(58, 64))] * 2]  # window always kept
         # multi-token step after eviction == the same tokens one by one (mask offsets are right)
         many = tiny(nxt, past_key_values=cache).logits
         one = EvictionCache(tiny, POLICIES[name](), EvictionBudget(tokens=20, window=6))

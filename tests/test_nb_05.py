@@ -6,7 +6,10 @@ import pytest
 @pytest.mark.smollm2
 def test_nb_05_quality_memory(executed_notebook):
     m = executed_notebook("05_attsvd_quality_memory")
-    assert len(m["figures"]) == 3
+    assert len(m["figures"]) == 4
+    # the frontier figure plots the committed kv-frontier run: every budget has its eviction-vs-ours summary
+    fr = m["frontier"]
+    assert {b["budget"] for b in fr["best"]} == {0.5, 0.375, 0.25, 0.125} and fr["windows"] >= 1
     kl = m["kl"]
     # full rank reproduces the dense cache; raw-K/V SVD is clearly worse than attention-aware at 50 %
     assert abs(kl["attsvd@1"]) < 1e-4 and abs(kl["svd@1"]) < 1e-4

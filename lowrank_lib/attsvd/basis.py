@@ -53,9 +53,13 @@ def query_metric(Q: torch.Tensor, eps: float = 1e-3, q_valid: torch.Tensor | Non
     Qf = _f32(Q)
     if q_valid is not None:
         Qf = Qf * q_valid[:, None, None, :, None].to(Qf.dtype)
-    C = torch.einsum("bhgmd,bhgme->bhde", Qf, Qf)
+    return ridge_metric(torch.einsum("bhgmd,bhgme->bhde", Qf, Qf), eps)
+
+
+def ridge_metric(C: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """C + eps * (tr(C) / d) * I for a query Gram ``C`` [..., d, d] (sum of q^T q); identity where C = 0."""
     d = C.shape[-1]
-    cbar = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / d  # [B, H]
+    cbar = torch.diagonal(C, dim1=-2, dim2=-1).sum(-1) / d  # [...]
     ridge = torch.where(cbar > 0, eps * cbar, torch.ones_like(cbar))
     eye = torch.eye(d, dtype=C.dtype, device=C.device)
     return C + ridge[..., None, None] * eye

@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "ablation": "lowrank_lib.bench.commands.ablation",
     "factor-space": "lowrank_lib.bench.commands.factor_space",
     "attsvd": "lowrank_lib.bench.commands.attsvd",
+    "kv-frontier": "lowrank_lib.bench.commands.kv_frontier",
     "quality": "lowrank_lib.bench.commands.quality",
     "sweep": "lowrank_lib.bench.commands.sweep",
     "gpu-session": "lowrank_lib.bench.commands.gpu_session",

@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..attsvd.config import AttSVDConfig
-from .methods import MethodSpec
+from .methods import MethodSpec, attsvd_stored_tokens
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)
@@ -108,3 +108,217 @@ def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, b
     for P, q in res["quality"].items():
         res["targets"][P] = targets(q, lc, 0.5)
     return res
+
+
+# ----------------------------------------------------------------------------- the KV-memory frontier
+#: ``python -m lowrank_lib.bench kv-frontier``: every policy at every byte budget (fraction of the dense
+#: prefill KV bytes); eviction runs as real ragged per-head storage (kept rows + int16 positions),
+#: KVzip with its global (layer- and head-wise) allocation, the other policies with a uniform per-head one
+FRONTIER_BUDGETS = (0.5, 0.375, 0.25, 0.125)
+FRONTIER_EVICTION = {"streamingllm": "head", "snapkv": "head", "keydiff": "head", "h2o": "head",
+                     "h2o_norm": "head", "expected_attention": "head", "kvzip": "global"}
+FRONTIER_LOWRANK = ("attsvd", "attsvd-ext")      # raw-K/V "svd" on request (--lowrank): far behind at 0.5
+#: composed variants: name -> (scorer, ComposedConfig fields); the scorer's scores are computed once per window
+FRONTIER_COMPOSED = {"composed-kvzip": dict(scorer="kvzip", mode="global", mid_share=0.25, rank=8),
+                     "composed-kvzip-q8": dict(scorer="kvzip", mode="global", mid_share=0.25, rank=8, quant8=True),
+                     "composed-kvzip-q8-m50": dict(scorer="kvzip", mode="global", mid_share=0.5, rank=8, quant8=True)}
+FRONTIER_REPORT = dict(prefill=[2048], windows=8, cont=64)
+FRONTIER_QUICK = dict(prefill=[128], windows=2, cont=16)
+
+
+def lowrank_budget(budget: float, S: int, d: int, window: int) -> float:
+    """The AttSVD budget knob (``MethodSpec.budget``, rank round(b d)) whose stored bytes (Eq. 6: factors,
+    bases and the exact window) are the largest not above ``budget`` of the dense bytes (at least rank 1)."""
+    r = max([r for r in range(1, d + 1) if attsvd_stored_tokens(S, d, r, r, window) <= budget * S] or [1])
+    return r / d
+
+
+def frontier_windows(tok, model, n_windows: int, length: int, seed: int) -> torch.Tensor:
+    """WikiText-2 test windows (``kvquality.wikitext_windows``); seeded random ids for tokenizer-less tiny models."""
+    from ..data import random_token_batches
+    from .kvquality import wikitext_windows
+
+    if tok is None:
+        return random_token_batches(model.config.vocab_size, n_windows, length, seed)
+    return wikitext_windows(tok, n_windows, length, seed=seed)
+
+
+@torch.no_grad()
+def _teacher_forced(model, cache, cont: torch.Tensor, routed=None) -> torch.Tensor:
+    """log-probs [T, V] (fp32) of ``cont`` [1, T] fed in one forward over ``cache`` (inside ``routed``)."""
+    import contextlib
+
+    import torch.nn.functional as F
+
+    with routed(model) if routed is not None else contextlib.nullcontext():
+        return F.log_softmax(model(cont, cache=cache).logits[0].float(), -1)
+
+
+def _scores_for(scorers: list[str], model, tok, ids, record, need_stats: set[str]) -> dict:
+    """Importance of every scorer (shared work: normalised H2O reuses H2O's attention mass)."""
+    from ..composed import importance, make_policy
+    from ..eviction import ObservedAttention
+
+    out, raw = {}, {}
+    for name in sorted(scorers, key=lambda n: n != "h2o"):          # h2o first: h2o_norm reuses its mass
+        pol = make_policy(name, model)
+        pre = None
+        if name == "h2o_norm" and "h2o" in raw:
+            pre = [ObservedAttention.normalise(s, obs, obs.query.shape[1] // K.shape[1])
+                   for s, K, obs in zip(raw["h2o"], record.keys, record.obs)]
+        imp = importance(pol, model, tok, ids, record, stats=name in need_stats, scores=pre)
+        if name == "h2o":
+            raw["h2o"] = [pol.score(K, V, obs) for K, V, obs in zip(record.keys, record.values, record.obs)] \
+                if pre is None else pre
+        out[name] = imp
+    return out
+
+
+def frontier_rows(per_window: list[dict], dense_nll: dict) -> list[dict]:
+    """Aggregate per-window records ``{policy, kind, prefill, budget, window, kl, nll, bytes_ratio}`` into the
+    frontier rows (mean / std over the windows each row has; PPL = exp(mean NLL))."""
+    import math
+    import statistics
+
+    groups: dict = {}
+    for r in per_window:
+        groups.setdefault((r["policy"], r["kind"], r["prefill"], r["budget"]), []).append(r)
+    rows = []
+    for (pol, kind, P, b), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r["window"])
+        kl = [r["kl"] for r in rs]
+        dn = [dense_nll[str(P)][r["window"]] for r in rs]
+        rows.append(dict(policy=pol, kind=kind, prefill=P, budget=b,
+                         bytes_ratio=statistics.fmean(r["bytes_ratio"] for r in rs),
+                         kl_mean=statistics.fmean(kl), kl_std=statistics.pstdev(kl),
+                         ppl=math.exp(statistics.fmean(r["nll"] for r in rs)), ppl_dense=math.exp(statistics.fmean(dn)),
+                         windows=len(rs), window_ids=[r["window"] for r in rs], window_kl=kl))
+    order = {"eviction": 0, "lowrank": 1, "composed": 2}
+    return sorted(rows, key=lambda r: (r["prefill"], -r["budget"], order[r["kind"]], r["policy"]))
+
+
+def frontier_best(rows: list[dict], tol: float = 0.01) -> list[dict]:
+    """Per (prefill, budget): the best eviction row vs the best of ours (low-rank or composed) among the rows
+    holding at most ``(1 + tol) * budget`` of the dense bytes. The issue's target: ours has a lower mean KL
+    than the best eviction policy at the same budget while holding no more bytes than it."""
+    out = []
+    for P in sorted({r["prefill"] for r in rows}):
+        for b in sorted({r["budget"] for r in rows if r["prefill"] == P}, reverse=True):
+            at = [r for r in rows if r["prefill"] == P and r["budget"] == b and r["bytes_ratio"] <= (1 + tol) * b]
+            ev = [r for r in at if r["kind"] == "eviction"]
+            ours = [r for r in at if r["kind"] != "eviction"]
+            if not ev or not ours:
+                continue
+            e, o = min(ev, key=lambda r: r["kl_mean"]), min(ours, key=lambda r: r["kl_mean"])
+            out.append(dict(prefill=P, budget=b, best_eviction=e["policy"], best_eviction_kl=e["kl_mean"],
+                            best_eviction_bytes=e["bytes_ratio"], best_ours=o["policy"], best_ours_kl=o["kl_mean"],
+                            best_ours_bytes=o["bytes_ratio"], kl_ratio_eviction_over_ours=e["kl_mean"] / o["kl_mean"],
+                            pass_target=o["kl_mean"] < e["kl_mean"] and o["bytes_ratio"] <= e["bytes_ratio"] + tol * b))
+    return out
+
+
+def frontier_table(res: dict) -> str:
+    lines = [f"{'prefill':>7} {'budget':>6} {'kind':<9}{'policy':<20}{'bytes':>7}{'KL mean':>10}{'KL std':>9}"
+             f"{'ppl':>9}{'dppl%':>7}{'win':>4}"]
+    for r in res["rows"]:
+        lines.append(f"{r['prefill']:>7} {r['budget']:>6.3f} {r['kind']:<9}{r['policy']:<20}{r['bytes_ratio']:>7.3f}"
+                     f"{r['kl_mean']:>10.4f}{r['kl_std']:>9.4f}{r['ppl']:>9.3f}"
+                     f"{100 * (r['ppl'] / r['ppl_dense'] - 1):>7.2f}{r['windows']:>4}")
+    for t in res.get("best", []):
+        lines.append(f"prefill {t['prefill']} budget {t['budget']:g}: best eviction {t['best_eviction']} "
+                     f"{t['best_eviction_kl']:.4f} (bytes {t['best_eviction_bytes']:.3f}); ours {t['best_ours']} "
+                     f"{t['best_ours_kl']:.4f} (bytes {t['best_ours_bytes']:.3f}); target "
+                     f"{'PASS' if t['pass_target'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, budgets=FRONTIER_BUDGETS,
+                eviction: dict | None = None, lowrank=FRONTIER_LOWRANK, composed: dict | None = None,
+                window: int = 32, seed: int = 0, window_ids: list[int] | None = None, progress: bool = True,
+                checkpoint=None, model=None, tok=None) -> dict:
+    """The frontier: for each prefill length and each of ``windows`` WikiText-2 windows (seed ``seed``; only
+    ``window_ids`` of them if given, for sharded runs), record the prefill once, then every method at every
+    budget: KL(dense || method) per continuation token, NLL, bytes really held after the prefill.
+    ``checkpoint(result)`` after every window (rows aggregate the windows done so far)."""
+    from tqdm.auto import tqdm
+
+    from .. import models
+    from ..composed import ComposedConfig, build, composed_attention
+    from ..hf.record import dense_from, record_prefill, replay
+
+    eviction = dict(FRONTIER_EVICTION) if eviction is None else eviction
+    composed = dict(FRONTIER_COMPOSED) if composed is None else composed
+    if model is None:
+        model, tok = models.load(model_name)
+    model.eval()
+    base = AttSVDConfig(rank=1, window=window, chunk=128)
+    scorers = set(eviction) | {c["scorer"] for c in composed.values()}
+    need_stats = {c["scorer"] for c in composed.values() if c.get("mid_share", 0) > 0}
+    per_window: list[dict] = []
+    dense_nll: dict = {}
+    res: dict = {"timing_s": {}}
+    n_methods = len(lowrank) * len(budgets) + (len(eviction) + len(composed)) * len(budgets)
+    for P in prefill:
+        W = frontier_windows(tok, model, windows, P + cont, seed)
+        ids_ = list(range(windows)) if window_ids is None else [w for w in window_ids if w < windows]
+        dense_nll[str(P)] = {}
+        bar = tqdm(total=len(ids_) * n_methods, desc=f"kv-frontier prefill {P}", disable=not progress)
+        for w in ids_:
+            t0 = time.perf_counter()
+            x = W[w:w + 1].to(next(model.parameters()).device)
+            pre, cont_ids, tgt = x[:, :P], x[:, P:-1], x[0, P + 1:]
+            rec = record_prefill(model, pre)
+            ref = _teacher_forced(model, dense_from(rec, model), cont_ids)
+            dense_nll[str(P)][w] = float(torch.nn.functional.nll_loss(ref, tgt))
+
+            def add(policy, kind, budget, cache, routed=None):
+                ratio = cache.memory().ratio                          # bytes held right after the prefill
+                lp = _teacher_forced(model, cache, cont_ids, routed)
+                kl = float(torch.nn.functional.kl_div(lp, ref, log_target=True, reduction="batchmean"))
+                per_window.append(dict(policy=policy, kind=kind, prefill=P, budget=budget, window=w, kl=kl,
+                                       nll=float(torch.nn.functional.nll_loss(lp, tgt)), bytes_ratio=ratio))
+                bar.set_postfix_str(f"w{w} {policy}@{budget:g} kl={kl:.4f}")
+                bar.update()
+
+            for m in lowrank:
+                for b in budgets:
+                    bl = lowrank_budget(b, P, rec.keys[0].shape[-1], window)
+                    add(m, "lowrank", b, replay(rec, MethodSpec(m, bl, base).make(model, P)))
+            imps = _scores_for(sorted(scorers), model, tok, pre, rec, need_stats)
+            for name, mode in eviction.items():
+                cfg = ComposedConfig(scorer=name, mode=mode, mid_share=0.0)
+                for b in budgets:
+                    add(name, "eviction", b, build(rec, imps[name], b, cfg), composed_attention)
+            for name, spec in composed.items():
+                cfg = ComposedConfig(**spec)
+                for b in budgets:
+                    add(name, "composed", b, build(rec, imps[cfg.scorer], b, cfg), composed_attention)
+            del rec, imps
+            res["timing_s"][f"p{P}_w{w}"] = time.perf_counter() - t0
+            res |= {"rows": frontier_rows(per_window, dense_nll), "per_window": per_window, "dense_nll": dense_nll}
+            res["best"] = frontier_best(res["rows"])
+            if checkpoint is not None:
+                checkpoint(res)
+        bar.close()
+    res |= {"rows": frontier_rows(per_window, dense_nll), "per_window": per_window, "dense_nll": dense_nll}
+    res["best"] = frontier_best(res["rows"])
+    return res
+
+
+def merge_frontier(parts: list[dict]) -> dict:
+    """One result from the shards of a sharded run (their per-window records; a window twice is an error)."""
+    per_window, dense_nll, timing = [], {}, {}
+    seen = set()
+    for p in parts:
+        for r in p["per_window"]:
+            key = (r["policy"], r["prefill"], r["budget"], r["window"])
+            if key in seen:
+                raise ValueError(f"merge_frontier: {key} appears in two shards")
+            seen.add(key)
+            per_window.append(r)
+        for P, d in p["dense_nll"].items():
+            dense_nll.setdefault(P, {}).update({int(k): v for k, v in d.items()})
+        timing |= p.get("timing_s", {})
+    rows = frontier_rows(per_window, dense_nll)
+    return {"rows": rows, "best": frontier_best(rows), "per_window": per_window, "dense_nll": dense_nll,
+            "timing_s": timing}

@@ -3,7 +3,9 @@
 Real eviction: the dropped rows are freed (the stored tensors are [B, H, n, d]); ``get_mask_sizes`` and
 ``get_seq_length`` keep positions right (RoPE positions continue from the logical length). Every policy
 is a small dataclass with ``score(K, V, obs) -> [B, H, S]`` (higher = keep); the newest ``window``
-tokens are always kept. Generated tokens are appended exactly (the accumulate schedule).
+tokens are always kept, unless the policy sets its own ``forced_window`` (the normalised H2O and Expected
+Attention set 0: their scores rank recent tokens by themselves). Policies with ``bind(model)`` (Expected
+Attention: the model's RoPE) are bound when the cache is built from a model. Generated tokens are appended exactly (the accumulate schedule).
 """
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ class EvictionLayer(PrefillCompressedLayer):
         if obs is None and self.needs_queries:
             raise RuntimeError(f"{type(self.policy).__name__} scores with attention and needs the post-RoPE "
                                f"queries: run the prefill inside lowrank_lib.hf.capture(model, cache)")
-        w = min(self.budget.window, n)
+        w = min(getattr(self.policy, "forced_window", self.budget.window), n)   # a policy may opt out
         score = self.policy.score(K, V, obs).float()        # [B, H, S]
         if w > 0:
             score[..., S - w:] = float("inf")
@@ -73,5 +75,7 @@ class EvictionCache(CompressedKVCache):
     """Eviction baseline cache for ``model_or_config`` with ``policy`` and ``budget``."""
 
     def __init__(self, model_or_config, policy, budget: EvictionBudget):
+        if hasattr(policy, "bind") and isinstance(model_or_config, torch.nn.Module):
+            policy = policy.bind(model_or_config)        # e.g. ExpectedAttention reads the model's RoPE
         self.policy, self.budget = policy, budget
         super().__init__([EvictionLayer(policy, budget) for _ in range(geometry(model_or_config).n_layers)])

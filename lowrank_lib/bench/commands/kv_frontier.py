@@ -1,0 +1,68 @@
+"""KV-memory frontier: every eviction, low-rank and composed cache at byte budgets 0.5 / 0.375 / 0.25 / 0.125.
+
+    python -m lowrank_lib.bench kv-frontier                         # SmolLM2, prefill 2048, 8 windows, seed 0
+    python -m lowrank_lib.bench kv-frontier --prefill 2048 4096
+    python -m lowrank_lib.bench kv-frontier --quick                 # tiny random model, seconds (the test)
+    python -m lowrank_lib.bench kv-frontier --shard 0/2 & ... --shard 1/2; then --merge A.json B.json
+
+Writes ``kv_frontier.json`` (+ ``.txt``, the table): ``rows`` [{policy, kind, prefill, budget, bytes_ratio,
+kl_mean, kl_std, ppl, ppl_dense, windows}], ``best`` (per budget the best eviction vs ours, the issue's
+target), ``per_window`` (every measurement, so shards merge exactly). Library: ``lowrank_lib.eval.kv_sweep``.
+"""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    from ...eval.kv_sweep import FRONTIER_BUDGETS, FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
+
+    p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, short prefill, 2 windows")
+    p.add_argument("--prefill", type=int, nargs="+")
+    p.add_argument("--windows", type=int)
+    p.add_argument("--cont", type=int, help="teacher-forced continuation tokens (default 64)")
+    p.add_argument("--budgets", type=float, nargs="+", default=list(FRONTIER_BUDGETS))
+    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=list(FRONTIER_EVICTION))
+    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK))
+    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=list(FRONTIER_COMPOSED))
+    p.add_argument("--window", type=int, default=32, help="exact recent window (AttSVD; policies without their own)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard", default=None, help="K/N: only windows w with w %% N == K (merge the shards after)")
+    p.add_argument("--merge", nargs="+", default=None, help="shard JSON files to merge into one result")
+
+
+def run(a) -> int:
+    import json
+
+    import torch
+
+    from ...eval.kv_sweep import (FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_QUICK, FRONTIER_REPORT,
+                                  frontier_table, kv_frontier, merge_frontier)
+    from ..results import ResultFiles, slug
+
+    if a.merge:
+        parts = [json.loads(open(f).read()) for f in a.merge]
+        res = merge_frontier(parts) | {"args": parts[0].get("args"), "merged": a.merge, "command": a.command_line}
+        files = ResultFiles(a.out, "kv_frontier")
+        files.write(res, txt=frontier_table(res))
+        print(frontier_table(res))
+        print(f"\nwrote {files.path}")
+        return 0
+    preset = FRONTIER_QUICK if a.quick else FRONTIER_REPORT
+    model = a.model or ("tiny-gqa" if a.quick else "smollm2")
+    windows = a.windows or preset["windows"]
+    ids = None
+    if a.shard:
+        k, n = (int(x) for x in a.shard.split("/"))
+        ids = [w for w in range(windows) if w % n == k]
+    args = dict(model_name=model, prefill=a.prefill or preset["prefill"], windows=windows,
+                cont=a.cont or preset["cont"], budgets=a.budgets,
+                eviction={e: FRONTIER_EVICTION[e] for e in a.eviction}, lowrank=a.lowrank,
+                composed={c: FRONTIER_COMPOSED[c] for c in a.composed}, window=a.window, seed=a.seed, window_ids=ids)
+    files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
+    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line}
+    res = kv_frontier(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+    txt = frontier_table(res)
+    files.write(res, txt=txt)
+    print(txt)
+    print(f"\nwrote {files.path}")
+    return 0
