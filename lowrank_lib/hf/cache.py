@@ -114,6 +114,8 @@ class PrefillCompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
+    get_max_cache_shape = get_max_length    # the same method's name before transformers 5.2x (abstract in 5.4)
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         n = self.stored_len()
         return n + query_length, self.seen - n
@@ -168,7 +170,7 @@ class CompressedKVCache(Cache):
     Use through :func:`lowrank_lib.hf.capture.capture` so the layers receive post-RoPE queries:
 
         >>> with capture(model, cache):
-        ...     out = model.generate(ids, cache=cache, max_new_tokens=32)
+        ...     out = model.generate(ids, **cache_kw(cache), max_new_tokens=32)
     """
 
     def __init__(self, layers: list[PrefillCompressedLayer]):

@@ -21,6 +21,7 @@ import copy
 
 import torch
 
+from ..compat import cache_kw
 from ..generation import left_pad_counts
 from .config import PRESETS, EngineConfig
 from .engine import Engine
@@ -60,8 +61,8 @@ class HFRunner:
         self.mask = (torch.arange(T, device=self.device)[None] >= pad[:, None]).long()
         self.pos = (torch.arange(T, device=self.device)[None] - pad[:, None]).clamp_min(0)
         self.cache = self._new_cache(T)
-        out = self.model(input_ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids, attention_mask=self.mask, position_ids=self.pos,
+                         **cache_kw(self.cache), use_cache=True, logits_to_keep=1)
         self.pos = self.pos[:, -1:]
         return out.logits[:, -1]
 
@@ -71,7 +72,7 @@ class HFRunner:
         self.mask = torch.cat([self.mask, self.mask.new_ones(B, 1)], 1)
         self.pos = self.pos + 1
         out = self.model(tokens.to(self.device)[:, None], attention_mask=self.mask, position_ids=self.pos,
-                         cache=self.cache, use_cache=True)
+                         **cache_kw(self.cache), use_cache=True)
         return out.logits[:, -1]
 
 
