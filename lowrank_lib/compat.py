@@ -11,7 +11,7 @@ cache. Every call of ours that hands a model a cache goes through :func:`cache_k
 
 The keyword is read from the signature of ``GenerationMixin.prepare_inputs_for_generation`` (the
 model-agnostic function that builds every generative model's forward arguments), once per process.
-The supported range is declared in ``pyproject.toml`` (``transformers>=5.4,<5.40``); ``make test-oldest``
+The supported range is declared in ``pyproject.toml`` (``transformers>=5.15,<5.40``); ``make test-oldest``
 runs the Cache-API tests on the oldest release of it.
 
 A leaf module (nothing of lowrank_lib imported, transformers only on first use): ``runtime/`` (which may

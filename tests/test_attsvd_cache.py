@@ -32,6 +32,7 @@ def _run(model, cache, ids, nxt, mask=None):
     return pre, post
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefill_bit_identical_and_full_rank_exact(preset):
     model, d = _model(preset)
@@ -65,6 +66,7 @@ def test_decode_error_falls_with_rank(aware):
     assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < 1e-3 * errs[0]
 
 
+@pytest.mark.compat
 def test_generate_equals_manual_loop_and_registration_is_reversible():
     model, _ = _model("tiny-gqa")
     ids = torch.randint(0, 256, (1, 60))
@@ -100,6 +102,7 @@ def test_generate_equals_manual_loop_and_registration_is_reversible():
     assert cache.get_seq_length() == manual.get_seq_length() == 71
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset,impl", [("tiny-mha", "sdpa"), ("tiny-gqa", "sdpa"), ("tiny-gqa", "eager")])
 def test_left_padding_matches_unpadded_rows(preset, impl):
     """With the mask function registered, a left-padded row gives the same outputs as that prompt alone."""

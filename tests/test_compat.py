@@ -14,6 +14,7 @@ from lowrank_lib import models
 from lowrank_lib.compat import cache_kw, cache_kwarg
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.compat
 
 
 def _version(v: str) -> tuple[int, ...]:

@@ -20,6 +20,7 @@ def tiny():
     return models.tiny_model("tiny-gqa", seed=0).eval()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_eviction_stores_budget_and_decodes_consistently(tiny, name):
     ids, nxt = torch.randint(0, 256, (1, 64)), torch.randint(0, 256, (1, 5))
@@ -68,6 +69,7 @@ def test_attention_policies_need_queries(tiny):
             tiny(torch.randint(0, 256, (1, 1)), **cache_kw(cache))
 
 
+@pytest.mark.compat
 def test_methods_matched_memory_and_replay_equals_live(tiny):
     S = 96
     ids, nxt = torch.randint(0, 256, (1, S)), torch.randint(0, 256, (1, 4))

@@ -140,3 +140,23 @@ def test_quality_table_ray_equals_serial_and_grows_as_tasks_finish(ray_cluster):
     assert _rows(par) == _rows(serial) and par["config"]["executor"] == "ray"
     with pytest.raises(ValueError, match="serial"):
         run(_quality_cfg(), model=object(), executor=make_executor("ray"))
+
+
+@pytest.mark.smollm2
+def test_attsvd_sweep_split_into_tasks_equals_one_budget_sweep(smollm2, tmp_path):
+    """bench attsvd's tasks (one per prefill length) merge into what one budget_sweep call returns."""
+    import json
+
+    from lowrank_lib.bench.cli import main
+    from lowrank_lib.eval.kv_sweep import budget_sweep
+
+    argv = ["attsvd", "--out", str(tmp_path), "--prefill", "32", "48", "--windows", "1", "--cont", "8",
+            "--budgets", "0.5", "--methods", "attsvd", "streamingllm", "--lengths"]
+    assert main(argv) == 0
+    (path,) = tmp_path.glob("attsvd_*.json")
+    got = json.loads(path.read_text())
+    ref = budget_sweep("smollm2", prefill=[32, 48], windows=1, cont=8, budgets=[0.5],
+                       methods=["attsvd", "streamingllm"], window=32, chunk=128, lengths=[], n_per=1,
+                       tasks=[], step=32, seed=0, longctx_budgets=[0.5], progress=False)
+    assert list(got["quality"]) == ["32", "48"]
+    assert got["quality"] == json.loads(json.dumps(ref["quality"])) and got["targets"] == ref["targets"]

@@ -33,6 +33,7 @@ def run_generate(model, cfg, route, ids, mask=None, new=12):
     return out.sequences, torch.stack(out.scores), cache, stats
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
 @pytest.mark.parametrize("mode", ["accumulate", "stream"])
 def test_generate_factor_equals_rebuild(preset, mode):
@@ -57,6 +58,7 @@ def test_generate_factor_equals_rebuild(preset, mode):
     assert not cache.used_fallback                           # queries were captured at prefill
 
 
+@pytest.mark.compat
 def test_teacher_forced_continuation_identical():
     """A multi-token forward after the compressed prefill (continuation perplexity) reads the same function."""
     model = models.tiny_model("tiny-gqa", seed=2)
@@ -92,6 +94,7 @@ def test_continuation_quality_identical_through_factor_space():
     assert res["factor"].memory_ratio == res["rebuild"].memory_ratio < 1
 
 
+@pytest.mark.compat
 def test_switch_is_explicit_and_reversible():
     model = models.tiny_model("tiny-gqa", seed=3)
     before = (model.config._attn_implementation, _registry_names())

@@ -35,6 +35,7 @@ def _cmp(out, ref, tol=1e-4, rel=False):
     assert err < tol * scale, (err, scale)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_engine_matches_hf_dynamic(preset, cfg):
@@ -224,6 +225,7 @@ def test_compiled_fused_lowering_equals_eager_and_replaces_aten_calls():
         assert counts[True].get(cls, 0) == 0 < counts[False].get(cls, 0), (cls, counts)
 
 
+@pytest.mark.compat
 def test_baseline_systems_agree():
     model = models.tiny_model("tiny-gqa", seed=8)
     lr = compress_svd(model, 0.5)

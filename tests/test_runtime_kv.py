@@ -48,6 +48,7 @@ def _reference(name, model, ids, mask, new):
     return o.sequences[:, ids.shape[1]:], torch.stack(o.scores, 1)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", list(STORES))
 def test_every_store_equals_its_reference_and_moves_the_cursor_once(model, name):
     store = STORES[name]()
