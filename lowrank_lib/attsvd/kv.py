@@ -116,18 +116,11 @@ class LowRankKV:
         ts = [t for r in self.runs for t in r] + [t for t in (self.k_exact, self.v_exact) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
-    _NOT_DENSE = ("a LowRankKV (factored AttSVD cache layer) reached a dense attention function: run the "
-                  "model inside lowrank_lib.attsvd.factor_cache.factor_space(model) or decode_route(...)")
-
     @property
     def shape(self):
         """Not a tensor: a dense attention function that asks for ``key.shape`` gets a clear error."""
-        raise TypeError(self._NOT_DENSE)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """... and so does one that hands it straight to a torch op (transformers < 5.2x's sdpa path)."""
-        raise TypeError(f"{cls._NOT_DENSE} (got {getattr(func, '__name__', func)})")
+        raise TypeError("a LowRankKV (factored AttSVD cache layer) reached a dense attention function: run the "
+                        "model inside lowrank_lib.attsvd.factor_cache.factor_space(model) or decode_route(...)")
 
     # ------------------------------------------------------------------ transforms
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:

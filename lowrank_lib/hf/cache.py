@@ -114,8 +114,6 @@ class PrefillCompressedLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1
 
-    get_max_cache_shape = get_max_length    # the same method's name before transformers 5.2x (abstract in 5.4)
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         n = self.stored_len()
         return n + query_length, self.seen - n
