@@ -17,7 +17,7 @@ Executors:
 - :class:`RayExecutor`: Ray tasks (``pip install -e .[distributed]``); ``address=None`` starts a local
   cluster on this machine (``num_cpus`` of it), ``"auto"`` joins the one ``ray start --head`` runs here,
   ``"HOST:6379"`` a remote head from one of its nodes, ``"ray://HOST:10001"`` a cluster through Ray
-  Client. Each task asks for ``cpus_per_task`` CPUs; every node needs lowrank_lib installed (the same
+  Client (``ray[client]``). Each task asks for ``cpus_per_task`` CPUs; every node needs lowrank_lib installed (the same
   checkout) and, for the real model, its cache (``LOWRANK_LIB_CACHE``).
 
 Retries are done here, not by Ray (``max_retries=0``), so both executors retry exactly once, for an
