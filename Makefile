@@ -8,8 +8,14 @@ PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 # $(PYTHON) is kept instead (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The oldest transformers of pyproject.toml's range (its ">=" bound) and the venv that runs it: the main
+# venv's packages (a .pth line adds its site-packages after the venv's own), with only transformers (and
+# what it needs that differs) installed over them, so no second torch is downloaded.
+TRANSFORMERS_OLDEST ?= $(shell sed -n 's/^ *"transformers>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+VENV_OLDEST ?= .venv-oldest
+PY_OLDEST := $(VENV_OLDEST)/bin/python
 
-.PHONY: setup test lint report fetch clean-venv
+.PHONY: setup test test-oldest lint report fetch clean-venv
 
 $(VENV)/.installed: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
@@ -20,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton]"
+	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed]"
 	@touch $@
 
 setup: $(VENV)/.installed
@@ -33,9 +39,23 @@ lint: setup
 
 test: setup lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(MAKE) test-oldest
+
+$(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml
+	rm -rf $(VENV_OLDEST)
+	$(PY) -m venv $(VENV_OLDEST)
+	$(PY) -c "import site, sys; print('import site; ' + '; '.join(f'site.addsitedir({p!r})' for p in sys.path if p.endswith('-packages')))" > "$$($(PY_OLDEST) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_main_venv.pth"
+	$(PY_OLDEST) -m pip --disable-pip-version-check install -q "transformers==$(TRANSFORMERS_OLDEST)"
+	@touch $@
+
+# The transformers-API subset (tests marked `compat`: the cache keyword, HF cache / AttSVD / eviction
+# equivalences, engine vs hf_dynamic tokens, Dobi layouts) on the oldest supported transformers.
+test-oldest: setup $(VENV_OLDEST)/.installed
+	@$(PY_OLDEST) -c "import transformers; print('[test-oldest] transformers', transformers.__version__)"
+	$(PY_OLDEST) -m pytest -q -p no:cacheprovider -m compat tests
 
 report: setup
 	$(PY) -m lowrank_lib.notebooks run
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VENV_OLDEST)

@@ -140,38 +140,46 @@ def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
     return {k: v for k, v in params.items() if k in declared}
 
 
-def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True,
-        params_file: str | Path | None = None) -> dict:
-    """Execute notebooks headless with papermill; return ``{name: metrics dict}``.
-
-    ``names`` default: every notebook CI runs (``ci.yaml`` list) in CI mode, every one on disk otherwise.
-    Raises on the first failing notebook (papermill keeps the partially executed copy).
-    """
+def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool = True,
+            params_file: str | Path | None = None) -> dict:
+    """Execute one notebook headless with papermill (one sweep task of :func:`run`); its metrics dict."""
     import papermill as pm
 
     base = root()
+    params = plan(name, ci, params_file)
+    out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
+    out_nb.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    print(f"[notebooks] {name}: {json.dumps(params)}", file=sys.stderr, flush=True)
+    pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
+                        kernel_name=kernel, cwd=str(notebooks_dir()), progress_bar=progress,
+                        request_save_on_cell_execute=False)
+    metrics_path = base / params["OUT_DIR"] / "metrics.json"
+    if not metrics_path.exists():
+        raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
+    print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
+          file=sys.stderr, flush=True)
+    return json.loads(metrics_path.read_text())
+
+
+def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True,
+        params_file: str | Path | None = None, executor=None) -> dict:
+    """Execute notebooks headless with papermill; return ``{name: metrics dict}``.
+
+    ``names`` default: every notebook CI runs (``ci.yaml`` list) in CI mode, every one on disk otherwise.
+    Each notebook is one task of ``executor`` (:mod:`lowrank_lib.executor`, default serial; ``--executor
+    ray`` runs them in parallel): a failing notebook is retried once, then reported by name
+    (:class:`~lowrank_lib.executor.SweepError`) after the others ran; papermill keeps its partial copy.
+    """
+    from .executor import Task, run_sweep
+
     if not names:
         names = read_params()["notebooks"] if ci else on_disk()
     missing = [n for n in names if not (notebooks_dir() / f"{n}.ipynb").exists()]
     if missing:
         raise FileNotFoundError(f"no notebook named {missing} in {notebooks_dir()}")
-    results = {}
-    for name in names:
-        params = plan(name, ci, params_file)
-        out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
-        out_nb.parent.mkdir(parents=True, exist_ok=True)
-        t0 = time.time()
-        print(f"[notebooks] {name}: {json.dumps(params)}", file=sys.stderr, flush=True)
-        pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
-                            kernel_name=kernel, cwd=str(notebooks_dir()), progress_bar=progress,
-                            request_save_on_cell_execute=False)
-        metrics_path = base / params["OUT_DIR"] / "metrics.json"
-        if not metrics_path.exists():
-            raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
-        results[name] = json.loads(metrics_path.read_text())
-        print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
-              file=sys.stderr, flush=True)
-    return results
+    tasks = [Task(n, execute, (n, ci, kernel, progress, params_file)) for n in names]
+    return run_sweep(tasks, executor, progress=progress, desc="notebooks")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -185,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--params", default=None, help="report run: a YAML of parameters/overrides on top of the "
                    "defaults (e.g. notebooks/params/paper.yaml)")
     r.add_argument("--no-progress", action="store_true")
+    from .executor import add_arguments as add_executor_arguments
+
+    add_executor_arguments(r)           # each notebook a task: --executor ray [--address ...]
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
     args = ap.parse_args(argv)
     if args.cmd == "list":
@@ -192,7 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         for n in on_disk():
             print(f"{n}\t{'ci' if n in ci else 'NOT IN CI'}")
         return 0
-    run(args.names or None, ci=args.ci, progress=not args.no_progress, params_file=args.params)
+    from .executor import SweepError, from_args
+
+    try:
+        run(args.names or None, ci=args.ci, progress=not args.no_progress, params_file=args.params,
+            executor=from_args(args))
+    except SweepError as e:
+        print(e, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+import deprecations
+
+
+def pytest_configure(config):
+    """Deprecations triggered by our calls are attributed to our frames (see ``deprecations.py``); the
+    ``filterwarnings`` of pyproject.toml make those errors."""
+    deprecations.install()
+
 
 @pytest.fixture(scope="session")
 def smollm2():

@@ -12,23 +12,25 @@ from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "lowrank_lib"
 
-CORE = {"geometry", "factorized", "ranks", "data", "models", "attention_mass", "generation", "families", "codecs"}
+CORE = {"geometry", "factorized", "ranks", "data", "models", "attention_mass", "generation", "families", "codecs",
+        "compat"}
 #: unit (top-level module or package of lowrank_lib) -> units it may import
 ALLOWED: dict[str, set[str]] = {
     "geometry": set(), "attention_mass": set(), "generation": set(), "codecs": set(),
+    "compat": set(), "executor": set(),     # leaves: transformers' calling convention; the sweep executor
     "families": set(),          # names its implementations as "module:function" strings, imported on use
     "ranks": {"families"},
     "factorized": {"ranks"}, "data": {"models"},
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
     "compress": CORE,
     "formats": CORE,
-    "runtime": {"factorized", "generation", "geometry"},
-    "hf": {"geometry"},
+    "runtime": {"factorized", "generation", "geometry", "compat"},
+    "hf": {"geometry", "compat"},
     "attsvd": CORE | {"hf", "runtime.kv"},
     "eviction": CORE | {"hf"},
     "composed": CORE | {"hf", "attsvd", "eviction", "runtime.kv"},
-    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families"},
-    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families"},
+    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families", "executor"},
+    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families", "executor"},
     "notebooks": None,          # the notebook runner may import anything
     "__init__": None,           # the package root re-exports the core API
 }

@@ -13,6 +13,7 @@ from lowrank_lib import models
 from lowrank_lib.attsvd import AttSVDCache, AttSVDConfig
 from lowrank_lib.attsvd.cache import AttSVDLayer
 from lowrank_lib.hf import Observation, capture
+from lowrank_lib.compat import cache_kw
 
 PRESETS = ["tiny-mha", "tiny-gqa"]
 
@@ -24,21 +25,22 @@ def _model(preset):
 
 def _run(model, cache, ids, nxt, mask=None):
     with torch.no_grad(), capture(model, cache):
-        pre = model(ids, attention_mask=mask, past_key_values=cache).logits
+        pre = model(ids, attention_mask=mask, **cache_kw(cache)).logits
     with torch.no_grad():
         m2 = None if mask is None else torch.cat([mask, torch.ones_like(nxt)], 1)
-        post = model(nxt, attention_mask=m2, past_key_values=cache).logits
+        post = model(nxt, attention_mask=m2, **cache_kw(cache)).logits
     return pre, post
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", PRESETS)
 def test_prefill_bit_identical_and_full_rank_exact(preset):
     model, d = _model(preset)
     ids, nxt = torch.randint(0, 256, (2, 80)), torch.randint(0, 256, (2, 7))
     dense = DynamicCache(config=model.config)
     with torch.no_grad():
-        pre_d = model(ids, past_key_values=dense).logits
-        post_d = model(nxt, past_key_values=dense).logits
+        pre_d = model(ids, **cache_kw(dense)).logits
+        post_d = model(nxt, **cache_kw(dense)).logits
     for cfg in (AttSVDConfig(ratio=0.5, window=8), AttSVDConfig(rank=d, window=0)):
         cache = AttSVDCache(model, cfg)
         pre, post = _run(model, cache, ids, nxt)
@@ -55,8 +57,8 @@ def test_decode_error_falls_with_rank(aware):
     ids, nxt = torch.randint(0, 256, (1, 96)), torch.randint(0, 256, (1, 8))
     with torch.no_grad():
         dense = DynamicCache(config=model.config)
-        model(ids, past_key_values=dense)
-        ref = model(nxt, past_key_values=dense).logits
+        model(ids, **cache_kw(dense))
+        ref = model(nxt, **cache_kw(dense)).logits
     errs = []
     for r in (2, 6, 10, d):
         _, post = _run(model, AttSVDCache(model, AttSVDConfig(rank=r, window=4, attention_aware=aware)), ids, nxt)
@@ -64,6 +66,7 @@ def test_decode_error_falls_with_rank(aware):
     assert errs[0] > errs[1] > errs[2] > errs[3] and errs[3] < 1e-3 * errs[0]
 
 
+@pytest.mark.compat
 def test_generate_equals_manual_loop_and_registration_is_reversible():
     model, _ = _model("tiny-gqa")
     ids = torch.randint(0, 256, (1, 60))
@@ -81,24 +84,25 @@ def test_generate_equals_manual_loop_and_registration_is_reversible():
     with capture(model, cache):
         # the model keeps its implementation (and its mask function); only the "sdpa" entry is overridden
         assert model.config._attn_implementation == "sdpa" and ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa
-        gen = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+        gen = model.generate(ids, **cache_kw(cache), max_new_tokens=12, do_sample=False)
         with torch.no_grad():
             assert torch.equal(other(x).logits, other_ref)
     assert registry() == before and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     manual = AttSVDCache(model, cfg)
     with torch.no_grad():
         with capture(model, manual):
-            logits = model(ids, past_key_values=manual).logits[:, -1]
+            logits = model(ids, **cache_kw(manual)).logits[:, -1]
         toks = []
         for i in range(12):
             nxt = logits.argmax(-1, keepdim=True)
             toks.append(nxt)
             if i < 11:
-                logits = model(nxt, past_key_values=manual).logits[:, -1]
+                logits = model(nxt, **cache_kw(manual)).logits[:, -1]
     assert torch.equal(gen[:, 60:], torch.cat(toks, 1))
     assert cache.get_seq_length() == manual.get_seq_length() == 71
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset,impl", [("tiny-mha", "sdpa"), ("tiny-gqa", "sdpa"), ("tiny-gqa", "eager")])
 def test_left_padding_matches_unpadded_rows(preset, impl):
     """With the mask function registered, a left-padded row gives the same outputs as that prompt alone."""
@@ -124,9 +128,9 @@ def test_stream_window_bounds_and_accumulate_growth():
         cache = AttSVDCache(model, AttSVDConfig(rank=4, window=w, mode=mode, chunk=l))
         with torch.no_grad():
             with capture(model, cache):
-                model(ids, past_key_values=cache)
+                model(ids, **cache_kw(cache))
             for step in range(23):
-                model(torch.randint(0, 256, (1, 1)), past_key_values=cache)
+                model(torch.randint(0, 256, (1, 1)), **cache_kw(cache))
                 layer = cache.layers[1]
                 n = layer.keys.shape[-2]
                 if mode == "stream":
@@ -142,8 +146,8 @@ def test_stream_window_bounds_and_accumulate_growth():
     stream = AttSVDCache(model, AttSVDConfig(rank=4, window=w, mode="stream", chunk=l))
     with torch.no_grad():
         with capture(model, stream):
-            model(ids, past_key_values=stream)
-        model(torch.randint(0, 256, (1, 23)), past_key_values=stream)
+            model(ids, **cache_kw(stream))
+        model(torch.randint(0, 256, (1, 23)), **cache_kw(stream))
     assert len(stream.layers[0].blocks) == 4 and stream.layers[0].blocks[0][0].shape[-2:] == (l, 4)
 
 
@@ -151,9 +155,9 @@ def test_fallback_without_queries_warns_and_still_works():
     model, _ = _model("tiny-gqa")
     cache = AttSVDCache(model, AttSVDConfig(ratio=0.5, window=4))
     with torch.no_grad():
-        model(torch.randint(0, 256, (1, 30)), past_key_values=cache)
+        model(torch.randint(0, 256, (1, 30)), **cache_kw(cache))
         with pytest.warns(RuntimeWarning, match="falling back to unweighted SVD"):
-            model(torch.randint(0, 256, (1, 1)), past_key_values=cache)
+            model(torch.randint(0, 256, (1, 1)), **cache_kw(cache))
     assert cache.used_fallback and cache.layers[0].kv.info is not None and not cache.layers[0].kv.info.weighted
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.composed import ComposedConfig, HeadTiers, Q8, TierBytes, allocate, attend, build, \
     composed_attention, importance, make_policy, plan_bytes
 from lowrank_lib.eviction import POLICIES, EvictionBudget, EvictionCache
@@ -25,13 +26,13 @@ def setup():
     ids, nxt = torch.randint(0, 256, (1, S), generator=g), torch.randint(0, 256, (1, 5), generator=g)
     with torch.no_grad():
         rec = record_prefill(tiny, ids)
-        ref = tiny(nxt, cache=dense_from(rec, tiny)).logits
+        ref = tiny(nxt, **cache_kw(dense_from(rec, tiny))).logits
     return tiny, ids, nxt, rec, ref
 
 
 def _logits(tiny, cache, nxt):
     with torch.no_grad(), composed_attention(tiny):
-        return tiny(nxt, cache=cache).logits
+        return tiny(nxt, **cache_kw(cache)).logits
 
 
 def _dense_bytes(rec):
@@ -83,7 +84,7 @@ def test_ragged_eviction_equals_eviction_cache(setup):
     assert all(h.n_exact == n for l in cache.layers for row in l.heads for h in row)
     assert [h.pos_exact.long().tolist() for h in cache.layers[0].heads[0]] == ev.layers[0].kept_idx[0].tolist()
     with torch.no_grad():
-        torch.testing.assert_close(_logits(tiny, cache, nxt), tiny(nxt, cache=ev).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_logits(tiny, cache, nxt), tiny(nxt, **cache_kw(ev)).logits, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="statistics"):
         build(rec, imp, 0.5, ComposedConfig(scorer="snapkv", mid_share=0.2))
 
@@ -149,6 +150,6 @@ def test_allocate_rejects_bad_share_and_dense_attention_is_refused(setup):
     imp = importance(make_policy("streamingllm", tiny), tiny, None, ids, rec, stats=False)
     cache = build(rec, imp, 0.5, ComposedConfig(scorer="streamingllm", mid_share=0.0))
     with torch.no_grad(), pytest.raises(TypeError, match="composed_attention"):
-        tiny(nxt, cache=cache)
+        tiny(nxt, **cache_kw(cache))
     plans = allocate(imp.score, 0.5 * _dense_bytes(rec), TierBytes(D, 4, S), 0.0)
     assert plan_bytes(plans, TierBytes(D, 4, S)) == cache.info["plan_bytes"]

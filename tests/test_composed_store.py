@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.composed import ComposedConfig, ComposedStore, build, composed_attention, importance, make_policy
 from lowrank_lib.compress import compress_svd
 from lowrank_lib.hf import record_prefill
@@ -29,7 +30,7 @@ def _hf_greedy(model, ids, cfg, budget, new):
     toks = [logits[-1].argmax(-1)]
     with torch.no_grad(), composed_attention(model):
         for _ in range(new - 1):
-            logits.append(model(toks[-1][:, None], cache=cache).logits[:, -1].float())
+            logits.append(model(toks[-1][:, None], **cache_kw(cache)).logits[:, -1].float())
             toks.append(logits[-1].argmax(-1))
     return torch.stack(toks, 1), torch.stack(logits, 1), cache
 

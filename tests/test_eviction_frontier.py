@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.eviction import H2O, SCORERS, EvictionBudget, EvictionCache, ExpectedAttention, KVzip, \
     ObservedAttention
 from lowrank_lib.eviction.budget import index_dtype, keep_counts, select, token_bytes
@@ -145,7 +146,7 @@ def test_kvzip_score_is_the_models_own_max_attention(tiny):
     tiny.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            out = tiny(x, cache=dense_from(rec, tiny), output_attentions=True)
+            out = tiny(x, **cache_kw(dense_from(rec, tiny)), output_attentions=True)
     finally:
         tiny.set_attn_implementation("sdpa")
     H = rec.keys[0].shape[1]

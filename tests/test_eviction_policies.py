@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.attsvd import AttSVDConfig
 from lowrank_lib.eval.methods import EXT_OBS_WINDOW, METHODS, MethodSpec, attsvd_stored_tokens
 from lowrank_lib.eviction import H2O, POLICIES, EvictionBudget, EvictionCache, KeyDiff, SnapKV, StreamingLLM
@@ -19,25 +20,26 @@ def tiny():
     return models.tiny_model("tiny-gqa", seed=0).eval()
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_eviction_stores_budget_and_decodes_consistently(tiny, name):
     ids, nxt = torch.randint(0, 256, (1, 64)), torch.randint(0, 256, (1, 5))
     cache = EvictionCache(tiny, POLICIES[name](), EvictionBudget(tokens=20, window=6))
     with torch.no_grad():
         with capture(tiny, cache):
-            pre = tiny(ids, past_key_values=cache).logits
-        ref = tiny(ids, past_key_values=DynamicCache(config=tiny.config)).logits
+            pre = tiny(ids, **cache_kw(cache)).logits
+        ref = tiny(ids, **cache_kw(DynamicCache(config=tiny.config))).logits
         assert torch.equal(pre, ref)
         layer = cache.layers[0]
         assert layer.keys.shape == (1, 2, 20, 16) and cache.get_seq_length() == 64
         if getattr(POLICIES[name], "forced_window", None) != 0:                     # the normalised ones opt out
             assert layer.kept_idx[..., -6:].tolist() == [[list(range(58, 64))] * 2]  # window always kept
         # multi-token step after eviction == the same tokens one by one (mask offsets are right)
-        many = tiny(nxt, past_key_values=cache).logits
+        many = tiny(nxt, **cache_kw(cache)).logits
         one = EvictionCache(tiny, POLICIES[name](), EvictionBudget(tokens=20, window=6))
         with capture(tiny, one):
-            tiny(ids, past_key_values=one)
-        steps = torch.cat([tiny(nxt[:, i:i + 1], past_key_values=one).logits for i in range(5)], 1)
+            tiny(ids, **cache_kw(one))
+        steps = torch.cat([tiny(nxt[:, i:i + 1], **cache_kw(one)).logits for i in range(5)], 1)
     torch.testing.assert_close(many, steps, rtol=1e-4, atol=1e-4)
     assert cache.memory().stored_bytes == 2 * 2 * (20 + 5) * 16 * 4 * 2   # layers * K,V * rows * d * fp32 * heads
 
@@ -63,27 +65,28 @@ def test_policy_scores_pick_expected_tokens():
 def test_attention_policies_need_queries(tiny):
     cache = EvictionCache(tiny, H2O(), EvictionBudget(tokens=10, window=2))
     with torch.no_grad():
-        tiny(torch.randint(0, 256, (1, 30)), past_key_values=cache)
+        tiny(torch.randint(0, 256, (1, 30)), **cache_kw(cache))
         with pytest.raises(RuntimeError, match="needs the post-RoPE"):
-            tiny(torch.randint(0, 256, (1, 1)), past_key_values=cache)
+            tiny(torch.randint(0, 256, (1, 1)), **cache_kw(cache))
 
 
+@pytest.mark.compat
 def test_methods_matched_memory_and_replay_equals_live(tiny):
     S = 96
     ids, nxt = torch.randint(0, 256, (1, S)), torch.randint(0, 256, (1, 4))
     base = AttSVDConfig(rank=1, window=8, chunk=4)
     with torch.no_grad():
         rec = record_prefill(tiny, ids)
-        ref = tiny(nxt, past_key_values=dense_from(rec, tiny)).logits
+        ref = tiny(nxt, **cache_kw(dense_from(rec, tiny))).logits
         ratios = {}
         for name in METHODS:
             spec = MethodSpec(name, 0.5, base)
             replayed = replay(rec, spec.make(tiny, S))
             live = spec.make(tiny, S)
             with capture(tiny, live):
-                tiny(ids, past_key_values=live)
-            a = tiny(nxt, past_key_values=replayed).logits
-            b = tiny(nxt, past_key_values=live).logits
+                tiny(ids, **cache_kw(live))
+            a = tiny(nxt, **cache_kw(replayed)).logits
+            b = tiny(nxt, **cache_kw(live)).logits
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
             if name == "dense":
                 torch.testing.assert_close(a, ref)

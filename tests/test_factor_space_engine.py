@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.attsvd.config import AttSVDConfig
 from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route
 from lowrank_lib.attsvd.store import AttSVDStore
@@ -19,7 +20,7 @@ TOL = 1e-5
 def hf_factor(model, cfg, ids, mask, new):
     cache = FactorSpaceAttSVDCache(model, cfg)
     with decode_route(model, cache, "factor"):
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+        out = model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=new, do_sample=False,
                              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1), cache
 
@@ -52,7 +53,7 @@ def test_engine_factor_equals_hf_factor_path(preset):
     # same accounting as the AttSVD cache right after the prefill
     fresh = FactorSpaceAttSVDCache(model, cfg)
     with torch.no_grad(), decode_route(model, fresh, "factor"):
-        model(ids, attention_mask=mask, past_key_values=fresh)
+        model(ids, attention_mask=mask, **cache_kw(fresh))
     mem = fresh.memory()
     assert rep["attsvd_stored_bytes"] == mem.stored_bytes and rep["attsvd_dense_bytes"] == mem.dense_bytes
     # bytes held in decode: exactly the static factor + window buffers (no dense KV anywhere)

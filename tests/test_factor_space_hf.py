@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.attsvd.cache import AttSVDCache
 from lowrank_lib.attsvd.config import AttSVDConfig
 from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route, factor_space
@@ -27,11 +28,12 @@ def _registry_names():
 def run_generate(model, cfg, route, ids, mask=None, new=12):
     cache = (AttSVDCache if route == "rebuild" else FactorSpaceAttSVDCache)(model, cfg)
     with decode_route(model, cache, route) as stats:
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+        out = model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=new, do_sample=False,
                              output_scores=True, return_dict_in_generate=True, pad_token_id=0)
     return out.sequences, torch.stack(out.scores), cache, stats
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
 @pytest.mark.parametrize("mode", ["accumulate", "stream"])
 def test_generate_factor_equals_rebuild(preset, mode):
@@ -56,6 +58,7 @@ def test_generate_factor_equals_rebuild(preset, mode):
     assert not cache.used_fallback                           # queries were captured at prefill
 
 
+@pytest.mark.compat
 def test_teacher_forced_continuation_identical():
     """A multi-token forward after the compressed prefill (continuation perplexity) reads the same function."""
     model = models.tiny_model("tiny-gqa", seed=2)
@@ -65,8 +68,8 @@ def test_teacher_forced_continuation_identical():
     for route in ("rebuild", "factor", "factor_rebuild"):
         cache = (AttSVDCache if route == "rebuild" else FactorSpaceAttSVDCache)(model, cfg)
         with torch.no_grad(), decode_route(model, cache, route):
-            model(ids[:, :40], past_key_values=cache)
-            logits[route] = model(ids[:, 40:], past_key_values=cache).logits
+            model(ids[:, :40], **cache_kw(cache))
+            logits[route] = model(ids[:, 40:], **cache_kw(cache)).logits
     assert rel_err(logits["factor"], logits["rebuild"]) < TOL
     assert rel_err(logits["factor_rebuild"], logits["rebuild"]) < TOL
     # the prefix really is compressed: dense attention over the exact prompt differs
@@ -91,6 +94,7 @@ def test_continuation_quality_identical_through_factor_space():
     assert res["factor"].memory_ratio == res["rebuild"].memory_ratio < 1
 
 
+@pytest.mark.compat
 def test_switch_is_explicit_and_reversible():
     model = models.tiny_model("tiny-gqa", seed=3)
     before = (model.config._attn_implementation, _registry_names())
@@ -98,7 +102,7 @@ def test_switch_is_explicit_and_reversible():
     ids = torch.randint(0, 256, (1, 30))
     with pytest.raises(RuntimeError, match="boom"):
         with decode_route(model, cache, "factor"):
-            model(ids, past_key_values=cache)
+            model(ids, **cache_kw(cache))
             layer = cache.layers[0]
             k, v = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
             assert isinstance(k, LowRankKV) and v is k and k.length == 31     # no string in the value slot
@@ -106,7 +110,7 @@ def test_switch_is_explicit_and_reversible():
     assert (model.config._attn_implementation, _registry_names()) == before
     # a factor-route cache used without factor_space(): a clear error, not a wrong answer
     with pytest.raises(TypeError, match="factor_space"):
-        model(ids[:, :1], past_key_values=cache)
+        model(ids[:, :1], **cache_kw(cache))
     # with route "rebuild" the same cache rebuilds like the plain AttSVD layer
     cache.route = "rebuild"
     k, v = cache.layers[0].update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))

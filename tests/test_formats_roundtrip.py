@@ -67,6 +67,7 @@ def test_writers_leave_no_fake_modules(calibrated, tmp_path):
     assert "transformers.models.llama.tokenization_llama_fast" not in sys.modules
 
 
+@pytest.mark.compat
 def test_native_layouts(calibrated, tmp_path):
     m, stats = calibrated
     p = write_native(_compress(m, stats, "svdllm"), "svdllm", tmp_path / "s", model_name="org/tiny-llama", keep=0.6)

@@ -35,6 +35,7 @@ def _cmp(out, ref, tol=1e-4, rel=False):
     assert err < tol * scale, (err, scale)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
 @pytest.mark.parametrize("cfg", list(CONFIGS))
 def test_engine_matches_hf_dynamic(preset, cfg):
@@ -224,6 +225,7 @@ def test_compiled_fused_lowering_equals_eager_and_replaces_aten_calls():
         assert counts[True].get(cls, 0) == 0 < counts[False].get(cls, 0), (cls, counts)
 
 
+@pytest.mark.compat
 def test_baseline_systems_agree():
     model = models.tiny_model("tiny-gqa", seed=8)
     lr = compress_svd(model, 0.5)
@@ -237,6 +239,26 @@ def test_baseline_systems_agree():
     _cmp(d2, d1)
     with pytest.raises(ValueError, match="dense_model"):
         make_runner("dense_engine", lr, None)
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("system", ["hf_compiled", "dense_hf_compiled"])
+def test_compiled_hf_baseline_matches_hf_static_across_requests(system):
+    """The gpt-fast-style baseline (StaticCache reused per batch size, full-graph compiled decode with the
+    whole [B, max_len] mask): the tokens and logits of hf_static on padded and unpadded requests, with ONE
+    compiled graph serving every request of a batch size."""
+    model = models.tiny_model("tiny-gqa", seed=9)
+    lr = compress_svd(model, 0.6)
+    ref_sys = "dense_hf_static" if system.startswith("dense_") else "hf_static"
+    comp = make_runner(system, lr, model, max_seq_len=32, compile_backend="aot_eager")
+    for i, pad in enumerate((0, 3, 0)):
+        ids = torch.randint(3, 256, (2, 9 + i), generator=torch.Generator().manual_seed(20 + i))
+        mask = torch.ones_like(ids)
+        mask[1, :pad] = 0
+        ref = run_generation(make_runner(ref_sys, lr, model, max_seq_len=32), ids, 6, mask, return_logits=True)
+        out = run_generation(comp, ids, 6, mask, return_logits=True)
+        _cmp(out, ref)
+    assert len(comp._prepared) == 1                      # one batch size: prepared (compiled) once
 
 
 @pytest.mark.smollm2

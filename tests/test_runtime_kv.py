@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from lowrank_lib.compat import cache_kw
 from lowrank_lib.attsvd.config import AttSVDConfig
 from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route
 from lowrank_lib.attsvd.store import AttSVDStore
@@ -42,11 +43,12 @@ def _reference(name, model, ids, mask, new):
         return ref.tokens, torch.stack(ref.logits, 1)
     cache = FactorSpaceAttSVDCache(model, ACFG)
     with decode_route(model, cache, "factor"):
-        o = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+        o = model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=new, do_sample=False,
                            pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     return o.sequences[:, ids.shape[1]:], torch.stack(o.scores, 1)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("name", list(STORES))
 def test_every_store_equals_its_reference_and_moves_the_cursor_once(model, name):
     store = STORES[name]()

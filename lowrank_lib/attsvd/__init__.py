@@ -5,9 +5,10 @@ factor-space attention and per-head interpretability.
 
     >>> from lowrank_lib.attsvd import AttSVDCache, AttSVDConfig
     >>> from lowrank_lib.hf import capture
+    >>> from lowrank_lib.compat import cache_kw        # cache= (transformers >= 5.24) or past_key_values=
     >>> cache = AttSVDCache(model, AttSVDConfig(ratio=0.5, window=32, mode="accumulate"))
     >>> with capture(model, cache):
-    ...     out = model.generate(ids, cache=cache, max_new_tokens=32)
+    ...     out = model.generate(ids, **cache_kw(cache), max_new_tokens=32)
     >>> cache.memory().ratio
 """
 from .basis import attention_svd, compress_prefill, logit_error, output_error

@@ -142,7 +142,7 @@ class AttSVDCache(CompressedKVCache):
 
         >>> cache = AttSVDCache(model, AttSVDConfig(ratio=0.5, window=32))
         >>> with capture(model, cache):
-        ...     out = model.generate(ids, cache=cache, max_new_tokens=32)
+        ...     out = model.generate(ids, **cache_kw(cache), max_new_tokens=32)
     """
 
     layer_class = AttSVDLayer

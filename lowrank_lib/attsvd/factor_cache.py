@@ -8,7 +8,7 @@ an attention function routed by :func:`factor_space` reads it in factor space. P
 
     >>> cache = FactorSpaceAttSVDCache(model, AttSVDConfig(ratio=0.5, window=32))
     >>> with decode_route(model, cache, "factor"):       # or "rebuild": the paper's path, same cache
-    ...     out = model.generate(ids, cache=cache, max_new_tokens=32)
+    ...     out = model.generate(ids, **cache_kw(cache), max_new_tokens=32)
 
 ``decode_route`` = the AttSVD query capture + :func:`factor_space` + the cache's route. Code that builds
 caches itself (e.g. ``lowrank_lib.eval.kvquality.continuation_quality``) runs inside

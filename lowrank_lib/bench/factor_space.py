@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from ..attsvd.basis import attention_svd
 from ..attsvd.factor_space import dense_attention, factor_space_attention, rebuild_then_attend
 from ..attsvd.kv import LowRankKV
+from ..compat import cache_kw
 from ..geometry import geometry
 from .cost import step_cost
 
@@ -254,7 +255,7 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
                 rng.shuffle(order)
                 for k in order:
                     t0 = time.perf_counter()
-                    out = model(state[k], cache=caches[k], use_cache=True)
+                    out = model(state[k], **cache_kw(caches[k]), use_cache=True)
                     lg = out.logits[:, -1].float()
                     state[k] = lg.argmax(-1, keepdim=True)
                     dt = time.perf_counter() - t0

@@ -10,7 +10,7 @@ effect. Eviction-only plans (no low-rank tier) are the ragged head-wise eviction
 
     >>> cache = compress(model, tok, ids, ComposedConfig(...), budget=0.25)
     >>> with composed_attention(model):
-    ...     logits = model(next_ids, cache=cache).logits
+    ...     logits = model(next_ids, **cache_kw(cache)).logits
 
 Positions: ``get_seq_length`` is the logical length (prefill + appended), so RoPE continues from the full
 prompt; the mask transformers builds covers only the appended rows (``get_mask_sizes``).

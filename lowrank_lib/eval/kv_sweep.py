@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..attsvd.config import AttSVDConfig
+from ..compat import cache_kw
 from .methods import MethodSpec, attsvd_stored_tokens
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
@@ -151,7 +152,7 @@ def _teacher_forced(model, cache, cont: torch.Tensor, routed=None) -> torch.Tens
     import torch.nn.functional as F
 
     with routed(model) if routed is not None else contextlib.nullcontext():
-        return F.log_softmax(model(cont, cache=cache).logits[0].float(), -1)
+        return F.log_softmax(model(cont, **cache_kw(cache)).logits[0].float(), -1)
 
 
 def _scores_for(scorers: list[str], model, tok, ids, record, need_stats: set[str]) -> dict:

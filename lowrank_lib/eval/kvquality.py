@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..compat import cache_kw
 from ..hf.record import dense_from, record_prefill, replay
 
 
@@ -57,7 +58,7 @@ def _continue(model, cache, cont: torch.Tensor, step: int) -> torch.Tensor:
     """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens."""
     outs = []
     for s in range(0, cont.shape[1], step):
-        outs.append(model(cont[:, s:s + step], cache=cache).logits[0].float())
+        outs.append(model(cont[:, s:s + step], **cache_kw(cache)).logits[0].float())
     return torch.cat(outs)
 
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from ..compat import cache_kw
 from ..hf.record import record_prefill, replay
 
 TASKS = ("passkey", "needle_single", "needle_multikey", "variable_tracking")
@@ -137,7 +138,7 @@ def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int,
     nxt = first_logits.argmax(-1).view(1, 1).to(dev)
     out = [int(nxt)]
     while len(out) < max_new and not (stop_ids and out[-1] in stop_ids):
-        logits = model(nxt, cache=cache).logits[:, -1]
+        logits = model(nxt, **cache_kw(cache)).logits[:, -1]
         nxt = logits.argmax(-1).view(1, 1)
         out.append(int(nxt))
     return out

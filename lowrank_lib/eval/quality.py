@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .. import families
 from ..geometry import geometry
@@ -76,72 +75,136 @@ def eval_tokens(model, tok, cfg: QualityConfig) -> torch.Tensor:
     return random_token_batches(model.config.vocab_size, 1, n, seed=cfg.seed + 1)[0]
 
 
-def run(cfg: QualityConfig, model=None, tok=None, stats=None, keep_dir: str | Path | None = None) -> dict:
+#: per process: (model, tok, ids, stats, calib_s) of a configuration, so each Ray worker loads and
+#: calibrates once for all its tasks; the serial run fills it (or takes the caller's model) and clears it
+_PREPARED: dict = {}
+
+
+def _key(cfg: QualityConfig) -> tuple:
+    return (cfg.model, cfg.seed, cfg.calib_samples, cfg.calib_seq_len, cfg.seq_len, cfg.max_windows)
+
+
+def _prepare(cfg: QualityConfig, model=None, tok=None, stats=None):
+    from .. import models
+    from ..compress.calib import calibration_data, collect_stats
+
+    if _key(cfg) not in _PREPARED:
+        torch.manual_seed(cfg.seed)
+        if model is None:
+            model, tok = models.load(cfg.model)
+        ids = eval_tokens(model, tok, cfg)
+        t0 = time.perf_counter()
+        if stats is None:
+            calib = calibration_data(tok, cfg.calib_samples, cfg.calib_seq_len, cfg.seed, model.config.vocab_size)
+            stats = collect_stats(model, calib, progress=cfg.progress)
+        _PREPARED[_key(cfg)] = (model, tok, ids, stats, time.perf_counter() - t0)
+    return _PREPARED[_key(cfg)]
+
+
+def _ppl(m, ids, cfg: QualityConfig, desc: str) -> float:
+    from .perplexity import perplexity
+
+    return perplexity(m, ids, seq_len=cfg.seq_len, max_windows=cfg.max_windows, progress=cfg.progress, desc=desc).ppl
+
+
+def dense_rows(cfg: QualityConfig) -> dict:
+    """One sweep task: the dense model's row (and the calibration time of this process)."""
+    from ..factorized import account
+
+    model, _, ids, _, calib_s = _prepare(cfg)
+    torch.manual_seed(cfg.seed)         # each task seeded alike: its rows do not depend on what ran before
+    acc = account(model)
+    return {"calib_seconds": round(calib_s, 1),
+            "rows": [{"family": "dense", "format": None, "keep": 1.0, "ppl": _ppl(model, ids, cfg, "dense"),
+                      "total_params": acc.total_params, "linear_params": acc.linear_params, "linear_keep": 1.0,
+                      "memory_bytes": acc.total_bytes, "disk_bytes": None}]}
+
+
+def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> dict:
+    """One sweep task: family ``fam`` at every keep of ``cfg``, each row measured on the read-back model."""
+    from ..factorized import account
+    from ..formats import detect_format, load_checkpoint, write_native
+
+    model, _, ids, stats, _ = _prepare(cfg)
+    torch.manual_seed(cfg.seed)
+    probe = ids[None, :64]
+    rows = []
+    tmp = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="lowrank_quality_"))
+    try:
+        for keep in cfg.keeps:
+            t1 = time.perf_counter()
+            cm = compress_family(model, fam, stats, keep, cfg)
+            t_comp = time.perf_counter() - t1
+            fmt = families.get_format(fam).name
+            disk = err = p = None
+            if cfg.roundtrip:
+                p = write_native(cm, fmt, tmp / f"{fam}-{keep}", tokenizer=None)
+                if detect_format(p) != fmt:
+                    raise RuntimeError(f"{p}: detected {detect_format(p)!r}, wrote {fmt!r}")
+                disk = dir_bytes(p)
+                back = load_checkpoint(p)
+                with torch.no_grad():
+                    ref = cm(probe).logits
+                    err = float((back(probe).logits - ref).norm() / ref.norm())
+                cm = back
+                if keep_dir is None:
+                    shutil.rmtree(p) if p.is_dir() else p.unlink()
+            a = account(cm)
+            rows.append({"family": fam, "format": fmt, "keep": keep, "ppl": _ppl(cm, ids, cfg, f"{fam}@{keep}"),
+                         "total_params": a.total_params, "linear_params": a.linear_params,
+                         "linear_keep": a.linear_keep, "memory_bytes": a.total_bytes, "disk_bytes": disk,
+                         "shared_params_saved": a.shared_params_saved, "compress_s": round(t_comp, 2),
+                         "roundtrip_rel_err": err, "path": None if keep_dir is None or p is None else str(p)})
+            del cm
+    finally:
+        if keep_dir is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"rows": rows}
+
+
+def run(cfg: QualityConfig, model=None, tok=None, stats=None, keep_dir: str | Path | None = None,
+        executor=None, on_partial=None) -> dict:
     """Build the table; returns ``{"config", "rows"}`` (``bench quality`` writes it).
 
-    ``model``/``tok``/``stats`` reuse an already loaded model and its calibration statistics.
+    One sweep task per family (every keep) plus the dense row, run by ``executor``
+    (:mod:`lowrank_lib.executor`; default serial); ``on_partial(result)`` gets the table of the tasks
+    finished so far, in table order, after each one (``bench quality`` writes it as it grows).
+    ``model``/``tok``/``stats`` reuse an already loaded model and its calibration statistics (serial only).
     ``keep_dir``: keep the native checkpoints there (row["path"]) instead of deleting them.
     Each row's ``roundtrip_rel_err`` compares the read-back model's logits with the in-memory one
     on the first 64 evaluation tokens (fp16-stored families differ by their storage rounding).
     """
-    from .. import account, models
-    from ..compress.calib import calibration_data, collect_stats
-    from ..formats import detect_format, load_checkpoint, write_native
-    from .perplexity import perplexity
+    from ..executor import SerialExecutor, Task, run_sweep
 
-    torch.manual_seed(cfg.seed)
-    if model is None:
-        model, tok = models.load(cfg.model)
-    ids = eval_tokens(model, tok, cfg)
-    probe = ids[None, :64]
-    t0 = time.perf_counter()
-    if stats is None:
-        calib = calibration_data(tok, cfg.calib_samples, cfg.calib_seq_len, cfg.seed, model.config.vocab_size)
-        stats = collect_stats(model, calib, progress=cfg.progress)
-    calib_s = time.perf_counter() - t0
+    executor = executor or SerialExecutor()
+    local = isinstance(executor, SerialExecutor)
+    if not local and (model is not None or stats is not None):
+        raise ValueError("model=/stats= live in this process: use the serial executor, or pass neither")
+    kd = None if keep_dir is None else str(keep_dir)
+    tasks = [Task("dense", dense_rows, (cfg,))] + [Task(f, family_rows, (cfg, f, kd)) for f in cfg.families]
+    done: dict = {}
 
-    def ppl(m, desc):
-        return perplexity(m, ids, seq_len=cfg.seq_len, max_windows=cfg.max_windows, progress=cfg.progress, desc=desc).ppl
+    def result(parts: dict) -> dict:
+        calib = parts.get("dense", {}).get("calib_seconds")
+        return {"config": {**asdict(cfg), "calib_split": "wikitext-2 valid", "eval_split": "wikitext-2 test",
+                           "eval_tokens_per_window": cfg.seq_len, "calib_seconds": calib,
+                           "torch": torch.__version__, "threads": torch.get_num_threads(),
+                           "executor": executor.name},
+                "rows": [r for t in tasks if t.name in parts for r in parts[t.name]["rows"]]}
 
-    acc = account(model)
-    rows = [{"family": "dense", "format": None, "keep": 1.0, "ppl": ppl(model, "dense"), "total_params": acc.total_params,
-             "linear_params": acc.linear_params, "linear_keep": 1.0, "memory_bytes": acc.total_bytes,
-             "disk_bytes": None}]
-    tmp = Path(keep_dir) if keep_dir is not None else Path(tempfile.mkdtemp(prefix="lowrank_quality_"))
+    def finished(name, value):
+        done[name] = value
+        if on_partial is not None:
+            on_partial(result(done))
+
     try:
-        for fam in tqdm(cfg.families, desc="families", disable=not cfg.progress):
-            for keep in cfg.keeps:
-                t1 = time.perf_counter()
-                cm = compress_family(model, fam, stats, keep, cfg)
-                t_comp = time.perf_counter() - t1
-                fmt = families.get_format(fam).name
-                disk = err = p = None
-                if cfg.roundtrip:
-                    p = write_native(cm, fmt, tmp / f"{fam}-{keep}", tokenizer=None)
-                    if detect_format(p) != fmt:
-                        raise RuntimeError(f"{p}: detected {detect_format(p)!r}, wrote {fmt!r}")
-                    disk = dir_bytes(p)
-                    back = load_checkpoint(p)
-                    with torch.no_grad():
-                        ref = cm(probe).logits
-                        err = float((back(probe).logits - ref).norm() / ref.norm())
-                    cm = back
-                    if keep_dir is None:
-                        shutil.rmtree(p) if p.is_dir() else p.unlink()
-                a = account(cm)
-                rows.append({"family": fam, "format": fmt, "keep": keep, "ppl": ppl(cm, f"{fam}@{keep}"),
-                             "total_params": a.total_params, "linear_params": a.linear_params,
-                             "linear_keep": a.linear_keep, "memory_bytes": a.total_bytes, "disk_bytes": disk,
-                             "shared_params_saved": a.shared_params_saved, "compress_s": round(t_comp, 2),
-                             "roundtrip_rel_err": err, "path": None if keep_dir is None or p is None else str(p)})
-                del cm
+        if local:
+            _prepare(cfg, model, tok, stats)
+        parts = run_sweep(tasks, executor, on_result=finished, progress=cfg.progress, desc="quality")
     finally:
-        if keep_dir is None:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return {"config": {**asdict(cfg), "calib_split": "wikitext-2 valid", "eval_split": "wikitext-2 test",
-                       "eval_tokens_per_window": cfg.seq_len, "calib_seconds": round(calib_s, 1),
-                       "torch": torch.__version__, "threads": torch.get_num_threads()},
-            "rows": rows}
+        if local:
+            _PREPARED.pop(_key(cfg), None)
+    return result(parts)
 
 
 def format_table(result: dict) -> str:

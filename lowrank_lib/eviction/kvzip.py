@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..compat import cache_kw
 from ..hf.attention import routed_attention
 from ..hf.record import PrefillRecord, dense_from
 
@@ -118,7 +119,7 @@ class KVzip:
             for s, e, x in self.inputs(tok, ids):
                 span.update(s=s, e=e)
                 n_q += x.shape[-1]
-                model(x, cache=dense_from(record, model), logits_to_keep=1)
+                model(x, **cache_kw(dense_from(record, model)), logits_to_keep=1)
         return ContextScores(score, mass, gram, n_q)
 
     def _chunk_scores(self, query, key, s, e, S, scaling):

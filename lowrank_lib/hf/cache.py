@@ -168,7 +168,7 @@ class CompressedKVCache(Cache):
     Use through :func:`lowrank_lib.hf.capture.capture` so the layers receive post-RoPE queries:
 
         >>> with capture(model, cache):
-        ...     out = model.generate(ids, cache=cache, max_new_tokens=32)
+        ...     out = model.generate(ids, **cache_kw(cache), max_new_tokens=32)
     """
 
     def __init__(self, layers: list[PrefillCompressedLayer]):

@@ -6,8 +6,8 @@ the attention in effect and then hands the queries of a pending prefill to the c
 (``CompressedKVCache.observe``). The mask is the model's own (sdpa or eager), so left padding stays right.
 
     >>> with capture(model, cache):
-    ...     model(ids, cache=cache)              # prefill: exact, then compressed with Q
-    ...     model.generate(ids, cache=cache)     # works too
+    ...     model(ids, **cache_kw(cache))        # prefill: exact, then compressed with Q
+    ...     model.generate(ids, **cache_kw(cache)) # works too
 """
 from __future__ import annotations
 

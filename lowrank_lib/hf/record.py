@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from ..compat import cache_kw
 from ..geometry import geometry
 from .cache import CompressedKVCache, Observation, PrefillCompressedLayer
 from .capture import capture
@@ -49,7 +50,7 @@ def record_prefill(model, ids: torch.Tensor, attention_mask: torch.Tensor | None
     """Prefill ``ids`` [B, S] once, capturing every layer's K, V and post-RoPE queries."""
     rec = CompressedKVCache([_RecordLayer() for _ in range(geometry(model).n_layers)])
     with capture(model, rec):
-        out = model(ids, attention_mask=attention_mask, cache=rec, logits_to_keep=1)
+        out = model(ids, attention_mask=attention_mask, **cache_kw(rec), logits_to_keep=1)
     ls = rec.layers
     if any(l.obs is None for l in ls):
         raise RuntimeError("record_prefill: queries were not captured for every layer")

@@ -24,6 +24,7 @@ import copy
 
 import torch
 
+from ..compat import cache_kw, cache_kwarg
 from ..generation import left_pad_counts
 from .config import PRESETS, EngineConfig
 from .engine import Engine
@@ -64,8 +65,8 @@ class HFRunner:
         self.mask = (torch.arange(T, device=self.device)[None] >= pad[:, None]).long()
         self.pos = (torch.arange(T, device=self.device)[None] - pad[:, None]).clamp_min(0)
         self.cache = self._new_cache(T)
-        out = self.model(input_ids, attention_mask=self.mask, position_ids=self.pos, cache=self.cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids, attention_mask=self.mask, position_ids=self.pos,
+                         **cache_kw(self.cache), use_cache=True, logits_to_keep=1)
         self.pos = self.pos[:, -1:]
         return out.logits[:, -1]
 
@@ -75,7 +76,7 @@ class HFRunner:
         self.mask = torch.cat([self.mask, self.mask.new_ones(B, 1)], 1)
         self.pos = self.pos + 1
         out = self.model(tokens.to(self.device)[:, None], attention_mask=self.mask, position_ids=self.pos,
-                         cache=self.cache, use_cache=True)
+                         **cache_kw(self.cache), use_cache=True)
         return out.logits[:, -1]
 
 
@@ -97,8 +98,10 @@ class HFCompiledRunner(HFRunner):
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
         self.backend, self.mode = backend, mode
 
+        name = cache_kwarg()                 # resolved here, outside the traced function
+
         def hf_decode(tokens, mask, pos, cache):
-            return self.model(tokens, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True).logits
+            return self.model(tokens, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).logits
 
         kw = {} if backend != "inductor" else {"mode": mode}
         self._fn = torch.compile(own_code(hf_decode), fullgraph=True, dynamic=False, backend=backend, **kw)

@@ -1,9 +1,16 @@
-"""AttSVD budget sweep: every KV method at every budget, KL / perplexity vs dense + long-context tasks."""
+"""AttSVD budget sweep: every KV method at every budget, KL / perplexity vs dense + long-context tasks.
+
+One sweep task per prefill length and one for the long-context tasks (``--executor ray`` runs them in
+parallel, each loading the model once); the JSON is rewritten after each finished task.
+"""
 from __future__ import annotations
+
+import sys
 
 
 def add_arguments(p) -> None:
     from ...eval.methods import METHODS
+    from ...executor import add_arguments as add_executor_arguments
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--report", action="store_true", help="the report parameters (SmolLM2 up to 8k tokens)")
@@ -20,12 +27,14 @@ def add_arguments(p) -> None:
     p.add_argument("--tasks", nargs="*", default=["passkey", "needle_single", "needle_multikey", "variable_tracking"])
     p.add_argument("--longctx-budgets", type=float, nargs="+", default=[0.5])
     p.add_argument("--seed", type=int, default=0)
+    add_executor_arguments(p)
 
 
 def run(a) -> int:
     import torch
 
-    from ...eval.kv_sweep import QUICK, REPORT, budget_sweep, table
+    from ...eval.kv_sweep import QUICK, REPORT, table
+    from ...executor import SweepError, Task, from_args, run_sweep
     from ..results import ResultFiles, slug
 
     preset = REPORT if a.report else QUICK
@@ -35,10 +44,49 @@ def run(a) -> int:
                 n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
                 longctx_budgets=a.longctx_budgets)
     files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, args["prefill"])), f"n{args['windows']}"))
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line}
-    res = budget_sweep(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+            "executor": a.executor}
+    tasks = [Task(f"quality_{P}", stage, (args, [P], [])) for P in args["prefill"]]
+    if args["lengths"] and args["tasks"]:
+        tasks.append(Task("longctx", stage, (args, [], args["lengths"])))
+    done: dict = {}
+
+    def finished(name, part):       # the result so far, rewritten after every task
+        done[name] = part
+        files.write(merge(done, [t.name for t in tasks]) | meta)
+
+    try:
+        run_sweep(tasks, from_args(a), on_result=finished, desc="attsvd")
+    except SweepError as e:
+        print(f"{e}\npartial results: {files.path}", file=sys.stderr)
+        return 1
+    res = merge(done, [t.name for t in tasks]) | meta
     txt = table(res)
     files.write(res, txt=txt)
     print(txt)
     print(f"\nwrote {files.path}")
     return 0
+
+
+def stage(args: dict, prefill: list[int], lengths: list[int]) -> dict:
+    """One sweep task: :func:`budget_sweep` on some prefill lengths and/or the long-context lengths."""
+    from ...eval.kv_sweep import budget_sweep
+
+    return budget_sweep(**(args | {"prefill": prefill, "lengths": lengths}))
+
+
+def merge(parts: dict, order: list[str]) -> dict:
+    """The finished stages as one :func:`budget_sweep` result (targets recomputed with the long-context part)."""
+    from ...eval.kv_sweep import targets
+
+    res: dict = {"quality": {}, "targets": {}, "timing_s": {}}
+    for name in order:
+        if name in parts:
+            p = parts[name]
+            res["quality"] |= p["quality"]
+            res["timing_s"] |= p["timing_s"]
+            if "longctx" in p:
+                res["longctx"] = p["longctx"]
+    for P, q in res["quality"].items():
+        res["targets"][P] = targets(q, res.get("longctx"), 0.5)
+    return res

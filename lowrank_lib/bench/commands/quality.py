@@ -1,9 +1,12 @@
 """Every checkpoint family at each keep: compress -> write natively -> read back -> WikiText-2 perplexity."""
 from __future__ import annotations
 
+import sys
+
 
 def add_arguments(p) -> None:
     from ...eval.quality import METHOD_NAMES
+    from ...executor import add_arguments as add_executor_arguments
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--keeps", type=float, nargs="+", default=[0.8, 0.6])
@@ -13,18 +16,29 @@ def add_arguments(p) -> None:
     p.add_argument("--calib-samples", type=int, default=32)
     p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--palu-align", type=int, default=32)
+    add_executor_arguments(p)       # one task per family (+ dense): --executor ray [--address ...]
 
 
 def run(a) -> int:
     from ...eval.quality import QualityConfig, format_table
     from ...eval.quality import run as quality_table
-    from ..results import write_result
+    from ...executor import SweepError, from_args
+    from ..results import ResultFiles
 
     cfg = QualityConfig(model=a.model, keeps=tuple(a.keeps), families=tuple(a.families), max_windows=a.windows,
                         seq_len=a.seq_len, calib_samples=a.calib_samples, calib_seq_len=a.calib_seq_len,
                         palu_align=a.palu_align)
-    res = quality_table(cfg)
-    table = format_table(res)
-    print(table)
-    print(f"wrote {write_result(a.out, 'quality', cfg.slug(), {**res, 'command': a.command_line}, md=table)}")
+    files = ResultFiles(a.out, "quality", cfg.slug())
+
+    def write(res: dict):           # after every finished task: the table so far (a crash keeps it)
+        files.write({**res, "command": a.command_line}, md=format_table(res))
+
+    try:
+        res = quality_table(cfg, executor=from_args(a), on_partial=write)
+    except SweepError as e:
+        print(f"{e}\npartial results: {files.path}", file=sys.stderr)
+        return 1
+    write(res)
+    print(format_table(res))
+    print(f"wrote {files.path}")
     return 0
