@@ -1,5 +1,8 @@
 """Every notebook on disk runs in CI; the runner plans parameters correctly; notebook 00's metrics."""
+import json
 import math
+import os
+import subprocess
 
 import pytest
 
@@ -62,3 +65,79 @@ def test_paper_params_file_only_overrides_declared_names(tmp_path):
     bad.write_text("overrides:\n  00_quickstart:\n    NOT_A_PARAM: 1\n")
     with pytest.raises(ValueError, match=r"overrides \['NOT_A_PARAM'\] for 00_quickstart"):
         notebooks.plan("00_quickstart", ci=False, params_file=bad)
+
+
+# --------------------------------------------------------------------------- where notebooks write
+def _fig():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    return fig
+
+
+def test_context_writes_relative_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    ctx = notebooks.NotebookContext("reports/00_quickstart", "figures")
+    assert ctx.savefig(_fig(), "00_x") is None          # no return value to show as a cell output
+    assert ctx.write_metrics({"a": 1.5, "nan": float("nan")}) is None
+    assert (tmp_path / "figures" / "00_x.png").stat().st_size > 0
+    m = json.loads((tmp_path / "reports" / "00_quickstart" / "metrics.json").read_text())
+    assert m["figures"] == ["figures/00_x.png"] and m["a"] == 1.5 and m["nan"] == "nan"
+    assert ctx.metrics_path == tmp_path / "reports" / "00_quickstart" / "metrics.json"
+    # nothing went to the checkout
+    assert notebooks.root() not in ctx.fig_dir.parents and notebooks.root() not in ctx.out_dir.parents
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def test_context_refuses_to_overwrite_a_committed_file_outside_the_runner(tmp_path, monkeypatch):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "00_x.png").write_bytes(b"committed")
+    (tmp_path / "figures" / "00_untracked.png").write_bytes(b"scratch")
+    _git(tmp_path, "add", "figures/00_x.png")
+    _git(tmp_path, "commit", "-q", "-m", "fig")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    ctx = notebooks.NotebookContext("out", "figures")
+    with pytest.raises(FileExistsError, match=r"00_x\.png is a file committed to git"):
+        ctx.savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() == b"committed"
+    ctx.savefig(_fig(), "00_untracked")                 # an untracked file is the run's own output
+    assert (tmp_path / "figures" / "00_untracked.png").read_bytes() != b"scratch"
+    notebooks.NotebookContext("out", "figures", overwrite_tracked=True).savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() != b"committed"
+    _git(tmp_path, "checkout", "--", "figures/00_x.png")
+    monkeypatch.setenv(notebooks.REPORT_RUN_ENV, "1")   # what run() sets while papermill executes
+    notebooks.NotebookContext("out", "figures").savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() != b"committed"
+
+
+def test_report_run_env_is_scoped(monkeypatch):
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    with notebooks._report_run():
+        assert os.environ[notebooks.REPORT_RUN_ENV] == "1"
+    assert notebooks.REPORT_RUN_ENV not in os.environ
+
+
+def test_prepare_injects_ci_parameters_but_not_output_dirs(tmp_path):
+    import nbformat
+
+    out = notebooks.prepare("04_attsvd_interpretability", tmp_path)
+    nb = nbformat.read(out, as_version=4)
+    tags = [c.metadata.get("tags", []) for c in nb.cells]
+    i = next(i for i, t in enumerate(tags) if "parameters" in t)
+    assert "injected-parameters" in tags[i + 1]
+    injected = nb.cells[i + 1].source
+    assert "SEQ_LEN = 256" in injected and "KEEP_RATIO = 0.5" in injected
+    assert "OUT_DIR" not in injected and "FIG_DIR" not in injected
+    assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")   # prepared, not executed
