@@ -32,13 +32,41 @@ def test_truncating_the_cache_equals_compress_svdllm(gqa, keep):
     for name, r in ref.items():
         g = got[name]
         assert g.rank == r.rank, name
-        torch.testing.assert_close(g.U, r.U, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(g.V, r.V, rtol=1e-6, atol=1e-7)
+        # the same rank-r map (factors may differ by the sign of a component)
+        torch.testing.assert_close(g.dense_weight(), r.dense_weight(), rtol=1e-5, atol=1e-6)
     assert got_model.lowrank_meta["family"] == "svdllm" and got_model.lowrank_meta["keep"] == keep
     x = random_token_batches(256, 1, 32, seed=3)
     with torch.no_grad():
         torch.testing.assert_close(got_model(x).logits, compress_svdllm(m, stats, keep, progress=False)(x).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(12, 30), (30, 12), (16, 16)])
+def test_whitened_full_equals_svdllm_factors_at_every_rank(shape):
+    from lowrank_lib.compress.calib import cholesky_lower
+    from lowrank_lib.compress.common import whitened_factors
+    from lowrank_lib.compress.whitened import whitened_full
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(*shape, generator=g, dtype=torch.float64)
+    X = torch.randn(200, shape[1], generator=g, dtype=torch.float64) * torch.logspace(0, 3, shape[1], dtype=torch.float64)
+    L = cholesky_lower(X.T @ X)
+    u, v = whitened_full(W, L)
+    k = min(shape)
+    assert u.shape == (shape[0], k) and v.shape == (k, shape[1])
+    for r in range(1, k + 1):
+        a, b = whitened_factors(W, L, r)
+        torch.testing.assert_close(u[:, :r] @ v[:r], a @ b, rtol=1e-9, atol=1e-9 * float(W.norm()))
+        # the same balanced split as SVD-LLM: column norms of u equal row norms of v times ||L|| scale
+        torch.testing.assert_close(u[:, :r].norm(dim=0), a.norm(dim=0), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(u @ v, W, rtol=1e-9, atol=1e-9)
+    # a rank-deficient W gives zero components, not huge ones
+    Wd = W.clone()
+    Wd[-1] = Wd[0] if shape[0] < shape[1] else Wd[-1]
+    Wd[:, -1] = Wd[:, 0] if shape[0] >= shape[1] else Wd[:, -1]
+    u, v = whitened_full(Wd, L)
+    assert torch.isfinite(u).all() and torch.isfinite(v).all() and float(u.abs().max()) < 1e6
+    torch.testing.assert_close(u @ v, Wd, rtol=1e-8, atol=1e-8)
 
 
 def test_explicit_ranks_and_full_rank_exact(gqa):

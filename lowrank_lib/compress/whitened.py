@@ -7,10 +7,15 @@ L = chol(X^T X) and U S Vh = SVD(W L),
 
 Nothing before the slicing depends on r (the rows of v solve independent triangular systems), so
 the factors at EVERY rank are the leading columns / rows of the full-rank factors. This class
-computes those once (the cost of one ``compress_svdllm`` call) and then any keep is a slice: a
-deep copy of the model plus copies of the slices, well under a second for SmolLM2, instead of 210
-float64 SVDs. ``tests/test_compress_whitened.py`` checks that the slices equal
-``compress_svdllm`` at the same keep.
+computes those once and then any keep is a slice: a deep copy of the model plus copies of the
+slices, well under a second for SmolLM2, instead of 210 float64 SVDs.
+
+The one decomposition comes from the symmetric eigenproblem of the smaller Gram matrix of M = W L
+(float64), which LAPACK solves faster than the SVD of M: for out < in, M M^T = W X^T X W^T = U S^2 U^T
+gives u = U sqrt(S) and v = S^{-1/2} U^T W (no triangular solve); otherwise M^T M = V S^2 V^T gives
+u = M V S^{-1/2} and v = S^{1/2} V^T L^{-1}. Either way u v = U_r U_r^T W is SVD-LLM's rank-r map;
+the factors equal ``compress_svdllm``'s up to float64 rounding and the sign of each component, and
+``tests/test_compress_whitened.py`` checks the maps and logits agree at every tested keep.
 
 Memory: the full-rank factors, about 1.5x the projection weights in ``dtype`` (default: the
 model's dtype, which is what ``compress_svdllm`` returns too).
@@ -26,7 +31,26 @@ from tqdm.auto import tqdm
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 from ..ranks import keep_rank
 from .calib import CalibStats, cholesky_lower
-from .common import whitened_factors
+
+
+def whitened_full(W: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-rank SVD-LLM factors, components by decreasing singular value: u [out, k], v [k, in] float64
+    (k = min(out, in)) with u[:, :r] @ v[:r] = SVD-LLM's rank-r map for every r. See the module doc.
+
+    Components with a singular value below 1e-12 of the largest are zero (SVD-LLM's own factors are
+    zero there too), so no factor entry blows up."""
+    Wd = W.detach().double()
+    M = Wd @ L
+    wide = M.shape[0] < M.shape[1]
+    lam, E = torch.linalg.eigh(M @ M.T if wide else M.T @ M)
+    s = lam.flip(0).clamp_min(0).sqrt()
+    E = E.flip(1)
+    alive = (s > s[0] * 1e-12).to(s.dtype)
+    rs = torch.where(alive > 0, s, torch.ones_like(s)).sqrt()          # sqrt(s), 1 where the component is 0
+    if wide:                                                           # M M^T = U S^2 U^T
+        return E * (rs * alive), (E.T @ Wd) * (alive / rs)[:, None]
+    v = torch.linalg.solve_triangular(L, (rs * alive)[:, None] * E.T, upper=False, left=False)  # (.) L^-1
+    return (M @ E) * (alive / rs), v                                   # M^T M = V S^2 V^T
 
 
 class WhitenedSpectra:
@@ -51,7 +75,7 @@ class WhitenedSpectra:
             if id(st) not in chol:   # q/k/v and gate/up share one statistic, hence one Cholesky factor
                 chol[id(st)] = cholesky_lower(st.xtx)
             dt = dtype or lin.weight.dtype
-            u, v = whitened_factors(lin.weight, chol[id(st)], min(lin.out_features, lin.in_features))
+            u, v = whitened_full(lin.weight, chol[id(st)])
             self.u[name], self.v[name] = u.to(dt), v.to(dt)
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
 
