@@ -7,7 +7,7 @@ from lowrank_lib import models
 from lowrank_lib.attsvd import interpret
 from lowrank_lib.attsvd.record import record_prefill
 from lowrank_lib.explore.heads import CURVES, HeadRanks, draw_head, format_summary
-from lowrank_lib.explore.text import token_label, token_labels
+from lowrank_lib.tokentext import token_label, token_labels
 
 matplotlib.use("Agg")
 
@@ -74,7 +74,7 @@ class _ByteTok:
     """A byte-level tokenizer stand-in: one token per UTF-8 byte, GPT-2 alphabet pieces."""
 
     def __init__(self):
-        from lowrank_lib.explore.text import _byte_decoder
+        from lowrank_lib.tokentext import _byte_decoder
 
         self.enc = {b: c for c, b in _byte_decoder().items()}
 

@@ -5,7 +5,6 @@
             explorer
     keep    notebook 00: a keep-ratio explorer over SVD-LLM v1 (one whitened SVD, every keep a slice),
             perplexity and answer cached per keep
-    text    readable token labels (no U+FFFD for a token that holds part of a character)
 
 The widgets are thin: every number they show comes from a plain function tested without a browser;
 ``tests/browser/`` drives the widgets themselves in JupyterLab.
