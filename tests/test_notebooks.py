@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -47,8 +48,19 @@ def test_quickstart_metrics(executed_notebook):
     # plain SVD: less kept -> worse; both worse than dense
     keeps = sorted(ppl, key=float)
     assert ppl[keeps[0]] >= ppl[keeps[-1]] > m["dense_ppl"]
+    # SVD-LLM v1 (the slider's compressor): usable where plain SVD collapses, at the same parameter counts
+    llm = m["svdllm_ppl_by_keep"]
+    assert set(llm) == set(ppl)
+    for k in llm:
+        assert math.isfinite(llm[k]) and llm[k] < ppl[k] / 100
+    assert llm[keeps[-1]] < 5 * m["dense_ppl"] and llm[keeps[0]] >= llm[keeps[-1]]
     assert m["params_compressed"] < m["params_dense"]
     assert "Paris" in m["answer_dense"]
+    # the slider rendered its first value (papermill runs a kernel, so the widget exists)
+    rows = m["slider_rows"]
+    assert [r["keep"] for r in rows] == [round(m["keep_ratio"], 4)] and math.isfinite(rows[0]["ppl"])
+    assert rows[0]["params"] == m["params_compressed"]
+    assert 0 < m["slider_ready_s"] < m["wall_s"]
     assert m["figures"] and all(f.endswith(".png") for f in m["figures"])
     sens = m["sensitivity_ppl"]
     assert set(sens) == {"dense", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -141,3 +153,73 @@ def test_prepare_injects_ci_parameters_but_not_output_dirs(tmp_path):
     assert "SEQ_LEN = 256" in injected and "KEEP_RATIO = 0.5" in injected
     assert "OUT_DIR" not in injected and "FIG_DIR" not in injected
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")   # prepared, not executed
+
+
+# --------------------------------------------------------------------------- clean outputs
+#: offenders whose fix is in flight elsewhere (they xfail this test, by name, instead of failing it)
+PENDING = {
+    "lowrank_lib/models.py prints loader lines on stderr (its conversion to logging is in another branch)":
+        re.compile(r"^\[lowrank_lib\.models\] "),
+    "attsvd.record_prefill passes past_key_values= (transformers 5.24 wants cache=; issue 14, another branch)":
+        re.compile(r"FutureWarning: `past_key_values` is deprecated"),
+}
+
+
+def _texts(nb):
+    """(where, kind, text) of every output, including what widgets' Output areas hold in the saved state."""
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []):
+            if o.output_type == "stream":
+                yield f"cell {i}", o.name, o.text
+            elif o.output_type in ("execute_result", "display_data"):
+                for mime, v in o.get("data", {}).items():
+                    if mime.startswith("text/"):
+                        yield f"cell {i}", o.output_type, v if isinstance(v, str) else "".join(v)
+            elif o.output_type == "error":
+                yield f"cell {i}", "error", f"{o.ename}: {o.evalue}"
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    for mid, w in state.items():
+        for o in w.get("state", {}).get("outputs", []) or []:
+            text = o.get("text") or "".join(str(v) for k, v in o.get("data", {}).items() if k.startswith("text/"))
+            yield f"widget {mid[:8]}", o.get("name", o.get("output_type", "?")), text
+
+
+def _pending(text: str) -> str | None:
+    """The PENDING entry that explains a whole stderr text (continuation lines included), else None."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    hit = None
+    for ln in lines:
+        for why, pat in PENDING.items():
+            if pat.search(ln):
+                hit = why
+                break
+        else:
+            if not ln.startswith((" ", "\t")):     # a warning's source line is indented; anything else is new
+                return None
+    return hit
+
+
+@pytest.mark.notebook
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["00_quickstart", "04_attsvd_interpretability"])
+def test_executed_outputs_are_clean(executed_notebook, name):
+    """No stderr, no stray return value, no warning from our calls, no U+FFFD in what the notebook shows."""
+    import nbformat
+
+    executed_notebook(name)
+    nb = nbformat.read(notebooks.root() / "reports" / "ci" / f"{name}.ipynb", as_version=4)
+    bad, pending = [], set()
+    for where, kind, text in _texts(nb):
+        if "PosixPath(" in text:
+            bad.append(f"{where}: a stray return value: {text[:120]!r}")
+        if "\ufffd" in text:
+            bad.append(f"{where}: U+FFFD in {kind}: {text[max(0, text.index(chr(0xFFFD)) - 60):][:120]!r}")
+        if re.search(r"(FutureWarning|UserWarning|DeprecationWarning)\b", text) and "lowrank_lib" in text:
+            why = _pending(text)
+            (pending.add(why) if why else bad.append(f"{where}: a warning from our code: {text[:300]!r}"))
+        elif kind == "stderr":
+            why = _pending(text)
+            (pending.add(why) if why else bad.append(f"{where}: stderr: {text[:300]!r}"))
+    assert not bad, f"{name}:\n" + "\n".join(bad)
+    if pending:
+        pytest.xfail("; ".join(sorted(pending)))
