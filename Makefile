@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
 	fi
-	$(PIP) install -q -e ".[notebooks,dev]"
+	$(PIP) install -q -e ".[notebooks,dev,browser]"
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -11,7 +11,7 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
     python -m lowrank_lib.notebooks run --params notebooks/params/paper.yaml   # bigger machine
     python -m lowrank_lib.notebooks list
 
-    python -m lowrank_lib.notebooks prepare --ci 04_attsvd_interpretability DIR   # CI-sized copy to open
+    python -m lowrank_lib.notebooks prepare 04_attsvd_interpretability DIR   # CI-sized copy to open
     python -m lowrank_lib.notebooks list
 
 Inside a notebook::
