@@ -8,7 +8,9 @@ copy, one perplexity window and one short greedy answer. Every value the slider 
 from __future__ import annotations
 
 import gc
+import sys
 import time
+import traceback
 
 import torch
 
@@ -102,14 +104,20 @@ class KeepExplorer:
 
         def render(keep):
             status.value = f"computing keep {keep:.2f} ..."
-            row = self.result(keep)
-            with out:
-                clear_output(wait=True)
-                print(self.describe(row))
-                fig, ax = plt.subplots(figsize=(6, 3))
-                self.draw(ax, keep)
-                plt.show()
-            status.value = ""
+            try:
+                row = self.result(keep)
+                with out:
+                    clear_output(wait=True)
+                    print(self.describe(row))
+                    fig, ax = plt.subplots(figsize=(6, 3))
+                    self.draw(ax, keep)
+                    plt.show()
+            except Exception:                  # a callback's exception would only reach the browser's log
+                with out:
+                    clear_output(wait=True)
+                    traceback.print_exc(file=sys.stdout)
+            finally:
+                status.value = ""
 
         slider.observe(lambda ch: render(ch["new"]), names="value")
         ui = W.VBox([W.HBox([slider, status]), out])
