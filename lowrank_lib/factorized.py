@@ -23,6 +23,9 @@ from torch import nn
 
 #: Projection names of a Llama-family decoder layer, in forward order.
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: The submodule of a decoder layer that holds each projection (``model.layers.<i>.<parent>.<proj>``).
+LLAMA_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 class LowRankLinear(nn.Module):

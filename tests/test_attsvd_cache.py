@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_utils import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
 from lowrank_lib import models
-from lowrank_lib.attsvd import AttSVDCache, AttSVDConfig, capture
-from lowrank_lib.attsvd.cache import AttSVDLayer, Observation
+from lowrank_lib.attsvd import AttSVDCache, AttSVDConfig
+from lowrank_lib.attsvd.cache import AttSVDLayer
+from lowrank_lib.hf import Observation, capture
 
 PRESETS = ["tiny-mha", "tiny-gqa"]
 
@@ -43,7 +44,7 @@ def test_prefill_bit_identical_and_full_rank_exact(preset):
         pre, post = _run(model, cache, ids, nxt)
         assert torch.equal(pre, pre_d)                       # prefill served exactly
         assert not cache.used_fallback
-        assert cache.layers[0].bulk_k.A.shape[-2] == 80 - cfg.window
+        assert cache.layers[0].kv.runs[0][0].shape[-2] == cache.layers[0].bulk_len == 80 - cfg.window
     # the last cache is full rank with every token factored: decode reproduces dense (fp32 tolerance)
     torch.testing.assert_close(post, post_d, rtol=1e-4, atol=1e-4)
 
@@ -66,16 +67,24 @@ def test_decode_error_falls_with_rank(aware):
 def test_generate_equals_manual_loop_and_registration_is_reversible():
     model, _ = _model("tiny-gqa")
     ids = torch.randint(0, 256, (1, 60))
-    before = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping),
-              model.config._attn_implementation)
+    registry = lambda: (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping),
+                        dict(ALL_ATTENTION_FUNCTIONS), dict(ALL_MASK_ATTENTION_FUNCTIONS),
+                        model.config._attn_implementation)
+    before = registry()
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    other = models.tiny_model("tiny-mha", seed=1).eval()      # another model in the process: untouched
+    x = torch.randint(0, 256, (1, 9))
+    with torch.no_grad():
+        other_ref = other(x).logits
     cfg = AttSVDConfig(ratio=0.5, window=6, mode="stream", chunk=4)
     cache = AttSVDCache(model, cfg)
     with capture(model, cache):
-        assert model.config._attn_implementation.startswith("attsvd_capture_")
+        # the model keeps its implementation (and its mask function); only the "sdpa" entry is overridden
+        assert model.config._attn_implementation == "sdpa" and ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa
         gen = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
-    after = (set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping),
-             model.config._attn_implementation)
-    assert before == after
+        with torch.no_grad():
+            assert torch.equal(other(x).logits, other_ref)
+    assert registry() == before and ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa
     manual = AttSVDCache(model, cfg)
     with torch.no_grad():
         with capture(model, manual):
@@ -124,8 +133,9 @@ def test_stream_window_bounds_and_accumulate_growth():
                     assert w <= n < w + l and len(layer.blocks) == (step + 1) // l
                 else:
                     assert n == w + step + 1 and not layer.blocks
-        total = cache.layers[1].bulk_k.length + sum(fk.length for fk, _ in cache.layers[1].blocks) + \
+        total = cache.layers[1].bulk_len + sum(ak.shape[-2] for ak, _, _, _ in cache.layers[1].blocks) + \
             cache.layers[1].keys.shape[-2]
+        assert total == cache.layers[1].kv.length
         assert total == cache.get_seq_length() == 63
     assert len(cache.layers[1].blocks) == 0
     # stream: 23 tokens after a window of 6 -> (6 + 23 - 6) // 5 = 4 frozen blocks of l tokens
@@ -134,7 +144,7 @@ def test_stream_window_bounds_and_accumulate_growth():
         with capture(model, stream):
             model(ids, past_key_values=stream)
         model(torch.randint(0, 256, (1, 23)), past_key_values=stream)
-    assert len(stream.layers[0].blocks) == 4 and stream.layers[0].blocks[0][0].A.shape[-2:] == (l, 4)
+    assert len(stream.layers[0].blocks) == 4 and stream.layers[0].blocks[0][0].shape[-2:] == (l, 4)
 
 
 def test_fallback_without_queries_warns_and_still_works():
@@ -144,7 +154,7 @@ def test_fallback_without_queries_warns_and_still_works():
         model(torch.randint(0, 256, (1, 30)), past_key_values=cache)
         with pytest.warns(RuntimeWarning, match="falling back to unweighted SVD"):
             model(torch.randint(0, 256, (1, 1)), past_key_values=cache)
-    assert cache.used_fallback and cache.layers[0].info is not None and not cache.layers[0].info.weighted
+    assert cache.used_fallback and cache.layers[0].kv.info is not None and not cache.layers[0].kv.info.weighted
 
 
 def test_energy_rule_ranks_reported_per_layer_and_head():
@@ -155,7 +165,7 @@ def test_energy_rule_ranks_reported_per_layer_and_head():
     assert len(rep.rank_k) == len(rep.head_rank_k) == 2 and len(rep.head_rank_k[0]) == 2
     for l, rk, rv in zip(cache.layers, rep.rank_k, rep.rank_v):
         assert 1 <= rk <= d - 2 and 1 <= rv <= d - 2
-        assert rk == min(d - 2, int(l.info.head_rank_k.max())) and rv == min(d - 2, int(l.info.head_rank_v.max()))
+        assert rk == min(d - 2, int(l.kv.info.head_rank_k.max())) and rv == min(d - 2, int(l.kv.info.head_rank_v.max()))
 
 
 def test_memory_matches_eq6_at_8k_synthetic():
@@ -169,9 +179,9 @@ def test_memory_matches_eq6_at_8k_synthetic():
         layer.observe(Observation(torch.randn(B, H * G, 128, d), d ** -0.5, torch.arange(S - 128, S)))
         assert layer.keys.shape[-2] == w and layer.rank_k == rk and layer.rank_v == rv
         entries = (rk + rv) * (S - w + d) + 2 * w * d
-        assert layer.stored_bytes() == B * H * entries * 4
-        assert layer.dense_bytes() == B * H * 2 * S * d * 4
-        ratio = layer.stored_bytes() / layer.dense_bytes()
+        assert layer.nbytes == layer.kv.nbytes == B * H * entries * 4
+        assert layer.dense_nbytes == B * H * 2 * S * d * 4
+        ratio = layer.nbytes / layer.dense_nbytes
         target = (rk + rv) / (2 * d)
         assert abs(ratio - target) <= target * d / S + w / S + 1e-9
         assert abs(ratio - target) < 0.006

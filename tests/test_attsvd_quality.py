@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from lowrank_lib import models
-from lowrank_lib.attsvd import AttSVDConfig, MethodSpec
-from lowrank_lib.attsvd.bench import table, targets
+from lowrank_lib.attsvd import AttSVDConfig
+from lowrank_lib.eval.methods import MethodSpec
+from lowrank_lib.eval.kv_sweep import table, targets
 from lowrank_lib.eval.kvquality import continuation_quality
 
 

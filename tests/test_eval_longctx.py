@@ -39,7 +39,8 @@ def test_samples_have_needles_and_target_length(task):
 
 @pytest.mark.smollm2
 def test_passkey_end_to_end_dense_and_attsvd(smollm2):
-    from lowrank_lib.attsvd import AttSVDConfig, MethodSpec
+    from lowrank_lib.attsvd import AttSVDConfig
+    from lowrank_lib.eval.methods import MethodSpec
 
     model, tok = smollm2
     samples = build_samples(tok, tasks=("passkey",), lengths=(384,), n_per=1, seed=0)

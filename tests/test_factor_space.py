@@ -8,9 +8,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowrank_lib.attsvd.factor_space import (FactorKV, LowRankKV, attend, cost_table, dense_attention,
-                                             factor_from_dense, factor_space_attention, rebuild_then_attend,
-                                             rel_err, step_cost)
+from lowrank_lib.attsvd.factor_space import attend, dense_attention, factor_space_attention, rebuild_then_attend
+from lowrank_lib.attsvd.kv import LowRankKV
+from lowrank_lib.bench.cost import cost_table, step_cost
+
+from helpers import rel_err, svd_kv, svd_run
 
 TOL = 1e-5
 
@@ -18,10 +20,8 @@ TOL = 1e-5
 def random_segment(b, hkv, n, rk, rv, d, gen, shared_basis=False):
     """Non-orthogonal random factors (like the attention-aware B_K = Vh C_Q^{-1/2})."""
     bb = 1 if shared_basis else b
-    return LowRankKV(torch.randn(b, hkv, n, rk, generator=gen),
-                     torch.randn(bb, hkv, rk, d, generator=gen) / rk ** 0.5,
-                     torch.randn(b, hkv, n, rv, generator=gen),
-                     torch.randn(bb, hkv, rv, d, generator=gen) / rv ** 0.5)
+    return (torch.randn(b, hkv, n, rk, generator=gen), torch.randn(bb, hkv, rk, d, generator=gen) / rk ** 0.5,
+            torch.randn(b, hkv, n, rv, generator=gen), torch.randn(bb, hkv, rv, d, generator=gen) / rv ** 0.5)
 
 
 def random_kv(b, hkv, d, bulk, ranks, blocks, w, gen, shared_basis=False):
@@ -29,7 +29,7 @@ def random_kv(b, hkv, d, bulk, ranks, blocks, w, gen, shared_basis=False):
     segs += [random_segment(b, hkv, n, *ranks, d, gen) for n in blocks]
     kw = torch.randn(b, hkv, w, d, generator=gen) * 2 if w else None
     vw = torch.randn(b, hkv, w, d, generator=gen) if w else None
-    return FactorKV(segs, kw, vw)
+    return LowRankKV(segs, kw, vw).validate()
 
 
 def sdpa_reference(q, kv, mask=None):
@@ -70,7 +70,7 @@ def test_full_rank_reproduces_dense_attention(hkv, group):
     b, s, d, w = 2, 300, 32, 16
     k, v = torch.randn(b, hkv, s, d) * 1.5, torch.randn(b, hkv, s, d)
     q = torch.randn(b, hkv * group, 1, d) * 2
-    kv = FactorKV([factor_from_dense(k[:, :, :-w], v[:, :, :-w], d)], k[:, :, -w:], v[:, :, -w:])
+    kv = svd_kv(k[:, :, :-w], v[:, :, :-w], d, k_exact=k[:, :, -w:], v_exact=v[:, :, -w:])
     assert rel_err(factor_space_attention(q, kv), dense_attention(q, k, v)) < TOL
     assert rel_err(dense_attention(q, k, v), F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) < TOL
 
@@ -87,7 +87,7 @@ def test_truncated_cache_same_function_at_every_rank():
     ref = dense_attention(q, k, v)
     errs = []
     for r in (2, 4, 8, 16, 32):
-        kv = FactorKV([factor_from_dense(k, v, r)])
+        kv = svd_kv(k, v, r)
         out = factor_space_attention(q, kv)
         assert rel_err(out, rebuild_then_attend(q, kv)) < TOL
         errs.append(rel_err(out, ref))
@@ -118,8 +118,8 @@ def test_bf16_runs_close():
     gen = torch.Generator().manual_seed(3)
     kv32 = random_kv(1, 3, 64, 512, (32, 32), [], 16, gen)
     q = torch.randn(1, 9, 1, 64, generator=gen)
-    kv16 = FactorKV([LowRankKV(*(t.bfloat16() for t in (s.a_k, s.b_k, s.a_v, s.b_v))) for s in kv32.segments],
-                    kv32.k_win.bfloat16(), kv32.v_win.bfloat16())
+    kv16 = kv32.to(torch.bfloat16)
+    assert kv16.nbytes * 2 == kv32.nbytes and all(t.dtype == torch.bfloat16 for t in kv16.runs[0])
     out = factor_space_attention(q.bfloat16(), kv16)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, factor_space_attention(q, kv32)) < 3e-2
@@ -134,9 +134,16 @@ def test_attend_dispatch_and_clear_errors():
     with pytest.raises(ValueError, match="route"):
         attend("dense", q, kv)
     with pytest.raises(ValueError, match="r_K"):
-        LowRankKV(torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 3, 8))
+        LowRankKV([(torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 5, 3),
+                    torch.zeros(1, 2, 3, 8))]).validate()
     with pytest.raises(ValueError, match="positions"):
-        LowRankKV(torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 6, 3), torch.zeros(1, 2, 3, 8))
+        LowRankKV([(torch.zeros(1, 2, 5, 3), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 6, 3),
+                    torch.zeros(1, 2, 3, 8))]).validate()
+    with pytest.raises(ValueError, match=r"runs\[0\] must be 4-D"):
+        LowRankKV([(torch.zeros(2, 5, 3), torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 5, 3),
+                    torch.zeros(1, 2, 3, 8))]).validate()
+    with pytest.raises(ValueError, match="both k_exact and v_exact"):
+        LowRankKV([], torch.zeros(1, 2, 3, 8), None).validate()
     with pytest.raises(ValueError, match="multiple"):
         factor_space_attention(torch.randn(1, 3, 1, 8), kv)
     with pytest.raises(ValueError, match="head_dim"):
@@ -144,7 +151,9 @@ def test_attend_dispatch_and_clear_errors():
     with pytest.raises(ValueError, match="attention mask"):
         factor_space_attention(q, kv, torch.ones(1, 1, 1, kv.length + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="nothing to attend"):
-        FactorKV([], None, None)
+        LowRankKV([], None, None).validate()
+    with pytest.raises(TypeError, match="factor_space"):
+        kv.shape                                   # a dense attention function gets a clear error
 
 
 def test_nbytes_matches_cost_model_storage():
@@ -153,7 +162,7 @@ def test_nbytes_matches_cost_model_storage():
     kv = random_kv(1, 1, d, bulk, (r, r), [], w, gen)
     for route in ("rebuild", "factor"):
         c = step_cost(route, bulk + w, d, r, window=w)
-        assert c.bytes_stored == kv.nbytes()
+        assert c.bytes_stored == kv.nbytes
     assert step_cost("dense", bulk + w, d, r).bytes_stored == 2 * (bulk + w) * d * 4
 
 
@@ -184,7 +193,7 @@ def test_cost_model_orders_routes():
 @pytest.mark.smollm2
 def test_real_smollm2_heads(smollm2):
     """K/V/Q captured from a real SmolLM2 forward (GQA 9:3, d = 64): factor space == rebuild."""
-    from lowrank_lib.attsvd.factor_hf import capture_qkv
+    from lowrank_lib.hf import capture_qkv
 
     model, tok = smollm2
     text = ("The tower is 324 metres tall, about the same height as an 81-storey building, and the tallest "
@@ -197,10 +206,10 @@ def test_real_smollm2_heads(smollm2):
         assert q.shape[1] == 9 and k.shape[1] == 3 and k.shape[-1] == 64
         last_q = q[:, :, -1:]
         for r in (16, 32, 64):
-            bulk = factor_from_dense(k[:, :, :-w - 40], v[:, :, :-w - 40], r)
-            block = factor_from_dense(k[:, :, -w - 40:-w], v[:, :, -w - 40:-w], r // 2)
-            for kv in (FactorKV([bulk], k[:, :, -w:], v[:, :, -w:]),
-                       FactorKV([bulk, block], k[:, :, -w:], v[:, :, -w:])):
+            bulk = svd_run(k[:, :, :-w - 40], v[:, :, :-w - 40], r)
+            block = svd_run(k[:, :, -w - 40:-w], v[:, :, -w - 40:-w], r // 2)
+            for kv in (LowRankKV([bulk], k[:, :, -w:], v[:, :, -w:]),
+                       LowRankKV([bulk, block], k[:, :, -w:], v[:, :, -w:])):
                 assert rel_err(factor_space_attention(last_q, kv), rebuild_then_attend(last_q, kv)) < TOL
-        full = FactorKV([factor_from_dense(k[:, :, :-w], v[:, :, :-w], 64)], k[:, :, -w:], v[:, :, -w:])
+        full = svd_kv(k[:, :, :-w], v[:, :, :-w], 64, k_exact=k[:, :, -w:], v_exact=v[:, :, -w:])
         assert rel_err(factor_space_attention(last_q, full), dense_attention(last_q, k, v)) < 1e-4, layer

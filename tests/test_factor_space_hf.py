@@ -8,17 +8,20 @@ import torch
 from lowrank_lib import models
 from lowrank_lib.attsvd.cache import AttSVDCache
 from lowrank_lib.attsvd.config import AttSVDConfig
-from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route, factor_kv, factor_space
-from lowrank_lib.attsvd.factor_space import FactorKV, rel_err
+from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route, factor_space
+from lowrank_lib.attsvd.kv import LowRankKV
+
+from helpers import rel_err
 
 TOL = 1e-5
 
 
 def _registry_names():
-    from transformers.masking_utils import AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-    return set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)
+    return (dict(AttentionInterface._global_mapping), dict(AttentionMaskInterface._global_mapping),
+            dict(ALL_ATTENTION_FUNCTIONS), dict(ALL_MASK_ATTENTION_FUNCTIONS))
 
 
 def run_generate(model, cfg, route, ids, mask=None, new=12):
@@ -98,7 +101,7 @@ def test_switch_is_explicit_and_reversible():
             model(ids, past_key_values=cache)
             layer = cache.layers[0]
             k, v = layer.update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
-            assert isinstance(k, FactorKV) and v == "factor" and k.length == 31
+            assert isinstance(k, LowRankKV) and v is k and k.length == 31     # no string in the value slot
             raise RuntimeError("boom")
     assert (model.config._attn_implementation, _registry_names()) == before
     # a factor-route cache used without factor_space(): a clear error, not a wrong answer
@@ -108,7 +111,7 @@ def test_switch_is_explicit_and_reversible():
     cache.route = "rebuild"
     k, v = cache.layers[0].update(torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
     assert isinstance(k, torch.Tensor) and k.shape == (1, 2, 33, 16)  # 30 + the failed call's token + this one
-    kf, vf = factor_kv(cache.layers[0]).dense()
+    kf, vf = cache.layers[0].kv.dense()
     assert torch.equal(kf, k) and torch.equal(vf, v)
     with pytest.raises(TypeError, match="FactorSpaceAttSVDCache"):
         with decode_route(model, AttSVDCache(model, AttSVDConfig(ratio=0.5)), "factor"):

@@ -1,21 +1,18 @@
 """Every family: compress -> write native -> detect -> read -> same logits as the in-memory model."""
 from __future__ import annotations
 
-import copy
 import sys
 
 import pytest
 import torch
 
-from lowrank_lib import account, detect_format, load_checkpoint, models, save_checkpoint
+from lowrank_lib import account, detect_format, families, load_checkpoint, models, save_checkpoint
 from lowrank_lib.compress import COMPRESSORS, collect_stats
 from lowrank_lib.data import random_token_batches
-from lowrank_lib.factorized import LowRankLinear
 from lowrank_lib.formats import write_native
 from lowrank_lib.formats.safe_pickle import pickle_globals
 
-NATIVE = {"asvd": "asvd", "svdllm": "svdllm", "svdllm_v2": "svdllm", "basis_sharing": "basis_sharing",
-          "dobi": "dobi", "dobi-remap": "dobi-remap", "palu": "palu"}
+NATIVE = {f.name: f.format for f in families.methods() if f.needs_stats}   # method -> the format it is written in
 X = random_token_batches(256, 2, 24, seed=3)
 
 
@@ -32,13 +29,9 @@ def _compress(m, stats, fam, keep=0.6):
 
 def _as_stored(cm, fam):
     """The in-memory model with the dtype rounding the family's files apply (fp16 where it stores fp16)."""
-    ref = copy.deepcopy(cm)
-    factor_ids = {id(p) for mod in ref.modules() if isinstance(mod, LowRankLinear) for p in (mod.U, mod.V)}
-    with torch.no_grad():
-        for p in ref.parameters():
-            if fam in ("dobi", "dobi-remap") or (fam == "svdllm" and id(p) not in factor_ids):
-                p.copy_(p.half().float())
-    return ref
+    from legacy_checkpoints import stored_as
+
+    return stored_as(cm, fam)
 
 
 @torch.no_grad()

@@ -74,17 +74,47 @@ def test_cache_is_reused_without_network(tmp_path, monkeypatch, saved_tiny):
     def boom(*a, **k):
         raise AssertionError("must not download when the cache is complete")
 
-    monkeypatch.setattr(models, "_download_gguf", boom)
+    monkeypatch.setattr(models, "download_gguf", boom)
     monkeypatch.setattr(models, "_dequantize_to_dir", boom)
     assert models.fetch_smollm2(tmp_path) == target
     m, _ = models.load("smollm2", cache_dir=tmp_path)
     assert m.config.num_key_value_heads == 2
 
 
+def test_progress_goes_to_logging_not_stderr(tmp_path, monkeypatch, saved_tiny, caplog, capsys):
+    """Notebooks must not show loader chatter on stderr; applications see it through logging (INFO)."""
+    import logging
+
+    _, d = saved_tiny
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.parent.mkdir(parents=True)
+    d.rename(target)
+    (target / "lowrank_lib_cache.json").write_text(json.dumps({"format_version": 1}))
+    capsys.readouterr()
+    with caplog.at_level(logging.INFO, logger="lowrank_lib.models"):
+        models.load("smollm2", cache_dir=tmp_path)
+    assert any(r.name == "lowrank_lib.models" and "loaded SmolLM2 from cache" in r.getMessage() for r in caplog.records)
+    assert "lowrank_lib.models" not in capsys.readouterr().err
+
+
+def test_cli_prints_the_cached_path(tmp_path, saved_tiny):
+    import subprocess
+    import sys
+
+    _, d = saved_tiny
+    target = tmp_path / "models" / "smollm2-135m-instruct"
+    target.parent.mkdir(parents=True)
+    d.rename(target)
+    (target / "lowrank_lib_cache.json").write_text(json.dumps({"format_version": 1}))
+    out = subprocess.run([sys.executable, "-m", "lowrank_lib.models", "fetch", "smollm2", "--cache-dir", str(tmp_path)],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(target)
+
+
 def test_incomplete_cache_is_refused(tmp_path, monkeypatch):
     target = tmp_path / "models" / "smollm2-135m-instruct"
     target.mkdir(parents=True)
-    monkeypatch.setattr(models, "_download_gguf", lambda *a: (_ for _ in ()).throw(AssertionError()))
+    monkeypatch.setattr(models, "download_gguf", lambda *a: (_ for _ in ()).throw(AssertionError()))
     with pytest.raises(ModelLoadError, match="incomplete cache"):
         models.fetch_smollm2(tmp_path)
 

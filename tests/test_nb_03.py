@@ -23,9 +23,21 @@ def test_graph_replay_ablation_notebook(executed_notebook):
     # split is a view, so it saves a launch)
     assert ops["engine - pack mlp"] == eng
     assert ops["engine + fold norm (ulp drift)"] < eng
-    for rows, n in ((m["by_prompt"], 4 * 2), (m["by_gen"], 4 * 2), (m["step_latency"], 4 * 2)):
-        assert len(rows) == n
-    assert len(m["by_keep"]) == 2 * 2
-    assert all(r["decode_ms"] > 0 and math.isfinite(r["decode_ms"]) for r in m["by_prompt"] + m["by_keep"])
-    assert m["growth_naive"] > 0 and m["growth_engine"] > 0
+    # every sweep covers its full grid once (CI: 2 prompt lengths, 2 generation lengths, 2 cached lengths, 2 keeps)
+    systems = {"hf_static", "dense_kv", "engine", "naive"}
+    for rows, key, fixed in ((m["by_prompt"], "prompt_len", ("gen_len", m["gen_len"])),
+                             (m["by_gen"], "gen_len", ("prompt_len", m["prompt_len"])),
+                             (m["step_latency"], "cached_len", None)):
+        vals = sorted({r[key] for r in rows})
+        assert len(vals) == 2 and sorted((r["system"], r[key]) for r in rows) == sorted(
+            (s, v) for s in systems for v in vals)
+        assert fixed is None or all(r[fixed[0]] == fixed[1] for r in rows)
+        assert all(math.isfinite(r["step_ms" if key == "cached_len" else "decode_ms"]) for r in rows)
+    keeps = sorted({r["keep"] for r in m["by_keep"]})
+    assert keeps == [0.3, 0.7] and sorted((r["keep"], r["system"]) for r in m["by_keep"]) == [
+        (k, s) for k in keeps for s in ("engine", "hf_static")]
+    # the growth figures are the step latency at the longest over the shortest cached length
+    for s in ("naive", "engine"):
+        lat = sorted((r["cached_len"], r["step_ms"]) for r in m["step_latency"] if r["system"] == s)
+        assert m[f"growth_{s}"] == pytest.approx(lat[-1][1] / lat[0][1])
     assert len(m["figures"]) == 3

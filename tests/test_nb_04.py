@@ -5,7 +5,7 @@ import torch
 
 from lowrank_lib import models
 from lowrank_lib.attsvd import interpret
-from lowrank_lib.attsvd.record import record_prefill
+from lowrank_lib.hf.record import record_prefill
 from lowrank_lib.explore.heads import CURVES, HeadRanks, draw_head, format_summary
 from lowrank_lib.tokentext import token_label, token_labels
 

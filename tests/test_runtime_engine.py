@@ -125,7 +125,9 @@ def test_weight_layout_rule_and_storage():
         assert grp["in_major"].U_t[0].is_contiguous() and not grp["out_major"].U_t[0].is_contiguous()
         for lay, gp in grp.items():
             for y, r in zip(gp(x), ref):
-                torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
+                # the layouts sum the same products in another order: fp32 round-off scales with |output|
+                # (~1e2 here), so the absolute bound is relative to the output's scale
+                torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-6 * float(r.abs().max()))
 
 
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa"])
@@ -279,7 +281,7 @@ def test_graph_regions_compose_to_one_step(mode):
             with torch.no_grad():
                 for f in stages:
                     carry = f(carry)
-            eng.cache.host_len += 1
+            eng.cursor.advance()            # the regions never move the position: the engine does, once
             return carry
 
     out = run_generation(StageRunner(), ids, 6, mask, return_logits=True)
@@ -293,7 +295,7 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
 
     Measured on 6 prompts x 64 tokens: dense max |logit err| 9.3e-5, SVD keep 0.5 6.6e-4 on logits
     up to ~36 (1.8e-5 relative); the full 20 x 64 audit is ``python -m lowrank_lib.bench fidelity``."""
-    from lowrank_lib.runtime.fidelity import PROMPTS
+    from lowrank_lib.eval.fidelity import PROMPTS
 
     dense, tok = smollm2
     for model, rel in ((dense, False), (compress_svd(dense, 0.5), True)):

@@ -6,7 +6,7 @@ from lowrank_lib import models
 from lowrank_lib.compress import compress_svd
 from lowrank_lib.eval.perplexity import perplexity
 from lowrank_lib.runtime.baselines import make_runner
-from lowrank_lib.runtime.fidelity import audit, reference_tokens, runtime_perplexity
+from lowrank_lib.eval.fidelity import audit, reference_tokens, runtime_perplexity
 
 
 class CharTok:

@@ -1,52 +1,27 @@
 """Attention-aware low-rank factorization of one layer's K/V (Algorithm 2 of the AttSVD paper).
 
-Pure functions on tensors; nothing here knows about transformers. Layout conventions:
+Pure functions on tensors; nothing here knows about transformers or the runtime. Layout conventions:
 
-    K, V : [B, H, S, d]       post-RoPE keys / values of H key-value heads (as the cache holds them)
+    K, V : [B, H, S, d]       post-RoPE keys / values of H key-value heads (as a cache holds them)
     Q    : [B, H, G, m, d]    post-RoPE queries, grouped by the KV head they read (G = query heads per
                               KV head; query head h*G + g reads KV head h, as ``repeat_kv`` lays them out)
-    Factors.A : [B, H, S, r], Factors.B : [B, H, r, d]   with   K_r = A @ B  (per batch row and KV head)
+    factors A [B, H, S, r], B [B, H, r, d]   with   K_r = A @ B  (per batch row and KV head)
 
 Keys are truncated in the query metric C_Q = Q^T Q + eps * (tr(Q^T Q) / d) * I (summed over the G query
 heads of a group), which minimises the logit error ||Q (K - K_r)^T||_F (Eq. 3); values are row-weighted by
 the per-key attention mass a_i = sum_q P_qi (+ floor), which minimises sum_i a_i ||V_i - (V_r)_i||^2 (Eq. 4).
 All SVDs run in fp32 (float64 inputs stay float64); factors are returned in fp32/float64 and cast by the
-caller.
+caller. :func:`compress_prefill` is the one entry every path calls (transformers cache, engine store,
+evaluation): prefill K, V, Q -> :class:`~lowrank_lib.attsvd.kv.LowRankKV`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..attention_mass import attention_mass
+from .config import AttSVDConfig
+from .kv import LowRankKV, Spectra
 from .ranks import aggregate, energy_rank
-
-
-@dataclass
-class Factors:
-    """Rank-r factors of a [B, H, S, d] matrix: ``A`` [B, H, S, r], ``B`` [B, H, r, d]; M_r = A @ B."""
-
-    A: torch.Tensor
-    B: torch.Tensor
-
-    @property
-    def rank(self) -> int:
-        return self.A.shape[-1]
-
-    @property
-    def length(self) -> int:
-        return self.A.shape[-2]
-
-    def rebuild(self) -> torch.Tensor:
-        """[B, H, S, d] reconstruction A @ B."""
-        return self.A @ self.B
-
-    @property
-    def nbytes(self) -> int:
-        return self.A.numel() * self.A.element_size() + self.B.numel() * self.B.element_size()
-
-    def to(self, dtype: torch.dtype) -> "Factors":
-        return Factors(self.A.to(dtype), self.B.to(dtype))
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -58,14 +33,14 @@ def svd(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.linalg.svd(_f32(X), full_matrices=False)
 
 
-def trunc(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, r: int) -> Factors:
-    """Rank-r truncation of a thin SVD: A = U_r S_r [..., n, r], B = Vh_r [..., r, d]."""
+def trunc(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-r truncation of a thin SVD: (A = U_r S_r [..., n, r], B = Vh_r [..., r, d])."""
     r = min(r, S.shape[-1])
-    return Factors(U[..., :r] * S[..., None, :r], Vh[..., :r, :])
+    return U[..., :r] * S[..., None, :r], Vh[..., :r, :]
 
 
-def trunc_svd(X: torch.Tensor, r: int) -> Factors:
-    """TruncSVD(X, r) of Algorithm 2 (unweighted): the Eckart-Young rank-r factors of X [..., n, d]."""
+def trunc_svd(X: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """TruncSVD(X, r) of Algorithm 2 (unweighted): the Eckart-Young rank-r factors (A, B) of X [..., n, d]."""
     return trunc(*svd(X), r)
 
 
@@ -96,52 +71,14 @@ def sqrt_and_inv_sqrt(C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return W.to(C.dtype), Wi.to(C.dtype)
 
 
-@torch.no_grad()
-def attention_mass(Q: torch.Tensor, K: torch.Tensor, scaling: float, q_pos: torch.Tensor,
-                   k_pos: torch.Tensor, q_valid: torch.Tensor | None = None,
-                   k_valid: torch.Tensor | None = None, chunk: int = 256) -> torch.Tensor:
-    """Per-key attention mass a_i = sum_{g, q} softmax(q K^T * scaling)_i under the causal mask.
-
-    Q : [B, H, G, m, d]; K : [B, H, S, d]; q_pos : [m] and k_pos : [S] absolute positions (key i is visible
-    to query q when k_pos[i] <= q_pos[q]); q_valid [B, m], k_valid [B, S] bool padding masks.
-    Returns a [B, H, S] (fp32), computed over query chunks of ``chunk`` rows so the peak is O(chunk * S).
-    """
-    Bsz, H, G, m, d = Q.shape
-    Kf = _f32(K)
-    a = torch.zeros(Bsz, H, K.shape[-2], dtype=Kf.dtype, device=K.device)
-    for s in range(0, m, chunk):
-        q = _f32(Q[:, :, :, s:s + chunk])                                   # [B, H, G, c, d]
-        logits = torch.einsum("bhgcd,bhsd->bhgcs", q, Kf) * scaling         # [B, H, G, c, S]
-        vis = k_pos[None, :] <= q_pos[s:s + chunk, None]                    # [c, S]
-        vis = vis[None].expand(Bsz, -1, -1)
-        if k_valid is not None:
-            vis = vis & k_valid[:, None, :]
-        logits = logits.masked_fill(~vis[:, None, None], float("-inf"))
-        p = torch.softmax(logits, dim=-1).nan_to_num(0.0)                  # fully masked rows -> 0
-        if q_valid is not None:
-            p = p * q_valid[:, None, None, s:s + chunk, None].to(p.dtype)
-        a += p.sum(dim=(2, 3))
-    return a
-
-
-@dataclass
-class LayerFactors:
-    """Result of :func:`attention_svd` for one layer: factors plus what chose them."""
-
-    k: Factors                 # A_K [B, H, S, r_K], B_K [B, H, r_K, d]
-    v: Factors                 # A_V [B, H, S, r_V], B_V [B, H, r_V, d]
-    sk: torch.Tensor           # [B, H, min(S, d)] singular values of the (weighted) keys
-    sv: torch.Tensor           # [B, H, min(S, d)] singular values of the (weighted) values
-    head_rank_k: torch.Tensor | None  # [B, H] energy-rule ranks before aggregation (None: fixed rule)
-    head_rank_v: torch.Tensor | None
-    weighted: bool             # False when the unweighted fallback / raw-SVD baseline ran
-
-
 def attention_svd(K: torch.Tensor, V: torch.Tensor, rank_k: int | None, rank_v: int | None,
                   C_Q: torch.Tensor | None = None, mass: torch.Tensor | None = None,
                   tau: float | None = None, aggregator: str = "max", rank_max: int | None = None,
-                  mass_floor: float = 1e-3, key_mass: bool = False) -> LayerFactors:
-    """AttentionSVD (Algorithm 2) of one layer's bulk K, V [B, H, S, d].
+                  mass_floor: float = 1e-3, key_mass: bool = False) -> LowRankKV:
+    """AttentionSVD (Algorithm 2) of one layer's bulk K, V [B, H, S, d] -> one factored run.
+
+    Returns a :class:`LowRankKV` with ONE run (A_K [B, H, S, r_K], B_K [B, H, r_K, d], A_V, B_V, fp32) and
+    no exact rows; ``info`` holds the spectra and the energy-rule ranks that chose r_K, r_V.
 
     C_Q : [B, H, d, d] query metric (None = no key weighting); mass : [B, H, S] per-key attention mass
     (None = no value weighting). With both None this is SVD on raw K/V. ``tau`` selects the energy rule
@@ -177,14 +114,72 @@ def attention_svd(K: torch.Tensor, V: torch.Tensor, rank_k: int | None, rank_v: 
         rank_v = aggregate(hrv, aggregator, rank_max)
     if rank_k is None or rank_v is None:
         raise ValueError("attention_svd needs rank_k and rank_v, or tau for the energy rule")
-    fk, fv = trunc(Uk, Sk, Vhk, rank_k), trunc(Uv, Sv, Vhv, rank_v)
+    (ak, bk), (av, bv) = trunc(Uk, Sk, Vhk, rank_k), trunc(Uv, Sv, Vhv, rank_v)
     if Wi is not None:
-        fk = Factors(fk.A, fk.B @ Wi)
+        bk = bk @ Wi
     if ska is not None:
-        fk = Factors(fk.A / ska[..., None], fk.B)
+        ak = ak / ska[..., None]
     if sa is not None:
-        fv = Factors(fv.A / sa[..., None], fv.B)
-    return LayerFactors(fk, fv, Sk, Sv, hrk, hrv, weighted=C_Q is not None or mass is not None)
+        av = av / sa[..., None]
+    info = Spectra(Sk, Sv, hrk, hrv, weighted=C_Q is not None or mass is not None)
+    return LowRankKV([(ak, bk, av, bv)], info=info)
+
+
+def compress_prefill(K: torch.Tensor, V: torch.Tensor, Q: torch.Tensor | None, config: AttSVDConfig,
+                     valid: torch.Tensor | None = None, scaling: float | None = None,
+                     q_pos: torch.Tensor | None = None) -> LowRankKV:
+    """Compress one layer's prefill: factor the bulk (all but the newest ``config.window`` tokens), keep the
+    window exact. Every path calls this: the transformers cache, the engine store, evaluation.
+
+    Parameters
+    ----------
+    K, V : [B, H, S, d] post-RoPE prefill keys / values.
+    Q : [B, Hq, m, d] post-RoPE queries of the last m prefill positions (m = S at a prefill), or None:
+        then the attention-aware weighting is skipped (the unweighted fallback of Algorithm 2; the
+        caller warns when it expected queries).
+    config : rank rule, window, weighting switches (:class:`~lowrank_lib.attsvd.config.AttSVDConfig`).
+    valid : [B, S] bool, False at left-pad slots (None: all real). Padded keys get no attention mass and
+        are zeroed before factoring, so they take no rank.
+    scaling : softmax scale of the attention (default 1/sqrt(d)); q_pos : [m] query positions
+        (default the last m of S).
+
+    Returns
+    -------
+    LowRankKV with one run (the factored bulk, in K's dtype) when S > window, and the window's exact
+    rows (a copy, so the prefill tensors can be freed); ``info`` = the spectra that chose the ranks.
+    """
+    B, H, S, d = K.shape
+    nb = max(0, S - config.window)
+    if nb == 0:
+        return LowRankKV([], K, V).validate()
+    Kb, Vb = K[:, :, :nb], V[:, :, :nb]
+    C_Q = mass = k_valid = None
+    if config.attention_aware and Q is not None:
+        Bq, Hq, m, dq = Q.shape
+        if Hq % H or dq != d or Bq != B:
+            raise ValueError(f"compress_prefill: queries {tuple(Q.shape)} [B, Hq, m, d] do not fit keys "
+                             f"{tuple(K.shape)} [B, H, S, d] (Hq a multiple of H, same B and d)")
+        Qg = Q.view(B, H, Hq // H, m, d)                                   # [B, H, G, m, d]
+        q_pos = torch.arange(S - m, S, device=K.device) if q_pos is None else q_pos
+        q_valid = None if valid is None else valid[:, -m:]
+        if config.obs_window is not None and m > config.obs_window:
+            Qg = Qg[..., -config.obs_window:, :]
+            q_pos = q_pos[-config.obs_window:]
+            q_valid = None if q_valid is None else q_valid[:, -config.obs_window:]
+        k_valid = valid
+        C_Q = query_metric(Qg, config.eps, q_valid)
+        scale = d ** -0.5 if scaling is None else scaling
+        mass = attention_mass(Qg, K, scale, q_pos, torch.arange(S, device=K.device), q_valid, k_valid)[..., :nb]
+    if k_valid is not None:   # padding rows are never attended: zero them so they take no rank
+        kv = k_valid[:, None, :nb, None].to(Kb.dtype)
+        Kb, Vb = Kb * kv, Vb * kv
+    rk = rv = None
+    if not config.dynamic:
+        rk, rv = config.fixed_ranks(d)
+    bulk = attention_svd(Kb, Vb, rk, rv, C_Q=C_Q, mass=mass, tau=config.tau, aggregator=config.aggregator,
+                         rank_max=config.rank_max, mass_floor=config.mass_floor, key_mass=config.key_mass)
+    run = tuple(t.to(K.dtype) for t in bulk.runs[0])
+    return LowRankKV([run], K[:, :, nb:].clone(), V[:, :, nb:].clone(), bulk.info).validate()
 
 
 # ----------------------------------------------------------------------------- error measures

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .basis import (attention_mass, attention_svd, causal_probs, logit_error, output_error, query_metric,
-                    sqrt_and_inv_sqrt, svd)
+from ..attention_mass import attention_mass
+from ..hf.record import PrefillRecord
+from .basis import attention_svd, causal_probs, logit_error, output_error, query_metric, sqrt_and_inv_sqrt, svd
 from .ranks import energy_rank
-from .record import PrefillRecord
 
 
 @dataclass
@@ -52,8 +52,8 @@ def effective_ranks(record: PrefillRecord, tau: float = 0.99) -> dict[str, torch
         Qg = obs.grouped(H)
         C = query_metric(Qg, eps=1e-3)                                     # [B, H, d, d]
         mass = attention_mass(Qg, K, obs.scaling, obs.q_pos, torch.arange(K.shape[-2]))
-        f = attention_svd(K, V, 1, 1, C_Q=C, mass=mass)
-        raw = attention_svd(K, V, 1, 1)
+        f = attention_svd(K, V, 1, 1, C_Q=C, mass=mass).info
+        raw = attention_svd(K, V, 1, 1).info
         out["rank_k"].append(energy_rank(f.sk, tau)[0])
         out["rank_v"].append(energy_rank(f.sv, tau)[0])
         out["raw_rank_k"].append(energy_rank(raw.sk, tau)[0])
@@ -78,10 +78,9 @@ def spectra(h: HeadView) -> dict[str, torch.Tensor]:
 def reconstructions(h: HeadView, rank: int) -> dict[str, torch.Tensor]:
     """Rank-r K_r / V_r [S, d] of one head with the attention-aware and the raw bases."""
     C = query_metric(h.Q[None, None], eps=1e-3)
-    aw = attention_svd(h.K[None, None], h.V[None, None], rank, rank, C_Q=C, mass=h.mass[None, None])
-    rw = attention_svd(h.K[None, None], h.V[None, None], rank, rank)
-    return {"aware_k": aw.k.rebuild()[0, 0], "aware_v": aw.v.rebuild()[0, 0],
-            "raw_k": rw.k.rebuild()[0, 0], "raw_v": rw.v.rebuild()[0, 0]}
+    ak, av = attention_svd(h.K[None, None], h.V[None, None], rank, rank, C_Q=C, mass=h.mass[None, None]).dense()
+    rk, rv = attention_svd(h.K[None, None], h.V[None, None], rank, rank).dense()
+    return {"aware_k": ak[0, 0], "aware_v": av[0, 0], "raw_k": rk[0, 0], "raw_v": rv[0, 0]}
 
 
 @torch.no_grad()

@@ -1,17 +1,27 @@
-"""Matplotlib views of the interpretability quantities (used by notebooks 04 and 05)."""
+"""Matplotlib views of the interpretability quantities (used by notebook 04).
+
+matplotlib is an optional extra (``notebooks``): it is imported when a function draws, never when this
+module or the package is imported.
+"""
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-
+from ..hf.record import PrefillRecord
 from .interpret import HeadView, attention_rows, error_curves, head_view
-from .record import PrefillRecord
+
+
+def _plt():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the installed extras
+        raise ImportError("lowrank_lib.attsvd.plots draws with matplotlib: pip install 'lowrank_lib[notebooks]'") from e
+    return plt
 
 
 def head_panel(h: HeadView, rank: int, ranks: list[int], axes=None, curves: dict | None = None):
     """Two panels for one head at rank r: (a) logit / output error vs rank, aware vs raw, with r marked;
     (b) the last query's attention distribution with dense, aware and raw rank-r keys."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+        _, axes = _plt().subplots(1, 2, figsize=(12, 3.6))
     c = curves or error_curves(h, ranks)
     ax = axes[0]
     ax.semilogy(c["rank"], c["logit_aware"], "b-o", ms=3, label="logit err, attention-aware K")
@@ -56,6 +66,7 @@ def rank_explorer(record: PrefillRecord, ranks: list[int], layer: int = 0, head:
             h = head_view(record, layer, head)
             cache[key] = (h, error_curves(h, ranks))
         h, c = cache[key]
+        plt = _plt()
         fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
         head_panel(h, r, ranks, axes, c)
         plt.show()

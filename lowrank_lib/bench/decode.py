@@ -8,7 +8,6 @@ bandwidth (bytes read + written per second of a large ``copy_``); ``roofline_x``
 """
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,12 +17,15 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime.baselines import make_runner
-from ..runtime.engine import Engine, run_generation
+from ..generation import run_generation
+from ..runtime.engine import Engine
 from ..runtime.profiling import per_token_counts
 
 
 @dataclass
 class DecodeBenchConfig:
+    """One decode benchmark: every system on the same factors, interleaved repeats."""
+
     model: str = "smollm2"
     method: str = "svd"
     keep: float = 0.5
@@ -37,7 +39,12 @@ class DecodeBenchConfig:
     count_tokens: int = 3
     device: str = "cpu"
     seed: int = 0
-    out_dir: str = "benchmarks/results"
+
+    def slug(self) -> str:
+        from .results import slug
+
+        return slug(Path(str(self.model)).name, self.method, f"k{self.keep}", self.dtype, f"p{self.prompt_len}",
+                    f"g{self.gen_len}", f"b{self.batch}")
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
@@ -124,7 +131,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
             "per_token_count": c["total"], "count_kind": c["kind"], "count_by_class": c["by_class"],
             "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
             "roofline_fraction": (wb / (ms / 1e3) / 1e9) / bw, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
-            "capture_s": capture[s],
+            "capture_s": capture[s], "step_ms": [1e3 * t for t in steps[s]],
             "info": r.report() if isinstance(r, Engine) else {"runner": type(r).__name__, "cache": r.kind},
         }
     base = rows.get("hf_static")
@@ -176,22 +183,3 @@ def format_table(res: dict) -> str:
                  f"{res['copy_bandwidth_GBps']:.2f} GB/s; {res['device_name']}; ops/tok = "
                  f"{next(iter(res['systems'].values()))['count_kind']} (see JSON for each system)")
     return "\n".join(lines)
-
-
-def result_path(res: dict, out_dir: str | Path) -> Path:
-    """benchmarks/results/decode_<model>_<method>_k<keep>_<dtype>_p<P>_g<G>[_N].json, never overwritten."""
-    c = res["config"]
-    name = Path(str(c["model"])).name
-    stem = f"decode_{name}_{c['method']}_k{c['keep']}_{c['dtype']}_p{c['prompt_len']}_g{c['gen_len']}_b{c['batch']}"
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    p, i = out / f"{stem}.json", 2
-    while p.exists():
-        p, i = out / f"{stem}_{i}.json", i + 1
-    return p
-
-
-def save(res: dict, out_dir: str | Path) -> Path:
-    p = result_path(res, out_dir)
-    p.write_text(json.dumps(res, indent=2, default=str))
-    return p

@@ -9,10 +9,8 @@ layouts weighted by how many such matrices one step reads) and writes JSON.
 """
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -79,22 +77,3 @@ def format_layout_table(res: dict) -> str:
     lines.append(f"\nGEMM ms per decode token (cold, {res['dtype']}, {res['threads']} threads): "
                  + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
     return "\n".join(lines)
-
-
-def main(a) -> int:
-    from ..runtime import Engine, EngineConfig
-    from ..runtime.config import parse_dtype
-    from .models import load_bench_models
-
-    _, comp, _ = load_bench_models(a.model, "svd", a.keep)
-    dt = parse_dtype(a.dtype)
-    eng = Engine(comp, EngineConfig(max_seq_len=8, dtype=dt, weight_layout="out_major", fold_rope=True))
-    res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
-    res.update(model=a.model, keep=a.keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
-    print(format_layout_table(res))
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    p = out / f"layout_{Path(a.model).name}_k{a.keep}_{res['dtype']}.json"
-    p.write_text(json.dumps(res, indent=1))
-    print(f"wrote {p}")
-    return 0

@@ -1,22 +1,21 @@
-"""Compressors: each method's math, producing ``LowRankLinear`` factors (never touches files)."""
+"""Compressors: each method's math, producing ``LowRankLinear`` factors (never touches files).
+
+Which compressor belongs to which family, and how its native knob maps to the canonical keep, is
+in the one registry :mod:`lowrank_lib.families`; :data:`COMPRESSORS` is a view of it.
+"""
+from .. import families as _families
 from .asvd import compress_asvd
 from .basis_sharing import compress_basis_sharing
 from .calib import CalibStats, cholesky_lower, collect_stats
-from .dobi import compress_dobi
+from .dobi import compress_dobi, compress_dobi_remap
 from .palu import compress_palu
 from .svd import SVDSpectra, compress_svd
 from .svdllm import compress_svdllm, compress_svdllm_v2
 
-#: family name -> compressor(model, stats, keep, **kw). "svd" ignores stats.
-COMPRESSORS = {
-    "asvd": compress_asvd,
-    "svdllm": compress_svdllm,
-    "svdllm_v2": compress_svdllm_v2,
-    "basis_sharing": compress_basis_sharing,
-    "dobi": compress_dobi,
-    "dobi-remap": lambda model, stats, keep, **kw: compress_dobi(model, stats, keep, remap=True, **kw),
-    "palu": compress_palu,
-}
+#: family name -> compressor(model, stats, keep, **kw), for every family that calibrates ("svd" does not:
+#: use ``lowrank_lib.families.get("svd").compress(model, None, keep)`` or :func:`compress_svd`).
+COMPRESSORS = {f.name: f.compressor_fn for f in _families.methods() if f.needs_stats}
 
-__all__ = ["COMPRESSORS", "CalibStats", "SVDSpectra", "cholesky_lower", "collect_stats", "compress_asvd", "compress_basis_sharing",
-           "compress_dobi", "compress_palu", "compress_svd", "compress_svdllm", "compress_svdllm_v2"]
+__all__ = ["COMPRESSORS", "CalibStats", "SVDSpectra", "cholesky_lower", "collect_stats", "compress_asvd",
+           "compress_basis_sharing", "compress_dobi", "compress_dobi_remap", "compress_palu", "compress_svd",
+           "compress_svdllm", "compress_svdllm_v2"]

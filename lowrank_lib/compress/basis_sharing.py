@@ -19,14 +19,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..factorized import LLAMA_PARENT as PARENT
 from ..factorized import LLAMA_PROJ, LowRankLinear, replace_with_factors
 from ..ranks import basis_sharing_num_basis
 from .calib import CalibStats, cholesky_lower
 
 SHARED_LLAMA = ("q_proj", "k_proj", "v_proj", "up_proj", "gate_proj")
-#: Module path of each type inside a decoder layer.
-PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 def layer_groups(n_layers: int, group_size: int) -> list[list[int]]:

@@ -14,82 +14,19 @@ A^T A (the activation principal directions), then factored by an exact SVD:
 
 Remap form: W_new = U S Vh with k components; Sigma goes on U when m >= n, on Vh when m < n; the
 first min(m, n) entries of each component are 8-bit quantised with bitsandbytes' signed dynamic
-map (re-implemented here), the rest ("tuple_info" tail) stays fp16. :func:`remap_encode` and
-:func:`remap_decode` are exact inverses on decoded data; the in-memory model holds the decoded
-fp16 factors and keeps the codes on the module (``module.dobi_remap``) so a writer reproduces
-the same bytes.
+map (re-implemented in :mod:`lowrank_lib.codecs`, shared with the readers), the rest
+("tuple_info" tail) stays fp16. :func:`remap_encode` and :func:`remap_decode` are exact inverses on
+decoded data; the in-memory model holds the decoded fp16 factors and keeps the codes on the module
+(``module.dobi_remap``) so a writer reproduces the same bytes.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
+from ..codecs import dequantize_rows, dynamic_map, quantize_rows, remap_decode, remap_encode  # noqa: F401 (re-export)
 from ..factorized import LLAMA_PROJ, iter_linears
 from .calib import CalibStats
 from .common import compress_each
-
-
-@lru_cache(maxsize=1)
-def dynamic_map() -> torch.Tensor:
-    """bitsandbytes ``create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)``: 256 sorted values."""
-    data = []
-    for i in range(7):
-        b = torch.linspace(0.1, 1, 2 ** i + 1)
-        means = ((b[:-1] + b[1:]) / 2.0).tolist()
-        data += [(10 ** (-6 + i)) * x for x in means]
-        data += [-(10 ** (-6 + i)) * x for x in means]
-    data += [0.0, 1.0]
-    assert len(data) == 256
-    return torch.tensor(sorted(data), dtype=torch.float32)
-
-
-def quantize_rows(X: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row dynamic 8-bit quantisation: X [k, d] -> (codes uint8 [k, d], absmax fp16 [k])."""
-    code = dynamic_map()
-    absmax = X.float().abs().amax(dim=1).to(torch.float16)
-    scale = absmax.float().clamp_min(torch.finfo(torch.float16).tiny)
-    x = X.float() / scale[:, None]
-    mid = (code[1:] + code[:-1]) / 2
-    idx = torch.bucketize(x.contiguous(), mid)      # nearest code entry
-    return idx.to(torch.uint8), absmax
-
-
-def dequantize_rows(codes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
-    """``code[idx] * absmax`` -> fp16 [k, d]."""
-    return (dynamic_map()[codes.long()] * absmax.float()[:, None]).to(torch.float16)
-
-
-def remap_encode(US: torch.Tensor, VT: torch.Tensor) -> dict:
-    """Factors US [m, k], VT [k, n] -> Dobi's remap entry (us_quan, vt_quan, us_absmax, vt_absmax, tuple_info)."""
-    m, k = US.shape
-    n = VT.shape[1]
-    d = min(m, n)
-    us_q, us_a = quantize_rows(US[:d].T)
-    vt_q, vt_a = quantize_rows(VT[:, :d])
-    if m > n:
-        tail = ("us", US[n:].to(torch.float16).contiguous())
-    elif m < n:
-        tail = ("vt", VT[:, m:].to(torch.float16).contiguous())
-    else:
-        tail = None
-    return {"us_quan": us_q, "vt_quan": vt_q, "us_absmax": us_a, "vt_absmax": vt_a, "tuple_info": tail}
-
-
-def remap_decode(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dobi's loader: US = deq(us_quan)^T (+ "us" tail on dim 0), VT = deq(vt_quan) (+ "vt" tail on dim 1). fp16."""
-    US = dequantize_rows(entry["us_quan"], entry["us_absmax"]).T
-    VT = dequantize_rows(entry["vt_quan"], entry["vt_absmax"])
-    tail = entry.get("tuple_info")
-    if tail is not None:
-        kind, t = tail
-        if kind == "us":
-            US = torch.cat([US, t.to(torch.float16)], dim=0)
-        elif kind == "vt":
-            VT = torch.cat([VT, t.to(torch.float16)], dim=1)
-        else:
-            raise ValueError(f"unknown tuple_info kind {kind!r}")
-    return US.contiguous(), VT.contiguous()
 
 
 def _activation_eig(W: torch.Tensor, xtx: torch.Tensor):
@@ -155,3 +92,8 @@ def compress_dobi(model, stats: CalibStats, keep: float, remap: bool = False, ta
     for name, entry in codes.items():
         out.get_submodule(name).dobi_remap = entry
     return out
+
+
+def compress_dobi_remap(model, stats: CalibStats, keep: float, **kw):
+    """:func:`compress_dobi` with ``remap=True``: the remap storage form (8-bit codes kept on each module)."""
+    return compress_dobi(model, stats, keep, remap=True, **kw)

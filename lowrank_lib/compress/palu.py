@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..codecs import block_diag_u, split_block_diag  # noqa: F401 (re-export)
+from ..geometry import geometry
 from .calib import CalibStats, cholesky_lower
 from .common import compress_each, whitened_factors
 
@@ -31,29 +33,10 @@ def palu_group_rank(group_dim: int, keep: float, align: int = 32) -> int:
     return max(min(align, group_dim), min(r, group_dim))
 
 
-def block_diag_u(blocks: list[torch.Tensor]) -> torch.Tensor:
-    """[gd, r_g] blocks -> [sum gd, sum r_g] block-diagonal U."""
-    return torch.block_diag(*blocks)
-
-
-def split_block_diag(U: torch.Tensor, ranks: list[int]) -> list[torch.Tensor]:
-    """Inverse of :func:`block_diag_u` for G equal row groups; checks off-block entries are zero."""
-    G = len(ranks)
-    gd = U.shape[0] // G
-    blocks, c = [], 0
-    for g, r in enumerate(ranks):
-        blocks.append(U[g * gd:(g + 1) * gd, c:c + r])
-        c += r
-    if not torch.equal(block_diag_u(blocks), U):
-        raise ValueError("U is not block-diagonal for the recorded head-group ranks")
-    return blocks
-
-
 def compress_palu(model, stats: CalibStats, keep: float, head_group_size: int = 1, align: int = 32,
                   whiten: bool = True, inplace: bool = False, progress: bool = True):
     """Palu k/v factors (G head groups per projection); ``lowrank_meta['head_wise_ranks']``."""
-    cfg = model.config
-    n_kv = cfg.num_key_value_heads
+    n_kv = geometry(model).n_kv_heads
     if n_kv % head_group_size:
         raise ValueError(f"head_group_size {head_group_size} does not divide num_key_value_heads {n_kv}")
     G = n_kv // head_group_size

@@ -46,13 +46,13 @@ class SVDSpectra:
 
 
 def compress_svd(model, keep: float, targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False,
-                 inplace: bool = False, spectra: SVDSpectra | None = None):
+                 inplace: bool = False, spectra: SVDSpectra | None = None, progress: bool = False):
     """Replace each target projection W by its best rank-r approximation, r = keep_rank(out, in, keep).
 
     Returns the factorized model (a deep copy unless ``inplace``). Pass ``spectra`` (computed on
     the same dense model) to skip the SVDs in a sweep.
     """
-    spectra = spectra or SVDSpectra(model, targets, include_lm_head, progress=False)
+    spectra = spectra or SVDSpectra(model, targets, include_lm_head, progress=progress)
     dtype = next(model.parameters()).dtype
     m = model if inplace else copy.deepcopy(model)
     return replace_with_factors(m, spectra.factors(keep=keep, dtype=dtype),

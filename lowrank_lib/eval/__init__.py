@@ -1,16 +1,9 @@
-"""Evaluation: perplexity, keep-ratio sweeps, KV-cache quality and long-context tasks.
+"""Evaluation protocols: perplexity windowing, keep-ratio sweeps, the family quality table, the runtime
+fidelity audit, KV-cache quality and budget sweeps, long-context tasks, the KV method registry.
 
-``ppl_vs_keep`` is resolved lazily (PEP 562) so that ``python -m lowrank_lib.eval.sweep`` does not
-import its own module twice (runpy's "found in sys.modules" warning).
+Benchmarks (``python -m lowrank_lib.bench``) call these; so do the notebooks.
 """
-from .perplexity import PerplexityResult, perplexity, wikitext_perplexity
+from .perplexity import PerplexityResult, perplexity, wikitext_perplexity, windows
+from .sweep import ppl_vs_keep, sensitivity_by_type
 
-__all__ = ["PerplexityResult", "perplexity", "ppl_vs_keep", "wikitext_perplexity"]
-
-
-def __getattr__(name: str):
-    if name == "ppl_vs_keep":
-        from .sweep import ppl_vs_keep
-
-        return ppl_vs_keep
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["PerplexityResult", "perplexity", "ppl_vs_keep", "sensitivity_by_type", "wikitext_perplexity", "windows"]

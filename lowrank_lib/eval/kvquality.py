@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..attsvd.record import dense_from, record_prefill, replay
+from ..hf.record import dense_from, record_prefill, replay
 
 
 @dataclass
@@ -57,7 +57,7 @@ def _continue(model, cache, cont: torch.Tensor, step: int) -> torch.Tensor:
     """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens."""
     outs = []
     for s in range(0, cont.shape[1], step):
-        outs.append(model(cont[:, s:s + step], past_key_values=cache).logits[0].float())
+        outs.append(model(cont[:, s:s + step], cache=cache).logits[0].float())
     return torch.cat(outs)
 
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..attsvd.record import record_prefill, replay
+from ..hf.record import record_prefill, replay
 
 TASKS = ("passkey", "needle_single", "needle_multikey", "variable_tracking")
 _WORDS = ["apple", "river", "silver", "garden", "violet", "harbor", "meadow", "copper", "falcon", "maple",
@@ -137,7 +137,7 @@ def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int,
     nxt = first_logits.argmax(-1).view(1, 1).to(dev)
     out = [int(nxt)]
     while len(out) < max_new and not (stop_ids and out[-1] in stop_ids):
-        logits = model(nxt, past_key_values=cache).logits[:, -1]
+        logits = model(nxt, cache=cache).logits[:, -1]
         nxt = logits.argmax(-1).view(1, 1)
         out.append(int(nxt))
     return out

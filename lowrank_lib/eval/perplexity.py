@@ -27,6 +27,19 @@ class PerplexityResult:
         return asdict(self)
 
 
+def windows(ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """The protocol's windows of the 1-D token tensor ``ids``: the first ``max_windows`` (None = all)
+    non-overlapping runs of ``seq_len`` tokens, ``[n, seq_len]``; the tail that fills no window is dropped."""
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D [N], got shape {tuple(ids.shape)}")
+    n_win = ids.numel() // seq_len
+    if max_windows is not None:
+        n_win = min(n_win, max_windows)
+    if n_win < 1:
+        raise ValueError(f"{ids.numel()} tokens do not fill one window of {seq_len}")
+    return ids[: n_win * seq_len].view(n_win, seq_len)
+
+
 @torch.no_grad()
 def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, max_windows: int | None = None,
                batch_size: int = 1, dtype: torch.dtype | None = torch.float32,
@@ -40,20 +53,14 @@ def perplexity(model, ids: torch.Tensor, seq_len: int = 2048, max_windows: int |
     max_windows : evaluate only the first k windows (quick runs); None = all.
     dtype : logits are upcast to this dtype before the log-softmax (fp32 by default).
     """
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D [N], got shape {tuple(ids.shape)}")
-    n_win = ids.numel() // seq_len
-    if max_windows is not None:
-        n_win = min(n_win, max_windows)
-    if n_win < 1:
-        raise ValueError(f"{ids.numel()} tokens do not fill one window of {seq_len}")
+    wins = windows(ids, seq_len, max_windows)
+    n_win = wins.shape[0]
     dev = next(model.parameters()).device
-    windows = ids[: n_win * seq_len].view(n_win, seq_len)
     per_win: list[float] = []
     total = 0.0
     bar = tqdm(range(0, n_win, batch_size), desc=desc, disable=not progress, leave=False)
     for i in bar:
-        x = windows[i:i + batch_size].to(dev)
+        x = wins[i:i + batch_size].to(dev)
         logits = model(x).logits[:, :-1]
         if dtype is not None:
             logits = logits.to(dtype)

@@ -1,4 +1,4 @@
-"""Quality sweeps: perplexity of a compressor across keep ratios, with parameter counts."""
+"""Quality sweeps: perplexity of a compressor across keep ratios, with parameter counts (``bench sweep``)."""
 from __future__ import annotations
 
 import gc
@@ -65,58 +65,3 @@ def sensitivity_by_type(model, ids, rank_frac: float = 0.9, seq_len: int = 512, 
         out[t] = perplexity(m, ids, seq_len=seq_len, max_windows=max_windows, progress=False).ppl
         del m
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lowrank_lib.eval.sweep``: plain-SVD perplexity table (dense + keeps), JSON + table."""
-    import argparse
-    import json
-    import platform
-    import sys
-    import time
-    from pathlib import Path
-
-    import torch
-
-    from .. import models
-    from ..data import tokens
-
-    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.eval.sweep", description=main.__doc__)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--keeps", type=float, nargs="+", default=[0.9, 0.8, 0.6])
-    ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=16, help="first N windows of WikiText-2 test (0 = all)")
-    ap.add_argument("--sensitivity", type=float, default=None, metavar="RANK_FRAC",
-                    help="instead: PPL with only one projection type truncated to RANK_FRAC of full rank")
-    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/ppl_svd_<model>_w<N>x<L>.json)")
-    a = ap.parse_args(argv)
-    t0 = time.time()
-    model, tok = models.load(a.model)
-    ids = tokens(tok, "test")
-    win = a.windows or None
-    info = {"command": "python -m lowrank_lib.eval.sweep " + " ".join(argv or sys.argv[1:]), "model": a.model,
-            "seq_len": a.seq_len, "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
-    if a.sensitivity is not None:
-        res = sensitivity_by_type(model, ids, a.sensitivity, seq_len=a.seq_len, max_windows=win)
-        for k, v in res.items():
-            print(f"{k:>10} {v:12.3f}")
-        default_name = f"svd_sensitivity_{a.model}_r{a.sensitivity}_w{a.windows}x{a.seq_len}.json"
-        info.update(rank_frac=a.sensitivity, windows=a.windows, ppl=res)
-    else:
-        rows = ppl_vs_keep(model, ids, a.keeps, seq_len=a.seq_len, max_windows=win)
-        print(f"{'method':>6} {'keep':>5} {'ppl':>12} {'params (M)':>10} {'proj kept':>9}")
-        for r in rows:
-            print(f"{r['method']:>6} {r['keep']:5.2f} {r['ppl']:12.3f} {r['params'] / 1e6:10.2f} "
-                  f"{r['linear_keep']:9.3f}")
-        default_name = f"ppl_svd_{a.model}_w{a.windows}x{a.seq_len}.json"
-        info.update(windows=rows[0]["windows"], test_tokens_total=int(ids.numel()), rows=rows)
-    out = Path(a.out) if a.out else (models.repo_root() or Path(".")) / "benchmarks" / "results" / default_name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    info["wall_s"] = round(time.time() - t0, 1)
-    out.write_text(json.dumps(info, indent=2))
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -29,7 +29,7 @@ import torch
 
 from ..attsvd.basis import causal_probs, query_metric, sqrt_and_inv_sqrt
 from ..attsvd.interpret import HeadView, head_view
-from ..attsvd.record import PrefillRecord
+from ..hf.record import PrefillRecord
 from .ui import in_kernel_with_widgets
 
 BASES = ("aware", "raw")

@@ -5,51 +5,69 @@
     >>> model = load_checkpoint("ckpt/share_llama2-7b_20")                # LlamaForCausalLM + LowRankLinear
     >>> save_checkpoint(model, "ckpt/mine")                               # safetensors + manifest, mmap-able
 
-Families: "svdllm" (v1 and v2), "dobi", "dobi-remap", "basis_sharing", "asvd", "palu", "lowrank" (ours).
-Pickled families are read with :mod:`.safe_pickle` (allow-list; nothing unpickled is executed).
+Formats: "svdllm" (v1 and v2), "dobi", "dobi-remap", "basis_sharing", "asvd", "palu", "lowrank" (ours);
+names and aliases come from the one registry :mod:`lowrank_lib.families`.
+
+What the readers trust and refuse (the README's "Reliability" section says why): pickled families
+are read with :mod:`.safe_pickle` (per-family allow-list; nothing unpickled is executed), torch
+files are seen as ``torch.load`` sees them (:mod:`.torchfile`), safetensors headers are validated
+(:mod:`.safetensors_file`), files are opened only if regular and capped (:mod:`.files`), and the
+model is built only after every size and tensor was checked (:mod:`.build`). Every failure is a
+:class:`CheckpointError` naming the file (and the tensor).
 """
 from __future__ import annotations
 
-import zipfile
+import os
+import stat
 from pathlib import Path
 
 import torch
 
-from . import asvd, basis_sharing, dobi, lowrank, palu, svdllm
-from .build import CheckpointError
-from .safe_pickle import UnsafePickleError, pickle_globals
+from .. import families
+from . import lowrank
+from .errors import CheckpointError, UnclassifiedCheckpointError, UnsafePickleError, guarded
+from .common import single_pt
+from .files import read_json, regular_file
+from .safe_pickle import FAMILY_MARKERS, pickle_globals
 
-FAMILIES = ("svdllm", "dobi", "dobi-remap", "basis_sharing", "asvd", "palu", "lowrank")
+#: The checkpoint formats (names a reader returns from ``detect_format``), from the registry.
+FAMILIES = tuple(f.name for f in families.formats())
 
-_READERS = {"svdllm": svdllm.read, "dobi": dobi.read, "dobi-remap": dobi.read_remap,
-            "basis_sharing": basis_sharing.read, "asvd": asvd.read, "palu": palu.read, "lowrank": lowrank.read}
-_WRITERS = {"svdllm": svdllm.write, "dobi": dobi.write, "dobi-remap": dobi.write_remap,
-            "basis_sharing": basis_sharing.write, "asvd": asvd.write, "palu": palu.write,
-            "lowrank": lambda model, path, tokenizer=None: lowrank.save(model, path)}
+
+def _format(name: str, source) -> families.Family:
+    try:
+        return families.get_format(name)
+    except families.UnknownFamily as e:
+        raise CheckpointError(f"{source}: {e}", path=source) from None
 
 
 def _detect_pickle(path: Path) -> str:
-    try:
-        names = pickle_globals(path)
-    except (zipfile.BadZipFile, OSError, IndexError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a torch.save zip archive ({type(e).__name__}: {e})") from e
-    if any(n.startswith(("component.svd_llama.", "component.svd_mistral.", "component.svd_opt.")) for n in names):
-        return "svdllm"
-    if "modules.module.SVDTransformLayer" in names:
-        return "dobi"
+    names = pickle_globals(path)
+    found = [fam for fam, markers in FAMILY_MARKERS.items() if any(n.startswith(markers) for n in names)]
+    if len(found) == 1:
+        return found[0]
+    if found:
+        raise CheckpointError(f"{path}: the pickle names classes of several families {found}; refusing to guess",
+                              path=path)
+    shown = sorted(names)[:8]
     raise CheckpointError(f"{path}: a torch pickle without SVD-LLM (component.svd_*) or Dobi "
-                          f"(modules.module.SVDTransformLayer) classes; found {sorted(names)[:8]}")
+                          f"(modules.module.SVDTransformLayer) classes; found {shown}", path=path)
 
 
+@guarded
 def detect_format(path: str | Path) -> str:
-    """The checkpoint family at ``path`` (file or folder), read from names and headers only (no unpickling)."""
-    import json
-
+    """The checkpoint format at ``path`` (file or folder), read from names and headers only (no unpickling)."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"{path}: no such file or folder")
-    if path.is_file():
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no such file or folder", path=path) from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot stat ({e})", path=path) from None
+    if stat.S_ISREG(st.st_mode):
         return _detect_pickle(path)
+    if not stat.S_ISDIR(st.st_mode):
+        regular_file(path, "checkpoint")      # raises, naming what it is (FIFO, device, ...)
     if (path / lowrank.MANIFEST).exists():
         return "lowrank"
     if (path / "remapping_weight.pt").exists():
@@ -58,37 +76,43 @@ def detect_format(path: str | Path) -> str:
         return "dobi"
     cfg_path = path / "config.json"
     if cfg_path.exists():
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
-        arch = " ".join(cfg.get("architectures") or []).lower()
+        cfg = read_json(cfg_path, "config.json")
+        archs = cfg.get("architectures") or []
+        arch = " ".join(a for a in archs if isinstance(a, str)).lower() if isinstance(archs, list) else ""
         if "num_basis_q" in cfg or "sharellama" in arch:
             return "basis_sharing"
         if "truncation_ranks" in cfg or "asvd" in arch:
             return "asvd"
         if "head_wise_ranks" in cfg or str(cfg.get("model_type", "")).startswith("palu"):
             return "palu"
-    pts = sorted(path.glob("*.pt"))
+    pts = sorted(p for p in path.glob("*.pt") if p.is_file())
     if len(pts) == 1:
         return _detect_pickle(pts[0])
-    raise CheckpointError(f"{path}: unknown layout (files: {sorted(p.name for p in path.iterdir())[:10]}); "
-                          f"expected one of {FAMILIES}")
+    try:
+        files = sorted(p.name for p in path.iterdir())[:10]
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot list the folder ({e.strerror or e})", path=path) from None
+    raise CheckpointError(f"{path}: unknown layout (files: {files}); expected one of {FAMILIES}", path=path)
 
 
-def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dtype | None = torch.float32):
+@guarded
+def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dtype | None = torch.float32,
+                    allow_nonfinite: bool = False):
     """Read any supported checkpoint into a ``LlamaForCausalLM`` with ``LowRankLinear`` projections.
 
-    ``family``: skip detection. ``dtype``: cast every tensor (default float32; None keeps the stored
-    dtypes, which may be mixed). ``model.lowrank_meta`` says family, keep, ranks, shared groups, source.
+    ``family``: skip detection (a format or family name; aliases accepted). ``dtype``: cast every
+    tensor (default float32; None keeps the stored dtypes, which may be mixed). ``allow_nonfinite``:
+    load tensors holding NaN/Inf (refused by default) for inspection; they are listed in
+    ``model.lowrank_meta["nonfinite"]``. ``model.lowrank_meta`` says family, keep, ranks, shared
+    groups, source. Every failure is a :class:`CheckpointError` naming the file (and tensor).
     """
     path = Path(path)
-    fam = family or detect_format(path)
-    if fam not in _READERS:
-        raise ValueError(f"unknown family {fam!r}; one of {FAMILIES}")
-    if fam == "svdllm" and path.is_dir():
-        path = sorted(path.glob("*.pt"))[0]
-    return _READERS[fam](path, dtype=dtype)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointError(f"{path}: dtype {dtype!r} is not a floating torch.dtype (or None)", path=path)
+    fmt = _format(family, path) if family is not None else families.get(detect_format(path))
+    if fmt.name == "svdllm" and path.is_dir():
+        path = single_pt(path)
+    return fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite)
 
 
 def save_checkpoint(model, path: str | Path) -> Path:
@@ -98,10 +122,9 @@ def save_checkpoint(model, path: str | Path) -> Path:
 
 def write_native(model, family: str, path: str | Path, tokenizer=None, **kw) -> Path:
     """Write ``model`` in ``family``'s native layout at ``path`` (file or folder as the family uses)."""
-    if family not in _WRITERS:
-        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
-    return _WRITERS[family](model, path, tokenizer=tokenizer, **kw)
+    fmt = families.get_format(family)          # UnknownFamily (a ValueError) for an unknown name
+    return fmt.writer_fn(model, path, tokenizer=tokenizer, **kw)
 
 
-__all__ = ["FAMILIES", "CheckpointError", "UnsafePickleError", "detect_format", "load_checkpoint",
-           "save_checkpoint", "write_native"]
+__all__ = ["FAMILIES", "CheckpointError", "UnclassifiedCheckpointError", "UnsafePickleError", "detect_format",
+           "load_checkpoint", "save_checkpoint", "write_native"]

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .build import CheckpointError, build_model, llama_config
+from .build import build_model, llama_config
 from .common import (dense_state, factor_modules, family_config, finish_dir, keep_from_name, plain_config,
                      read_safetensors_dir)
+from .errors import brief, fail, guarded
 
 _MODELING = '''"""ASVD-layout Llama (written by lowrank_lib for layout fidelity).
 
@@ -56,23 +57,31 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
     return finish_dir(path, cfg, tokenizer)
 
 
-def read(path: str | Path, dtype=torch.float32):
+@guarded
+def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     path = Path(path)
     cfg, ranks = family_config(path, "truncation_ranks", "ASVD")
+    cfg_obj = llama_config(cfg, str(path / "config.json"))
+    if not isinstance(ranks, dict):
+        fail(path / "config.json", f"truncation_ranks is {brief(ranks)}, expected {{module: rank}}",
+             key="truncation_ranks")
     sd = read_safetensors_dir(path)
     factors = {}
     for name, r in ranks.items():
         ak, bk = f"{name}.ALinear.weight", f"{name}.BLinear.weight"
+        if not isinstance(r, int) or isinstance(r, bool):
+            fail(path / "config.json", f"truncation_ranks['{name}'] = {brief(r)}, expected an int", key=name)
         for k in (ak, bk):
             if k not in sd:
-                raise CheckpointError(f"{path}: truncation_ranks lists '{name}' but tensor '{k}' is missing")
+                fail(path, f"truncation_ranks lists '{name}' but tensor '{k}' is missing", key=k)
         A, B = sd.pop(ak), sd.pop(bk)
-        if A.shape[1] != r or B.shape[0] != r:
-            raise CheckpointError(f"{path}: '{name}' has ALinear {tuple(A.shape)} / BLinear {tuple(B.shape)}; "
-                                  f"truncation_ranks says rank {r}")
-        factors[name] = (A, B, sd.pop(f"{name}.ALinear.bias", None))
+        if A.dim() != 2 or B.dim() != 2 or A.shape[1] != r or B.shape[0] != r:
+            fail(path, f"'{name}' has ALinear {tuple(A.shape)} / BLinear {tuple(B.shape)}; truncation_ranks says "
+                       f"rank {r}", key=ak)
+        factors[name] = (A, B, sd.pop(f"{name}.ALinear.bias", None),
+                         {"U": ak, "V": bk, "bias": f"{name}.ALinear.bias"})
     stray = [k for k in sd if ".ALinear." in k or ".BLinear." in k]
     if stray:
-        raise CheckpointError(f"{path}: factor tensors {stray[:3]} are not listed in truncation_ranks")
+        fail(path, f"factor tensors {stray[:3]} are not listed in truncation_ranks", key=stray[0])
     meta = {"family": "asvd", "keep": (keep_from_name(path.name) or 0) / 100 or None, "shared_groups": []}
-    return build_model(llama_config(cfg, str(path)), sd, factors, meta, path, dtype)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)

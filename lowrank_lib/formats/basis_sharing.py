@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
-from ..compress.basis_sharing import PARENT
+from ..factorized import LLAMA_PARENT as PARENT
 from ..factorized import LLAMA_PROJ
-from .build import CheckpointError, build_model, check_aliases, llama_config
+from .build import build_model, check_aliases, llama_config
 from .common import dense_state, factor_modules, family_config, finish_dir, plain_config, read_torch_bin_dir
+from .errors import brief, fail, guarded
 
 TYPES = [p.replace("_proj", "") for p in LLAMA_PROJ]
 
@@ -61,19 +62,27 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
                       tokenizer)
 
 
-def read(path: str | Path, dtype=torch.float32):
+def _groups(cfg: dict, t: str, n_layers: int, src) -> list[list[int]]:
+    groups = cfg.get(f"{t}_groups") or [[i] for i in range(n_layers)]
+    ok = isinstance(groups, list) and all(isinstance(g, list) and g and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in g) for g in groups)
+    if not ok or sorted(i for g in groups for i in g) != list(range(n_layers)):
+        fail(src, f"{t}_groups {brief(groups)} do not cover layers 0..{n_layers - 1} once", key=f"{t}_groups")
+    return groups
+
+
+@guarded
+def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     path = Path(path)
     cfg, _ = family_config(path, "num_basis_q", "Basis Sharing")
+    cfg_obj = llama_config(dict(cfg, model_type="llama"), str(path / "config.json"))
     src = str(path / "pytorch_model.bin")
     sd = read_torch_bin_dir(path)
-    n_layers = int(cfg["num_hidden_layers"])
+    n_layers = cfg_obj.num_hidden_layers
     factors, shared = {}, []
     for t in TYPES:
         parent = PARENT[f"{t}_proj"]
-        groups = cfg.get(f"{t}_groups") or [[i] for i in range(n_layers)]
-        flat = sorted(i for g in groups for i in g)
-        if flat != list(range(n_layers)):
-            raise CheckpointError(f"{path / 'config.json'}: {t}_groups {groups} do not cover layers 0..{n_layers - 1} once")
+        groups = _groups(cfg, t, n_layers, path / "config.json")
         for g in groups:
             aliases = []
             for i in g:
@@ -81,27 +90,31 @@ def read(path: str | Path, dtype=torch.float32):
                     if k in sd:
                         aliases.append((k, sd.pop(k)))
                     elif k.startswith("model.layers."):
-                        raise CheckpointError(f"{src}: basis tensor '{k}' is missing (group {g})")
+                        fail(src, f"basis tensor '{k}' is missing (group {g})", key=k)
             basis = check_aliases(aliases, src)
+            if basis.dim() != 2:
+                fail(src, f"basis '{aliases[0][0]}' has shape {tuple(basis.shape)}, expected [num_basis, in]",
+                     key=aliases[0][0])
             nb = cfg.get(f"num_basis_{t}")
             if len(g) == len(groups[0]) and nb is not None and basis.shape[0] != nb:
-                raise CheckpointError(f"{src}: '{aliases[0][0]}' has shape {tuple(basis.shape)}, config says "
-                                      f"num_basis_{t} = {nb}")
+                fail(src, f"'{aliases[0][0]}' has shape {tuple(basis.shape)}, config says num_basis_{t} = {brief(nb)}",
+                     key=aliases[0][0])
             for i in g:
                 ck = f"model.layers.{i}.{parent}.{t}_proj.weight"
                 if ck not in sd:
-                    raise CheckpointError(f"{src}: coefficient '{ck}' is missing")
+                    fail(src, f"coefficient '{ck}' is missing", key=ck)
                 coef = sd.pop(ck)
-                if coef.shape[1] != basis.shape[0]:
-                    raise CheckpointError(f"{src}: coefficient '{ck}' has shape {tuple(coef.shape)}, expected "
-                                          f"[out, {basis.shape[0]}] to match its basis")
-                factors[f"model.layers.{i}.{parent}.{t}_proj"] = (coef, basis, sd.pop(f"{ck[:-7]}.bias", None))
+                if coef.dim() != 2 or coef.shape[1] != basis.shape[0]:
+                    fail(src, f"coefficient '{ck}' has shape {tuple(coef.shape)}, expected [out, {basis.shape[0]}] "
+                              f"to match its basis", key=ck)
+                bk = f"{ck[:-7]}.bias"
+                factors[f"model.layers.{i}.{parent}.{t}_proj"] = (coef, basis, sd.pop(bk, None),
+                                                                  {"U": ck, "V": aliases[0][0], "bias": bk})
             if len(g) > 1:
                 shared.append([f"model.layers.{i}.{parent}.{t}_proj.V" for i in g])
-    cfg_l = dict(cfg, model_type="llama")
     m = re.search(r"_(\d+(?:\.\d+)?)$", path.name)      # share_<model>_<compression_ratio %>
     meta = {"family": "basis_sharing", "keep": round(1 - float(m.group(1)) / 100, 6) if m else None,
             "shared_groups": shared,
             "groups": {t: cfg.get(f"{t}_groups") for t in TYPES},
             "num_basis": {t: cfg.get(f"num_basis_{t}") for t in TYPES}}
-    return build_model(llama_config(cfg_l, str(path)), sd, factors, meta, path, dtype)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)

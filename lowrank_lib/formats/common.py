@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from ..factorized import LowRankLinear
-from .build import CheckpointError
+from .errors import CheckpointError, brief, fail, guarded
+from .files import read_json, shard_files
+from .safetensors_file import read_safetensors
 
 _FAKE_CLASSES: dict[str, type] = {}
 
@@ -26,14 +28,19 @@ def fake_class(path: str, base: type = nn.Module) -> type:
     return _FAKE_CLASSES[path]
 
 
+_ABSENT = object()
+
+
 @contextlib.contextmanager
-def registered(classes: list[type]):
-    """Make ``classes`` importable at their ``__module__`` paths for the duration of a write, then undo.
+def registered(classes: list, shadow: bool = False):
+    """Make ``classes`` (or functions) importable at their ``__module__`` paths for the duration of a write.
 
     Missing modules are created in ``sys.modules`` (and removed afterwards); a class missing from an
     existing module (e.g. ``LlamaSdpaAttention`` in transformers 5) is set on it and deleted afterwards.
+    An existing different object at the path is an error unless ``shadow=True`` (tests that rebuild 4.x
+    files replace a transformers 5 class for the duration), in which case it is restored afterwards.
     """
-    added_mods, added_attrs = [], []
+    added_mods, restore = [], []
     try:
         for cls in classes:
             parts = cls.__module__.split(".")
@@ -46,15 +53,19 @@ def registered(classes: list[type]):
                         sys.modules[name] = types.ModuleType(name)
                         added_mods.append(name)
             mod = sys.modules[cls.__module__]
-            if getattr(mod, cls.__name__, None) is not cls:
-                if hasattr(mod, cls.__name__):
+            old = mod.__dict__.get(cls.__name__, _ABSENT)
+            if old is not cls:
+                if old is not _ABSENT and not shadow:
                     raise RuntimeError(f"{cls.__module__}.{cls.__name__} exists; refusing to shadow it")
                 setattr(mod, cls.__name__, cls)
-                added_attrs.append((mod, cls.__name__))
+                restore.append((mod, cls.__name__, old))
         yield
     finally:
-        for mod, name in added_attrs:
-            delattr(mod, name)
+        for mod, name, old in reversed(restore):
+            if old is _ABSENT:
+                delattr(mod, name)
+            else:
+                setattr(mod, name, old)
         for name in reversed(added_mods):
             sys.modules.pop(name, None)
 
@@ -114,50 +125,51 @@ def _json_default(o):
     return str(o)
 
 
-def read_json(path: Path) -> dict:
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: unreadable JSON ({e})") from e
+def _state_dict(obj, p: Path) -> dict[str, torch.Tensor]:
+    if not isinstance(obj, dict):
+        fail(p, f"expected a state dict {{name: tensor}}, found {brief(obj)}")
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            fail(p, f"state dict key {brief(k)} is not a string")
+        if not isinstance(v, torch.Tensor):
+            fail(p, f"state dict entry '{k}' is {brief(v)}, expected a tensor", key=k)
+    return obj
 
 
+def _merge(out: dict, part: dict, p: Path) -> None:
+    dup = next((k for k in part if k in out), None)
+    if dup is not None:
+        fail(p, f"tensor '{dup}' is stored in two weight files", key=dup)
+    out.update(part)
+
+
+@guarded
 def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or its shards (index json), header and size validated."""
-    from safetensors.torch import load_file
-
-    from ..models import ModelLoadError, _check_safetensors
-
-    idx = d / "model.safetensors.index.json"
-    files = sorted(set(read_json(idx)["weight_map"].values())) if idx.exists() else ["model.safetensors"]
-    out = {}
-    for f in files:
-        p = d / f
-        if not p.exists():
-            raise CheckpointError(f"{p}: weight file missing")
-        try:
-            _check_safetensors(p)
-        except ModelLoadError as e:
-            raise CheckpointError(str(e)) from e
-        out.update(load_file(str(p)))
+    """All tensors of ``model.safetensors`` or its shards (index json), each file validated first."""
+    out: dict[str, torch.Tensor] = {}
+    for p in shard_files(d, "model.safetensors.index.json", "model.safetensors"):
+        _merge(out, read_safetensors(p), p)
     return out
 
 
+@guarded
 def read_torch_bin_dir(d: Path, name: str = "pytorch_model.bin") -> dict[str, torch.Tensor]:
-    """State dict(s) of ``pytorch_model.bin`` (or shards + index) through the restricted unpickler."""
+    """State dict(s) of ``pytorch_model.bin`` (or shards + index) through the restricted unpickler
+    (tensors only: a state dict needs no classes)."""
     from .safe_pickle import safe_torch_load
 
-    idx = d / f"{name}.index.json"
-    files = sorted(set(read_json(idx)["weight_map"].values())) if idx.exists() else [name]
-    out = {}
-    for f in files:
-        p = d / f
-        if not p.exists():
-            raise CheckpointError(f"{p}: weight file missing")
-        sd = safe_torch_load(p)
-        if not isinstance(sd, dict):
-            raise CheckpointError(f"{p}: expected a state dict, found {type(sd).__name__}")
-        out.update(sd)
+    out: dict[str, torch.Tensor] = {}
+    for p in shard_files(d, f"{name}.index.json", name):
+        _merge(out, _state_dict(safe_torch_load(p, "state_dict"), p), p)
     return out
+
+
+def single_pt(folder: Path) -> Path:
+    """The one ``.pt`` checkpoint in a folder (SVD-LLM saves one file per run); refused if none or several."""
+    pts = sorted(p for p in Path(folder).glob("*.pt") if p.is_file())
+    if len(pts) != 1:
+        fail(folder, f"expected exactly one .pt checkpoint in the folder, found {[p.name for p in pts][:5]}")
+    return pts[0]
 
 
 def keep_from_name(name: str) -> float | None:
@@ -213,7 +225,10 @@ def finish_dir(path: Path, cfg: dict, tokenizer=None) -> Path:
 
 def family_config(path: Path, key: str, family: str) -> tuple[dict, object]:
     """``config.json`` of a folder and its family-specific entry ``key`` (refused if absent)."""
-    cfg = read_json(path / "config.json")
+    cfg = read_json(Path(path) / "config.json", "config.json")
     if key not in cfg:
-        raise CheckpointError(f"{path / 'config.json'}: no {key}; not a {family} checkpoint")
+        fail(Path(path) / "config.json", f"no {key}; not a {family} checkpoint")
     return cfg, cfg[key]
+
+
+__all__ = ["CheckpointError", "read_json"]

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..compress.dobi import remap_decode, remap_encode
+from ..codecs import remap_decode, remap_encode
 from ..factorized import LLAMA_PROJ
-from .build import CheckpointError, build_model, llama_config
+from .build import build_model, llama_config
 from .common import (as_class, clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from,
                      plain_config, read_json, read_torch_bin_dir, registered, retag_storages, finish_dir)
-from .pickled import read_pickled_model
+from .errors import CheckpointError, brief, fail, guarded
+from .files import member
+from .pickled import pair_factors, read_pickled_model
 
 SVDT = fake_class("modules.module.SVDTransformLayer")
 SDPA = fake_class("transformers.models.llama.modeling_llama.LlamaSdpaAttention")
@@ -65,28 +67,23 @@ def write(model, path: str | Path, tokenizer=None, location: str = "cuda:0") -> 
     return path
 
 
-def read(path: str | Path, dtype=torch.float32):
+_AB = re.compile(r"^(?P<base>.*)\.(?P<side>[AB])Linear\.(?P<kind>weight|bias)$")
+
+
+@guarded
+def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     path = Path(path)
     if path.is_dir():
         path = path / "DobiSVD_Model.pt"
-    state, cfg, classes = read_pickled_model(path)
-    if "modules.module.SVDTransformLayer" not in classes:
-        raise CheckpointError(f"{path}: no modules.module.SVDTransformLayer in the pickle; not a Dobi-SVD checkpoint")
-    factors, dense = {}, {}
-    for k, v in state.items():
-        mt = re.match(r"^(.*)\.ALinear\.weight$", k)
-        if mt:
-            base = mt.group(1)
-            bk = f"{base}.BLinear.weight"
-            if bk not in state:
-                raise CheckpointError(f"{path}: '{k}' has no partner '{bk}'")
-            factors[base] = (state[bk], v, state.get(f"{base}.BLinear.bias"))
-        elif re.search(r"\.(A|B)Linear\.(weight|bias)$", k):
-            continue
-        else:
-            dense[k] = v
+    tree, cfg = read_pickled_model(path, "dobi")
+    if "modules.module.SVDTransformLayer" not in tree.classes:
+        fail(path, "no modules.module.SVDTransformLayer in the pickle; not a Dobi-SVD checkpoint")
+    dense, factors = pair_factors(tree.state(), _AB, lambda g: g["base"],
+                                  lambda g, side, kind: f"{g['base']}.{side}Linear.{kind}", "B", "A", path,
+                                  "a bias on ALinear (applied first) has no place in y = U V x + b")
     meta = {"family": "dobi", "keep": keep_from_name(path.parent.name), "shared_groups": []}
-    return build_model(llama_config(cfg, str(path)), dense, factors, meta, path, dtype)
+    return build_model(llama_config(cfg, str(path)), dense, factors, meta, path, dtype, allow_nonfinite,
+                       buffers=set(tree.buffers))
 
 
 # --------------------------------------------------------------------------- remap
@@ -118,30 +115,55 @@ def write_remap(model, path: str | Path, tokenizer=None, location: str = "cuda:0
 _ENTRY_KEYS = ("us_quan", "vt_quan", "us_absmax", "vt_absmax", "tuple_info")
 
 
-def read_remap(path: str | Path, dtype=torch.float32):
+@guarded
+def read_remap(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     from .safe_pickle import safe_torch_load
 
     path = Path(path)
-    cfg = read_json(path / "config.json")
+    cfg = read_json(path / "config.json", "config.json")
+    cfg_obj = llama_config(cfg, str(path / "config.json"))
     dense = read_torch_bin_dir(path)
-    rw = path / "remapping_weight.pt"
-    entries = safe_torch_load(rw)
+    rw = member(path, "remapping_weight.pt", "remap file")
+    entries = safe_torch_load(rw, "state_dict")
     if not isinstance(entries, dict):
-        raise CheckpointError(f"{rw}: expected {{module: entry}}, found {type(entries).__name__}")
+        fail(rw, f"expected {{module: entry}}, found {brief(entries)}")
     factors, codes = {}, {}
     for name, e in entries.items():
-        if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
-            raise CheckpointError(f"{rw}: entry '{name}' lacks keys {[k for k in _ENTRY_KEYS if k not in (e or {})]}")
-        k = e["us_quan"].shape[0]
-        if e["vt_quan"].shape[0] != k or e["us_absmax"].shape != (k,) or e["vt_absmax"].shape != (k,):
-            raise CheckpointError(f"{rw}: '{name}' has {k} components in us_quan but vt_quan "
-                                  f"{tuple(e['vt_quan'].shape)}, absmax {tuple(e['us_absmax'].shape)}/"
-                                  f"{tuple(e['vt_absmax'].shape)}")
-        US, VT = remap_decode(e)
-        factors[name] = (US, VT, None)
+        if not isinstance(name, str):
+            fail(rw, f"entry key {brief(name)} is not a module name")
+        US, VT = remap_decode(check_remap_entry(e, name, rw))
+        factors[name] = (US, VT, None, {"U": f"{name}[us_quan]", "V": f"{name}[vt_quan]"})
         codes[name] = e
     meta = {"family": "dobi-remap", "keep": keep_from_name(path.name), "shared_groups": []}
-    model = build_model(llama_config(cfg, str(path / "config.json")), dense, factors, meta, path, dtype)
+    model = build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite)
     for name, e in codes.items():
         model.get_submodule(name).dobi_remap = e
     return model
+
+
+def check_remap_entry(e, name: str, source) -> dict:
+    """A remap entry's keys, types and shapes, before decoding allocates anything (sizes come from the file)."""
+    if not isinstance(e, dict) or any(k not in e for k in _ENTRY_KEYS):
+        lacks = [k for k in _ENTRY_KEYS if not isinstance(e, dict) or k not in e]
+        fail(source, f"entry '{name}' lacks keys {lacks}", key=name)
+    uq, vq, ua, va, tail = (e[k] for k in _ENTRY_KEYS)
+    for k, t, dt, nd in (("us_quan", uq, torch.uint8, 2), ("vt_quan", vq, torch.uint8, 2),
+                         ("us_absmax", ua, torch.float16, 1), ("vt_absmax", va, torch.float16, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != nd:
+            found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else brief(t)
+            fail(source, f"'{name}[{k}]' is {found}, expected a {nd}-D {dt} tensor", key=f"{name}[{k}]")
+    k, d = uq.shape
+    if vq.shape != (k, d) or ua.shape != (k,) or va.shape != (k,):
+        fail(source, f"'{name}' has {k} components in us_quan {tuple(uq.shape)} but vt_quan {tuple(vq.shape)}, "
+                     f"absmax {tuple(ua.shape)}/{tuple(va.shape)}", key=f"{name}[vt_quan]")
+    if tail is not None:
+        ok = isinstance(tail, tuple) and len(tail) == 2 and tail[0] in ("us", "vt") and \
+            isinstance(tail[1], torch.Tensor) and tail[1].dim() == 2 and tail[1].dtype.is_floating_point
+        if not ok:
+            fail(source, f"'{name}[tuple_info]' is {brief(tail)}, expected None or ('us'|'vt', 2-D tensor)",
+                 key=f"{name}[tuple_info]")
+        t = tail[1]
+        if (tail[0] == "us" and t.shape[1] != k) or (tail[0] == "vt" and t.shape[0] != k):
+            fail(source, f"'{name}[tuple_info]' tail {tuple(t.shape)} does not fit {k} components",
+                 key=f"{name}[tuple_info]")
+    return e

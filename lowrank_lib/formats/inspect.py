@@ -1,8 +1,9 @@
 """Describe a checkpoint's layout without building a model (for notebooks and debugging).
 
 :func:`describe` lists the files, and the tensors of one decoder layer (key, shape, dtype) as
-stored, reading pickles through the restricted unpickler. :data:`FAMILY_NOTES` says, per family,
-which tensor is U / V in our convention, where Sigma lives and what the family's "ratio" means.
+stored, reading pickles through the restricted unpickler. :data:`FAMILY_NOTES` says, per format,
+which tensor is U / V in our convention, where Sigma lives and what the family's "ratio" means
+(a view of :mod:`lowrank_lib.families`, where the notes live).
 """
 from __future__ import annotations
 
@@ -11,41 +12,36 @@ from pathlib import Path
 
 import torch
 
-FAMILY_NOTES = {
-    "svdllm": {"U": "<p>_u_proj.weight [out,r] fp32", "V": "<p>_v_proj.weight [r,in] fp32",
-               "sigma": "sqrt on each side (after whitening)", "ratio": "file name = keep (CLI --ratio = removed)",
-               "container": "pickled {'model','tokenizer'} (component.svd_llama.*)"},
-    "asvd": {"U": "<m>.ALinear.weight [out,r]", "V": "<m>.BLinear.weight [r,in]",
-             "sigma": "sqrt on each side (V divided by activation scale)", "ratio": "asvd<pct>: keep p",
-             "container": "HF folder, model.safetensors + truncation_ranks"},
-    "basis_sharing": {"U": "<t>_proj.weight (coefficient) [out,nb]", "V": "<t>_basis.weight [nb,in], shared by a group",
-                      "sigma": "all in the basis (coefficients orthonormal)", "ratio": "compression_ratio = % removed",
-                      "container": "HF folder, pytorch_model.bin + num_basis_*/*_groups"},
-    "dobi": {"U": "<m>.BLinear.weight [out,r] fp16", "V": "<m>.ALinear.weight [r,in] fp16",
-             "sigma": "sqrt on each side", "ratio": "target_ratio = keep of all Linear params",
-             "container": "pickled {'model','tokenizer'} (modules.module.SVDTransformLayer), cuda:0 storages"},
-    "dobi-remap": {"U": "deq(us_quan)^T (+ 'us' tail) [out,k]", "V": "deq(vt_quan) (+ 'vt' tail) [k,in]",
-                   "sigma": "on U if out>=in, else on V", "ratio": "target_ratio = keep, budget k*max(m,n)",
-                   "container": "folder: pytorch_model.bin (non-layer) + remapping_weight.pt (uint8 codes)"},
-    "palu": {"U": "blockdiag(<m>.U.<g>.weight [gd,r_g])", "V": "<m>.VT.weight [sum r_g,in]",
-             "sigma": "sqrt on each side (whitened)", "ratio": "param_ratio_target = kept k/v rank",
-             "container": "HF folder, model.safetensors + head_wise_ranks (k/v only)"},
-    "lowrank": {"U": "<m>.U [out,r]", "V": "<m>.V [r,in] (shared = one entry)", "sigma": "as the source family",
-                "ratio": "canonical keep", "container": "model.safetensors + lowrank_manifest.json (mmap)"},
-}
+from .. import families
+from .errors import guarded
+
+FAMILY_NOTES = {f.name: f.notes for f in families.formats()}
 
 
 def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
-    from .common import read_safetensors_dir, read_torch_bin_dir
-    from .safe_pickle import module_state, safe_torch_load
+    from .common import read_safetensors_dir, read_torch_bin_dir, single_pt
+    from .pickled import read_pickled_model
+    from .safe_pickle import safe_torch_load
 
     if family in ("svdllm", "dobi"):
-        f = path if path.is_file() else (path / "DobiSVD_Model.pt" if family == "dobi" else sorted(path.glob("*.pt"))[0])
-        return module_state(safe_torch_load(f)["model"])
+        if path.is_file():
+            f = path
+        elif family == "dobi":
+            f = path / "DobiSVD_Model.pt"
+        else:
+            f = single_pt(path)
+        return read_pickled_model(f, family)[0].state()
     if family == "dobi-remap":
+        from .dobi import check_remap_entry
+        from .errors import fail
+
         out = dict(read_torch_bin_dir(path))
-        for name, e in safe_torch_load(path / "remapping_weight.pt").items():
-            for k, v in e.items():
+        rw = path / "remapping_weight.pt"
+        entries = safe_torch_load(rw, "state_dict")
+        if not isinstance(entries, dict):
+            fail(rw, "expected {module: entry}")
+        for name, e in entries.items():
+            for k, v in check_remap_entry(e, str(name), rw).items():
                 if isinstance(v, torch.Tensor):
                     out[f"{name}[{k}]"] = v
                 elif isinstance(v, tuple):
@@ -56,8 +52,9 @@ def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
     return read_safetensors_dir(path)
 
 
+@guarded
 def describe(path: str | Path, layer: int = 0) -> dict:
-    """``{"family", "files": [(name, bytes)], "tensors": [(key, shape, dtype)] of one layer}``."""
+    """``{"family", "files": [(name, bytes)], "tensors": [(key, shape, dtype)] of one layer, "notes"}``."""
     from . import detect_format
 
     path = Path(path)

@@ -9,23 +9,21 @@
 """
 from __future__ import annotations
 
-import json
-import mmap
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from ..factorized import LowRankLinear
-from .build import CheckpointError, build_model, config_dict
-from .common import read_json, write_json
+from .build import build_model, config_dict
+from .common import write_json
+from .errors import brief, fail, guarded
+from .files import member, read_json
+from .safetensors_file import read_safetensors
 
 MANIFEST = "lowrank_manifest.json"
 WEIGHTS = "model.safetensors"
 VERSION = 1
-_DT = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-       "BOOL": torch.bool}
 
 
 def _json_safe(obj):
@@ -67,65 +65,67 @@ def save(model, path: str | Path) -> Path:
     return path
 
 
+def write(model, path: str | Path, tokenizer=None) -> Path:
+    """:func:`save` with the writer signature every family shares (our format keeps no tokenizer)."""
+    return save(model, path)
+
+
+@guarded
 def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file as views of a copy-on-write memory map (zero copy)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{path}: truncated (no 8-byte header length)")
-        n = int.from_bytes(head, "little")
-        if n <= 0 or 8 + n > size:
-            raise CheckpointError(f"{path}: header length {n} does not fit a {size}-byte file (truncated?)")
-        header = json.loads(f.read(n))
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-    base = 8 + n
-    out = {}
-    for k, v in header.items():
-        if k == "__metadata__":
-            continue
-        s, e = v["data_offsets"]
-        if base + e > size:
-            raise CheckpointError(f"{path}: tensor '{k}' needs bytes up to {base + e} but the file has {size} (truncated)")
-        dt = _DT[v["dtype"]]
-        numel = 1
-        for d in v["shape"]:
-            numel *= d
-        if numel == 0:
-            out[k] = torch.empty(v["shape"], dtype=dt)
-            continue
-        out[k] = torch.frombuffer(mm, dtype=dt, count=numel, offset=base + s).view(v["shape"])
-    return out
+    """Tensors of a safetensors file as views of a copy-on-write memory map (zero copy), header validated."""
+    return read_safetensors(path, use_mmap=True)
 
 
-def read(path: str | Path, dtype=torch.float32, use_mmap: bool = True):
-    path = Path(path)
-    man = read_json(path / MANIFEST)
+def _manifest(path: Path) -> dict:
+    mp = path / MANIFEST
+    man = read_json(mp, "manifest")
     if man.get("format") != "lowrank_lib" or man.get("version") != VERSION:
-        raise CheckpointError(f"{path / MANIFEST}: format {man.get('format')!r} version {man.get('version')!r}, "
-                              f"expected lowrank_lib version {VERSION}")
-    wpath = path / WEIGHTS
-    if not wpath.exists():
-        raise CheckpointError(f"{wpath}: weight file missing")
-    if use_mmap:
-        stored = mmap_safetensors(wpath)
-    else:
-        from safetensors.torch import load_file
+        fail(mp, f"format {brief(man.get('format'))} version {brief(man.get('version'))}, expected lowrank_lib "
+                 f"version {VERSION}")
+    for k, typ in (("config", dict), ("tensors", dict), ("factors", dict)):
+        if not isinstance(man.get(k), typ):
+            fail(mp, f"'{k}' is {brief(man.get(k))}, expected an object", key=k)
+    if not isinstance(man.get("meta") or {}, dict):
+        fail(mp, f"'meta' is {brief(man.get('meta'))}, expected an object", key="meta")
+    for k, v in man["tensors"].items():
+        if not isinstance(v, str):
+            fail(mp, f"tensors['{k}'] is {brief(v)}, expected the name of a stored tensor", key=k)
+    for n, f in man["factors"].items():
+        ok = isinstance(f, dict) and isinstance(f.get("U"), str) and isinstance(f.get("V"), str) and \
+            (f.get("bias") is None or isinstance(f.get("bias"), str)) and isinstance(f.get("rank"), int) and \
+            not isinstance(f.get("rank"), bool)
+        if not ok:
+            fail(mp, f"factors['{n}'] is {brief(f)}, expected {{U, V, bias, rank}}", key=n)
+    return man
 
-        stored = load_file(str(wpath))
+
+@guarded
+def read(path: str | Path, dtype=torch.float32, use_mmap: bool = True, allow_nonfinite: bool = False):
+    path = Path(path)
+    man = _manifest(path)
+    wpath = member(path, WEIGHTS, "weight file")
+    stored = read_safetensors(wpath, use_mmap=use_mmap)
     keymap = man["tensors"]
     missing = sorted({v for v in keymap.values() if v not in stored})
     if missing:
-        raise CheckpointError(f"{wpath}: tensor(s) {missing[:5]} listed in the manifest are missing")
+        fail(wpath, f"tensor(s) {missing[:5]} listed in the manifest are missing", key=missing[0])
+    unused = sorted(set(stored) - set(keymap.values()))
+    if unused:
+        fail(wpath, f"tensor(s) {unused[:5]} are stored but the manifest does not use them", key=unused[0])
     fkeys = set()
     factors = {}
     for n, f in man["factors"].items():
+        for side in ("U", "V", "bias"):
+            if f.get(side) is not None and f[side] not in stored:
+                fail(wpath, f"'{n}' factor {side} is '{f[side]}', which is not stored", key=f[side])
         U, V = stored[f["U"]], stored[f["V"]]
-        if U.shape[1] != f["rank"] or V.shape[0] != f["rank"]:
-            raise CheckpointError(f"{wpath}: '{n}' factors U {tuple(U.shape)} V {tuple(V.shape)}, manifest rank {f['rank']}")
-        factors[n] = (U, V, stored[f["bias"]] if f.get("bias") else None)
+        if U.dim() != 2 or V.dim() != 2 or U.shape[1] != f["rank"] or V.shape[0] != f["rank"]:
+            fail(wpath, f"'{n}' factors '{f['U']}' {tuple(U.shape)} / '{f['V']}' {tuple(V.shape)}, manifest rank "
+                        f"{f['rank']}", key=f["U"])
+        factors[n] = (U, V, stored[f["bias"]] if f.get("bias") else None,
+                      {"U": f["U"], "V": f["V"], "bias": f.get("bias") or f"{n}.bias"})
         fkeys.update({f"{n}.U", f"{n}.V", f"{n}.bias"})
     dense = {k: stored[v] for k, v in keymap.items() if k not in fkeys}
     meta = dict(man.get("meta") or {})
     meta.pop("ranks", None)
-    return build_model(man["config"], dense, factors, meta, path, dtype)
+    return build_model(man["config"], dense, factors, meta, path, dtype, allow_nonfinite)

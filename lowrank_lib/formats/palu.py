@@ -15,8 +15,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..compress.palu import block_diag_u, split_block_diag
+from ..codecs import block_diag_u, split_block_diag
+from ..geometry import geometry
 from .build import CheckpointError, build_model, llama_config
+from .errors import brief, fail, guarded
 from .common import (dense_state, factor_modules, family_config, finish_dir, keep_from_name, plain_config,
                      read_safetensors_dir)
 
@@ -53,37 +55,58 @@ def write(model, path: str | Path, tokenizer=None, original: str = "") -> Path:
     return finish_dir(path, cfg, tokenizer)
 
 
-def read(path: str | Path, dtype=torch.float32):
+@guarded
+def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     path = Path(path)
     cfg, hw = family_config(path, "head_wise_ranks", "Palu")
+    cfg_obj = llama_config(dict(cfg, model_type="llama"), str(path / "config.json"))
+    if not isinstance(hw, dict):
+        fail(path / "config.json", f"head_wise_ranks is {brief(hw)}, expected {{module: [rank per group]}}",
+             key="head_wise_ranks")
+    g_kv = geometry(cfg_obj).kv_dim
     sd = read_safetensors_dir(path)
     factors = {}
     for name, ranks in hw.items():
+        if not (isinstance(ranks, list) and ranks and len(ranks) <= 4096 and
+                all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks)):
+            fail(path / "config.json", f"head_wise_ranks['{name}'] = {brief(ranks)}, expected a list of positive ints",
+                 key=name)
         vk = f"{name}.VT.weight"
         if vk not in sd:
-            raise CheckpointError(f"{path}: head_wise_ranks lists '{name}' but tensor '{vk}' is missing")
+            fail(path, f"head_wise_ranks lists '{name}' but tensor '{vk}' is missing", key=vk)
         VT = sd.pop(vk)
-        if VT.shape[0] != sum(ranks):
-            raise CheckpointError(f"{path}: '{vk}' has shape {tuple(VT.shape)}, expected [{sum(ranks)}, in] "
-                                  f"(sum of head_wise_ranks {ranks})")
+        if VT.dim() != 2 or VT.shape[0] != sum(ranks):
+            fail(path, f"'{vk}' has shape {tuple(VT.shape)}, expected [{sum(ranks)}, in] (sum of head_wise_ranks "
+                       f"{ranks})", key=vk)
         blocks, biases = [], []
         for g, r in enumerate(ranks):
             uk = f"{name}.U.{g}.weight"
             if uk not in sd:
-                raise CheckpointError(f"{path}: tensor '{uk}' is missing (head group {g} of '{name}')")
+                fail(path, f"tensor '{uk}' is missing (head group {g} of '{name}')", key=uk)
             U = sd.pop(uk)
-            if U.shape[1] != r or (blocks and U.shape[0] != blocks[0].shape[0]):
-                raise CheckpointError(f"{path}: '{uk}' has shape {tuple(U.shape)}, expected "
-                                      f"[{blocks[0].shape[0] if blocks else 'group_dim'}, {r}]")
+            if U.dim() != 2 or U.shape[1] != r or (blocks and U.shape[0] != blocks[0].shape[0]) or \
+                    U.dtype != VT.dtype:
+                fail(path, f"'{uk}' has shape {tuple(U.shape)} {U.dtype}, expected "
+                           f"[{blocks[0].shape[0] if blocks else 'group_dim'}, {r}] {VT.dtype}", key=uk)
             blocks.append(U)
             b = sd.pop(f"{name}.U.{g}.bias", None)
             if b is not None:
                 biases.append(b)
-        bias = torch.cat(biases) if biases else None
-        factors[name] = (block_diag_u(blocks), VT, bias)
-    cfg = dict(cfg, model_type="llama")
+        if biases and len(biases) != len(blocks):
+            fail(path, f"'{name}' has a bias on {len(biases)} of its {len(blocks)} head groups",
+                 key=f"{name}.U.0.bias")
+        out = sum(b.shape[0] for b in blocks)
+        if name.rsplit(".", 1)[-1] not in ("k_proj", "v_proj") or out != g_kv:
+            fail(path, f"head_wise_ranks lists '{name}' with {len(blocks)} groups of {blocks[0].shape[0]} rows; Palu "
+                       f"factorizes k_proj / v_proj of {g_kv} rows", key=f"{name}.U.0.weight")
+        bias = torch.cat([b.reshape(-1) for b in biases]) if biases else None
+        factors[name] = (block_diag_u(blocks), VT, bias, {"U": f"{name}.U.*.weight", "V": vk,
+                                                          "bias": f"{name}.U.*.bias"})
+    stray = [k for k in sd if ".VT." in k or ".U." in k]
+    if stray:
+        fail(path, f"factor tensors {stray[:3]} are not listed in head_wise_ranks", key=stray[0])
     meta = {"family": "palu", "keep": _keep(path.name), "head_wise_ranks": hw, "shared_groups": []}
-    return build_model(llama_config(cfg, str(path)), sd, factors, meta, path, dtype)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)
 
 
 def _keep(name: str):

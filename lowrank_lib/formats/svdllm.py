@@ -15,11 +15,12 @@ from pathlib import Path
 
 import torch
 
-
 from ..factorized import LLAMA_PROJ
-from .build import CheckpointError, build_model, llama_config
+from ..geometry import geometry
+from .build import build_model, llama_config
+from .errors import fail, guarded
 from .common import clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from, registered
-from .pickled import read_pickled_model
+from .pickled import pair_factors, read_pickled_model
 
 ATTN = fake_class("component.svd_llama.SVD_LlamaAttention")
 MLP = fake_class("component.svd_llama.SVD_LlamaMLP")
@@ -46,6 +47,7 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
         path.mkdir(parents=True, exist_ok=True)
         path = path / native_filename(model_name, keep if keep is not None else meta.get("keep", 1.0),
                                       meta.get("variant", "v1"))
+    inv_freq = model.model.rotary_emb.inv_freq.detach().float().clone()   # SVD-LLM's rotary is built in fp32
     m = clone_for_pickle(model)
     if base_dtype is not None:
         m = m.to(base_dtype)
@@ -55,11 +57,11 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
         new_at = ATTN()
         new_at.config = cfg
         new_at.hidden_size = cfg.hidden_size
-        new_at.num_heads = cfg.num_attention_heads
-        new_at.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        new_at.num_heads = geometry(cfg).n_heads
+        new_at.head_dim = geometry(cfg).head_dim
         new_at.max_position_embeddings = cfg.max_position_embeddings
         rope = ROPE()
-        rope.register_buffer("inv_freq", m.model.rotary_emb.inv_freq.detach().float().clone(), persistent=True)
+        rope.register_buffer("inv_freq", inv_freq.clone(), persistent=True)
         rope.max_seq_len_cached = cfg.max_position_embeddings
         for p in ("q", "k", "v", "o"):
             f = facs[f"model.layers.{i}.self_attn.{p}_proj"]
@@ -81,32 +83,25 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
     return path
 
 
-_UKEY = re.compile(r"^(.*)\.(\w+)_u_proj\.weight$")
+_FACTOR = re.compile(r"^(?P<base>.*)\.(?P<p>\w+)_(?P<side>[uv])_proj\.(?P<kind>weight|bias)$")
 
 
-def read(path: str | Path, dtype=torch.float32):
+@guarded
+def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     """SVD-LLM pickle -> the ONE representation (tensors only; nothing unpickled is executed)."""
     path = Path(path)
-    state, cfg, classes = read_pickled_model(path)
-    if not any(c.startswith(FAMILY_CLASSES) for c in classes):
-        raise CheckpointError(f"{path}: no component.svd_* modules in the pickle; not an SVD-LLM checkpoint")
-    factors, dense = {}, {}
-    for k, v in state.items():
-        mt = _UKEY.match(k)
-        if mt:
-            base, p = mt.groups()
-            vk = f"{base}.{p}_v_proj.weight"
-            if vk not in state:
-                raise CheckpointError(f"{path}: '{k}' has no partner '{vk}'")
-            factors[f"{base}.{p}_proj"] = (v, state[vk], state.get(f"{base}.{p}_u_proj.bias"))
-        elif re.search(r"_[uv]_proj\.(weight|bias)$", k):
-            continue
-        else:
-            dense[k] = v
+    tree, cfg = read_pickled_model(path, "svdllm")
+    if any(c.startswith("component.svd_opt.") for c in tree.classes):
+        fail(path, "an SVD-LLM OPT checkpoint (component.svd_opt): lowrank_lib rebuilds Llama-family models only")
+    if not any(c.startswith(FAMILY_CLASSES) for c in tree.classes):
+        fail(path, "no component.svd_* modules in the pickle; not an SVD-LLM checkpoint")
+    dense, factors = pair_factors(tree.state(), _FACTOR, lambda g: f"{g['base']}.{g['p']}_proj",
+                                  lambda g, side, kind: f"{g['base']}.{g['p']}_{side}_proj.{kind}", "u", "v", path,
+                                  "SVD-LLM keeps a bias on the u projection only")
     cfg_obj = llama_config(cfg, str(path))
     variant = "v2" if "_v2_" in path.name else "v1"
     meta = {"family": "svdllm", "variant": variant, "keep": keep_from_name(path.name), "shared_groups": []}
-    return build_model(cfg_obj, dense, factors, meta, path, dtype)
+    return build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite, buffers=set(tree.buffers))
 
 
 __all__ = ["native_filename", "read", "write"]

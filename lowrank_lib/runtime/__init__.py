@@ -1,8 +1,9 @@
-"""Decode runtime (FlashSVD v1.5 and beyond): Engine, static dense KV cache, packed projections,
-attention backends, graph modes, baselines on the same factors, profiling, fidelity audit."""
+"""Decode runtime (FlashSVD v1.5 and beyond): Engine, pluggable KV stores (dense static cache, rebuild),
+packed projections, attention backends, graph modes, baselines on the same factors, profiling."""
+from ..generation import GenerateOutput, run_generation, sample_next
 from .config import EngineConfig, PRESETS
-from .engine import Engine, GenerateOutput, run_generation, sample_next
-from .kv_cache import CacheFullError, StaticKVCache
+from .engine import Engine
+from .kv import CacheFullError, DenseKV, KVStore, RebuildKV
 
 __all__ = ["Engine", "EngineConfig", "PRESETS", "GenerateOutput", "run_generation", "sample_next",
-           "CacheFullError", "StaticKVCache"]
+           "CacheFullError", "DenseKV", "KVStore", "RebuildKV"]

@@ -1,34 +1,28 @@
-"""Attention backend registry for the decode step.
+"""Attention backend registry for the dense store's decode step.
 
-Every backend implements ``decode(q, k, v, K, V, cache, pos, mask)``:
+Every backend implements ``decode(q, K, V, cursor, mask)``; it only attends (the store has already
+written the current token's k/v at slot ``cursor.length``: one place appends, not every kernel):
 
-    q    [B, Hkv, G, D]   the current token's post-RoPE queries (G = Hq / Hkv, GQA native)
-    k, v [B, Hkv, 1, D]   the current token's post-RoPE key / value (the backend appends them)
-    K, V                  this layer's cache views (eager: only the live slots; graphs: all Smax)
-    pos  [1] int64        the cache slot being written (device tensor, = cache.length)
-    mask [B, 1, 1, S]     additive mask over slots (sdpa only), or None
-    ->   [B, Hq * D]
+    q      [B, Hkv, G, D]   the current token's post-RoPE queries (G = Hq / Hkv, GQA native)
+    K, V                    this layer's cache views (eager: only the live slots; graphs: all Smax)
+    cursor                  ``length`` [1] (this token's slot, not yet advanced) and ``pad`` [B] on device
+    mask   [B, 1, 1, S]     additive mask over slots (sdpa only), or None
+    ->     [B, Hq * D]
 
-Backends: ``flash_attn`` (``flash_attn_with_kvcache``: append + attention in one kernel, lengths
-from device memory, left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel:
-reads ``cache.length`` and ``cache.pad`` from device memory, loops only over live slots) and
-``sdpa`` (portable; under graphs it attends over all Smax slots with a device-built mask).
-CUDA-only modules are imported lazily: the CPU path never touches them.
+Backends: ``flash_attn`` (``flash_attn_with_kvcache`` over ``length + 1`` slots from device memory,
+left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel: reads the length and
+pad counts from device memory, loops only over live slots) and ``sdpa`` (portable; under graphs it
+attends over all Smax slots with a device-built mask). CUDA-only modules are imported lazily: the CPU
+path never touches them.
 """
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class BackendChoice:
-    name: str
-    reason: str
-    layout: str  # KV cache layout the backend reads
+from .kv.base import BackendChoice
 
 
 def _has(mod: str) -> bool:
@@ -65,16 +59,14 @@ def select_backend(requested: str, device: torch.device, head_dim: int, dtype: t
 
 
 # --------------------------------------------------------------------------- sdpa
-def sdpa_decode(q, k, v, K, V, cache, pos, mask):
+def sdpa_decode(q, K, V, cursor, mask):
     B, Hkv, G, D = q.shape
-    K.index_copy_(2, pos, k)
-    V.index_copy_(2, pos, v)
     # GQA without repeat_kv: the G query heads of a group are the "query length" of one KV head.
     o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
     return o.view(B, Hkv * G * D)
 
 
-def fused_decode(q, k, v, K, V, cache, pos, mask):
+def fused_decode(q, K, V, cursor, mask):
     """sdpa_decode written as broadcast-multiply-reduce, for a ``torch.compile``-d step only.
 
     Inductor fuses each reduction into one vectorised loop over the cache (no SDPA call, no [S]
@@ -82,8 +74,6 @@ def fused_decode(q, k, v, K, V, cache, pos, mask):
     23.9 ms. Eagerly this would materialise [B, Hkv, G, S, D] products, so the engine uses it only
     while compiling (``EngineConfig.fused_compile``)."""
     B, Hkv, G, D = q.shape
-    K.index_copy_(2, pos, k)
-    V.index_copy_(2, pos, v)
     s = (q[:, :, :, None, :] * K[:, :, None, :, :]).sum(-1) * D ** -0.5        # [B, Hkv, G, S]
     if mask is not None:
         s = s + mask
@@ -92,14 +82,14 @@ def fused_decode(q, k, v, K, V, cache, pos, mask):
 
 
 # --------------------------------------------------------------------------- flash_attn
-def flash_decode(q, k, v, K, V, cache, pos, mask):
+def flash_decode(q, K, V, cursor, mask):
     from flash_attn import flash_attn_with_kvcache
 
     B, Hkv, G, D = q.shape
-    seqlens = cache.length.to(torch.int32).expand(B).contiguous()
-    kw = {"cache_leftpad": cache.pad[:B].to(torch.int32)} if cache.any_pad else {}   # flash-attn >= 2.6
-    o = flash_attn_with_kvcache(q.reshape(B, 1, Hkv * G, D), K, V, k=k.transpose(1, 2), v=v.transpose(1, 2),
-                                cache_seqlens=seqlens, causal=True, **kw)
+    # the store already wrote this token at slot `length`: attend over length + 1 slots (no k/v to append)
+    seqlens = (cursor.length + 1).to(torch.int32).expand(B).contiguous()
+    kw = {"cache_leftpad": cursor.pad[:B].to(torch.int32)} if cursor.any_pad else {}   # flash-attn >= 2.6
+    o = flash_attn_with_kvcache(q.reshape(B, 1, Hkv * G, D), K, V, cache_seqlens=seqlens, causal=True, **kw)
     return o.reshape(B, Hkv * G * D)
 
 
@@ -151,17 +141,15 @@ def _triton_kernel():
     return _decode_attn
 
 
-def triton_decode(q, k, v, K, V, cache, pos, mask):
+def triton_decode(q, K, V, cursor, mask):
     B, Hkv, G, D = q.shape
     Hq = Hkv * G
-    K.index_copy_(2, pos, k)
-    V.index_copy_(2, pos, v)
     q = q.reshape(B, Hq, D).contiguous()
     o = torch.empty_like(q)
     kern = _triton_kernel()
     # the kernel reads length = written slots; this token was just written at slot `length`
-    n = cache.length + 1
-    kern[(B, Hq)](q, K, V, o, n, cache.pad, q.stride(0), q.stride(1), K.stride(0), K.stride(1), K.stride(2),
+    n = cursor.length + 1
+    kern[(B, Hq)](q, K, V, o, n, cursor.pad, q.stride(0), q.stride(1), K.stride(0), K.stride(1), K.stride(2),
                   o.stride(0), o.stride(1), D ** -0.5, G=Hq // Hkv, D=D, BLOCK=64)
     return o.view(B, Hq * D)
 

@@ -1,4 +1,4 @@
-"""Baselines on the SAME factors, all driven by the one loop (:func:`engine.run_generation`).
+"""Baselines on the SAME factors, all driven by the one loop (:func:`lowrank_lib.generation.run_generation`).
 
 ==================  ==========================================================================
 system              what runs
@@ -21,8 +21,9 @@ import copy
 
 import torch
 
+from ..generation import left_pad_counts
 from .config import PRESETS, EngineConfig
-from .engine import Engine, left_pad_counts
+from .engine import Engine
 
 SYSTEMS = ("engine", "engine_step", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
            "dense_hf_static", "dense_engine")

@@ -5,10 +5,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .kv import STORES
 from .packing import LAYOUTS
 
 GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
-KV_MODES = ("dense", "rebuild")
+KV_MODES = tuple(STORES)
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "flash_attn")
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
@@ -31,13 +32,14 @@ class EngineConfig:
 
     Parameters
     ----------
-    max_batch, max_seq_len : the static KV cache is allocated ONCE as [max_batch, Hkv, max_seq_len, D]
-        per layer. A request with prompt + new tokens > max_seq_len is refused (``CacheFullError``)
-        before any work: no silent truncation, no sliding window.
+    max_batch, max_seq_len : the KV store is allocated ONCE for this many rows and slots (the dense
+        store: [max_batch, Hkv, max_seq_len, D] per layer). A request with prompt + new tokens >
+        max_seq_len is refused (``CacheFullError``) before any work: no silent truncation, no sliding window.
     dtype, device : None = the model's own.
-    kv : ``"dense"`` (reconstruct only the current token, append to the dense cache) or ``"rebuild"``
-        (the slow route: keep the k/v history as rank-space latents and rebuild dense K/V of the
-        whole history every step, the paper's naive low-rank path).
+    kv : the default store when ``Engine(..., kv=None)``: ``"dense"`` (reconstruct only the current
+        token, append to the dense cache) or ``"rebuild"`` (the slow route: keep the k/v history as
+        rank-space latents and rebuild dense K/V of the whole history every step, the paper's naive
+        low-rank path). Any other ``runtime.kv.KVStore`` is passed as ``Engine(..., kv=store)``.
     pack_qkv, pack_mlp : one GEMM into rank space for q,k,v (resp. gate,up), then the per-projection
         U factors. Exact algebra; a basis shared by several projections is applied once.
     fold_rope : store [U; P U] for q and k (P = RoPE's signed rotate-half permutation, exact in

@@ -1,11 +1,13 @@
-"""Graph modes for the decode step.
+"""Graph modes for the decode step, and the bookkeeping of what is captured.
 
-CUDA (``torch.cuda.CUDAGraph``): every mode reads the live cache length / pad from device tensors,
-so one capture per batch size serves every step (no length buckets).
+CUDA (``torch.cuda.CUDAGraph``): every mode reads the live length / pad counts from device tensors
+(the engine's cursor), so one capture per (batch size, store shape key) serves every step (no length
+buckets); the step body never moves the cursor (``Engine.step`` advances it after the replay), so
+warm-up runs leave the request's position untouched.
 
-- ``whole-step``: embedding -> all layers -> final norm -> lm_head -> ``length += 1``: ONE replay.
-- ``per-layer``: a small prologue graph (embedding, RoPE gather, slot mask), one graph per layer
-  (attention + MLP), a small epilogue graph (final norm, lm_head, length += 1): L + 2 replays.
+- ``whole-step``: embedding -> all layers -> final norm -> lm_head: ONE replay.
+- ``per-layer``: a small prologue graph (embedding, RoPE gather, the store's step context), one graph
+  per layer (attention + MLP), a small epilogue graph (final norm, lm_head): L + 2 replays.
 - ``split``: as per-layer but attention and MLP are two graphs (the paper's "split graph").
 
 CPU: there is no launch to save, only Python/dispatcher overhead. "Graph" on CPU means
@@ -13,16 +15,36 @@ CPU: there is no launch to save, only Python/dispatcher overhead. "Graph" on CPU
 fuses the elementwise ops and calls the GEMMs directly). ``split`` and ``per-layer`` are refused on
 CPU (compiling 2L regions would cost minutes of compile time on a 2-core machine for nothing a
 whole-step compile does not already give). Capture/compile time is measured in ``capture_s``.
+
+Captures are keyed by ``(B, store.shape_key())``. A store whose buffers change shape (the AttSVD
+store across bulk buckets) reports a new shape key; the runner then drops every capture
+(:meth:`GraphRunner.invalidate`: they read buffers that are gone) and captures again.
 """
 from __future__ import annotations
 
+import itertools
 import time
+from typing import Hashable
 
 import torch
 
+_captures = itertools.count()
+
+
+def _own_code(fn):
+    """``fn`` with a code object of its own (a renamed copy of its code).
+
+    Dynamo keys its compile cache, and its recompile limit (8 by default), by code object. With one
+    shared function every engine of the process and every store shape key would be another recompile of
+    the same code, and the 9th fails under ``fullgraph=True`` (an AttSVD store crossing 9 bulk buckets,
+    say). With one code object per capture each is compiled once, and the compiled code goes when the
+    runner drops the function (:meth:`GraphRunner.invalidate`)."""
+    fn.__code__ = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_captures)}")
+    return fn
+
 
 class GraphRunner:
-    """Owns the captured graphs (or compiled step) of one Engine, keyed by batch size."""
+    """Owns the captured graphs (or compiled step) of one Engine, keyed by (batch size, store shape key)."""
 
     def __init__(self, engine):
         self.eng = engine
@@ -34,33 +56,47 @@ class GraphRunner:
                 raise ValueError(f"graph={self.mode!r} is not available on CPU: CPU 'graphs' are a "
                                  f"torch.compile of the whole decode step; use graph='whole-step' or 'none'")
             self.impl = f"torch.compile(backend={engine.config.compile_backend!r}, fullgraph, static shapes)"
-        self._state: dict[int, dict] = {}
+        self._state: dict[tuple, dict] = {}
+        self._store_key: Hashable = None
 
     # ------------------------------------------------------------------ public
+    @property
+    def captured(self) -> list[tuple]:
+        """The (batch size, store shape key) pairs with a live capture."""
+        return list(self._state)
+
+    def invalidate(self) -> None:
+        """Drop every capture; the next step captures again (after a store reallocated its buffers, or
+        when weights were changed in place by the user)."""
+        self._state.clear()
+
+    def _key(self, B: int) -> tuple:
+        sk = self.eng.kv.shape_key()
+        if sk != self._store_key:          # new store buffers: captures of the old ones are stale
+            self.invalidate()
+            self._store_key = sk
+        return (B, sk)
+
     def prepare(self, B: int) -> float:
-        """Capture / compile for batch size B (once). Returns the seconds it took (0 if cached)."""
-        if B in self._state:
+        """Capture / compile for batch size B and the store's current shapes (once). Returns the seconds
+        it took (0 if already captured)."""
+        key = self._key(B)
+        if key in self._state:
             return 0.0
-        c = self.eng.cache
-        saved, host = c.length.clone(), c.host_len
         t0 = time.perf_counter()
-        if self.impl == "cuda-graph":
-            self._state[B] = self._capture_cuda(B)
-        else:
-            self._state[B] = self._compile_cpu(B)
+        self._state[key] = self._capture_cuda(B) if self.impl == "cuda-graph" else self._compile_cpu(B)
         if self.eng.device.type == "cuda":
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        c.length.copy_(saved)   # warm-up runs wrote slot `length` (overwritten by the real step)
-        c.host_len = host
         self.eng.capture_s += dt
         return dt
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         B = tokens.shape[0]
-        if B not in self._state:
+        key = self._key(B)
+        if key not in self._state:
             self.prepare(B)
-        st = self._state[B]
+        st = self._state[key]
         if self.impl != "cuda-graph":
             return st["fn"](tokens)
         st["tokens"].copy_(tokens)
@@ -71,19 +107,21 @@ class GraphRunner:
     # ------------------------------------------------------------------ CPU
     def _compile_cpu(self, B: int) -> dict:
         eng = self.eng
-        fn = torch.compile(lambda t: eng.decode_body(t, live=None), fullgraph=True, dynamic=False,
-                           backend=eng.config.compile_backend)
+
+        def decode_step(t):
+            return eng.decode_body(t, live=None)
+
+        fn = torch.compile(_own_code(decode_step), fullgraph=True, dynamic=False, backend=eng.config.compile_backend)
         dummy = torch.zeros(B, dtype=torch.long, device=eng.device)
         with torch.no_grad():
-            fn(dummy)            # compile + one warm run
+            fn(dummy)            # compile + one warm run (writes slot `length`, overwritten by the real step)
         return {"fn": fn}
 
     # ------------------------------------------------------------------ CUDA
     def _capture_cuda(self, B: int) -> dict:
-        eng, c = self.eng, self.eng.cache
+        eng = self.eng
         tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
         stages = decode_stages(eng, self.mode, B, tokens)
-        saved = c.length.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():     # warm-up (allocator, lazy inits, Triton JIT)
@@ -91,7 +129,6 @@ class GraphRunner:
                 carry = None
                 for f in stages:
                     carry = f(carry)
-                c.length.copy_(saved)
         torch.cuda.current_stream().wait_stream(side)
         pool = torch.cuda.graph_pool_handle()
         graphs, carries, carry = [], [], None
@@ -111,17 +148,16 @@ def decode_stages(eng, mode: str, B: int, tokens: torch.Tensor) -> list:
     ``whole-step``: [step]; ``per-layer``: [prologue, layer_0, ..., layer_{L-1}, epilogue];
     ``split``: [prologue, attn_0, mlp_0, ..., epilogue]. Running the stages in order IS one decode
     step (CPU tests check this against ``decode_body``); on CUDA each stage is captured as a graph.
+    None of them moves the cursor.
     """
     if mode == "whole-step":
         return [lambda _: eng.decode_body(tokens, live=None)]
 
-    def prologue(_):        # embedding + RoPE gather + slot mask: one small graph
+    def prologue(_):        # embedding + RoPE gather + the store's step context: one small graph
         return torch.nn.functional.embedding(tokens, eng.embed), eng.step_context(B, None)
 
-    def epilogue(carry):    # final norm + lm_head + length += 1: one small graph
-        logits = eng._head(carry[0])
-        eng.cache.length.add_(1)
-        return logits
+    def epilogue(carry):    # final norm + lm_head: one small graph
+        return eng._head(carry[0])
 
     stages = [prologue]
     for i in range(eng.n_layers):

@@ -1,0 +1,48 @@
+"""Greedy agreement with an fp32 no-cache reference + perplexity through each runtime path (the audit)."""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--method", default="svd")
+    p.add_argument("--keep", type=float, default=0.5)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--systems", default="hf_dynamic,hf_static,dense_kv,engine")
+    p.add_argument("--ppl-seq-len", type=int, default=256)
+    p.add_argument("--ppl-windows", type=int, default=2, help="0 = skip perplexity")
+
+
+def run(a) -> int:
+    from pathlib import Path
+
+    from ...eval.fidelity import audit, perplexity_table
+    from ...runtime.config import parse_dtype
+    from ..models import load_bench_models
+    from ..results import slug, write_result
+
+    dense, comp, tok = load_bench_models(a.model, a.method, a.keep, a.checkpoint)
+    if tok is None:
+        raise SystemExit(f"model {a.model!r} has no tokenizer: the fidelity audit needs real prompts")
+    systems = tuple(s for s in a.systems.split(",") if s)
+    res = {"model": a.model, "method": a.method, "keep": a.keep, "prompts": a.prompts, "tokens": a.tokens,
+           "reference": "fp32, no cache (full recompute each step), same factors", "audit": {}, "ppl": {}}
+    for d in a.dtypes.split(","):
+        r = audit(comp, tok, systems, parse_dtype(d), a.prompts, a.tokens, dense)
+        res["audit"][d] = r["systems"]
+        print(d, {s: {k: v for k, v in x.items() if k != "per_prompt_match"} for s, x in r["systems"].items()}, flush=True)
+        if a.ppl_windows:
+            res["ppl"][d] = perplexity_table(comp, tok, systems, parse_dtype(d), a.ppl_seq_len, a.ppl_windows, dense)
+            print(d, "ppl", res["ppl"][d], flush=True)
+    lines = ["system | dtype | exact | first | mean match | ppl prefill | ppl decode", "---|---|---|---|---|---|---"]
+    for d, rows in res["audit"].items():
+        for s, x in rows.items():
+            pp = res["ppl"].get(d, {}).get(s, {})
+            lines.append(f"{s} | {d} | {x['exact']}/{a.prompts} | {x['first']}/{a.prompts} | {x['mean_match']:.3f} | "
+                         f"{pp.get('prefill', float('nan')):.3f} | {pp.get('decode', float('nan')):.3f}")
+    print("\n".join(lines))
+    tag = slug(Path(a.model).name, a.method, f"k{a.keep}", f"n{a.prompts}x{a.tokens}")
+    print(f"wrote {write_result(a.out, 'fidelity', tag, {**res, 'table': lines, 'command': a.command_line})}")
+    return 0

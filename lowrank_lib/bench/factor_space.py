@@ -1,0 +1,412 @@
+"""Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV (library of ``bench factor-space``).
+
+    python -m lowrank_lib.bench factor-space                     # attention per step, 1k-8k
+    python -m lowrank_lib.bench factor-space --e2e --ppl         # + SmolLM2 ms/token, ppl identity
+
+Part 1 (``attention``): one decode step of ONE layer's attention at SmolLM2 head geometry (9 query
+heads, 3 KV heads, d = 64), batch 1, for: ``dense`` (our grouped attention on exact K/V), ``sdpa``
+(torch SDPA, enable_gqa), ``rebuild`` (AttSVD's decode: A B rebuilt then dense attention, as the
+cache does it: fresh tensors + concatenation), ``rebuildpre`` (the same rebuild into K/V buffers
+allocated once: only the GEMMs) and
+``factor`` (factor space), at r/d = 0.5 and 0.25 with an exact window of w tokens. All routes are
+timed side by side in one run, interleaved call by call in a shuffled order; medians are reported,
+and the per-token attention estimate multiplies by the layer count.
+
+Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
+``DynamicCache``, AttSVD rebuild (the cache's own path) and AttSVD factor space, from ONE recorded
+prefill and ONE compression per rank (the factor cache is a deep copy of the same compressed cache),
+decode steps interleaved across routes. ``--ppl``: the continuation perplexity of the AttSVD issue
+(``eval.kvquality.continuation_quality``) through both routes. ``--engine``: the runtime Engine with its
+dense store vs with the AttSVD store.
+
+Results: ``factor_space_<tag>.json`` and ``.md`` through :mod:`lowrank_lib.bench.results`.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from ..attsvd.basis import attention_svd
+from ..attsvd.factor_space import dense_attention, factor_space_attention, rebuild_then_attend
+from ..attsvd.kv import LowRankKV
+from ..geometry import geometry
+from .cost import step_cost
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def svd_run(k: torch.Tensor, v: torch.Tensor, rank: int) -> tuple:
+    """Raw truncated-SVD factors (a_k, b_k, a_v, b_v) of exact K/V [B, H, n, d] (fp32 SVD, k's dtype)."""
+    return tuple(t.to(k.dtype) for t in attention_svd(k, v, rank, rank).runs[0])
+
+
+# --------------------------------------------------------------------------- part 1: attention per step
+@dataclass
+class AttnBenchConfig:
+    """Per-step decode attention of one layer. Defaults: SmolLM2 head geometry, fp32, CPU."""
+
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])   # r / d
+    q_heads: int = 9
+    kv_heads: int = 3
+    head_dim: int = 64
+    layers: int = 30                 # for the per-token estimate
+    window: int = 32
+    batch: int = 1
+    repeats: int = 40
+    warmup: int = 5
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+    inner: int = 1                   # calls per timed sample (GPU: amortise the host sync)
+    cuda_graphs: bool = False        # CUDA: capture each route once and time graph replays
+
+    def ranks(self) -> list[int]:
+        return [max(1, round(f * self.head_dim)) for f in self.rank_fracs]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def cuda_graphed(fn):
+    """Capture ``fn()`` (fixed shapes, static inputs) in a CUDA graph; returns its replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
+                     inner: int = 1) -> dict[str, float]:
+    """Median seconds per call of each ``fns[name]()``, called round-robin in a shuffled order per round.
+
+    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs.
+    """
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times = {n: [] for n in names}
+    rng = random.Random(seed)
+    for _ in range(repeats):
+        rng.shuffle(names)
+        for n in names:
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fns[n]()
+            _sync(device)
+            times[n].append((time.perf_counter() - t0) / inner)
+    return {n: statistics.median(v) for n, v in times.items()}
+
+
+def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
+    dt = getattr(torch, cfg.dtype)
+    shape = (cfg.batch, cfg.kv_heads, n, cfg.head_dim)
+    k = torch.randn(shape, generator=gen).to(cfg.device, dt)
+    v = torch.randn(shape, generator=gen).to(cfg.device, dt)
+    q = torch.randn(cfg.batch, cfg.q_heads, 1, cfg.head_dim, generator=gen).to(cfg.device, dt)
+    return q, k, v
+
+
+def _rebuild_preallocated(q, kv: LowRankKV, seg, n_b: int):
+    """Rebuild into K/V buffers allocated once (window already in place), then dense attention.
+
+    The fairest rebuild: no allocation or concatenation per step, only the S r d GEMMs.
+    """
+    k_buf, v_buf = kv.dense()
+    k_buf, v_buf = k_buf.clone(), v_buf.clone()
+
+    def run():
+        if seg is not None:
+            a_k, b_k, a_v, b_v = seg
+            torch.matmul(a_k, b_k, out=k_buf[:, :, :n_b])
+            torch.matmul(a_v, b_v, out=v_buf[:, :, :n_b])
+        return dense_attention(q, k_buf, v_buf)
+
+    return run
+
+
+@torch.inference_mode()
+def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
+    """Rows {context, route, rank, ms_step, ms_token_est, flops, bytes_read, bytes_stored, rel_err_vs_rebuild}."""
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    g = cfg.q_heads // cfg.kv_heads
+    esize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    for n in tqdm(cfg.contexts, desc="attention contexts", disable=not progress):
+        q, k, v = _kv_inputs(cfg, n, gen)
+        w = min(cfg.window, n)
+        fns = {"dense": lambda: dense_attention(q, k, v),
+               "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
+        kvs = {}
+        for r in cfg.ranks():
+            seg = svd_run(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
+            kv = LowRankKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
+            kvs[r] = kv
+            fns[f"rebuild_r{r}"] = (lambda kv=kv: rebuild_then_attend(q, kv))
+            fns[f"rebuildpre_r{r}"] = _rebuild_preallocated(q, kv, seg, n - w)
+            fns[f"factor_r{r}"] = (lambda kv=kv: factor_space_attention(q, kv))
+        if cfg.cuda_graphs and cfg.device.startswith("cuda"):
+            fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
+        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner)
+        for name, t in med.items():
+            route, r = (name, cfg.head_dim) if "_r" not in name else (name.split("_r")[0], int(name.split("_r")[1]))
+            model_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
+            c = step_cost(model_route, n, cfg.head_dim, r, window=0 if model_route == "dense" else w, group=g,
+                          dtype_bytes=esize)
+            err = None
+            if route == "factor":
+                err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3,
+                         "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
+                         "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
+                         "rel_err_vs_rebuild": err})
+    return rows
+
+
+def attention_ratios(rows: list[dict]) -> list[dict]:
+    """Per (context, rank): rebuild / factor and best-dense / factor time ratios (> 1 = factor faster)."""
+    out = []
+    by = {(r["context"], r["route"], r["rank"]): r["ms_step"] for r in rows}
+    for n in sorted({r["context"] for r in rows}):
+        dense = [by[k] for k in by if k[0] == n and k[1] in ("dense", "sdpa")]
+        best_dense = min(dense)
+        for r in sorted({r["rank"] for r in rows if r["route"] == "factor" and r["context"] == n}, reverse=True):
+            f = by[(n, "factor", r)]
+            pre = by.get((n, "rebuildpre", r))
+            out.append({"context": n, "rank": r, "factor_ms": f, "rebuild_ms": by[(n, "rebuild", r)],
+                        "rebuild_prealloc_ms": pre, "best_dense_ms": best_dense,
+                        "rebuild_over_factor": by[(n, "rebuild", r)] / f,
+                        "rebuild_prealloc_over_factor": None if pre is None else pre / f,
+                        "dense_over_factor": best_dense / f})
+    return out
+
+
+# --------------------------------------------------------------------------- part 2: end to end
+@dataclass
+class FactorDecodeConfig:
+    """SmolLM2 greedy decode through transformers after a WikiText-2 prompt: dense, AttSVD rebuild and
+    AttSVD factor space side by side (the runtime systems' decode benchmark is ``bench.decode``)."""
+
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])
+    window: int = 32
+    gen_tokens: int = 8
+    warmup_tokens: int = 2
+    obs_window: int | None = None    # AttSVDConfig.obs_window (None = all prompt queries, the default)
+    model: str = "smollm2"
+
+
+@torch.inference_mode()
+def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> list[dict]:
+    """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}."""
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
+    from ..data import tokens
+    from ..hf.record import dense_from, record_prefill, replay
+
+    ids_all = tokens(tok, "test")
+    d = geometry(model).head_dim
+    rows = []
+    for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
+        ids = ids_all[:n][None]
+        rec = record_prefill(model, ids)
+        first = rec.last_logits.argmax(-1, keepdim=True)        # [1, 1]
+        caches = {("dense", d): dense_from(rec, model)}
+        for f in cfg.rank_fracs:
+            r = max(1, round(f * d))
+            c = FactorSpaceAttSVDCache(model, AttSVDConfig(rank=r, window=cfg.window, obs_window=cfg.obs_window),
+                                       route="rebuild")
+            replay(rec, c)
+            fc = copy.deepcopy(c)
+            fc.route = "factor"
+            caches[("rebuild", r)] = c
+            caches[("factor", r)] = fc
+        del rec
+        state = {k: first for k in caches}
+        times = {k: [] for k in caches}
+        logits = {k: [] for k in caches}
+        toks = {k: [] for k in caches}
+        order = list(caches)
+        rng = random.Random(n)
+        with factor_space(model) as stats:
+            for step in range(cfg.warmup_tokens + cfg.gen_tokens):
+                rng.shuffle(order)
+                for k in order:
+                    t0 = time.perf_counter()
+                    out = model(state[k], cache=caches[k], use_cache=True)
+                    lg = out.logits[:, -1].float()
+                    state[k] = lg.argmax(-1, keepdim=True)
+                    dt = time.perf_counter() - t0
+                    if step >= cfg.warmup_tokens:
+                        times[k].append(dt)
+                    logits[k].append(lg)
+                    toks[k].append(int(state[k]))
+        assert stats.factor_calls > 0, "factor route never ran"
+        for (route, r), ts in times.items():
+            ref = ("rebuild", r) if route == "factor" else None
+            mem = caches[(route, r)].memory().ratio if hasattr(caches[(route, r)], "memory") else 1.0
+            rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(ts) * 1e3,
+                         "tokens": toks[(route, r)],
+                         "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
+                         "max_logit_rel_err": None if ref is None else max(
+                             rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
+                         "memory_ratio": mem})
+        del caches
+    return rows
+
+
+@torch.inference_mode()
+def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
+                 progress: bool = True) -> list[dict]:
+    """The runtime ``Engine`` with its dense store vs with the AttSVD factor store, eager.
+
+    Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
+    All engines are prefilled, then their greedy decode steps are interleaved (shuffled per step), so
+    the ratios are measured side by side; the first step is a warm-up.
+    """
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.store import AttSVDStore
+    from ..data import tokens
+    from ..runtime import Engine, EngineConfig
+
+    ids_all = tokens(tok, "test")
+    d = geometry(model).head_dim
+    rows = []
+    for n in tqdm(contexts, desc="engine contexts", disable=not progress):
+        ids = ids_all[:n][None]
+        ecfg = EngineConfig(max_seq_len=n + gen_tokens + 2)
+        engines = {("engine_dense", d): Engine(model, ecfg)}
+        for f in rank_fracs:
+            r = max(1, round(f * d))
+            engines[("engine_factor", r)] = Engine(model, ecfg, kv=AttSVDStore(AttSVDConfig(rank=r, window=window)))
+        state, times, prefill_s = {}, {k: [] for k in engines}, {}
+        for k, eng in engines.items():
+            t0 = time.perf_counter()
+            state[k] = eng.prefill(ids).argmax(-1)                    # [1]
+            prefill_s[k] = time.perf_counter() - t0
+        toks = {k: [int(state[k])] for k in engines}
+        order = list(engines)
+        rng = random.Random(n)
+        for step in range(gen_tokens + 1):                              # step 0 = warm-up, not timed
+            rng.shuffle(order)
+            for k in order:
+                t0 = time.perf_counter()
+                state[k] = engines[k].step(state[k]).argmax(-1)
+                if step:
+                    times[k].append(time.perf_counter() - t0)
+                toks[k].append(int(state[k]))
+        for (route, r), eng in engines.items():
+            rep = eng.kv.report()
+            rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
+                         "prefill_s": prefill_s[(route, r)], "kv_bytes": eng.report()["kv_cache_bytes"],
+                         "attsvd_ratio": rep.get("attsvd_ratio", 1.0), "tokens": toks[(route, r)]})
+        del engines
+    return rows
+
+
+@torch.inference_mode()
+def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int = 2048, cont_len: int = 128,
+                         n_windows: int = 2, window: int = 32, identity_frac: float | None = 0.5,
+                         progress: bool = True) -> dict:
+    """The AttSVD issue's continuation protocol (``eval.kvquality.continuation_quality``) per rank.
+
+    Every rank decodes through factor space; at ``identity_frac`` (r/d) the AttSVD cache's own rebuild
+    path runs too, on the same windows, so the identity of the two routes shows in the same numbers.
+    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}}.
+    """
+    from ..attsvd.cache import AttSVDCache
+    from ..attsvd.config import AttSVDConfig
+    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
+    from ..eval.kvquality import continuation_quality, wikitext_windows
+
+    d = geometry(model).head_dim
+    cfgs = {f: AttSVDConfig(rank=max(1, round(f * d)), window=window) for f in rank_fracs}
+    methods = {f"factor@{f}": (lambda m, n, c=c: FactorSpaceAttSVDCache(m, c, route="factor"))
+               for f, c in cfgs.items()}
+    if identity_frac is not None:
+        icfg = AttSVDConfig(rank=max(1, round(identity_frac * d)), window=window)
+        methods["rebuild@identity"] = lambda m, n: AttSVDCache(m, icfg)
+        methods["factor@identity"] = lambda m, n: FactorSpaceAttSVDCache(m, icfg, route="factor")
+    wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
+    with factor_space(model) as stats:
+        res = continuation_quality(model, wins, prefill_len, methods, progress=progress)
+    rows = [{"rank_frac": f, "rank": c.rank, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
+             "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
+            for f, c in cfgs.items()]
+    out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
+           "ppl_dense": next(iter(res.values())).ppl_dense, "factor_calls": stats.factor_calls, "rows": rows}
+    if identity_frac is not None:
+        reb, fac = res["rebuild@identity"], res["factor@identity"]
+        out["identity"] = {"rank": icfg.rank, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
+                           "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
+                           "memory_ratio_factor": fac.memory_ratio,
+                           "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
+                           "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def markdown(result: dict) -> str:
+    """Tables of a result dict as Markdown."""
+    lines = [f"# factor-space attention benchmark ({result['meta']['when']}, {result['meta']['machine']})", ""]
+    a = result["attention"]
+    lines += [f"## attention per decode step, one layer ({a['config']['q_heads']} q / {a['config']['kv_heads']} kv "
+              f"heads, d={a['config']['head_dim']}, w={a['config']['window']}, {a['config']['dtype']}, "
+              f"median of {a['config']['repeats']})", "",
+              "| context | rank | factor ms | rebuild ms | rebuild (prealloc) ms | best dense ms | rebuild/factor | "
+              "rebuild (prealloc)/factor | dense/factor | per-token attn (x layers) factor / rebuild / dense ms |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    L = a["config"]["layers"]
+    for r in a["ratios"]:
+        lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.3f} | {r['rebuild_ms']:.3f} | "
+                     f"{r['rebuild_prealloc_ms']:.3f} | {r['best_dense_ms']:.3f} | {r['rebuild_over_factor']:.1f}x | "
+                     f"{r['rebuild_prealloc_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x | "
+                     f"{r['factor_ms'] * L:.1f} / {r['rebuild_ms'] * L:.1f} / {r['best_dense_ms'] * L:.1f} |")
+    if result.get("decode"):
+        lines += ["", "## SmolLM2 end-to-end greedy decode (median ms/token)", "",
+                  "| context | route | rank | ms/token | memory ratio | tokens = rebuild | max logit rel err |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in result["decode"]["rows"]:
+            err = "" if r["max_logit_rel_err"] is None else f"{r['max_logit_rel_err']:.1e}"
+            lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
+                         f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
+    if result.get("engine"):
+        lines += ["", "## runtime Engine: dense store vs AttSVD factor store (AttSVDStore), eager", "",
+                  "| context | route | rank | ms/token | KV bytes held in decode | AttSVD memory ratio |",
+                  "|---|---|---|---|---|---|"]
+        for r in result["engine"]["rows"]:
+            lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | {r['kv_bytes']} | "
+                         f"{r['attsvd_ratio']:.3f} |")
+    if result.get("ppl"):
+        p = result["ppl"]
+        i = p["identity"]
+        lines += ["", f"## continuation perplexity (WikiText-2 test, prefill {p['prefill_len']} + {p['cont_len']} "
+                  f"tokens x {p['n_windows']} windows, w={p['window']}; dense ppl {p['ppl_dense']:.4f})", "",
+                  f"identity at r={i['rank']}: rebuild ppl {i['ppl_rebuild']:.6f}, factor ppl {i['ppl_factor']:.6f} "
+                  f"(rel diff {i['ppl_rel_diff']:.1e}); KL rebuild {i['kl_rebuild']:.6f} / factor "
+                  f"{i['kl_factor']:.6f}; memory ratio {i['memory_ratio_factor']:.3f}", "",
+                  "| r/d | rank | ppl | KL to dense | memory ratio |", "|---|---|---|---|---|"]
+        lines += [f"| {r['rank_frac']} | {r['rank']} | {r['ppl']:.4f} | {r['kl']:.4f} | {r['memory_ratio']:.3f} |"
+                  for r in p["rows"]]
+    return "\n".join(lines) + "\n"

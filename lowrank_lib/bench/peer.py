@@ -1,0 +1,461 @@
+"""Peer benchmark: llama.cpp on the dense model vs lowrank_lib (dense and low-rank), side by side.
+
+    python -m lowrank_lib.bench.peer --threads 1,2 --dtypes fp32,bf16 --repeats 3
+
+One process, one prompt, interleaved repeats: per thread count, every system runs one whole
+generation (prompt 512, 64 new greedy tokens) in turn, ``repeats`` times, with the order rotated
+each repeat, so drift on a shared machine hits all alike. Systems (``rows[].system``):
+
+=======================  ================================================================================
+``llamacpp_dense``       llama.cpp (``llama-cpp-python``, extra ``peer``) on an F32 / BF16 GGUF of the SAME
+                         cached weights (``gguf_export.peer_ggufs``: dequantised from the Q4_1 file our cache
+                         came from, verified tensor by tensor), KV cache at the model dtype
+``lowrank_lib_dense``    our Engine on the dense model
+``lowrank_lib_lowrank``  our Engine on the plain-SVD keep-``keep`` factors (as ``bench decode`` builds them)
+=======================  ================================================================================
+
+All three run through ``runtime.run_generation`` (the one decode loop): decode ms/token is the
+median over every decode step of every repeat (the step that feeds one token and returns its
+logits); prefill ms the median prompt time. For llama.cpp the bare ``Llama.eval`` of each token
+(``eval_ms_per_token``) and llama.cpp's own perf counters (``perf_eval_ms_per_token``) are
+reported too, and at 1 thread the calling thread's CPU time per step (``decode_cpu_ms_per_token``,
+:class:`CpuClocked`: what an idle core would give, robust to other jobs on a shared machine). Before any timing, llama.cpp and our dense engine must produce the same 64 greedy
+tokens from the same prompt tokens in fp32 (``equivalence``: the first divergence and the logit
+margins there if not). Copy bandwidth (``decode.copy_bandwidth``) is measured at each thread count
+in the same run; ``roofline_x`` = decode time / (weight bytes / copy bandwidth). Compile time of
+the engine (inductor) is reported apart (``compile_s``), never in decode or prefill time.
+
+Writes ``<out>/peer_cpu.json`` (``peer_cpu_2.json``, ... if it exists: never overwritten) and
+prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
+#: llama.cpp KV cache type for each model dtype: the same bytes our engine's cache holds
+KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
+ROW_KEYS = ("system", "dtype", "threads", "decode_ms_per_token", "prefill_ms", "weight_bytes_per_token")
+#: issue 12's targets, all at 1 thread and the same dtype
+TARGETS = {"lowrank_speedup_vs_llamacpp": 1.4, "dense_ratio_vs_llamacpp": 1.1, "lowrank_roofline_x": 1.3}
+
+
+@dataclass
+class PeerConfig:
+    model: str = "smollm2"
+    keep: float = 0.5
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    threads: tuple[int, ...] = (1, 2)
+    prompt_len: int = 512
+    gen_len: int = 64
+    repeats: int = 3
+    systems: tuple[str, ...] = SYSTEMS
+    graph: str = "whole-step"            # our engine's decode step: compiled (CPU "graph") or "none"
+    llama_flash_attn: str = "auto"       # "on" | "off" | "auto" (the faster of the two in a short probe)
+    prompt: str = "wikitext"             # "wikitext" (a test-split window) or "random" token ids
+    seed: int = 0
+    out: str = "benchmarks/results"
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- inputs
+def prompt_ids(tok, vocab_size: int, n: int, source: str = "wikitext", seed: int = 0) -> torch.Tensor:
+    """[1, n] prompt token ids: a WikiText-2 test window (real text, greedy decoding is meaningful)
+    or seeded random ids (models without a tokenizer)."""
+    if source == "wikitext" and tok is not None:
+        from .. import data
+
+        ids = data.tokens(tok, "test")
+        start = int(torch.randint(0, ids.numel() - n, (1,), generator=torch.Generator().manual_seed(seed)))
+        return ids[start:start + n][None].clone()
+    return torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def gguf_bytes_per_token(path) -> int:
+    """Bytes of the tensors one llama.cpp decode step reads: every tensor of the file but the input
+    embedding when a separate ``output.weight`` exists (one row is read); with a tied head the
+    embedding table IS the output matrix and counts in full (as our engine's lm_head does)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    names = {t.name for t in r.tensors}
+    return sum(int(t.n_bytes) for t in r.tensors if not (t.name == "token_embd.weight" and "output.weight" in names))
+
+
+# --------------------------------------------------------------------------- the fp32 equivalence check
+def compare_greedy(a, b) -> dict:
+    """Two GenerateOutputs (with logits) of the same prompt -> equality of tokens and where they part."""
+    ta, tb = a.tokens[0], b.tokens[0]
+    n = min(len(ta), len(tb))
+    diff = (ta[:n] != tb[:n]).nonzero()
+    first = int(diff[0]) if len(diff) else None
+    dl = [float((x - y).abs().max()) for x, y in zip(a.logits, b.logits)]
+    res = {"tokens_equal": first is None and len(ta) == len(tb), "n_tokens": n,
+           "first_divergence": first, "n_equal_before_divergence": n if first is None else first,
+           "max_abs_logit_diff": max(dl), "prefill_abs_logit_diff": dl[0],
+           "logit_scale": float(b.logits[0].abs().max())}
+    if first is not None:
+        def margin(lg):
+            top = lg[0].topk(2).values
+            return float(top[0] - top[1])
+
+        res.update(tokens_a=ta[first].item(), tokens_b=tb[first].item(),
+                   top2_margin_a=margin(a.logits[first]), top2_margin_b=margin(b.logits[first]))
+    return res
+
+
+# --------------------------------------------------------------------------- one benchmark run
+class CpuClocked:
+    """A runner wrapper that also records the calling thread's CPU seconds of every ``step``.
+
+    At 1 thread every runner computes on the calling thread, so this is the wall time an idle core
+    would give: robust to other processes taking turns on a shared machine (not to their memory
+    traffic). Everything else is delegated to the wrapped runner.
+    """
+
+    def __init__(self, runner):
+        self.runner, self.cpu_s = runner, []
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def step(self, tokens):
+        c0 = time.thread_time()
+        y = self.runner.step(tokens)
+        self.cpu_s.append(time.thread_time() - c0)
+        return y
+
+
+def _median_ms(xs) -> float:
+    return 1e3 * statistics.median(xs) if xs else float("nan")
+
+
+def _engine(model, dtype, cfg: PeerConfig):
+    from ..runtime import Engine, EngineConfig
+
+    return Engine(model, EngineConfig(max_batch=1, max_seq_len=cfg.prompt_len + cfg.gen_len, dtype=dtype,
+                                      graph=cfg.graph))
+
+
+def _llama(path, dtype: str, threads: int, cfg: PeerConfig, fa: bool):
+    from .llamacpp import LlamaCppRunner
+
+    return LlamaCppRunner(path, n_ctx=cfg.prompt_len + cfg.gen_len, threads=threads, kv_type=KV_FOR_DTYPE[dtype],
+                          flash_attn=fa)
+
+
+def _probe_flash_attn(path, dtype, threads, ids, cfg, n: int = 16) -> tuple[bool, dict]:
+    """llama.cpp's fused attention on and off, a short generation each (twice): the faster wins."""
+    from ..runtime import run_generation
+
+    ms = {}
+    for fa in (True, False):
+        r = _llama(path, dtype, threads, cfg, fa)
+        run_generation(r, ids, 4)
+        ms[fa] = min(run_generation(r, ids, n).decode_ms_per_token for _ in range(2))
+        r.close()
+    return ms[True] <= ms[False], {"on_ms": ms[True], "off_ms": ms[False]}
+
+
+def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
+    """Run the whole benchmark (see the module docstring); returns the result dict."""
+    from ..runtime import run_generation
+    from ..runtime.config import parse_dtype
+    from .decode import copy_bandwidth
+    from .llamacpp import available, version
+    from .models import load_bench_models
+
+    want_llama = "llamacpp_dense" in cfg.systems
+    ok, why = available()
+    if want_llama and not ok:
+        raise SystemExit(f"peer benchmark: {why}")
+    dense, comp, tok = load_bench_models(cfg.model, "svd", cfg.keep)
+    ids = prompt_ids(tok, dense.config.vocab_size, cfg.prompt_len, cfg.prompt, cfg.seed)
+    ggufs = {}
+    if want_llama:
+        from .gguf_export import peer_ggufs, write_hf_gguf
+
+        if cfg.model == "smollm2":
+            ggufs = peer_ggufs(cfg.dtypes, log=log)
+        else:             # any other model: written from its HF weights (the tiny models of the tests)
+            from .. import models
+
+            d = models.default_cache_dir() / "peer-gguf" / Path(cfg.model).name
+            ggufs = {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", {"fp32": "F32", "bf16": "BF16"}[dt])
+                     for dt in cfg.dtypes}
+    res = {"config": asdict(cfg), "command": None,
+           "machine": {"cpu": _cpu_name(), "cores": _nproc(),
+                       "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
+           "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
+           "load_average": {"start": _loadavg()},
+           "note": cfg.note, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+    # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
+    fa_choice = {}
+    if want_llama and "fp32" in ggufs:
+        torch.set_num_threads(1)
+        fa = _resolve_fa(cfg, ggufs["fp32"], "fp32", 1, ids, fa_choice)
+        r = _llama(ggufs["fp32"], "fp32", 1, cfg, fa)
+        e = _engine(dense, torch.float32, cfg)
+        a = run_generation(r, ids, cfg.gen_len, return_logits=True)
+        b = run_generation(e, ids, cfg.gen_len, return_logits=True)
+        res["equivalence"] = {"dtype": "fp32", "threads": 1, "a": "llamacpp_dense", "b": "lowrank_lib_dense",
+                              "llama_flash_attn": fa, **compare_greedy(a, b)}
+        r.close()
+        del e
+        eq = res["equivalence"]
+        log("[peer] fp32 greedy tokens, llama.cpp vs lowrank_lib dense: "
+            + ("EQUAL" if eq["tokens_equal"] else f"DIVERGE at token {eq['first_divergence']}")
+            + f" ({eq['n_tokens']} tokens; max |logit diff| {eq['max_abs_logit_diff']:.3g})")
+        torch._dynamo.reset()
+
+    # 2. timing, one thread count at a time (the two runtimes never run at once)
+    for th in cfg.threads:
+        torch.set_num_threads(th)
+        bws = [copy_bandwidth(torch.device("cpu"))]
+        runners = {}
+        for dt in cfg.dtypes:
+            tdt = parse_dtype(dt)
+            for s in cfg.systems:
+                if s == "llamacpp_dense":
+                    fa = _resolve_fa(cfg, ggufs[dt], dt, th, ids, fa_choice)
+                    runners[(s, dt)] = CpuClocked(_llama(ggufs[dt], dt, th, cfg, fa))
+                else:
+                    runners[(s, dt)] = CpuClocked(_engine(dense if s == "lowrank_lib_dense" else comp, tdt, cfg))
+        compile_s = {}
+        for k, r in runners.items():          # warm-up; our engine compiles its step here (timed apart)
+            t0 = time.perf_counter()
+            run_generation(r, ids, min(4, cfg.gen_len))
+            compile_s[k] = (getattr(r.runner, "capture_s", 0.0), time.perf_counter() - t0)
+            r.cpu_s.clear()
+        steps = {k: [] for k in runners}
+        pre = {k: [] for k in runners}
+        evals = {k: [] for k in runners}
+        perf = {k: [] for k in runners}
+        keys = list(runners)
+        bar = tqdm(total=cfg.repeats * len(keys), desc=f"peer bench, {th} thread(s)", disable=not progress)
+        for rep in range(cfg.repeats):
+            for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:      # rotated order per repeat
+                r = runners[k]
+                o = run_generation(r, ids, cfg.gen_len)
+                steps[k] += o.step_s
+                pre[k].append(o.prefill_s)
+                if k[0] == "llamacpp_dense":
+                    evals[k] += r.eval_s
+                    perf[k].append(r.perf())
+                bar.update(1)
+        bar.close()
+        bws.append(copy_bandwidth(torch.device("cpu")))
+        res["load_average"][f"after_{th}_threads"] = _loadavg()    # what else ran shows here
+        bw = statistics.median(bws)
+        res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
+        for (s, dt), r in runners.items():
+            k = (s, dt)
+            ms = _median_ms(steps[k])
+            wb = gguf_bytes_per_token(ggufs[dt]) if s == "llamacpp_dense" else r.weight_bytes_per_token()
+            row = {"system": s, "dtype": dt, "threads": th, "decode_ms_per_token": ms,
+                   "prefill_ms": _median_ms(pre[k]), "weight_bytes_per_token": wb,
+                   "decode_ms_p10": 1e3 * _quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * _quantile(steps[k], 0.9),
+                   "decode_steps": len(steps[k]), "achieved_GBps": wb / (ms / 1e3) / 1e9,
+                   "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
+                   "decode_cpu_ms_per_token": _median_ms(r.cpu_s) if th == 1 else None}
+            if s == "llamacpp_dense":
+                row.update(eval_ms_per_token=_median_ms(evals[k]),
+                           perf_eval_ms_per_token=statistics.median(p["eval_ms_per_token"] for p in perf[k]),
+                           perf_prefill_ms=statistics.median(p["t_p_eval_ms"] for p in perf[k]),
+                           info={**r.report(), "flash_attn_probe": fa_choice.get((dt, th), {}).get("probe")})
+                r.close()
+            else:
+                row.update(compile_s=compile_s[k][0], warmup_s=compile_s[k][1], info=r.report())
+            res["rows"].append(row)
+        del runners
+        torch._dynamo.reset()           # the next thread count compiles afresh (inductor fixes its thread count)
+    res["copy_bandwidth_GBps"] = res["copy_bandwidth_GBps_by_threads"].get("1", next(
+        iter(res["copy_bandwidth_GBps_by_threads"].values()), float("nan")))
+    res["comparisons"] = comparisons(res["rows"])
+    res["targets"] = targets(res["comparisons"])
+    return res
+
+
+def _resolve_fa(cfg, path, dt, th, ids, cache: dict) -> bool:
+    if cfg.llama_flash_attn in ("on", "off"):
+        return cfg.llama_flash_attn == "on"
+    if (dt, th) not in cache:
+        fa, probe = _probe_flash_attn(path, dt, th, ids, cfg)
+        cache[(dt, th)] = {"fa": fa, "probe": probe}
+    return cache[(dt, th)]["fa"]
+
+
+def _quantile(xs, q: float) -> float:
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _loadavg() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _nproc() -> int:
+    import os
+
+    return os.cpu_count() or 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- summaries
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Per (dtype, threads): our two systems against llama.cpp dense and against their rooflines."""
+    by = {(r["dtype"], r["threads"], r["system"]): r for r in rows}
+    out = []
+    for dt, th in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0])):
+        ll, de, lr = (by.get((dt, th, s)) for s in SYSTEMS)
+        c = {"dtype": dt, "threads": th}
+        if ll and lr:
+            c["lowrank_speedup_vs_llamacpp"] = ll["decode_ms_per_token"] / lr["decode_ms_per_token"]
+            c["lowrank_prefill_ratio_vs_llamacpp"] = lr["prefill_ms"] / ll["prefill_ms"]
+        if ll and de:
+            c["dense_ratio_vs_llamacpp"] = de["decode_ms_per_token"] / ll["decode_ms_per_token"]
+            c["dense_prefill_ratio_vs_llamacpp"] = de["prefill_ms"] / ll["prefill_ms"]
+        if lr:
+            c["lowrank_roofline_x"] = lr["roofline_x"]
+            c["lowrank_bytes_vs_dense"] = (lr["weight_bytes_per_token"] / de["weight_bytes_per_token"]) if de else None
+        if ll:
+            c["llamacpp_roofline_x"] = ll["roofline_x"]
+        out.append(c)
+    return out
+
+
+def targets(comps: list[dict]) -> list[dict]:
+    """Issue 12's targets at 1 thread: measured ratio, bound and whether it is met."""
+    out = []
+    for c in comps:
+        if c["threads"] != 1:
+            continue
+        for key, bound in TARGETS.items():
+            if key not in c:
+                continue
+            v = c[key]
+            met = v >= bound if key == "lowrank_speedup_vs_llamacpp" else v <= bound
+            out.append({"dtype": c["dtype"], "threads": 1, "target": key, "bound": bound, "measured": v, "met": met})
+    return out
+
+
+def format_table(res: dict) -> str:
+    lines = ["system | dtype | threads | decode ms/tok | cpu ms/tok | prefill ms | MB/tok | GB/s | x roofline",
+             "---|---|---|---|---|---|---|---|---"]
+    for r in sorted(res["rows"], key=lambda r: (r["threads"], r["dtype"], SYSTEMS.index(r["system"]))):
+        cpu = r.get("decode_cpu_ms_per_token")
+        lines.append(f"{r['system']} | {r['dtype']} | {r['threads']} | {r['decode_ms_per_token']:.2f} | "
+                     f"{'-' if cpu is None else f'{cpu:.2f}'} | "
+                     f"{r['prefill_ms']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} | {r['achieved_GBps']:.1f} | "
+                     f"{r['roofline_x']:.2f}")
+    bw = ", ".join(f"{t} thread(s) {v:.1f}" for t, v in res["copy_bandwidth_GBps_by_threads"].items())
+    lines.append(f"\ncopy bandwidth GB/s: {bw}; {res['machine']['cpu']}, {res['machine']['cores']} cores")
+    eq = res.get("equivalence")
+    if eq:
+        lines.append("fp32 greedy tokens llama.cpp vs lowrank_lib dense: "
+                     + ("equal" if eq["tokens_equal"] else f"diverge at {eq['first_divergence']}")
+                     + f" over {eq['n_tokens']} (max |logit diff| {eq['max_abs_logit_diff']:.3g})")
+    for t in res.get("targets", []):
+        lines.append(f"target {t['target']} ({t['dtype']}, 1 thread): {t['measured']:.2f} vs "
+                     f"{'>=' if t['target'] == 'lowrank_speedup_vs_llamacpp' else '<='} {t['bound']}: "
+                     + ("met" if t["met"] else "NOT met"))
+    return "\n".join(lines)
+
+
+def result_path(out_dir, stem: str = "peer_cpu") -> Path:
+    """``<out_dir>/<stem>.json``, or ``<stem>_2.json``, ... : an existing result is never overwritten."""
+    import itertools
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    names = itertools.chain([f"{stem}.json"], (f"{stem}_{i}.json" for i in itertools.count(2)))
+    return next(out / n for n in names if not (out / n).exists())
+
+
+def save(res: dict, out_dir) -> Path:
+    p = result_path(out_dir)
+    p.write_text(json.dumps(res, indent=1, default=str))
+    return p
+
+
+# --------------------------------------------------------------------------- CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = PeerConfig()
+    p.add_argument("--model", default=d.model, help="smollm2 (default) or a tiny preset / local HF dir")
+    p.add_argument("--keep", type=float, default=d.keep, help="plain-SVD keep ratio of the low-rank system")
+    p.add_argument("--dtypes", default=",".join(d.dtypes), help="comma list of fp32, bf16")
+    p.add_argument("--threads", default=",".join(map(str, d.threads)), help="comma list of thread counts")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    p.add_argument("--gen-len", type=int, default=d.gen_len)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--systems", default=",".join(d.systems), help=f"comma list of {SYSTEMS}")
+    p.add_argument("--graph", default=d.graph, choices=("whole-step", "none"), help="our engine's decode step")
+    p.add_argument("--llama-flash-attn", default=d.llama_flash_attn, choices=("auto", "on", "off"))
+    p.add_argument("--prompt", default=d.prompt, choices=("wikitext", "random"))
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else was running)")
+    p.add_argument("--out", default=d.out, help="output FOLDER (peer_cpu.json, never overwritten)")
+
+
+def config_from_args(a) -> PeerConfig:
+    systems = tuple(s for s in a.systems.split(",") if s)
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise SystemExit(f"unknown systems {bad}; choose from {SYSTEMS}")
+    dtypes = tuple(s for s in a.dtypes.split(",") if s)
+    bad = [d for d in dtypes if d not in KV_FOR_DTYPE]
+    if bad:
+        raise SystemExit(f"unknown dtypes {bad}; choose from {sorted(KV_FOR_DTYPE)}")
+    return PeerConfig(a.model, a.keep, dtypes, tuple(int(t) for t in a.threads.split(",") if t), a.prompt_len,
+                      a.gen_len, a.repeats, systems, a.graph, a.llama_flash_attn, a.prompt, a.seed, a.out, a.note)
+
+
+def run(a) -> int:
+    cfg = config_from_args(a)
+    res = run_peer(cfg)
+    import shlex
+
+    res["command"] = "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:])
+    print(format_table(res))
+    print(f"\nwrote {save(res, cfg.out)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m lowrank_lib.bench.peer", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    a = ap.parse_args(argv)
+    a._argv = argv if argv is not None else sys.argv[1:]
+    return run(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""The dense KV store: static K/V buffers allocated once, the live length in device memory.
+
+Layout: one buffer ``[2L, B, Hkv, Smax, D]`` ("bhsd": each head's history one contiguous [Smax, D]
+block, what a decode dot-product reads; the sdpa and Triton kernels) or ``[2L, B, Smax, Hkv, D]``
+("bshd", what ``flash_attn_with_kvcache`` reads); k of layer i is entry 2i, v is 2i + 1, so an eager
+step slices the live prefix of ALL layers with two dispatches (slice + unbind) instead of two per layer.
+GQA is native: only the Hkv key/value heads are stored. Memory = 2 L B Smax Hkv D elements, held from
+allocation on (``nbytes``), whatever the request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import DECODE, fused_decode, select_backend
+from .base import BackendChoice, KVSpec, StepContext, slot_mask
+
+
+@dataclass
+class DenseStep(StepContext):
+    """Decode context of the dense store: per-layer K/V views (eager: the live prefix; graphs: all slots)."""
+
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+class DenseKV:
+    """Static dense K/V cache (the engine's default store)."""
+
+    name = "dense"
+    stores_latents = False
+    capturable = True
+
+    def __init__(self):
+        self.backend: BackendChoice | None = None
+        self.kv: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, spec: KVSpec) -> None:
+        self.spec, self.cursor = spec, spec.cursor
+        self.backend = select_backend(spec.attention, spec.device, spec.head_dim, spec.dtype)
+        self.layout = self.backend.layout
+        B, S, H, D = spec.max_batch, spec.max_seq_len, spec.n_kv_heads, spec.head_dim
+        shape = (B, H, S, D) if self.layout == "bhsd" else (B, S, H, D)
+        self.kv = torch.zeros((2 * spec.n_layers, *shape), dtype=spec.dtype, device=spec.device)
+        views = self.kv.unbind(0)
+        self.k, self.v = list(views[0::2]), list(views[1::2])
+        self._slots = torch.arange(S, device=spec.device)
+        self._decode = DECODE[self.backend.name]
+        self._fused = spec.fused_compile and self.backend.name == "sdpa"
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+
+    def shape_key(self):
+        return ()          # buffers never change: one capture per batch size serves every request
+
+    def report(self) -> dict:
+        return {"store": self.name, "layout": self.layout, "buffer_bytes": self.nbytes}
+
+    # ------------------------------------------------------------------ prefill
+    def reset(self, B: int, T: int) -> None:
+        pass
+
+    def store_prefill(self, layer: int, q, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] post-RoPE -> slots [0, T)."""
+        K, V = self.k[layer], self.v[layer]
+        if k.shape[0] != self.spec.max_batch:
+            K, V = K[:k.shape[0]], V[:k.shape[0]]
+        self._write(K, V, k, v, self._slots[:k.shape[2]])
+
+    def end_prefill(self) -> None:
+        pass
+
+    def _write(self, K: torch.Tensor, V: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """k, v [B, Hkv, T, D] into buffers (views) K, V at slots ``pos`` [T], in the store's layout."""
+        if self.layout == "bhsd":
+            K.index_copy_(2, pos, k)
+            V.index_copy_(2, pos, v)
+        else:
+            K.index_copy_(1, pos, k.transpose(1, 2))
+            V.index_copy_(1, pos, v.transpose(1, 2))
+
+    # ------------------------------------------------------------------ decode
+    def views(self, B: int, live: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V views for rows [0, B) and slots [0, live) (all Smax slots if None)."""
+        if live is None and B == self.spec.max_batch:
+            return self.k, self.v
+        kv = self.kv[:, :B] if B != self.spec.max_batch else self.kv
+        if live is not None:
+            kv = kv[:, :, :, :live] if self.layout == "bhsd" else kv[:, :, :live]
+        vs = kv.unbind(0)
+        return list(vs[0::2]), list(vs[1::2])
+
+    def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> DenseStep:
+        Ks, Vs = self.views(B, live)
+        mask = slot_mask(self.cursor, self._slots, B, live, self.spec.dtype)
+        return DenseStep(B, 1, False, rope, mask, self.cursor.length, live, Ks, Vs)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: DenseStep) -> None:
+        """The current token's k/v [B, Hkv, 1, D] -> slot ``cursor.length`` (into the step's views)."""
+        self._write(ctx.k[layer], ctx.v[layer], k, v, ctx.pos)
+
+    def attend(self, layer: int, q: torch.Tensor, ctx: DenseStep) -> torch.Tensor:
+        """q [B, Hkv, G, D] over this layer's slots -> [B, Hq * D] (the backend's kernel)."""
+        attn = fused_decode if self._fused and torch.compiler.is_compiling() else self._decode
+        return attn(q, ctx.k[layer], ctx.v[layer], self.cursor, ctx.mask)
