@@ -157,12 +157,7 @@ def test_prepare_injects_ci_parameters_but_not_output_dirs(tmp_path):
 
 # --------------------------------------------------------------------------- clean outputs
 #: offenders whose fix is in flight elsewhere (they xfail this test, by name, instead of failing it)
-PENDING = {
-    "lowrank_lib/models.py prints loader lines on stderr (its conversion to logging is in another branch)":
-        re.compile(r"^\[lowrank_lib\.models\] "),
-    "attsvd.record_prefill passes past_key_values= (transformers 5.24 wants cache=; issue 14, another branch)":
-        re.compile(r"FutureWarning: `past_key_values` is deprecated"),
-}
+PENDING: dict[str, re.Pattern] = {}   # empty: main logs the loader lines and passes cache= (both were here)
 
 
 def _texts(nb):
