@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed]"
+	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
 	@touch $@
 
 setup: $(VENV)/.installed

@@ -54,6 +54,34 @@ def calibration_batches(tokenizer, n_samples: int = 32, seq_len: int = 512, seed
     return torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
 
 
+def chat_calibration_batches(tokenizer, n_samples: int = 8, seq_len: int = 512, seed: int = 0, turns: int = 3,
+                             split: str = "valid") -> torch.Tensor:
+    """``[n_samples, seq_len]`` calibration ids in the tokenizer's chat format (plain windows without one).
+
+    Each sample is one random window of :func:`calibration_batches` (same ``seed``), its text cut into
+    ``2 * turns`` consecutive pieces that become alternating user / assistant messages of one conversation,
+    rendered with the chat template (default system prompt included) and cut to ``seq_len`` tokens. An
+    instruct model's chat tokens (roles, turn ends) never occur in plain WikiText; activation-aware
+    compressors calibrated on it lose the directions they use (SVD-LLM on SmolLM2-Instruct then answers
+    with an immediate end of turn).
+    """
+    raw = calibration_batches(tokenizer, n_samples, seq_len, seed, split)
+    if not getattr(tokenizer, "chat_template", None):
+        return raw
+    rows = []
+    for window in raw:
+        text = tokenizer.decode(window)
+        at_space = [text.find(" ", round(i * len(text) / (2 * turns))) for i in range(1, 2 * turns)]
+        cuts = [0, *[c if c >= 0 else len(text) for c in at_space], len(text)]   # never inside a word
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": text[a:b].strip()}
+                for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True, return_dict=True, return_tensors="pt")["input_ids"][0]
+        while ids.numel() < seq_len:                    # re-tokenised text can come out shorter: repeat it
+            ids = torch.cat([ids, window])
+        rows.append(ids[:seq_len])
+    return torch.stack(rows)
+
+
 def random_token_batches(vocab_size: int, n_samples: int, seq_len: int, seed: int = 0) -> torch.Tensor:
     """Seeded random ids for tiny models without a tokenizer: ``[n_samples, seq_len]``."""
     g = torch.Generator().manual_seed(seed)

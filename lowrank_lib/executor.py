@@ -132,7 +132,9 @@ class RayExecutor:
             raise ImportError("--executor ray needs Ray: pip install -e '.[distributed]'") from e
         if ray.is_initialized():
             return ray, False
-        kw = {"address": self.address, "runtime_env": self.runtime_env, "log_to_driver": True}
+        # no address: always a NEW local instance ("local"); Ray's own default would join whatever cluster
+        # /tmp/ray/ray_current_cluster names (possibly a dead head), and then refuses num_cpus
+        kw = {"address": self.address or "local", "runtime_env": self.runtime_env, "log_to_driver": True}
         if self.address is None:
             kw |= {"num_cpus": self.num_cpus, "include_dashboard": False}
         ray.init(**{k: v for k, v in kw.items() if v is not None})

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .tokentext import decode
+
 NEG_INF = float("-inf")
 
 
@@ -138,4 +140,4 @@ def answer(model, tokenizer, question: str, max_new_tokens: int = 48, system: st
     dev = next(model.parameters()).device
     out = model.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens,
                          do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    return decode(tokenizer, out[0, ids.shape[1]:].tolist()).strip()   # never U+FFFD (see tokentext)

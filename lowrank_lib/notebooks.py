@@ -11,20 +11,30 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
     python -m lowrank_lib.notebooks run --params notebooks/params/paper.yaml   # bigger machine
     python -m lowrank_lib.notebooks list
 
+    python -m lowrank_lib.notebooks prepare 04_attsvd_interpretability DIR   # CI-sized copy to open
+    python -m lowrank_lib.notebooks list
+
 Inside a notebook::
 
     from lowrank_lib.notebooks import NotebookContext
-    ctx = NotebookContext(OUT_DIR, FIG_DIR)   # relative paths resolve against the repo root
+    ctx = NotebookContext(OUT_DIR, FIG_DIR)   # relative paths resolve against the working directory
     ctx.savefig(fig, "00_ppl_vs_keep")        # FIG_DIR/00_ppl_vs_keep.png
     ctx.write_metrics({...})                  # OUT_DIR/metrics.json
 
-CI writes figures under ``reports/ci/figures`` so a CI run never overwrites the report figures
-committed in ``figures/``.
+Outputs stay where the notebook runs: relative ``OUT_DIR`` / ``FIG_DIR`` resolve against the
+kernel's working directory (in JupyterLab, the notebook's folder), so a copied notebook writes next
+to the copy. The report runner executes with the checkout root as working directory, so its
+``reports/<nb>/`` and ``figures/`` are the checkout's; ``--ci`` writes under ``reports/ci/`` (never
+the committed report figures). Outside a runner, a context refuses to overwrite a file git tracks
+(a committed figure or metrics file) and says how to write elsewhere.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -85,44 +95,97 @@ def _json_safe(obj):
     return str(obj)
 
 
+#: Set (to "1") by :func:`run` while it executes notebooks: committed report files may be rewritten.
+REPORT_RUN_ENV = "LOWRANK_LIB_REPORT_RUN"
+
+
+def _git_tracked(path: Path) -> bool:
+    """Whether ``path`` is a file git tracks in the repository that contains it (False without git)."""
+    if not path.exists():
+        return False
+    try:
+        r = subprocess.run(["git", "-C", str(path.parent), "ls-files", "--error-unmatch", "--", path.name],
+                           capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return r.returncode == 0
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 @dataclass
 class NotebookContext:
-    """Where a notebook writes: figures into ``FIG_DIR``, ``metrics.json`` into ``OUT_DIR``."""
+    """Where a notebook writes: figures into ``FIG_DIR``, ``metrics.json`` into ``OUT_DIR``.
+
+    Relative directories resolve against the working directory (the notebook's folder in JupyterLab).
+    Writing over a git-tracked file is refused unless the report runner (:func:`run`) is executing
+    the notebook or ``overwrite_tracked=True``.
+    """
 
     out_dir: str | Path
     fig_dir: str | Path = "figures"
+    overwrite_tracked: bool | None = None
 
     def __post_init__(self):
-        base = root()
-        self.out_dir = Path(self.out_dir) if Path(self.out_dir).is_absolute() else base / self.out_dir
-        self.fig_dir = Path(self.fig_dir) if Path(self.fig_dir).is_absolute() else base / self.fig_dir
+        self.out_dir = Path(self.out_dir).expanduser().resolve()
+        self.fig_dir = Path(self.fig_dir).expanduser().resolve()
+        if self.overwrite_tracked is None:
+            self.overwrite_tracked = os.environ.get(REPORT_RUN_ENV) == "1"
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.fig_dir.mkdir(parents=True, exist_ok=True)
         self.figures: list[str] = []
+        self.metrics_path: Path | None = None
         self.started = time.time()
 
-    def savefig(self, fig, name: str, dpi: int = 110) -> Path:
-        """Save a matplotlib figure as ``FIG_DIR/<name>.png`` and remember it for the metrics."""
-        path = self.fig_dir / f"{name}.png"
-        fig.savefig(path, dpi=dpi, bbox_inches="tight")
-        self.figures.append(str(path.relative_to(root()) if path.is_relative_to(root()) else path))
+    def _writable(self, path: Path) -> Path:
+        if not self.overwrite_tracked and _git_tracked(path):
+            raise FileExistsError(
+                f"{path} is a file committed to git (a report output); this notebook run would overwrite it. "
+                f"Point OUT_DIR / FIG_DIR elsewhere (relative paths resolve against {Path.cwd()}), regenerate "
+                f"reports with `python -m lowrank_lib.notebooks run`, or pass overwrite_tracked=True.")
         return path
 
-    def write_metrics(self, metrics: dict) -> Path:
-        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time)."""
+    def savefig(self, fig, name: str, dpi: int = 110) -> None:
+        """Save a matplotlib figure as ``FIG_DIR/<name>.png`` and list it in the metrics (``self.figures``)."""
+        path = self._writable(self.fig_dir / f"{name}.png")
+        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+        self.figures.append(_shown(path))
+
+    def write_metrics(self, metrics: dict) -> None:
+        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time); path in ``self.metrics_path``."""
         data = dict(_json_safe(metrics))
         data.setdefault("figures", self.figures)
         data.setdefault("wall_s", round(time.time() - self.started, 2))
-        path = self.out_dir / "metrics.json"
+        path = self._writable(self.out_dir / "metrics.json")
         path.write_text(json.dumps(data, indent=2, sort_keys=True))
-        return path
+        self.metrics_path = path
+
+
+@contextlib.contextmanager
+def _report_run():
+    old = os.environ.get(REPORT_RUN_ENV)
+    os.environ[REPORT_RUN_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(REPORT_RUN_ENV, None)
+        else:
+            os.environ[REPORT_RUN_ENV] = old
 
 
 def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
     """The parameters a run of notebook ``name`` gets (only names the notebook declares).
 
     Report runs use the notebook's defaults, or ``params_file`` on top of them; ``ci`` uses
-    ``params/ci.yaml`` and redirects outputs under ``reports/ci``.
+    ``params/ci.yaml`` and redirects outputs under ``reports/ci``. ``OUT_DIR`` / ``FIG_DIR`` are
+    relative to the checkout root, the working directory :func:`run` executes in.
     """
     path = notebooks_dir() / f"{name}.ipynb"
     declared = declared_parameters(path)
@@ -151,9 +214,10 @@ def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool
     out_nb.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"[notebooks] {name}: {json.dumps(params)}", file=sys.stderr, flush=True)
-    pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
-                        kernel_name=kernel, cwd=str(notebooks_dir()), progress_bar=progress,
-                        request_save_on_cell_execute=False)
+    with _report_run():
+        pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
+                            kernel_name=kernel, cwd=str(base), progress_bar=progress,
+                            request_save_on_cell_execute=False)
     metrics_path = base / params["OUT_DIR"] / "metrics.json"
     if not metrics_path.exists():
         raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
@@ -182,6 +246,27 @@ def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3
     return run_sweep(tasks, executor, progress=progress, desc="notebooks")
 
 
+def prepare(name: str, dest: str | Path, ci: bool = True, params_file: str | Path | None = None) -> Path:
+    """Write ``dest/<name>.ipynb``: the notebook with the CI (or ``params_file``) parameters injected, not run.
+
+    This is papermill's parameter injection (``papermill --prepare-only``): an ``injected-parameters``
+    cell after the ``parameters`` cell, exactly what a headless run executes. Open the copy in
+    JupyterLab and Run All to get the CI-sized notebook interactively. ``OUT_DIR`` / ``FIG_DIR`` are
+    not injected: the copy writes relative to the folder it runs in.
+    """
+    import papermill as pm
+
+    src = notebooks_dir() / f"{name}.ipynb"
+    if not src.exists():
+        raise FileNotFoundError(f"no notebook named {name!r} in {notebooks_dir()}")
+    params = {k: v for k, v in plan(name, ci, params_file).items() if k not in ("OUT_DIR", "FIG_DIR")}
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    out = dest / f"{name}.ipynb"
+    pm.execute_notebook(str(src), str(out), parameters=params, prepare_only=True, progress_bar=False)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -196,12 +281,20 @@ def main(argv: list[str] | None = None) -> int:
     from .executor import add_arguments as add_executor_arguments
 
     add_executor_arguments(r)           # each notebook a task: --executor ray [--address ...]
+    pp = sub.add_parser("prepare", help="copy notebooks with parameters injected (not executed), to open in JupyterLab")
+    pp.add_argument("names", nargs="+", help="notebook stems")
+    pp.add_argument("dest", help="folder to write the copies into (outputs then go below it)")
+    pp.add_argument("--params", default=None, help="a parameter YAML instead of notebooks/params/ci.yaml")
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
     args = ap.parse_args(argv)
     if args.cmd == "list":
         ci = set(read_params()["notebooks"])
         for n in on_disk():
             print(f"{n}\t{'ci' if n in ci else 'NOT IN CI'}")
+        return 0
+    if args.cmd == "prepare":
+        for n in args.names:
+            print(prepare(n, args.dest, ci=args.params is None, params_file=args.params))
         return 0
     from .executor import SweepError, from_args
 

@@ -13,11 +13,12 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "lowrank_lib"
 
 CORE = {"geometry", "factorized", "ranks", "data", "models", "attention_mass", "generation", "families", "codecs",
-        "compat"}
+        "compat", "tokentext"}
 #: unit (top-level module or package of lowrank_lib) -> units it may import
 ALLOWED: dict[str, set[str]] = {
-    "geometry": set(), "attention_mass": set(), "generation": set(), "codecs": set(),
+    "geometry": set(), "attention_mass": set(), "codecs": set(), "tokentext": set(),
     "compat": set(), "executor": set(),     # leaves: transformers' calling convention; the sweep executor
+    "generation": {"tokentext"},        # answer() decodes without U+FFFD
     "families": set(),          # names its implementations as "module:function" strings, imported on use
     "ranks": {"families"},
     "factorized": {"ranks"}, "data": {"models"},
@@ -31,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "composed": CORE | {"hf", "attsvd", "eviction", "runtime.kv"},
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families", "executor"},
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families", "executor"},
+    "explore": CORE | {"compress", "eval", "hf", "attsvd"},   # the notebooks' sliders
     "notebooks": None,          # the notebook runner may import anything
     "__init__": None,           # the package root re-exports the core API
 }

@@ -49,7 +49,7 @@ def ray_cluster():
     cloudpickle.register_pickle_by_value(sys.modules[__name__])     # workers cannot import tests/ modules
     for attempt in (1, 2):      # Ray gives its raylet 30 s to register: a loaded shared CPU can miss that once
         try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             break
         except Exception:
             ray.shutdown()

@@ -1,5 +1,9 @@
 """Every notebook on disk runs in CI; the runner plans parameters correctly; notebook 00's metrics."""
+import json
 import math
+import os
+import re
+import subprocess
 
 import pytest
 
@@ -44,8 +48,19 @@ def test_quickstart_metrics(executed_notebook):
     # plain SVD: less kept -> worse; both worse than dense
     keeps = sorted(ppl, key=float)
     assert ppl[keeps[0]] >= ppl[keeps[-1]] > m["dense_ppl"]
+    # SVD-LLM v1 (the slider's compressor): usable where plain SVD collapses, at the same parameter counts
+    llm = m["svdllm_ppl_by_keep"]
+    assert set(llm) == set(ppl)
+    for k in llm:
+        assert math.isfinite(llm[k]) and llm[k] < ppl[k] / 100
+    assert llm[keeps[-1]] < 5 * m["dense_ppl"] and llm[keeps[0]] >= llm[keeps[-1]]
     assert m["params_compressed"] < m["params_dense"]
     assert "Paris" in m["answer_dense"]
+    # the slider rendered its first value (papermill runs a kernel, so the widget exists)
+    rows = m["slider_rows"]
+    assert [r["keep"] for r in rows] == [round(m["keep_ratio"], 4)] and math.isfinite(rows[0]["ppl"])
+    assert rows[0]["params"] == m["params_compressed"]
+    assert 0 < m["slider_ready_s"] < m["wall_s"]
     assert m["figures"] and all(f.endswith(".png") for f in m["figures"])
     sens = m["sensitivity_ppl"]
     assert set(sens) == {"dense", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
@@ -62,3 +77,144 @@ def test_paper_params_file_only_overrides_declared_names(tmp_path):
     bad.write_text("overrides:\n  00_quickstart:\n    NOT_A_PARAM: 1\n")
     with pytest.raises(ValueError, match=r"overrides \['NOT_A_PARAM'\] for 00_quickstart"):
         notebooks.plan("00_quickstart", ci=False, params_file=bad)
+
+
+# --------------------------------------------------------------------------- where notebooks write
+def _fig():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1])
+    return fig
+
+
+def test_context_writes_relative_to_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    ctx = notebooks.NotebookContext("reports/00_quickstart", "figures")
+    assert ctx.savefig(_fig(), "00_x") is None          # no return value to show as a cell output
+    assert ctx.write_metrics({"a": 1.5, "nan": float("nan")}) is None
+    assert (tmp_path / "figures" / "00_x.png").stat().st_size > 0
+    m = json.loads((tmp_path / "reports" / "00_quickstart" / "metrics.json").read_text())
+    assert m["figures"] == ["figures/00_x.png"] and m["a"] == 1.5 and m["nan"] == "nan"
+    assert ctx.metrics_path == tmp_path / "reports" / "00_quickstart" / "metrics.json"
+    # nothing went to the checkout
+    assert notebooks.root() not in ctx.fig_dir.parents and notebooks.root() not in ctx.out_dir.parents
+
+
+def _git(cwd, *args):
+    subprocess.run(["git", "-C", str(cwd), *args], check=True, capture_output=True,
+                   env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+                        "GIT_COMMITTER_EMAIL": "t@t"})
+
+
+def test_context_refuses_to_overwrite_a_committed_file_outside_the_runner(tmp_path, monkeypatch):
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "figures").mkdir()
+    (tmp_path / "figures" / "00_x.png").write_bytes(b"committed")
+    (tmp_path / "figures" / "00_untracked.png").write_bytes(b"scratch")
+    _git(tmp_path, "add", "figures/00_x.png")
+    _git(tmp_path, "commit", "-q", "-m", "fig")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    ctx = notebooks.NotebookContext("out", "figures")
+    with pytest.raises(FileExistsError, match=r"00_x\.png is a file committed to git"):
+        ctx.savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() == b"committed"
+    ctx.savefig(_fig(), "00_untracked")                 # an untracked file is the run's own output
+    assert (tmp_path / "figures" / "00_untracked.png").read_bytes() != b"scratch"
+    notebooks.NotebookContext("out", "figures", overwrite_tracked=True).savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() != b"committed"
+    _git(tmp_path, "checkout", "--", "figures/00_x.png")
+    monkeypatch.setenv(notebooks.REPORT_RUN_ENV, "1")   # what run() sets while papermill executes
+    notebooks.NotebookContext("out", "figures").savefig(_fig(), "00_x")
+    assert (tmp_path / "figures" / "00_x.png").read_bytes() != b"committed"
+
+
+def test_report_run_env_is_scoped(monkeypatch):
+    monkeypatch.delenv(notebooks.REPORT_RUN_ENV, raising=False)
+    with notebooks._report_run():
+        assert os.environ[notebooks.REPORT_RUN_ENV] == "1"
+    assert notebooks.REPORT_RUN_ENV not in os.environ
+
+
+def test_prepare_injects_ci_parameters_but_not_output_dirs(tmp_path):
+    import nbformat
+
+    out = notebooks.prepare("04_attsvd_interpretability", tmp_path)
+    nb = nbformat.read(out, as_version=4)
+    tags = [c.metadata.get("tags", []) for c in nb.cells]
+    i = next(i for i, t in enumerate(tags) if "parameters" in t)
+    assert "injected-parameters" in tags[i + 1]
+    injected = nb.cells[i + 1].source
+    assert "SEQ_LEN = 256" in injected and "KEEP_RATIO = 0.5" in injected
+    assert "OUT_DIR" not in injected and "FIG_DIR" not in injected
+    assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")   # prepared, not executed
+
+
+# --------------------------------------------------------------------------- clean outputs
+#: offenders whose fix is in flight elsewhere (they xfail this test, by name, instead of failing it)
+PENDING: dict[str, re.Pattern] = {}   # empty: main logs the loader lines and passes cache= (both were here)
+
+
+def _texts(nb):
+    """(where, kind, text) of every output, including what widgets' Output areas hold in the saved state."""
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []):
+            if o.output_type == "stream":
+                yield f"cell {i}", o.name, o.text
+            elif o.output_type in ("execute_result", "display_data"):
+                for mime, v in o.get("data", {}).items():
+                    if mime.startswith("text/"):
+                        yield f"cell {i}", o.output_type, v if isinstance(v, str) else "".join(v)
+            elif o.output_type == "error":
+                yield f"cell {i}", "error", f"{o.ename}: {o.evalue}"
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get("state", {})
+    for mid, w in state.items():
+        for o in w.get("state", {}).get("outputs", []) or []:
+            text = o.get("text") or "".join(str(v) for k, v in o.get("data", {}).items() if k.startswith("text/"))
+            yield f"widget {mid[:8]}", o.get("name", o.get("output_type", "?")), text
+
+
+def _pending(text: str) -> str | None:
+    """The PENDING entry that explains a whole stderr text (continuation lines included), else None."""
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    hit = None
+    for ln in lines:
+        for why, pat in PENDING.items():
+            if pat.search(ln):
+                hit = why
+                break
+        else:
+            if not ln.startswith((" ", "\t")):     # a warning's source line is indented; anything else is new
+                return None
+    return hit
+
+
+@pytest.mark.notebook
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["00_quickstart", "04_attsvd_interpretability"])
+def test_executed_outputs_are_clean(executed_notebook, name):
+    """No stderr, no stray return value, no warning from our calls, no U+FFFD in what the notebook shows."""
+    import nbformat
+
+    executed_notebook(name)
+    nb = nbformat.read(notebooks.root() / "reports" / "ci" / f"{name}.ipynb", as_version=4)
+    bad, pending = [], set()
+    for where, kind, text in _texts(nb):
+        if "PosixPath(" in text:
+            bad.append(f"{where}: a stray return value: {text[:120]!r}")
+        if "\ufffd" in text:
+            bad.append(f"{where}: U+FFFD in {kind}: {text[max(0, text.index(chr(0xFFFD)) - 60):][:120]!r}")
+        if re.search(r"(FutureWarning|UserWarning|DeprecationWarning)\b", text) and "lowrank_lib" in text:
+            why = _pending(text)
+            (pending.add(why) if why else bad.append(f"{where}: a warning from our code: {text[:300]!r}"))
+        elif kind == "stderr":
+            why = _pending(text)
+            (pending.add(why) if why else bad.append(f"{where}: stderr: {text[:300]!r}"))
+    assert not bad, f"{name}:\n" + "\n".join(bad)
+    if pending:
+        pytest.xfail("; ".join(sorted(pending)))

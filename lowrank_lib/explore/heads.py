@@ -1,0 +1,212 @@
+"""Notebook 04's rank explorer: one head's errors at EVERY rank from one SVD per basis, and its top keys.
+
+For one (layer, KV head) of a recorded prefill, with keys K and values V [S, d], the group's query heads
+Q_g [S, d] and their causal attention P_g [S, S],
+
+    logit error    e_K(r) = mean_g ||Q_g (K - K_r)^T||_F / ||Q_g K^T||_F
+    output error   e_V(r) = mean_g ||P_g (V - V_r)||_F / ||P_g V||_F
+
+where K_r, V_r are the rank-r truncations AttSVD stores (the same as ``attsvd.interpret.reconstructions``):
+raw SVD, or attention-aware (keys: SVD of K W, W = C_Q^{1/2}, mapped back by W^{-1}; values: SVD of
+diag(sa) V with sa = sqrt(mass + floor), mapped back by diag(1/sa)). Each basis is ONE decomposition
+M = sum_j s_j u_j b_j with orthonormal u_j (keys) or orthonormal b_j (values), so the residual of every
+rank is a tail of the same sum and its norm is a suffix sum:
+
+    ||Q_g (K - K_r)^T||^2 = sum_{j >= r} s_j^2 b_j C_g b_j^T          (C_g = Q_g^T Q_g; b_j = vh_j or vh_j W^-1)
+    ||P_g (V - V_r)||^2   = sum_{j >= r} s_j^2 ||P_g u'_j||^2          (u'_j = u_j or u_j / sa)
+
+so :class:`HeadRanks` gives both errors at every r in 1..d for the price of one SVD and one P U product per
+basis, where sampling ``interpret.error_curves`` at every rank would rebuild K_r and V_r d times.
+``tests/test_nb_04.py`` checks the two agree.
+
+The attention panel shows the last query's TOP keys (by dense attention) as grouped bars for dense,
+attention-aware and raw rank-r keys, with the total-variation distance of the whole distribution to
+dense: three probability curves over a thousand keys overlap into one line; the top keys do not.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attsvd.basis import causal_probs, query_metric, sqrt_and_inv_sqrt
+from ..attsvd.interpret import HeadView, head_view
+from ..hf.record import PrefillRecord
+from .ui import in_kernel_with_widgets
+
+BASES = ("aware", "raw")
+CURVES = ("logit_aware", "logit_raw", "output_aware", "output_raw")
+COLORS = {"dense": "0.25", "aware": "tab:blue", "raw": "tab:red"}
+
+
+def _suffix(t: torch.Tensor) -> torch.Tensor:
+    """[G, k] terms -> [G, k + 1] tails: out[:, r] = sum_{j >= r} t[:, j] (out[:, k] = 0)."""
+    tail = t.flip(-1).cumsum(-1).flip(-1)
+    return torch.cat([tail, tail.new_zeros(t.shape[0], 1)], dim=-1).clamp_min(0)
+
+
+class HeadRanks:
+    """One head's attention-aware and raw truncations at every rank 1..d (float64 inside).
+
+    ``curves``: ``{"rank": [1..d], "logit_aware": [...], "logit_raw": [...], "output_aware": [...],
+    "output_raw": [...]}`` (the format of ``interpret.error_curves``). ``eps`` and ``mass_floor`` are
+    the query-metric ridge and the mass floor AttSVD and ``interpret`` use.
+    """
+
+    def __init__(self, h: HeadView, eps: float = 1e-3, mass_floor: float = 1e-3):
+        self.view = h
+        K, V, Q = h.K.double(), h.V.double(), h.Q.double()           # [S, d], [S, d], [G, S, d]
+        S, d = K.shape
+        self.d = d
+        W, Wi = (x.double() for x in sqrt_and_inv_sqrt(query_metric(h.Q[None, None], eps=eps)[0, 0]))
+        keys = {}
+        for basis, M, back in (("aware", K @ W, Wi), ("raw", K, None)):
+            U, s, Vh = torch.linalg.svd(M, full_matrices=False)
+            keys[basis] = (U * s, Vh if back is None else Vh @ back, s)   # K_r = A[:, :r] @ B[:r]
+        a = h.mass.double()
+        mean = a.mean()
+        sa = (a + mass_floor * mean if float(mean) > 0 else torch.ones_like(a)).clamp_min(1e-300).sqrt()
+        vals = {}
+        for basis, M, rescale in (("aware", sa[:, None] * V, sa), ("raw", V, None)):
+            U, s, Vh = torch.linalg.svd(M, full_matrices=False)
+            vals[basis] = (U if rescale is None else U / rescale[:, None], s)
+        Cg = Q.transpose(-1, -2) @ Q                                    # [G, d, d]
+        P = causal_probs(h.Q, h.K, h.scaling).double()                  # [G, S, S]
+        den_k = torch.einsum("sd,gde,se->g", K, Cg, K).clamp_min(1e-300)
+        den_v = (P @ V).pow(2).sum((-2, -1)).clamp_min(1e-300)
+        self._keys = keys
+        self._q = h.Q[0].double()                                       # the first query head of the group
+        ranks = list(range(1, d + 1))
+        self.curves: dict[str, list] = {"rank": ranks}
+        for basis in BASES:
+            _, B, s = keys[basis]
+            t_k = s ** 2 * torch.einsum("jd,gde,je->gj", B, Cg, B)       # [G, k]
+            U2, s2 = vals[basis]
+            t_v = s2 ** 2 * (P @ U2).pow(2).sum(-2)                      # [G, k]
+            for name, t, den in (("logit", t_k, den_k), ("output", t_v, den_v)):
+                tails = _suffix(t)                                       # [G, k + 1]
+                k = t.shape[-1]
+                idx = torch.tensor([min(r, k) for r in ranks])
+                err = (tails[:, idx] / den[:, None]).sqrt().mean(0)
+                self.curves[f"{name}_{basis}"] = [float(e) for e in err]
+
+    @property
+    def layer(self) -> int:
+        return self.view.layer
+
+    @property
+    def head(self) -> int:
+        return self.view.head
+
+    def errors(self, r: int) -> dict[str, float]:
+        """The four errors at rank ``r`` (1..d)."""
+        if not 1 <= r <= self.d:
+            raise ValueError(f"rank {r} outside [1, {self.d}]")
+        return {c: self.curves[c][r - 1] for c in CURVES}
+
+    @torch.no_grad()
+    def attention_rows(self, r: int, query: int = -1) -> dict[str, torch.Tensor]:
+        """Attention of one query (first head of the group) over the keys it sees, with dense, aware and raw
+        rank-r keys: ``{"dense", "aware", "raw"}`` -> [S] fp32 (``interpret.attention_rows``'s values)."""
+        h = self.view
+        S = h.K.shape[0]
+        upto = S if query == -1 else query + 1
+        q = self._q[query]
+        out = {"dense": torch.softmax((h.K.double()[:upto] @ q) * h.scaling, -1).float()}
+        for basis in BASES:
+            A, B, _ = self._keys[basis]
+            out[basis] = torch.softmax((A[:upto, :r] @ (B[:r] @ q)) * h.scaling, -1).float()
+        return out
+
+    def top_keys(self, r: int, k: int = 12, query: int = -1) -> dict:
+        """The ``k`` keys with the largest dense attention of one query, their probabilities under each
+        basis at rank ``r``, and the total-variation distance of each whole distribution to dense."""
+        rows = self.attention_rows(r, query)
+        top = rows["dense"].topk(min(k, rows["dense"].numel())).indices
+        out = {"positions": top.tolist(), **{n: rows[n][top].tolist() for n in rows}}
+        for basis in BASES:
+            out[f"tv_{basis}"] = float(0.5 * (rows[basis] - rows["dense"]).abs().sum())
+        out["top_mass_dense"] = float(rows["dense"][top].sum())
+        return out
+
+    def summary(self, r: int, k: int = 12) -> dict:
+        """Everything the explorer prints at rank ``r``."""
+        top = self.top_keys(r, k)
+        return {"layer": self.layer, "head": self.head, "rank": r, **self.errors(r),
+                "tv_aware": top["tv_aware"], "tv_raw": top["tv_raw"]}
+
+
+def format_summary(s: dict) -> str:
+    """One line: layer, head, r and the values the panels show."""
+    return (f"layer {s['layer']}, KV head {s['head']}, r = {s['rank']}: "
+            f"logit error aware {s['logit_aware']:.4f} / raw {s['logit_raw']:.4f}; "
+            f"output error aware {s['output_aware']:.4f} / raw {s['output_raw']:.4f}; "
+            f"attention TV to dense aware {s['tv_aware']:.4f} / raw {s['tv_raw']:.4f}")
+
+
+def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: int = 12) -> dict:
+    """Two panels at rank ``r``: (a) logit / output error vs rank, aware vs raw, with the values at r;
+    (b) the last query's top-``k`` keys under dense, aware and raw rank-r keys. Returns :meth:`HeadRanks.summary`."""
+    import numpy as np
+
+    s = hr.summary(r, k)
+    c = hr.curves
+    ax = axes[0]
+    positive = [v for n in CURVES for v in c[n] if v > 0]
+    floor = 0.5 * min(positive) if positive else 1e-7   # a log axis cannot show the exact 0 at full rank
+    for name, style, label in (("logit_aware", "-", "logit, attention-aware K"), ("logit_raw", "-", "logit, raw-SVD K"),
+                               ("output_aware", "--", "output, mass-weighted V"), ("output_raw", "--", "output, raw-SVD V")):
+        color = COLORS["aware" if name.endswith("aware") else "raw"]
+        ax.semilogy(c["rank"], np.maximum(c[name], floor), style, color=color, lw=1.2,
+                    label=f"{label}: {s[name]:.3g}")
+        ax.plot([r], [max(s[name], floor)], "o", color=color, ms=5)
+    ax.axvline(r, color="k", lw=0.8)
+    ax.set(xlabel="rank r", ylabel="relative error", xlim=(1, hr.d), ylim=(floor, None),
+           title=f"layer {hr.layer}, KV head {hr.head}: errors at r = {r}")
+    ax.legend(fontsize=7, title=f"value at r = {r}", title_fontsize=7)
+    top = hr.top_keys(r, k)
+    ax = axes[1]
+    x = np.arange(len(top["positions"]))
+    w = 0.27
+    for i, (name, label) in enumerate((("dense", "dense"), ("aware", f"attention-aware r={r} (TV {top['tv_aware']:.3f})"),
+                                       ("raw", f"raw SVD r={r} (TV {top['tv_raw']:.3f})"))):
+        ax.bar(x + (i - 1) * w, top[name], w, color=COLORS[name], label=label)
+    names = [f"{labels[p]!r}\n@{p}" if labels is not None else f"@{p}" for p in top["positions"]]
+    ax.set_xticks(x, names, fontsize=6, rotation=60)
+    ax.set(ylabel="attention of the last query",
+           title=f"top {len(x)} keys ({top['top_mass_dense']:.0%} of dense attention)")
+    ax.legend(fontsize=7)
+    return s
+
+
+def head_explorer(record: PrefillRecord, layer: int = 0, head: int = 0, rank: int = 32,
+                  labels: list[str] | None = None, k: int = 12):
+    """An ipywidgets (layer, KV head, r) explorer over :func:`draw_head`; displays it and returns it.
+
+    Every (layer, head) is decomposed once (:class:`HeadRanks`, cached), so moving r only redraws.
+    Returns None without ipywidgets or outside a kernel (headless callers show static figures).
+    """
+    if not in_kernel_with_widgets():
+        return None
+    import ipywidgets as W
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+
+    L, H, d = len(record.keys), record.keys[0].shape[1], record.keys[0].shape[-1]
+    cache: dict[tuple[int, int], HeadRanks] = {}
+
+    def draw(layer, head, r):
+        if (layer, head) not in cache:
+            cache[(layer, head)] = HeadRanks(head_view(record, layer, head))
+        fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
+        s = draw_head(axes, cache[(layer, head)], r, labels, k)
+        fig.tight_layout()
+        print(format_summary(s))
+        plt.show()
+
+    sliders = {"layer": W.IntSlider(layer, 0, L - 1, description="layer", continuous_update=False),
+               "head": W.IntSlider(head, 0, H - 1, description="KV head", continuous_update=False),
+               "r": W.IntSlider(rank, 1, d, description="rank r", continuous_update=False)}
+    out = W.interactive_output(draw, sliders)
+    ui = W.VBox([W.HBox(list(sliders.values())), out])
+    ui.cache = cache
+    display(ui)
+    return ui

@@ -1,0 +1,242 @@
+"""JupyterLab in a real browser: a server on 127.0.0.1 over a temporary copy of notebooks, Debian's Chromium.
+
+The copies are prepared with papermill's parameter injection (``lowrank_lib.notebooks.prepare``, the CI
+parameters of ``notebooks/params/ci.yaml``), which is how a person gets the CI-sized notebook:
+``python -m lowrank_lib.notebooks prepare NAME DIR``, then open it in JupyterLab. Playwright's Python
+package drives ``/usr/bin/chromium`` (never ``playwright install``); without either the tests skip and say why.
+
+Everything runs with fresh state: Jupyter config/data/runtime/settings/workspace dirs, IPython dir and the
+Chromium profile all live in the test's temporary directory. The server gets a random token and a free port.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("LOWRANK_LIB_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+#: every wait for a notebook's output scales with this (a loaded 2-core machine is slow; the default is generous)
+SLOW = float(os.environ.get("LOWRANK_LIB_BROWSER_SLOW", "1"))
+
+
+def _missing() -> str | None:
+    if not (Path(CHROMIUM).exists() and os.access(CHROMIUM, os.X_OK)):
+        return (f"Chromium not found at {CHROMIUM} (Debian: apt-get install -y chromium; .ci/run installs it; "
+                f"LOWRANK_LIB_CHROMIUM points elsewhere)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "Playwright's Python package is not installed (pip install -e '.[browser]'; never `playwright install`)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Timings:
+    """Named durations measured by the browser tests, printed at the end of the session."""
+
+    rows: list[tuple[str, float]] = []
+
+    @classmethod
+    def add(cls, name: str, seconds: float):
+        cls.rows.append((name, seconds))
+        print(f"[browser timing] {name}: {seconds:.1f} s", flush=True)
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory):
+    """``(base_url, token, notebook_dir)`` of a JupyterLab serving prepared copies of notebooks 00 and 04."""
+    why = _missing()
+    if why:
+        pytest.skip(why)
+    from lowrank_lib import notebooks
+
+    tmp = tmp_path_factory.mktemp("lab")
+    nbdir = tmp / "work"
+    for name in ("04_attsvd_interpretability", "00_quickstart"):
+        notebooks.prepare(name, nbdir, ci=True)
+    settings = tmp / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    # a fresh user who said "no" to news and update checks (nothing may reach the network)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
+                                                                           "checkForUpdates": False}))
+    env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_PATH", "JUPYTER_CONFIG_PATH")}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
+               JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), IPYTHONDIR=str(tmp / "ipython"),
+               PYTHONPATH=os.pathsep.join(p for p in [str(notebooks.root()), os.environ.get("PYTHONPATH", "")] if p))
+    port, token = _free_port(), secrets.token_hex(24)
+    log = open(tmp / "server.log", "w")
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={nbdir}",
+           "--ServerApp.allow_root=True", "--LabApp.news_url=None", "--LabApp.extension_manager=readonly",
+           "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=nbdir)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120 * SLOW
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"jupyter lab exited with {proc.returncode}:\n{(tmp / 'server.log').read_text()[-3000:]}")
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline:
+                    pytest.fail(f"jupyter lab did not answer in time:\n{(tmp / 'server.log').read_text()[-3000:]}")
+                time.sleep(0.5)
+        yield base, token, nbdir
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+class Lab:
+    """One Chromium page on the JupyterLab server, with the few gestures the tests need."""
+
+    def __init__(self, page, base: str, token: str, nbdir: Path):
+        self.page, self.base, self.token, self.nbdir = page, base, token, nbdir
+        self.console: list[str] = []
+        page.on("console", lambda m: self.console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+        page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+
+    def open(self, name: str):
+        self.page.goto(f"{self.base}/lab/tree/{name}.ipynb?token={self.token}")
+        self.page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=120_000 * SLOW)
+
+    def run_all(self):
+        """Run > Run All Cells, from the menu bar as a person would, once the kernel has started (clicked
+        earlier, JupyterLab walks through the cells without running them); checks that a cell started."""
+        self.wait_text("#jp-main-statusbar", r"\| Idle", 180)
+        started = self.page.locator(".jp-InputPrompt", has_text=re.compile(r"\[(\*|\d+)\]"))
+        for _ in range(3):
+            self.page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            self.page.locator(".lm-Menu-item", has=self.page.locator(".lm-Menu-itemLabel", has_text=re.compile(
+                r"^Run All Cells$"))).click()
+            deadline = time.time() + 30 * SLOW
+            while time.time() < deadline:
+                if started.count():
+                    return
+                time.sleep(0.5)
+        pytest.fail("Run All Cells did not start any cell")
+
+    def wait_text(self, selector: str, pattern: str, timeout_s: float):
+        """The first ``selector`` element whose text matches ``pattern``, once it is there. Fails at once when
+        a cell shows a traceback, and after ``timeout_s`` (times LOWRANK_LIB_BROWSER_SLOW) with a screenshot."""
+        loc = self.page.locator(selector, has_text=re.compile(pattern)).first
+        tb = self.page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+        deadline = time.time() + timeout_s * SLOW
+        while True:
+            if loc.count():
+                loc.scroll_into_view_if_needed()     # where a person would look (and off-screen cells render)
+                return loc
+            if tb.count():
+                pytest.fail(f"a cell failed while waiting for {pattern!r}:\n{self.text(tb.first)[-3000:]}")
+            if time.time() > deadline:
+                shot = self.nbdir.parent / f"timeout-{int(time.time())}.png"
+                self.page.screenshot(path=str(shot), full_page=True)
+                outs = self.page.locator(".jp-OutputArea-output").all_text_contents()
+                pytest.fail(f"no {selector} matching {pattern!r} after {timeout_s * SLOW:.0f} s; screenshot {shot}; "
+                            f"last outputs:\n" + "\n---\n".join(o[-400:] for o in outs[-4:]))
+            time.sleep(0.5)
+
+    def slider(self, description: str):
+        return self.page.locator(".widget-slider", has=self.page.locator(".widget-label", has_text=re.compile(
+            f"^{re.escape(description)}$"))).first
+
+    @staticmethod
+    def text(loc) -> str:
+        """The element's text (textContent: also right while JupyterLab skips rendering an off-screen cell)."""
+        return loc.text_content() or ""
+
+    @staticmethod
+    def readout(slider) -> str:
+        return (slider.locator(".widget-readout").text_content() or "").strip()
+
+    def key(self, slider, key: str, times: int = 1):
+        slider.locator(".noUi-handle").focus()
+        for _ in range(times):
+            self.page.keyboard.press(key)
+
+    def drag(self, slider, dx: float, steps: int = 12):
+        """Press the handle, move it by ``dx`` pixels in ``steps`` moves, release."""
+        box = slider.locator(".noUi-handle").bounding_box()
+        x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+        self.page.mouse.move(x, y)
+        self.page.mouse.down()
+        for i in range(1, steps + 1):
+            self.page.mouse.move(x + dx * i / steps, y)
+        self.page.mouse.up()
+
+    def type_value(self, slider, value: str):
+        ro = slider.locator(".widget-readout")
+        ro.click()
+        self.page.keyboard.press("Control+A")
+        self.page.keyboard.type(value)
+        self.page.keyboard.press("Enter")
+
+    def shutdown_kernels(self):
+        """Stop every kernel of the server (frees the model of a finished notebook before the next one)."""
+        hdr = {"Authorization": f"token {self.token}"}
+        req = urllib.request.Request(f"{self.base}/api/kernels", headers=hdr)
+        for k in json.loads(urllib.request.urlopen(req, timeout=30).read()):
+            urllib.request.urlopen(urllib.request.Request(f"{self.base}/api/kernels/{k['id']}", method="DELETE",
+                                                          headers=hdr), timeout=60)
+
+    def assert_clean(self):
+        errors = self.page.locator("text=Error displaying widget").count()
+        assert errors == 0, f"{errors} widget(s) show 'Error displaying widget'"
+        assert not self.console, "browser console errors:\n" + "\n".join(self.console)
+
+
+@pytest.fixture(scope="session")
+def timings():
+    return Timings
+
+
+@pytest.fixture(scope="session")
+def browser_context(lab_server, tmp_path_factory):
+    from playwright.sync_api import sync_playwright
+
+    profile = tmp_path_factory.mktemp("chromium-profile")     # a fresh user-data-dir
+    with sync_playwright() as p:
+        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
+                                                   args=CHROMIUM_ARGS, viewport={"width": 1500, "height": 1000})
+        try:
+            yield ctx
+        finally:
+            ctx.close()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture
+def lab(lab_server, browser_context):
+    base, token, nbdir = lab_server
+    page = browser_context.new_page()
+    lab = Lab(page, base, token, nbdir)
+    try:
+        yield lab
+    finally:
+        page.close()
+        lab.shutdown_kernels()

@@ -1,0 +1,107 @@
+"""WhitenedSpectra: SVD-LLM v1 at any keep by slicing one full-rank decomposition."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowrank_lib import models
+from lowrank_lib.compress import collect_stats, compress_svdllm
+from lowrank_lib.compress.whitened import WhitenedSpectra
+from lowrank_lib.data import random_token_batches
+from lowrank_lib.factorized import LowRankLinear, iter_linears
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    m = models.tiny_model("tiny-gqa", seed=0)
+    stats = collect_stats(m, random_token_batches(256, 8, 64, seed=1), progress=False)
+    return m, stats, WhitenedSpectra(m, stats, progress=False)
+
+
+def _lowrank(model):
+    return {n: mod for n, mod in model.named_modules() if isinstance(mod, LowRankLinear)}
+
+
+@pytest.mark.parametrize("keep", [0.2, 0.55, 0.8, 1.0])
+def test_truncating_the_cache_equals_compress_svdllm(gqa, keep):
+    m, stats, spectra = gqa
+    ref = _lowrank(compress_svdllm(m, stats, keep, progress=False))
+    got_model = spectra.compress(m, keep)
+    got = _lowrank(got_model)
+    assert set(got) == set(ref) and len(got) == len(list(iter_linears(m)))
+    for name, r in ref.items():
+        g = got[name]
+        assert g.rank == r.rank, name
+        # the same rank-r map (factors may differ by the sign of a component)
+        torch.testing.assert_close(g.dense_weight(), r.dense_weight(), rtol=1e-5, atol=1e-6)
+    assert got_model.lowrank_meta["family"] == "svdllm" and got_model.lowrank_meta["keep"] == keep
+    x = random_token_batches(256, 1, 32, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(got_model(x).logits, compress_svdllm(m, stats, keep, progress=False)(x).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(12, 30), (30, 12), (16, 16)])
+def test_whitened_full_equals_svdllm_factors_at_every_rank(shape):
+    from lowrank_lib.compress.calib import cholesky_lower
+    from lowrank_lib.compress.common import whitened_factors
+    from lowrank_lib.compress.whitened import whitened_full
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(*shape, generator=g, dtype=torch.float64)
+    X = torch.randn(200, shape[1], generator=g, dtype=torch.float64) * torch.logspace(0, 3, shape[1], dtype=torch.float64)
+    L = cholesky_lower(X.T @ X)
+    u, v = whitened_full(W, L)
+    k = min(shape)
+    assert u.shape == (shape[0], k) and v.shape == (k, shape[1])
+    for r in range(1, k + 1):
+        a, b = whitened_factors(W, L, r)
+        torch.testing.assert_close(u[:, :r] @ v[:r], a @ b, rtol=1e-9, atol=1e-9 * float(W.norm()))
+        # the same balanced split as SVD-LLM: column norms of u equal row norms of v times ||L|| scale
+        torch.testing.assert_close(u[:, :r].norm(dim=0), a.norm(dim=0), rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(u @ v, W, rtol=1e-9, atol=1e-9)
+    # a rank-deficient W gives zero components, not huge ones
+    Wd = W.clone()
+    Wd[-1] = Wd[0] if shape[0] < shape[1] else Wd[-1]
+    Wd[:, -1] = Wd[:, 0] if shape[0] >= shape[1] else Wd[:, -1]
+    u, v = whitened_full(Wd, L)
+    assert torch.isfinite(u).all() and torch.isfinite(v).all() and float(u.abs().max()) < 1e6
+    torch.testing.assert_close(u @ v, Wd, rtol=1e-8, atol=1e-8)
+
+
+def test_explicit_ranks_and_full_rank_exact(gqa):
+    m, stats, spectra = gqa
+    full = {n: min(lin.out_features, lin.in_features) for n, lin in iter_linears(m)}
+    x = random_token_batches(256, 2, 32, seed=7)
+    with torch.no_grad():
+        dense, fr = m(x).logits, spectra.compress(m, ranks=full)(x).logits
+    assert float((fr - dense).norm() / dense.norm()) < 1e-5
+    one = next(iter(full))
+    part = spectra.compress(m, ranks={one: 3})
+    assert list(_lowrank(part)) == [one] and _lowrank(part)[one].rank == 3
+
+
+def test_model_and_cache_untouched_and_not_aliased(gqa):
+    m, stats, spectra = gqa
+    before = {n: lin.weight.clone() for n, lin in iter_linears(m)}
+    c = spectra.compress(m, 0.5)
+    for mod in _lowrank(c).values():
+        mod.U.data.zero_()
+        mod.V.data.zero_()
+    again = _lowrank(spectra.compress(m, 0.5))
+    assert all(float(mod.U.abs().sum()) > 0 for mod in again.values())
+    for n, lin in iter_linears(m):
+        assert not isinstance(lin, LowRankLinear)
+        assert torch.equal(lin.weight, before[n])
+
+
+def test_errors(gqa):
+    m, stats, spectra = gqa
+    with pytest.raises(ValueError, match="exactly one"):
+        spectra.factors()
+    with pytest.raises(ValueError, match="outside"):
+        spectra.factors(ranks={next(iter(spectra.u)): 10 ** 6})
+    with pytest.raises(KeyError, match="not a decomposed"):
+        spectra.factors(ranks={"model.nope": 1})
+    with pytest.raises(ValueError, match="already factorized"):
+        WhitenedSpectra(spectra.compress(m, 0.5), stats, progress=False)

@@ -1,0 +1,129 @@
+"""Notebook 00's keep slider: values cached per keep, equal to compressing directly; then the notebook headless."""
+import math
+
+import pytest
+import torch
+
+from lowrank_lib import account, models
+from lowrank_lib.compress import collect_stats
+from lowrank_lib.compress.whitened import WhitenedSpectra
+from lowrank_lib.data import random_token_batches
+from lowrank_lib.eval.perplexity import perplexity
+from lowrank_lib.explore import keep as keep_mod
+from lowrank_lib.explore.keep import KeepExplorer
+
+
+@pytest.fixture()
+def explorer(monkeypatch):
+    m = models.tiny_model("tiny-gqa", seed=0)
+    stats = collect_stats(m, random_token_batches(256, 4, 64, seed=1), progress=False)
+    spectra = WhitenedSpectra(m, stats, progress=False)
+    calls = {"compress": 0, "answer": 0}
+    real = spectra.compress
+
+    def counting(model, keep=None, ranks=None):
+        calls["compress"] += 1
+        return real(model, keep, ranks)
+
+    def fake_answer(model, tok, q, max_new_tokens=24):   # tiny models have no tokenizer: count the calls
+        calls["answer"] += 1
+        return f"answer of a {account(model).total_params}-parameter model"
+
+    monkeypatch.setattr(spectra, "compress", counting)
+    monkeypatch.setattr(keep_mod, "answer", fake_answer)
+    window = random_token_batches(256, 1, 48, seed=5)[0]
+    return KeepExplorer(m, None, spectra, window, "q?"), m, real, window, calls
+
+
+def test_values_equal_direct_compression_and_are_cached(explorer):
+    ex, m, compress, window, calls = explorer
+    row = ex.result(0.6)
+    direct = compress(m, 0.6)
+    assert row["ppl"] == pytest.approx(perplexity(direct, window, seq_len=48, progress=False).ppl, rel=1e-6)
+    assert row["params"] == account(direct).total_params < account(m).total_params
+    assert row["method"] == "svdllm" and row["keep"] == 0.6 and not row["cached"]
+    again = ex.result(0.6000000001)                     # a slider's float noise hits the same entry
+    assert again["cached"] and again["ppl"] == row["ppl"] and calls["compress"] == 1
+    ex.result(0.8)
+    assert calls["compress"] == 2 and sorted(ex.results) == [0.6, 0.8]
+    assert ex.results[0.8]["ppl"] <= row["ppl"] * 1.5   # more rank is not much worse on random data
+    assert math.isfinite(ex.dense()["ppl"]) and ex.dense() is ex.dense()
+
+
+def test_describe_and_draw_show_the_current_keep(explorer):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ex, *_ = explorer
+    row = ex.result(0.75)
+    text = ex.describe(row)
+    assert text.startswith("keep 0.75 (SVD-LLM v1)") and f"{row['ppl']:.2f}" in text and "computed in" in text
+    assert "cached" in ex.describe(ex.result(0.75))
+    assert row["answer"] in text and text.endswith("keeps computed so far: 0.75")
+    fig, ax = plt.subplots()
+    ex.draw(ax, 0.75)
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    assert "keep 0.75" in labels and "dense" in labels
+
+
+def test_widget_is_none_outside_a_kernel(explorer):
+    ex, *_ = explorer
+    assert ex.widget(0.8) is None
+
+
+def test_window_must_be_1d(explorer):
+    ex, m, *_ = explorer
+    with pytest.raises(ValueError, match="1-D"):
+        KeepExplorer(m, None, ex.spectra, torch.zeros(2, 8, dtype=torch.long), "q")
+
+
+class _ByteTok:
+    """One token per UTF-8 byte; no chat template."""
+
+    chat_template = None
+    pad_token_id = 0
+    eos_token_id = 0
+
+    def __call__(self, text, return_tensors="pt"):
+        ids = torch.tensor([list(text.encode())])
+        return type("Enc", (), {"input_ids": ids, "attention_mask": torch.ones_like(ids)})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids, skip_special_tokens=False):   # GPT-2's byte-level alphabet
+        from lowrank_lib.tokentext import _byte_decoder
+
+        enc = {b: c for c, b in _byte_decoder().items()}
+        return [enc[int(i)] for i in ids]
+
+
+class _Parrot(torch.nn.Module):
+    def __init__(self, tail: bytes):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.tail = torch.tensor([list(tail)])
+
+    def generate(self, ids, **kw):
+        return torch.cat([ids, self.tail[:, :kw["max_new_tokens"]]], dim=1)
+
+
+def test_answer_drops_a_character_cut_by_max_new_tokens():
+    from lowrank_lib.generation import answer
+
+    tok = _ByteTok()
+    tail = "Paris 東京".encode()                      # 東 and 京 are 3 bytes each
+    assert answer(_Parrot(tail), tok, "q", max_new_tokens=len(tail)) == "Paris 東京"
+    assert answer(_Parrot(tail), tok, "q", max_new_tokens=len(tail) - 1) == "Paris 東"
+    assert answer(_Parrot(tail), tok, "q", max_new_tokens=7) == "Paris"
+
+
+def test_answer_escapes_invalid_bytes_inside_gibberish():
+    from lowrank_lib.generation import answer
+
+    tail = b"scratch\xe2\x80 scratch\xff done"          # what a broken model can emit
+    text = answer(_Parrot(tail), _ByteTok(), "q", max_new_tokens=len(tail))
+    assert "\ufffd" not in text and text == "scratch\\xe2\\x80 scratch\\xff done"
