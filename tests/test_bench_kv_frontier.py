@@ -53,6 +53,19 @@ def test_sharded_runs_merge_to_the_full_run(full, tmp_path):
         main(["kv-frontier", "--merge", shards[0], shards[0], "--out", str(tmp_path)])
 
 
+def test_windows_as_sweep_tasks_equal_the_single_run(full, tmp_path):
+    """--tasks 2 (the executor: serial here; Ray with --executor ray) merges to the one-task result."""
+    _, res = full
+    assert main([*ARGS, "--tasks", "2", "--out", str(tmp_path)]) == 0
+    split = json.loads((tmp_path / "kv_frontier.json").read_text())
+    assert split["tasks"] == 2
+    key = lambda r: (r["policy"], r["budget"])
+    a, b = sorted(res["rows"], key=key), sorted(split["rows"], key=key)
+    assert [key(r) for r in a] == [key(r) for r in b]
+    for x, y in zip(a, b):
+        assert x["kl_mean"] == pytest.approx(y["kl_mean"], rel=1e-6) and y["windows"] == 2
+
+
 def test_lowrank_budget_fits_the_bytes():
     # Eq. 6 bytes / dense = (2r (2016 + 64) + 2 * 32 * 64) / (2 * 64 * 2048) <= 0.25  <=>  r <= 14.77
     assert lowrank_budget(0.25, 2048, 64, 32) == 14 / 64

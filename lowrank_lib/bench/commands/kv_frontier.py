@@ -4,6 +4,11 @@
     python -m lowrank_lib.bench kv-frontier --prefill 2048 4096
     python -m lowrank_lib.bench kv-frontier --quick                 # tiny random model, seconds (the test)
     python -m lowrank_lib.bench kv-frontier --shard 0/2 & ... --shard 1/2; then --merge A.json B.json
+    python -m lowrank_lib.bench kv-frontier --tasks 8 --executor ray [--address auto]   # one task per window set
+
+``--tasks N`` splits the windows into N sweep tasks (:mod:`lowrank_lib.executor`: serial by default, Ray
+with ``--executor ray``); the result is rewritten, merged, as each task finishes, and a task that fails twice
+is reported by name after the others ran (the merged file then holds the finished windows).
 
 Writes ``kv_frontier.json`` (+ ``.txt``, the table): ``rows`` [{policy, kind, prefill, budget, bytes_ratio,
 kl_mean, kl_std, ppl, ppl_dense, windows}], ``best`` (per budget the best eviction vs ours, the issue's
@@ -28,6 +33,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard", default=None, help="K/N: only windows w with w %% N == K (merge the shards after)")
     p.add_argument("--merge", nargs="+", default=None, help="shard JSON files to merge into one result")
+    p.add_argument("--tasks", type=int, default=1, help="split the windows into this many sweep tasks")
+    from ...executor import add_arguments as add_executor_arguments
+
+    add_executor_arguments(p)
 
 
 def run(a) -> int:
@@ -59,8 +68,28 @@ def run(a) -> int:
                 eviction={e: FRONTIER_EVICTION[e] for e in a.eviction}, lowrank=a.lowrank,
                 composed={c: FRONTIER_COMPOSED[c] for c in a.composed}, window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line}
-    res = kv_frontier(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+            "executor": a.executor, "tasks": a.tasks}
+    if a.tasks <= 1 and a.executor == "serial":
+        res = kv_frontier(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+    else:
+        from ...executor import SweepError, Task, from_args, run_sweep
+
+        mine = ids if ids is not None else list(range(windows))
+        groups = [g for g in (mine[i::a.tasks] for i in range(max(a.tasks, 1))) if g]
+        tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, kwargs=args | {"window_ids": g}) for g in groups]
+        parts = []
+
+        def merged_so_far(name, part):
+            parts.append(part)
+            files.write(merge_frontier(parts) | meta | {"finished_tasks": len(parts)})
+
+        try:
+            run_sweep(tasks, from_args(a), on_result=merged_so_far, desc="kv-frontier")
+        except SweepError as e:
+            print(e)
+            return 1
+        res = merge_frontier(parts) | meta
     txt = frontier_table(res)
     files.write(res, txt=txt)
     print(txt)
