@@ -181,13 +181,15 @@ def test_cli_parses_and_refuses_unknown_systems():
         peer.config_from_args(ap.parse_args(["--dtypes", "fp16"]))
 
 
-def test_committed_result_has_the_schema():
-    """benchmarks/results/peer_cpu.json (from a real run) holds what the issue asks for."""
+def _committed():
     from pathlib import Path
 
-    p = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "peer_cpu.json"
-    if not p.exists():
-        pytest.skip("no committed peer_cpu.json")
+    return sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("peer_cpu*.json"))
+
+
+@pytest.mark.parametrize("p", _committed(), ids=lambda p: p.name)
+def test_committed_result_has_the_schema(p):
+    """Every committed benchmarks/results/peer_cpu*.json (from a real run) holds what the issue asks for."""
     res = json.loads(p.read_text())
     assert res["rows"] and isinstance(res["copy_bandwidth_GBps"], float) and res["command"].startswith("python -m")
     for r in res["rows"]:
@@ -252,3 +254,17 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
     assert peer.format_table(res).count("\n") >= 8
     p = peer.save(res, tmp_path)
     assert json.loads(p.read_text())["rows"]
+
+
+def test_figures_are_redrawn_from_a_result(tmp_path):
+    """`bench peer --replot JSON` draws decode-vs-bytes and the thread-scaling figure without running."""
+    from lowrank_lib.bench.cli import main
+
+    rows = [_row(s, d, t, ms / t ** 0.3, wb) for t in (1, 2) for d, f in (("fp32", 2), ("bf16", 1))
+            for s, ms, wb in (("llamacpp_dense", 14.0 * f, 270e6 * f), ("lowrank_lib_dense", 13.0 * f, 270e6 * f),
+                              ("lowrank_lib_lowrank", 9.0 * f, 168e6 * f))]
+    src = tmp_path / "r.json"
+    src.write_text(json.dumps({"rows": rows, "copy_bandwidth_GBps_by_threads": {"1": 30.0, "2": 31.0}}))
+    assert main(["peer", "--replot", str(src), "--figures", str(tmp_path / "fig")]) == 0
+    for name in ("peer_decode_vs_bytes", "peer_thread_scaling"):
+        assert (tmp_path / "fig" / f"{name}.png").stat().st_size > 10_000

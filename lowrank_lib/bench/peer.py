@@ -421,6 +421,52 @@ def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
     return ax.figure
 
 
+def plot_thread_scaling(res: dict, ax=None):
+    """Decode ms/token against torch / llama.cpp threads, one line per (system, dtype), with each thread
+    count's copy-bandwidth roofline of the low-rank bytes (dotted). Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    marker = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+    color = {"fp32": "tab:blue", "bf16": "tab:orange"}
+    threads = sorted({r["threads"] for r in res["rows"]})
+    for (system, dtype) in sorted({(r["system"], r["dtype"]) for r in res["rows"]}):
+        rows = sorted((r for r in res["rows"] if r["system"] == system and r["dtype"] == dtype),
+                      key=lambda r: r["threads"])
+        ax.plot([r["threads"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker=marker[system],
+                ls="--" if system == "llamacpp_dense" else "-", color=color.get(dtype, "gray"),
+                label=f"{system} {dtype}")
+        if system == "lowrank_lib_lowrank":
+            bws = res["copy_bandwidth_GBps_by_threads"]
+            ax.plot([r["threads"] for r in rows],
+                    [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",
+                    color=color.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
+    ax.set(xlabel="threads", ylabel="decode ms/token", xticks=threads, ylim=(0, None),
+           title="thread scaling (dashed: llama.cpp dense; dotted: bytes / copy bandwidth)")
+    ax.legend(fontsize=7)
+    return ax.figure
+
+
+def save_figures(res: dict, fig_dir) -> list[Path]:
+    """``peer_decode_vs_bytes.png`` (1 thread, or the fewest run) and ``peer_thread_scaling.png`` in ``fig_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig_dir = Path(fig_dir)
+    fig_dir.mkdir(parents=True, exist_ok=True)
+    out = []
+    for name, fig in (("peer_decode_vs_bytes", plot_decode_vs_bytes(res, threads=min(r["threads"] for r in res["rows"]))),
+                      ("peer_thread_scaling", plot_thread_scaling(res))):
+        path = fig_dir / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
 def result_path(out_dir, stem: str = "peer_cpu") -> Path:
     """``<out_dir>/<stem>.json``, or ``<stem>_2.json``, ... : an existing result is never overwritten."""
     import itertools
@@ -456,6 +502,9 @@ def add_arguments(p: argparse.ArgumentParser, out: bool = True) -> None:
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else was running)")
     if out:
         p.add_argument("--out", default=d.out, help="output FOLDER (peer_cpu.json, never overwritten)")
+    p.add_argument("--figures", default="figures", help="folder for peer_decode_vs_bytes.png and "
+                   "peer_thread_scaling.png ('' = none)")
+    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures of a committed result")
 
 
 def config_from_args(a) -> PeerConfig:
@@ -472,6 +521,10 @@ def config_from_args(a) -> PeerConfig:
 
 
 def run(a) -> int:
+    if getattr(a, "replot", None):
+        for path in save_figures(json.loads(Path(a.replot).read_text()), a.figures or "figures"):
+            print(f"wrote {path}")
+        return 0
     cfg = config_from_args(a)
     res = run_peer(cfg)
     import shlex
@@ -480,6 +533,9 @@ def run(a) -> int:
         "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:]))
     print(format_table(res))
     print(f"\nwrote {save(res, cfg.out)}")
+    if getattr(a, "figures", ""):
+        for path in save_figures(res, a.figures):
+            print(f"wrote {path}")
     return 0
 
 
