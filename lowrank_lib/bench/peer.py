@@ -393,6 +393,11 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+#: one look per system and dtype in every peer figure
+_MARKER = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+_COLOR = {"fp32": "tab:blue", "bf16": "tab:orange"}
+
+
 def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
     """Decode ms/token against weight bytes per token, one marker per (system, dtype) at ``threads``;
     llama.cpp dense as the horizontal reference line of each dtype, and the copy-bandwidth roofline
@@ -402,14 +407,12 @@ def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
     rows = [r for r in res["rows"] if r["threads"] == threads]
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))
-    marker = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
-    color = {"fp32": "tab:blue", "bf16": "tab:orange"}
     for r in rows:
-        ax.plot(r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], marker[r["system"]],
-                color=color.get(r["dtype"], "gray"), ms=11 if r["system"] == "lowrank_lib_lowrank" else 8,
+        ax.plot(r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], _MARKER[r["system"]],
+                color=_COLOR.get(r["dtype"], "gray"), ms=11 if r["system"] == "lowrank_lib_lowrank" else 8,
                 label=f"{r['system']} {r['dtype']}")
         if r["system"] == "llamacpp_dense":
-            ax.axhline(r["decode_ms_per_token"], color=color.get(r["dtype"], "gray"), ls="--", lw=1)
+            ax.axhline(r["decode_ms_per_token"], color=_COLOR.get(r["dtype"], "gray"), ls="--", lw=1)
     bw = res["copy_bandwidth_GBps_by_threads"].get(str(threads))
     if bw and rows:
         xs = [0.0, max(r["weight_bytes_per_token"] for r in rows) / 1e6 * 1.05]
@@ -428,20 +431,18 @@ def plot_thread_scaling(res: dict, ax=None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))
-    marker = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
-    color = {"fp32": "tab:blue", "bf16": "tab:orange"}
     threads = sorted({r["threads"] for r in res["rows"]})
     for (system, dtype) in sorted({(r["system"], r["dtype"]) for r in res["rows"]}):
         rows = sorted((r for r in res["rows"] if r["system"] == system and r["dtype"] == dtype),
                       key=lambda r: r["threads"])
-        ax.plot([r["threads"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker=marker[system],
-                ls="--" if system == "llamacpp_dense" else "-", color=color.get(dtype, "gray"),
+        ax.plot([r["threads"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker=_MARKER[system],
+                ls="--" if system == "llamacpp_dense" else "-", color=_COLOR.get(dtype, "gray"),
                 label=f"{system} {dtype}")
         if system == "lowrank_lib_lowrank":
             bws = res["copy_bandwidth_GBps_by_threads"]
             ax.plot([r["threads"] for r in rows],
                     [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",
-                    color=color.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
+                    color=_COLOR.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
     ax.set(xlabel="threads", ylabel="decode ms/token", xticks=threads, ylim=(0, None),
            title="thread scaling (dashed: llama.cpp dense; dotted: bytes / copy bandwidth)")
     ax.legend(fontsize=7)

@@ -106,13 +106,12 @@ class HFCompiledRunner(HFRunner):
         kw = {} if backend != "inductor" else {"mode": mode}
         self._fn = torch.compile(own_code(hf_decode), fullgraph=True, dynamic=False, backend=backend, **kw)
         self._prepared: set[int] = set()
+        self._caches: dict[int, object] = {}
 
     def _new_cache(self, T: int):
         """ONE StaticCache per batch size, reset between requests: its tensors keep their addresses, so
         the compiled step (and its CUDA graphs) is reused, not re-recorded, by every request."""
         B = self._batch
-        if getattr(self, "_caches", None) is None:
-            self._caches = {}
         if B not in self._caches:
             self._caches[B] = super()._new_cache(T)
         else:

@@ -41,6 +41,7 @@ def add_arguments(p) -> None:
 
 def run(a) -> int:
     import json
+    import sys
 
     import torch
 
@@ -87,7 +88,7 @@ def run(a) -> int:
         try:
             run_sweep(tasks, from_args(a), on_result=merged_so_far, desc="kv-frontier")
         except SweepError as e:
-            print(e)
+            print(f"{e}\npartial results: {files.path}", file=sys.stderr)
             return 1
         res = merge_frontier(parts) | meta
     txt = frontier_table(res)
