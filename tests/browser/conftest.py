@@ -122,8 +122,28 @@ class Lab:
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
 
     def open(self, name: str):
+        """Open ``name`` as the only document of the page. JupyterLab restores its saved workspace beside a
+        /tree URL, so the notebook of an earlier test would come back as a second tab (and could be the one
+        Run All runs: seen in CI). The ``lab`` fixture deletes the saved workspaces first; this checks it."""
         self.page.goto(f"{self.base}/lab/tree/{name}.ipynb?token={self.token}")
         self.page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=120_000 * SLOW)
+        current = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
+        deadline = time.time() + 60 * SLOW
+        while (self.page.locator(".jp-NotebookPanel").count() != 1
+               or (current.first.text_content() if current.count() else None) != f"{name}.ipynb"):
+            if time.time() > deadline:
+                tabs = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_text_contents()
+                pytest.fail(f"{name}.ipynb is not the only open notebook: tabs {tabs}")
+            time.sleep(0.25)
+
+    def reset_workspaces(self):
+        """Delete every workspace the server saved (layout, open documents) so a new page starts bare."""
+        hdr = {"Authorization": f"token {self.token}"}
+        req = urllib.request.Request(f"{self.base}/lab/api/workspaces", headers=hdr)
+        listing = json.loads(urllib.request.urlopen(req, timeout=30).read())
+        for ws in listing.get("workspaces", {}).get("ids", []):
+            urllib.request.urlopen(urllib.request.Request(f"{self.base}/lab/api/workspaces/{ws}", method="DELETE",
+                                                          headers=hdr), timeout=30)
 
     def run_all(self):
         """Run > Run All Cells, from the menu bar as a person would, once the kernel has started (clicked
@@ -235,6 +255,7 @@ def lab(lab_server, browser_context):
     base, token, nbdir = lab_server
     page = browser_context.new_page()
     lab = Lab(page, base, token, nbdir)
+    lab.reset_workspaces()
     try:
         yield lab
     finally:
