@@ -125,7 +125,7 @@ def test_quick_command_writes_the_schema(tmp_path):
     pols = ["dense", "kvzip", "snapkv", "attsvd-ext", "composed-kvzip-q8"]
     assert main(["kv-tasks", "--quick", "--lengths", "384", "--budgets", "0.5", "0.25", "--policies", *pols,
                  "--tasks-list", "needle_single", "variable_tracking", "--out", str(tmp_path)]) == 0
-    res = json.loads((tmp_path / "kv_tasks.json").read_text())
+    res = json.loads((tmp_path / "kv_tasks_tiny-gqa_L384_n1.json").read_text())
     fields = {"policy", "kind", "length", "budget", "bytes_ratio", "task", "exact", "partial", "n"}
     assert all(fields <= set(r) for r in res["rows"])
     keys = {(r["policy"], r["budget"], r["task"]) for r in res["rows"]}
@@ -136,4 +136,4 @@ def test_quick_command_writes_the_schema(tmp_path):
         assert r["bytes_ratio"] <= (1.0 if r["kind"] == "dense" else r["budget"] * 1.01), r
     assert len(res["per_sample"]) == 2 * (1 + 4 * 2) and all("output" in r for r in res["per_sample"])
     assert res["command"].startswith("python -m lowrank_lib.bench kv-tasks --quick")
-    assert "budget 0.25" in (tmp_path / "kv_tasks.txt").read_text()
+    assert "budget 0.25" in (tmp_path / "kv_tasks_tiny-gqa_L384_n1.txt").read_text()

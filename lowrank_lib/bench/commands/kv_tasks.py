@@ -10,7 +10,7 @@ prefilled and compressed, the question is fed exactly through the compressed cac
 greedily. A length whose prompt + answer would pass the model's context (SmolLM2: 8192) is built a little
 shorter (``kv_tasks.target_tokens``; the rows give the real token counts).
 
-Writes ``kv_tasks.json`` (+ ``.txt``, the table): ``rows`` [{policy, kind, length, budget, bytes_ratio, task,
+Writes ``kv_tasks_<model>_L<lengths>_n<n-per>.json`` (+ ``.txt``, the table): ``rows`` [{policy, kind, length, budget, bytes_ratio, task,
 exact, partial, same_as_dense, n_tokens, n}] (dense rows at budget 1), ``per_sample`` (every answer), the
 command. ``--tasks-list`` names the tasks (kv-frontier's ``--tasks N`` means sweep tasks).
 """
@@ -40,7 +40,7 @@ def run(a) -> int:
     from ... import models
     from ...eval.kv_tasks import build_task_samples, evaluate_tasks, tasks_table
     from ...eval.longctx import ByteTokenizer
-    from ..results import ResultFiles
+    from ..results import ResultFiles, slug
 
     model_name = a.model or (QUICK["model"] if a.quick else "smollm2")
     lengths = a.lengths or (QUICK["lengths"] if a.quick else [4096, 8192])
@@ -55,9 +55,9 @@ def run(a) -> int:
                 policies=a.policies, max_new=max_new, window=a.window, seed=a.seed)
     meta = {"args": args, "command": a.command_line, "torch_threads": torch.get_num_threads(),
             "protocol": "context compressed, question fed exactly through the compressed cache, greedy answer"}
-    files = ResultFiles(a.out, "kv_tasks")
+    files = ResultFiles(a.out, "kv_tasks", slug(model_name, "L" + "-".join(map(str, lengths)), f"n{n_per}"))
     res = evaluate_tasks(model, tok, samples, a.budgets, a.policies, a.window, max_new,
-                         checkpoint=lambda partial: files.write(partial | meta)) | meta
+                         checkpoint=lambda partial: files.write(partial | meta, txt=tasks_table(partial))) | meta
     txt = tasks_table(res)
     files.write(res, txt=txt)
     print(txt)
