@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "factor-space": "lowrank_lib.bench.commands.factor_space",
     "attsvd": "lowrank_lib.bench.commands.attsvd",
     "kv-frontier": "lowrank_lib.bench.commands.kv_frontier",
+    "kv-tasks": "lowrank_lib.bench.commands.kv_tasks",
     "quality": "lowrank_lib.bench.commands.quality",
     "sweep": "lowrank_lib.bench.commands.sweep",
     "gpu-session": "lowrank_lib.bench.commands.gpu_session",

@@ -155,7 +155,7 @@ def _teacher_forced(model, cache, cont: torch.Tensor, routed=None) -> torch.Tens
         return F.log_softmax(model(cont, **cache_kw(cache)).logits[0].float(), -1)
 
 
-def _scores_for(scorers: list[str], model, tok, ids, record, need_stats: set[str]) -> dict:
+def scores_for(scorers: list[str], model, tok, ids, record, need_stats: set[str]) -> dict:
     """Importance of every scorer (shared work: normalised H2O reuses H2O's attention mass)."""
     from ..composed import importance, make_policy
     from ..eviction import ObservedAttention
@@ -285,7 +285,7 @@ def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, bu
                 for b in budgets:
                     bl = lowrank_budget(b, P, rec.keys[0].shape[-1], window)
                     add(m, "lowrank", b, replay(rec, MethodSpec(m, bl, base).make(model, P)))
-            imps = _scores_for(sorted(scorers), model, tok, pre, rec, need_stats)
+            imps = scores_for(sorted(scorers), model, tok, pre, rec, need_stats)
             for name, mode in eviction.items():
                 cfg = ComposedConfig(scorer=name, mode=mode, mid_share=0.0)
                 for b in budgets:

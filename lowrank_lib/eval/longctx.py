@@ -1,9 +1,17 @@
 """Long-context tasks generated locally (no downloads): passkey retrieval, RULER-style needles
 (single and multi-key), variable tracking. Haystacks are WikiText-2 text; scoring is exact / partial match.
 
-Each :class:`Sample` is a prompt string with its expected answers; :func:`build_samples` makes them at a
-target token length, :func:`evaluate` decodes greedily with every method's cache (the prefill is recorded
-once per sample and replayed, so all methods see identical prefill state) and scores the outputs.
+Each :class:`Sample` is a prompt with its expected answers, split as kvpress evaluates: the ``context``
+(instruction head + haystack with the needles) and the ``question`` (the tail that asks for the needle),
+``prompt = context + question``. :func:`sample_ids` tokenises the two parts SEPARATELY and concatenates
+the ids, so the question's tokens are the same whether it is fed after a compressed context
+(:mod:`lowrank_lib.eval.kv_tasks`) or as the tail of the full prompt (:func:`evaluate`); every token
+count here is of those concatenated ids. :func:`build_samples` makes samples at a target token length,
+:func:`evaluate` decodes greedily with every method's cache (the whole prompt is prefilled and compressed
+together; the prefill is recorded once per sample and replayed, so all methods see identical prefill
+state) and scores the outputs.
+
+:class:`ByteTokenizer` (one token per UTF-8 byte) stands in for a tokenizer with the tiny random models.
 """
 from __future__ import annotations
 
@@ -26,9 +34,48 @@ _WORDS = ["apple", "river", "silver", "garden", "violet", "harbor", "meadow", "c
 @dataclass
 class Sample:
     task: str
-    prompt: str
+    prompt: str                 # context + question
     answers: list[str]          # every expected string (one for retrieval tasks, several for tracking)
-    n_tokens: int = 0
+    n_tokens: int = 0           # len(context ids) + len(question ids)
+    context: str = ""           # head + haystack with the needles (what a KV press compresses)
+    question: str = ""          # the tail asking for the answer (fed exactly after the compressed context)
+
+    def __post_init__(self):
+        if (self.context or self.question) and self.context + self.question != self.prompt:
+            raise ValueError("Sample: prompt must be context + question")
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255): the tokenizer of the tiny random models (vocab 256), so the
+    tasks and the KVzip reconstruction prompt run end to end on them. No EOS; decode replaces bad bytes."""
+
+    eos_token_id = None
+    chat_template = None
+    vocab_size = 256
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = list(str(text).encode("utf-8"))
+
+        class Enc:
+            input_ids = torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids
+        return Enc()
+
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+def _n_ids(tok, text: str) -> int:
+    return len(tok(text, add_special_tokens=False).input_ids)
+
+
+def sample_ids(tok, sample: Sample, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context ids [1, n_c], question ids [1, n_q]), each part tokenised on its own; the full prompt's ids
+    are their concatenation (a sample without the split has an empty question)."""
+    ctx, q = (sample.context, sample.question) if (sample.context or sample.question) else (sample.prompt, "")
+    enc = lambda t: torch.tensor([list(tok(t, add_special_tokens=False).input_ids)], dtype=torch.long)
+    c_ids, q_ids = enc(ctx), enc(q) if q else torch.zeros(1, 0, dtype=torch.long)
+    return c_ids.to(device), q_ids.to(device)
 
 
 def _haystack(text: str, rng: random.Random, n_chars: int) -> str:
@@ -36,17 +83,18 @@ def _haystack(text: str, rng: random.Random, n_chars: int) -> str:
     return text[start:start + n_chars]
 
 
-def _fit(tok, make, target: int) -> tuple[str, int]:
-    """Grow the haystack (chars) of ``make(n_chars)`` until the prompt is ~target tokens."""
+def _fit(tok, make, question: str, target: int) -> tuple[str, int]:
+    """Grow the haystack (chars) of the context ``make(n_chars)`` until context + ``question`` is ~target
+    tokens (counted as the concatenation of the separately tokenised parts)."""
     n_chars = target * 4
+    n_q = _n_ids(tok, question)
     for _ in range(6):
-        p = make(n_chars)
-        n = len(tok(p, add_special_tokens=False).input_ids)
+        n = _n_ids(tok, make(n_chars)) + n_q
         if abs(n - target) <= max(8, target // 50):
             break
         n_chars = max(64, int(n_chars * target / max(n, 1)))
-    p = make(n_chars)
-    return p, len(tok(p, add_special_tokens=False).input_ids)
+    c = make(n_chars)
+    return c, _n_ids(tok, c) + n_q
 
 
 def _insert(hay: str, needle: str, depth: float) -> str:
@@ -55,13 +103,13 @@ def _insert(hay: str, needle: str, depth: float) -> str:
     return f"{hay[:cut]} {needle} {hay[cut:]}"
 
 
-def _needle_maker(text: str, seed: int, head: str, needles: list[str], depths: list[float], tail: str):
-    """prompt(n_chars): head + haystack of n_chars with each needle inserted at its depth + tail."""
+def _needle_maker(text: str, seed: int, head: str, needles: list[str], depths: list[float]):
+    """context(n_chars): head + haystack of n_chars with each needle inserted at its depth."""
     def make(n_chars: int) -> str:
         hay = _haystack(text, random.Random(seed), n_chars)
         for nd, dp in sorted(zip(needles, depths), key=lambda t: -t[1]):   # deepest first keeps offsets valid
             hay = _insert(hay, nd, dp)
-        return head + hay + tail
+        return head + hay
     return make
 
 
@@ -75,7 +123,7 @@ def make_sample(task: str, tok, text: str, n_tokens: int, seed: int) -> Sample:
                 "I will quiz you about the important information there.\n")
         needle = f"The pass key is {key}. Remember it. {key} is the pass key."
         tail = "\nWhat is the pass key? The pass key is"
-        make = lambda n: head + _insert(_haystack(text, random.Random(seed), n), needle, depth) + tail
+        make = lambda n: head + _insert(_haystack(text, random.Random(seed), n), needle, depth)
         answers = [key]
     elif task in ("needle_single", "needle_multikey"):
         n_needles = 1 if task == "needle_single" else 4
@@ -88,7 +136,7 @@ def make_sample(task: str, tok, text: str, n_tokens: int, seed: int) -> Sample:
         tail = f"\nWhat is the special magic number for {keys[q]} mentioned in the text? The special magic " \
                f"number for {keys[q]} is:"
 
-        make = _needle_maker(text, seed, head, needles, depths, tail)
+        make = _needle_maker(text, seed, head, needles, depths)
         answers = [vals[q]]
     elif task == "variable_tracking":
         value = str(rng.randrange(10000, 99999))
@@ -100,12 +148,12 @@ def make_sample(task: str, tok, text: str, n_tokens: int, seed: int) -> Sample:
                f"Answer: According to the chain(s) of variable assignment in the text above, 4 variables are " \
                f"assigned the value {value}, they are:"
 
-        make = _needle_maker(text, seed, head, chain, depths, tail)
+        make = _needle_maker(text, seed, head, chain, depths)
         answers = names
     else:
         raise ValueError(f"unknown task {task!r}; choose from {TASKS}")
-    prompt, n = _fit(tok, make, n_tokens)
-    return Sample(task, prompt, answers, n)
+    context, n = _fit(tok, make, tail, n_tokens)
+    return Sample(task, context + tail, answers, n, context=context, question=tail)
 
 
 def build_samples(tok, tasks=TASKS, lengths=(1024,), n_per: int = 2, seed: int = 0,
@@ -144,7 +192,7 @@ def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int,
     return out
 
 
-def _stop_ids(tok) -> set[int]:
+def stop_ids(tok) -> set[int]:
     """Token ids that end an answer: EOS and tokens containing a newline."""
     ids = {i for i in (tok.eos_token_id,) if i is not None}
     for t in ("\n", ".\n", "\n\n"):
@@ -162,10 +210,10 @@ def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24
     Returns {"per_sample": [...], "summary": {method: {task: {"exact", "partial", "n"}}}}.
     """
     dev = next(model.parameters()).device
-    stop = _stop_ids(tok)
+    stop = stop_ids(tok)
     rows = []
     for s in tqdm(samples, desc="long-context samples", disable=not progress):
-        ids = tok(s.prompt, return_tensors="pt", add_special_tokens=False).input_ids.to(dev)
+        ids = torch.cat(sample_ids(tok, s, dev), 1)       # the same ids as kv_tasks' context + question
         rec = record_prefill(model, ids)
         for name, make in methods.items():
             cache = replay(rec, make(model, ids.shape[1]))
@@ -184,5 +232,5 @@ def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24
         allr = [r for r in rows if r["method"] == name]
         summary[name]["all"] = {"exact": statistics.fmean(r["exact"] for r in allr),
                                 "partial": statistics.fmean(r["partial"] for r in allr), "n": len(allr)}
-    return {"per_sample": rows, "summary": summary, "samples": [asdict(s) | {"prompt": s.prompt[-200:]}
-                                                                 for s in samples]}
+    kept = [asdict(s) | {"prompt": s.prompt[-200:], "context": s.context[-200:]} for s in samples]
+    return {"per_sample": rows, "summary": summary, "samples": kept}

@@ -1,0 +1,200 @@
+"""RULER-style tasks with the question left uncompressed, as kvpress evaluates: every frontier policy at byte
+budgets. The library of ``python -m lowrank_lib.bench kv-tasks``.
+
+Protocol, per sample (:class:`~lowrank_lib.eval.longctx.Sample`, split into ``context`` and ``question``,
+each tokenised on its own: :func:`~lowrank_lib.eval.longctx.sample_ids`):
+
+1. the CONTEXT only (instruction head + haystack with the needles) is prefilled once and recorded
+   (:func:`~lowrank_lib.hf.record.record_prefill`: K, V and post-RoPE queries of every layer);
+2. every scorer's importance is computed once from that record (``kv_sweep.scores_for``, shared with
+   the frontier); each policy's cache is built from the record at each byte budget, as ``kv_frontier``
+   builds them (eviction: ragged head-wise storage, ``composed.build`` with ``mid_share=0``; low-rank:
+   ``MethodSpec`` at ``lowrank_budget``; composed: ``composed.build``);
+3. the QUESTION tokens go through the compressed cache in one forward, exactly (they are appended as exact
+   rows, never compressed), inside the attention routing the cache needs (``composed_attention``);
+4. the answer is decoded greedily (``longctx.greedy_decode``, through the same routing) until a newline /
+   EOS or ``max_new`` tokens, and scored (``longctx.score``: exact / partial).
+
+Dense is the unmodified recorded cache (``dense_from``). ``bytes_ratio`` is the policy cache's
+``memory().ratio`` right after it is built from the context (bytes really held, index bytes included,
+over the dense context bytes), before the question is appended.
+
+Question-agnostic scoring (kvpress's setting; the choice written down here): the scorers see ONLY the
+context. KVzip reconstructs the context ids alone (its ``score_context`` gets the context ids and the
+context record); SnapKV's observation window is the last ``obs_window`` (64) queries of the CONTEXT, i.e.
+the end of the haystack, not the question; ExpectedAttention's query statistics and H2O's attention mass
+come from the context prefill's queries; the composed cache's low-rank tier is fitted with the context's
+statistics (KVzip's reconstruction queries). The question influences nothing before it is fed.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+
+import torch
+
+from ..attsvd.config import AttSVDConfig
+from ..compat import cache_kw
+from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, scores_for, lowrank_budget
+from .longctx import Sample, stop_ids, greedy_decode, make_sample, sample_ids, score
+
+TASKS = ("needle_single", "needle_multikey", "variable_tracking")
+BUDGETS = (0.5, 0.25)
+#: every policy name -> kind ("dense" | "eviction" | "lowrank" | "composed")
+KINDS: dict[str, str] = {"dense": "dense", **{p: "eviction" for p in FRONTIER_EVICTION},
+                         **{p: "lowrank" for p in (*FRONTIER_LOWRANK, "svd")},
+                         **{p: "composed" for p in FRONTIER_COMPOSED}}
+DEFAULT_POLICIES = ("dense", *FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED)
+
+
+def check_policies(names) -> list[str]:
+    """``names`` validated against :data:`KINDS` (dense always first)."""
+    bad = [n for n in names if n not in KINDS]
+    if bad:
+        raise ValueError(f"unknown policies {bad}; choose from {sorted(KINDS)}")
+    return ["dense", *dict.fromkeys(n for n in names if n != "dense")]
+
+
+def target_tokens(length: int, max_positions: int | None, max_new: int) -> int:
+    """The prompt length to build for a requested ``length``: ``length`` itself, unless prompt + answer could
+    pass the model's context (``max_positions``), then ``max_positions - max_new - `` the fit tolerance
+    (``longctx._fit`` lands within max(8, L/50) tokens of its target)."""
+    if not max_positions or length + max_new <= max_positions:
+        return length
+    return max_positions - max_new - max(8, length // 50)
+
+
+def build_task_samples(tok, tasks=TASKS, lengths=(4096,), n_per: int = 1, seed: int = 0,
+                       max_positions: int | None = None, max_new: int = 24,
+                       split: str = "test") -> list[tuple[int, Sample]]:
+    """[(requested length, sample)]: ``n_per`` samples of every task at every length (WikiText-2 haystacks)."""
+    import re
+
+    from ..data import load_text
+
+    text = re.sub(r"\s+", " ", load_text(split))
+    return [(L, make_sample(t, tok, text, target_tokens(L, max_positions, max_new), seed + i))
+            for L in lengths for t in tasks for i in range(n_per)]
+
+
+@torch.no_grad()
+def answer(model, cache, question: torch.Tensor, max_new: int, stop: set[int] | None, routed=None) -> list[int]:
+    """Greedy answer tokens after feeding ``question`` [1, n_q] through ``cache`` in one forward (exactly,
+    appended), all inside ``routed(model)`` when the cache needs its own attention."""
+    if question.shape[-1] == 0:
+        raise ValueError("answer: the question has no tokens")
+    with routed(model) if routed is not None else contextlib.nullcontext():
+        logits = model(question, **cache_kw(cache)).logits[:, -1].float()
+        return greedy_decode(model, cache, logits, max_new, stop)
+
+
+def policy_caches(model, tok, ctx_ids: torch.Tensor, record, policies: list[str], budgets, window: int = 32):
+    """Yield ``(policy, kind, budget, cache, routed)`` for every policy at every budget (dense once, at 1.0),
+    each cache built from ``record`` (the context's prefill) as ``kv_frontier`` builds it."""
+    from ..composed import ComposedConfig, build, composed_attention
+    from ..hf.record import dense_from, replay
+    from .methods import MethodSpec
+
+    S, d = record.length, record.keys[0].shape[-1]
+    base = AttSVDConfig(rank=1, window=window, chunk=128)
+    if "dense" in policies:
+        yield "dense", "dense", 1.0, dense_from(record, model), None
+    for m in (p for p in policies if KINDS[p] == "lowrank"):
+        for b in budgets:
+            yield m, "lowrank", b, replay(record, MethodSpec(m, lowrank_budget(b, S, d, window), base).make(model, S)), None
+    cfgs = {p: ComposedConfig(scorer=p, mode=FRONTIER_EVICTION[p], mid_share=0.0)
+            for p in policies if KINDS[p] == "eviction"}
+    cfgs |= {p: ComposedConfig(**FRONTIER_COMPOSED[p]) for p in policies if KINDS[p] == "composed"}
+    if not cfgs:
+        return
+    need_stats = {c.scorer for c in cfgs.values() if c.mid_share > 0}
+    imps = scores_for(sorted({c.scorer for c in cfgs.values()}), model, tok, ctx_ids, record, need_stats)
+    for p, cfg in cfgs.items():
+        for b in budgets:
+            yield p, KINDS[p], b, build(record, imps[cfg.scorer], b, cfg), composed_attention
+
+
+def task_rows(per_sample: list[dict]) -> list[dict]:
+    """Aggregate per-sample records into ``{policy, kind, length, budget, bytes_ratio, task, exact, partial,
+    same_as_dense, n_tokens, n}`` rows (means over the samples; ``same_as_dense``: answer tokens identical)."""
+    groups: dict = {}
+    for r in per_sample:
+        groups.setdefault((r["policy"], r["kind"], r["length"], r["budget"], r["task"]), []).append(r)
+    order = {"dense": 0, "eviction": 1, "lowrank": 2, "composed": 3}
+    rows = []
+    for (pol, kind, L, b, task), rs in groups.items():
+        mean = lambda k: statistics.fmean(r[k] for r in rs)
+        rows.append(dict(policy=pol, kind=kind, length=L, budget=b, bytes_ratio=mean("bytes_ratio"), task=task,
+                         exact=mean("exact"), partial=mean("partial"), same_as_dense=mean("same_as_dense"),
+                         n_tokens=mean("n_tokens"), n=len(rs)))
+    return sorted(rows, key=lambda r: (r["length"], r["task"], -r["budget"], order[r["kind"]], r["policy"]))
+
+
+@torch.no_grad()
+def evaluate_tasks(model, tok, samples: list[tuple[int, Sample]], budgets=BUDGETS, policies=DEFAULT_POLICIES,
+                   window: int = 32, max_new: int = 24, progress: bool = True, checkpoint=None) -> dict:
+    """Every policy at every budget on every ``(length, sample)`` (see the module docstring).
+
+    Returns ``{"rows": task_rows(...), "per_sample": [...], "timing_s": {...}}``; ``checkpoint(result)`` is
+    called after every sample (long runs keep what they finished)."""
+    from tqdm.auto import tqdm
+
+    from ..hf.record import record_prefill
+
+    policies = check_policies(policies)
+    dev = next(model.parameters()).device
+    stop = stop_ids(tok)
+    n_caches = 1 + (len(policies) - 1) * len(budgets)
+    per_sample: list[dict] = []
+    res: dict = {"timing_s": {}}
+    bar = tqdm(total=len(samples) * n_caches, desc="kv-tasks", disable=not progress)
+    for i, (L, s) in enumerate(samples):
+        t0 = time.perf_counter()
+        ctx, q = sample_ids(tok, s, dev)
+        rec = record_prefill(model, ctx)
+        dense_tokens = None
+        for pol, kind, b, cache, routed in policy_caches(model, tok, ctx, rec, policies, budgets, window):
+            ratio = 1.0 if kind == "dense" else cache.memory().ratio
+            toks = answer(model, cache, q, max_new, stop, routed)
+            dense_tokens = toks if kind == "dense" else dense_tokens
+            text = tok.decode(toks, skip_special_tokens=True)
+            ex, pa = score(text, s.answers)
+            per_sample.append(dict(sample=i, task=s.task, length=L, n_tokens=s.n_tokens, n_context=ctx.shape[1],
+                                   n_question=q.shape[1], policy=pol, kind=kind, budget=b, bytes_ratio=ratio,
+                                   exact=ex, partial=pa, same_as_dense=float(toks == dense_tokens),
+                                   output=text, tokens=toks, answers=s.answers))
+            bar.set_postfix_str(f"{s.task}@{L} {pol}@{b:g} exact={ex:.0f}")
+            bar.update()
+            del cache
+        del rec
+        res["timing_s"][f"sample{i}_{s.task}_{L}"] = time.perf_counter() - t0
+        res |= {"rows": task_rows(per_sample), "per_sample": per_sample}
+        if checkpoint is not None:
+            checkpoint(res)
+    bar.close()
+    return res | {"rows": task_rows(per_sample), "per_sample": per_sample}
+
+
+def tasks_table(res: dict) -> str:
+    """Per length and task: one line per policy, exact match (and the answers equal to dense) per budget."""
+    rows = res["rows"]
+    lines = []
+    for L in sorted({r["length"] for r in rows}):
+        for task in sorted({r["task"] for r in rows if r["length"] == L}):
+            at = [r for r in rows if r["length"] == L and r["task"] == task]
+            bs = sorted({r["budget"] for r in at if r["kind"] != "dense"}, reverse=True)
+            n_tok = statistics.fmean(r["n_tokens"] for r in at)
+            lines.append(f"\nlength {L} ({n_tok:.0f} tokens), {task}, n={at[0]['n']}: exact [same answer as dense]"
+                         f" (bytes held)")
+            lines.append(f"{'policy':<22}" + "".join(f"{'budget ' + format(b, 'g'):>24}" for b in bs))
+            for pol in dict.fromkeys(r["policy"] for r in at):
+                mine = {r["budget"]: r for r in at if r["policy"] == pol}
+                if pol == "dense":
+                    r = mine[1.0]
+                    lines.append(f"{pol:<22}{r['exact']:>10.2f} (partial {r['partial']:.2f})")
+                    continue
+                cells = [f"{mine[b]['exact']:.2f} [{mine[b]['same_as_dense']:.2f}] ({mine[b]['bytes_ratio']:.3f})"
+                         if b in mine else "-" for b in bs]
+                lines.append(f"{pol:<22}" + "".join(f"{c:>24}" for c in cells))
+    return "\n".join(lines).lstrip("\n")
