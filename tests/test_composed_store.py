@@ -104,5 +104,6 @@ def test_bench_kv_decode_quick(tmp_path):
         assert r["decode_ms_per_token"] > 0 and r["attn_ms_per_token"] > 0
         assert r["prompt_kv_bytes"] <= 0.5 * dense["prompt_kv_bytes"] + 2048     # + offsets, head ids, rank padding
         assert r["kv_bytes"] < dense["kv_bytes"]
-    assert rows[1]["kv_bytes"] == rows[3]["kv_bytes"]                          # one set of tiers, two attention modes
+    # one set of tiers, two layouts: packed = the ragged bytes + offsets, head ids and rank padding
+    assert rows[3]["kv_bytes"] <= rows[1]["kv_bytes"] <= rows[3]["kv_bytes"] + 2048
     assert res["command"].startswith("python -m lowrank_lib.bench kv-decode") and "load_average" in res

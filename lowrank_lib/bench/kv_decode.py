@@ -72,9 +72,6 @@ def kv_decode(a) -> dict:
             label, mode, b, q8 = key
             if mode is None:
                 stores[key] = dense
-            elif (b, q8) in built:                # the same tiers, another attention mode: share them
-                stores[key] = copy.copy(built[(b, q8)])
-                stores[key].attention = mode
             else:
                 s = ComposedStore(ComposedConfig(scorer=a.scorer, quant8=q8), b, attention=mode)
                 s.allocate(dense.spec)
@@ -82,9 +79,12 @@ def kv_decode(a) -> dict:
                 for i, (q, k, v) in enumerate(dense.prefill):
                     s.store_prefill(i, q, k, v)
                 rec = s.record()
-                imp = imp or s.scores(rec)       # one scoring per context (budget and quant8 do not change it)
-                s.load(build(rec, imp, b, s.config))
-                stores[key] = built[(b, q8)] = s
+                if (b, q8) not in built:         # one scoring per context (budget and quant8 do not change it)
+                    imp = imp or s.scores(rec)
+                    built[(b, q8)] = build(rec, imp, b, s.config)
+                # the same tiers for every mode; a packing store turns the heads into views, so each gets a copy
+                s.load(copy.deepcopy(built[(b, q8)]))
+                stores[key] = s
         imp = rec = None
         dense.prefill = []
         print(f"context {C}: {len(stores) - 1} composed stores built", flush=True)

@@ -18,7 +18,9 @@ RoPE from the engine's table (frequencies recovered from its first rows, so futu
 
 Bytes: ``nbytes`` = the packed tiers (:attr:`~lowrank_lib.composed.kv.PackedLayer.nbytes`: positions, offsets,
 head ids and any rank padding included) + the appended-row buffers as allocated. ``attention``: ``"auto"``
-(default), ``"packed"`` or ``"ragged"`` (the per-head reference), see :func:`~lowrank_lib.composed.kv.attend_layer`.
+(default) or ``"packed"`` (:func:`~lowrank_lib.composed.kv.attend_layer` over the packed layout), or ``"ragged"``
+(the tiers as built, one tensor set per head, read by the per-head reference :func:`~lowrank_lib.composed.kv.attend`:
+the store before the packed layout; ``packed_bytes`` is then the ragged count).
 """
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ from ..hf.record import PrefillRecord
 from ..runtime.kv import BackendChoice, KVSpec, StepContext
 from .build import ComposedConfig, build, importance
 from .cache import ComposedCache
-from .kv import ATTEND_MODES, attend_layer, pack
+from .kv import ATTEND_MODES, PackedLayer, attend, attend_layer, pack, tiers_nbytes
+
+
+def _layer_bytes(layer) -> int:
+    return layer.nbytes if isinstance(layer, PackedLayer) else tiers_nbytes(layer)
 
 
 @dataclass
@@ -93,7 +99,7 @@ class ComposedStore:
     @property
     def nbytes(self) -> int:
         new = sum(t.numel() * t.element_size() for t in self._k_new + self._v_new)
-        return sum(l.nbytes for l in self._layers) + new
+        return sum(_layer_bytes(l) for l in self._layers) + new
 
     def shape_key(self):
         return None        # not capturable: no graph is ever keyed by this store
@@ -139,14 +145,15 @@ class ComposedStore:
         the appended rows; the prompt's dense K/V are freed. ``end_prefill`` = score + build + load; a caller
         building several budgets from one prefill scores once and loads each."""
         spec, B, T = self.spec, self._B, self._T
-        self._layers = [pack(l.heads) for l in cache.layers]     # the ragged heads become views of the packed tensors
+        # packed: the ragged heads become views of the packed tensors; "ragged": the tiers as built, per head
+        self._layers = [l.heads if self.attention == "ragged" else pack(l.heads) for l in cache.layers]
         cap = spec.max_seq_len - T
         z = lambda: torch.zeros(B, spec.n_kv_heads, cap, spec.head_dim, dtype=spec.dtype, device=spec.device)
         self._k_new = [z() for _ in range(spec.n_layers)]
         self._v_new = [z() for _ in range(spec.n_layers)]
         dense = 2 * spec.n_layers * B * spec.n_kv_heads * T * spec.head_dim * spec.dtype.itemsize
         self._info = {"tier_bytes": cache.info["plan_bytes"], "tiers": cache.tier_counts(), "dense_prompt_bytes": dense}
-        self._info["packed_bytes"] = sum(l.nbytes for l in self._layers)    # + offsets, head ids, rank padding
+        self._info["packed_bytes"] = sum(_layer_bytes(l) for l in self._layers)  # + offsets, head ids, rank padding
         self._info["tier_ratio"] = self._info["tier_bytes"] / max(1, self._info["dense_prompt_bytes"])
         self._keys, self._values, self._obs = [], [], []    # the prompt's dense K/V are freed
 
@@ -165,6 +172,9 @@ class ComposedStore:
         """q [B, Hkv, G, D] -> [B, Hq * D]: tiers + appended rows, one softmax."""
         B, Hkv, G, D = q.shape
         n = ctx.n_new
-        o = attend_layer(q.reshape(B, Hkv * G, 1, D), self._layers[layer], self._k_new[layer][:B, :, :n],
-                         self._v_new[layer][:B, :, :n], D ** -0.5, mode=self.attention)
+        tiers, q = self._layers[layer], q.reshape(B, Hkv * G, 1, D)
+        kn, vn = self._k_new[layer][:B, :, :n], self._v_new[layer][:B, :, :n]
+        o = (attend_layer(q, tiers, kn, vn, D ** -0.5, mode=self.attention) if isinstance(tiers, PackedLayer)
+             else attend(q, tiers, kn, vn, D ** -0.5))
+
         return o.reshape(B, Hkv * G * D)
