@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "sweep": "lowrank_lib.bench.commands.sweep",
     "gpu-session": "lowrank_lib.bench.commands.gpu_session",
     "peer": "lowrank_lib.bench.commands.peer",
+    "kv-decode": "lowrank_lib.bench.commands.kv_decode",
 }
 
 
