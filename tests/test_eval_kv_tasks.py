@@ -137,3 +137,25 @@ def test_quick_command_writes_the_schema(tmp_path):
     assert len(res["per_sample"]) == 2 * (1 + 4 * 2) and all("output" in r for r in res["per_sample"])
     assert res["command"].startswith("python -m lowrank_lib.bench kv-tasks --quick")
     assert "budget 0.25" in (tmp_path / "kv_tasks_tiny-gqa_L384_n1.txt").read_text()
+
+
+def test_merge_tasks_counts_every_sample_once_and_refuses_a_sample_twice():
+    import pytest
+
+    from lowrank_lib.eval.kv_tasks import merge_tasks
+
+    def rec(sample, task, answers, policy, exact):
+        return dict(sample=sample, task=task, length=4096, n_tokens=4100 + sample, n_context=4080, n_question=20,
+                    policy=policy, kind="dense" if policy == "dense" else "eviction",
+                    budget=1.0 if policy == "dense" else 0.5, bytes_ratio=1.0 if policy == "dense" else 0.5,
+                    exact=exact, partial=exact, same_as_dense=1.0, output="", tokens=[], answers=answers)
+
+    a = {"per_sample": [rec(0, "needle_single", ["111"], "dense", 1.0), rec(0, "needle_single", ["111"], "kvzip", 1.0)]}
+    b = {"per_sample": [rec(0, "needle_single", ["222"], "dense", 1.0), rec(0, "needle_single", ["222"], "kvzip", 0.0),
+                        rec(1, "needle_multikey", ["333"], "dense", 0.0), rec(1, "needle_multikey", ["333"], "kvzip", 0.0)]}
+    m = merge_tasks([a, b])
+    assert sorted({(r["source"], r["sample"]) for r in m["per_sample"]}) == [(0, 0), (1, 1), (1, 2)]
+    row = next(r for r in m["rows"] if r["policy"] == "kvzip" and r["task"] == "needle_single")
+    assert row["n"] == 2 and row["exact"] == 0.5
+    with pytest.raises(ValueError, match="needle_single sample at length 4096"):
+        merge_tasks([a, b, a])

@@ -176,6 +176,25 @@ def evaluate_tasks(model, tok, samples: list[tuple[int, Sample]], budgets=BUDGET
     return res | {"rows": task_rows(per_sample), "per_sample": per_sample}
 
 
+def merge_tasks(parts: list[dict]) -> dict:
+    """One result from several runs (other seeds, lengths or tasks): their per-sample records, renumbered
+    (``sample`` unique over the merge, ``source`` = index of the part). The same sample in two parts (same task,
+    length, token count and answers) is an error, so a merge never counts a sample twice."""
+    per_sample, timing, seen, offset = [], {}, {}, 0
+    for k, part in enumerate(parts):
+        ids: dict = {}
+        for r in part["per_sample"]:
+            key = (r["task"], r["length"], r["n_tokens"], tuple(r["answers"]))
+            if seen.setdefault(key, k) != k:
+                raise ValueError(f"merge_tasks: the {r['task']} sample at length {r['length']} with answers "
+                                 f"{r['answers']} is in parts {seen[key]} and {k}")
+            ids.setdefault(r["sample"], offset + len(ids))
+            per_sample.append(r | {"sample": ids[r["sample"]], "source": k})
+        offset += len(ids)
+        timing |= {f"part{k}_{n}": t for n, t in part.get("timing_s", {}).items()}
+    return {"rows": task_rows(per_sample), "per_sample": per_sample, "timing_s": timing}
+
+
 def tasks_table(res: dict) -> str:
     """Per length and task: one line per policy, exact match (and the answers equal to dense) per budget."""
     rows = res["rows"]

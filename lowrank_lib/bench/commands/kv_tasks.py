@@ -4,6 +4,7 @@
     python -m lowrank_lib.bench kv-tasks --lengths 4096 --n-per 4 --budgets 0.5 0.25 \\
         --policies dense kvzip snapkv attsvd-ext composed-kvzip-q8
     python -m lowrank_lib.bench kv-tasks --quick                            # tiny random model, seconds (the test)
+    python -m lowrank_lib.bench kv-tasks --merge A.json B.json              # runs of other seeds/lengths as one table
 
 kvpress's protocol (:mod:`lowrank_lib.eval.kv_tasks`): the context (head + haystack with the needles) is
 prefilled and compressed, the question is fed exactly through the compressed cache, the answer is decoded
@@ -32,6 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new", type=int, default=None, help="answer tokens at most (default 24)")
     p.add_argument("--window", type=int, default=32, help="exact recent window of the low-rank caches")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--merge", nargs="+", default=None, help="result JSON files of earlier runs to merge into one")
 
 
 def run(a) -> int:
@@ -42,6 +44,19 @@ def run(a) -> int:
     from ...eval.longctx import ByteTokenizer
     from ..results import ResultFiles, slug
 
+    if a.merge:
+        import json
+
+        from ...eval.kv_tasks import merge_tasks
+
+        parts = [json.loads(open(f).read()) for f in a.merge]
+        res = merge_tasks(parts) | {"merged": a.merge, "commands": [p.get("command") for p in parts],
+                                    "args": [p.get("args") for p in parts], "command": a.command_line}
+        files = ResultFiles(a.out, "kv_tasks", slug(parts[0].get("args", {}).get("model", "model"), "merged"))
+        files.write(res, txt=tasks_table(res))
+        print(tasks_table(res))
+        print(f"\nwrote {files.path}")
+        return 0
     model_name = a.model or (QUICK["model"] if a.quick else "smollm2")
     lengths = a.lengths or (QUICK["lengths"] if a.quick else [4096, 8192])
     n_per = a.n_per or (QUICK["n_per"] if a.quick else 2)
