@@ -27,8 +27,9 @@ def test_one_panel_per_prefill_and_a_line_per_policy():
     axes = fig.axes
     assert len(axes) == 2
     assert "prefill 2048, 8 windows" in axes[0].get_title() and "prefill 4096, 4 windows" in axes[1].get_title()
-    labels = [t.get_text() for t in axes[1].get_legend().get_texts()]
-    assert labels == ["kvzip (eviction)", "composed-kvzip-q8 (composed)"]     # eviction first, then ours
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]   # one legend: every policy of every panel
+    assert labels == ["kvzip (eviction)", "attsvd-ext (lowrank)", "composed-kvzip-q8 (composed)"]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["0.125", "0.25", "0.5"]
     # every budget's point is drawn: the data line of a policy has the three bytes ratios
     xs = [tuple(c.lines[0].get_xdata()) for c in axes[0].containers]
     assert xs == [(0.125, 0.25, 0.5)] * 3

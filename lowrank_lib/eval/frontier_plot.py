@@ -26,6 +26,9 @@ def draw_panel(ax, rows: list[dict], title: str, colours: dict) -> None:
         ax.errorbar(x, y, yerr=e, fmt=STYLE[kinds[pol]], capsize=2, ms=5, color=colours[pol],
                     label=f"{pol} ({kinds[pol]})", lw=2 if kinds[pol] == "composed" else 1)
     ax.set(xscale="log", yscale="log", xlabel="bytes held / dense KV bytes (log)", title=title)
+    budgets = sorted({r["budget"] for r in rows})
+    ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    ax.set_xticks([], minor=True)
 
 
 def plot_frontier(res: dict, which: list[int] | None = None, panel_size=(6.5, 5.0)):
@@ -45,7 +48,11 @@ def plot_frontier(res: dict, which: list[int] | None = None, panel_size=(6.5, 5.
         n_win = max(r["windows"] for r in rows)
         draw_panel(ax, rows, f"prefill {P}, {n_win} window{'s' if n_win > 1 else ''} (mean +- std)", colours)
     axes[0][0].set_ylabel("KL(dense || cache) per token (log)")
-    axes[0][-1].legend(fontsize=7, ncol=1, loc="lower left")
+    handles: dict = {}                   # one legend for every policy of every panel, beside the panels
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle("KV-memory frontier (SmolLM2, WikiText-2 test, seed 0)" if res.get("args", {}).get(
         "model_name") == "smollm2" else "KV-memory frontier")
     fig.tight_layout()
