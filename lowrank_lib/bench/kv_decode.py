@@ -13,15 +13,6 @@ def configs_of(a) -> list[tuple]:
     return out
 
 
-def _loadavg():
-    import os
-
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def kv_decode(a) -> dict:
     """Run the benchmark ``a`` (the command's parsed options); writes and returns the result."""
     import copy
@@ -35,7 +26,7 @@ def kv_decode(a) -> dict:
     from ..eval.kv_sweep import frontier_windows
     from ..runtime import Engine, EngineConfig
     from ..runtime.kv import DenseKV
-    from .results import ResultFiles
+    from .results import ResultFiles, load_average
 
     class Recording(DenseKV):
         """The dense store, also holding the prompt's post-RoPE q/k/v (to build the composed stores from)."""
@@ -55,7 +46,7 @@ def kv_decode(a) -> dict:
     model.eval()
     configs = configs_of(a)
     meta = {"command": a.command_line, "model": name, "contexts": contexts, "new": new, "repeats": repeats,
-            "scorer": a.scorer, "threads": a.threads, "load_average": {"start": _loadavg()},
+            "scorer": a.scorer, "threads": a.threads, "load_average": {"start": load_average()},
             "note": "decode steps interleaved over stores and thread counts; medians over every step of every round"}
     rows = []
     files = ResultFiles(a.out, "kv_decode")
@@ -127,7 +118,7 @@ def kv_decode(a) -> dict:
                                  decode_ms_per_token=round(ms, 3), attn_ms_per_token=round(at, 3),
                                  kv_bytes=s.nbytes, prompt_kv_bytes=prompt, ratio_vs_dense=round(ms / d_ms, 3),
                                  attn_ratio_vs_dense=round(at / d_at, 3)))
-        meta["load_average"][f"after_context_{C}"] = _loadavg()
+        meta["load_average"][f"after_context_{C}"] = load_average()
         files.write({"rows": rows, **meta}, txt=table(rows))
         del eng, stores, dense
     txt = table(rows)

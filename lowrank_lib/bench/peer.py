@@ -175,6 +175,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     from .decode import copy_bandwidth
     from .llamacpp import available, version
     from .models import load_bench_models
+    from .results import load_average
 
     want_llama = "llamacpp_dense" in cfg.systems
     ok, why = available()
@@ -198,7 +199,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
            "machine": {"cpu": _cpu_name(), "cores": _nproc(),
                        "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
            "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
-           "load_average": {"start": _loadavg()},
+           "load_average": {"start": load_average()},
            "note": cfg.note, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
@@ -257,7 +258,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                 bar.update(1)
         bar.close()
         bws.append(copy_bandwidth(torch.device("cpu")))
-        res["load_average"][f"after_{th}_threads"] = _loadavg()    # what else ran shows here
+        res["load_average"][f"after_{th}_threads"] = load_average()    # what else ran shows here
         bw = statistics.median(bws)
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
         for (s, dt), r in runners.items():
@@ -305,15 +306,6 @@ def _quantile(xs, q: float) -> float:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def _loadavg() -> list[float] | None:
-    import os
-
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def _nproc() -> int:

@@ -18,7 +18,7 @@ take a bottom-right aligned causal mask. Batch rows are attended one by one (rag
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -283,18 +283,14 @@ class PackedLayer:
 
     heads: list[list[HeadTiers]]
     rows: list[PackedRow]
+    #: some head holds no token in its tiers (then attention needs appended rows); set from ``heads``
+    empty_head: bool = field(init=False)
+    #: the most tokens (exact + low-rank) one row holds (host int); set from ``heads``
+    max_row_tokens: int = field(init=False)
 
-    @property
-    def empty_head(self) -> bool:
-        """Some head holds no token in its tiers (then attention needs appended rows)."""
-        return any(h.n_exact + h.n_mid == 0 for row in self.heads for h in row)
-
-    @property
-    def max_row_tokens(self) -> int:
-        """The most tokens (exact + low-rank) one row holds (host int, computed once)."""
-        if not hasattr(self, "_max_row"):
-            self._max_row = max(sum(h.n_exact + h.n_mid for h in row) for row in self.heads)
-        return self._max_row
+    def __post_init__(self):
+        self.empty_head = any(h.n_exact + h.n_mid == 0 for row in self.heads for h in row)
+        self.max_row_tokens = max(sum(h.n_exact + h.n_mid for h in row) for row in self.heads)
 
     @property
     def nbytes(self) -> int:

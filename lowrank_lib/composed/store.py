@@ -176,5 +176,4 @@ class ComposedStore:
         kn, vn = self._k_new[layer][:B, :, :n], self._v_new[layer][:B, :, :n]
         o = (attend_layer(q, tiers, kn, vn, D ** -0.5, mode=self.attention) if isinstance(tiers, PackedLayer)
              else attend(q, tiers, kn, vn, D ** -0.5))
-
         return o.reshape(B, Hkv * G * D)

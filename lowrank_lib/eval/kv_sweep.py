@@ -233,6 +233,33 @@ def frontier_table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def frontier_caches(model, tok, ids: torch.Tensor, record, lowrank, eviction: dict, composed: dict, budgets,
+                    window: int = 32):
+    """Yield ``(policy, kind, budget, cache, routed)`` for every frontier policy at every budget, each cache built
+    from ``record`` (the prefill of ``ids``): the low-rank caches (``MethodSpec`` at :func:`lowrank_budget`),
+    then the eviction policies (``eviction``: name -> allocation mode; the ragged head-wise cache, ``composed.build``
+    with ``mid_share=0``) and the composed caches (``composed``: name -> :class:`ComposedConfig` fields), whose
+    scorers run once, when the first of them is reached (:func:`scores_for`). ``routed`` is the attention routing
+    the cache needs (``None``: the model's own). The one construction the frontier and ``kv_tasks`` share."""
+    from ..composed import ComposedConfig, build, composed_attention
+    from ..hf.record import replay
+
+    S, d = record.length, record.keys[0].shape[-1]
+    base = AttSVDConfig(rank=1, window=window, chunk=128)
+    for m in lowrank:
+        for b in budgets:
+            yield m, "lowrank", b, replay(record, MethodSpec(m, lowrank_budget(b, S, d, window), base).make(model, S)), None
+    cfgs = {name: ("eviction", ComposedConfig(scorer=name, mode=mode, mid_share=0.0)) for name, mode in eviction.items()}
+    cfgs |= {name: ("composed", ComposedConfig(**spec)) for name, spec in composed.items()}
+    if not cfgs:
+        return
+    need_stats = {c.scorer for _, c in cfgs.values() if c.mid_share > 0}
+    imps = scores_for(sorted({c.scorer for _, c in cfgs.values()}), model, tok, ids, record, need_stats)
+    for name, (kind, cfg) in cfgs.items():
+        for b in budgets:
+            yield name, kind, b, build(record, imps[cfg.scorer], b, cfg), composed_attention
+
+
 def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, budgets=FRONTIER_BUDGETS,
                 eviction: dict | None = None, lowrank=FRONTIER_LOWRANK, composed: dict | None = None,
                 window: int = 32, seed: int = 0, window_ids: list[int] | None = None, progress: bool = True,
@@ -244,17 +271,13 @@ def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, bu
     from tqdm.auto import tqdm
 
     from .. import models
-    from ..composed import ComposedConfig, build, composed_attention
-    from ..hf.record import dense_from, record_prefill, replay
+    from ..hf.record import dense_from, record_prefill
 
     eviction = dict(FRONTIER_EVICTION) if eviction is None else eviction
     composed = dict(FRONTIER_COMPOSED) if composed is None else composed
     if model is None:
         model, tok = models.load(model_name)
     model.eval()
-    base = AttSVDConfig(rank=1, window=window, chunk=128)
-    scorers = set(eviction) | {c["scorer"] for c in composed.values()}
-    need_stats = {c["scorer"] for c in composed.values() if c.get("mid_share", 0) > 0}
     per_window: list[dict] = []
     dense_nll: dict = {}
     res: dict = {"timing_s": {}}
@@ -281,20 +304,11 @@ def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, bu
                 bar.set_postfix_str(f"w{w} {policy}@{budget:g} kl={kl:.4f}")
                 bar.update()
 
-            for m in lowrank:
-                for b in budgets:
-                    bl = lowrank_budget(b, P, rec.keys[0].shape[-1], window)
-                    add(m, "lowrank", b, replay(rec, MethodSpec(m, bl, base).make(model, P)))
-            imps = scores_for(sorted(scorers), model, tok, pre, rec, need_stats)
-            for name, mode in eviction.items():
-                cfg = ComposedConfig(scorer=name, mode=mode, mid_share=0.0)
-                for b in budgets:
-                    add(name, "eviction", b, build(rec, imps[name], b, cfg), composed_attention)
-            for name, spec in composed.items():
-                cfg = ComposedConfig(**spec)
-                for b in budgets:
-                    add(name, "composed", b, build(rec, imps[cfg.scorer], b, cfg), composed_attention)
-            del rec, imps
+            for policy, kind, b, cache, routed in frontier_caches(model, tok, pre, rec, lowrank, eviction, composed,
+                                                                   budgets, window):
+                add(policy, kind, b, cache, routed)
+                del cache
+            del rec
             res["timing_s"][f"p{P}_w{w}"] = time.perf_counter() - t0
             res |= {"rows": frontier_rows(per_window, dense_nll), "per_window": per_window, "dense_nll": dense_nll}
             res["best"] = frontier_best(res["rows"])

@@ -34,9 +34,8 @@ import time
 
 import torch
 
-from ..attsvd.config import AttSVDConfig
 from ..compat import cache_kw
-from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, scores_for, lowrank_budget
+from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, frontier_caches
 from .longctx import Sample, stop_ids, greedy_decode, make_sample, sample_ids, score
 
 TASKS = ("needle_single", "needle_multikey", "variable_tracking")
@@ -91,28 +90,15 @@ def answer(model, cache, question: torch.Tensor, max_new: int, stop: set[int] | 
 
 def policy_caches(model, tok, ctx_ids: torch.Tensor, record, policies: list[str], budgets, window: int = 32):
     """Yield ``(policy, kind, budget, cache, routed)`` for every policy at every budget (dense once, at 1.0),
-    each cache built from ``record`` (the context's prefill) as ``kv_frontier`` builds it."""
-    from ..composed import ComposedConfig, build, composed_attention
-    from ..hf.record import dense_from, replay
-    from .methods import MethodSpec
+    each cache built from ``record`` (the context's prefill) exactly as ``kv_frontier`` builds it
+    (:func:`~lowrank_lib.eval.kv_sweep.frontier_caches`)."""
+    from ..hf.record import dense_from
 
-    S, d = record.length, record.keys[0].shape[-1]
-    base = AttSVDConfig(rank=1, window=window, chunk=128)
     if "dense" in policies:
         yield "dense", "dense", 1.0, dense_from(record, model), None
-    for m in (p for p in policies if KINDS[p] == "lowrank"):
-        for b in budgets:
-            yield m, "lowrank", b, replay(record, MethodSpec(m, lowrank_budget(b, S, d, window), base).make(model, S)), None
-    cfgs = {p: ComposedConfig(scorer=p, mode=FRONTIER_EVICTION[p], mid_share=0.0)
-            for p in policies if KINDS[p] == "eviction"}
-    cfgs |= {p: ComposedConfig(**FRONTIER_COMPOSED[p]) for p in policies if KINDS[p] == "composed"}
-    if not cfgs:
-        return
-    need_stats = {c.scorer for c in cfgs.values() if c.mid_share > 0}
-    imps = scores_for(sorted({c.scorer for c in cfgs.values()}), model, tok, ctx_ids, record, need_stats)
-    for p, cfg in cfgs.items():
-        for b in budgets:
-            yield p, KINDS[p], b, build(record, imps[cfg.scorer], b, cfg), composed_attention
+    yield from frontier_caches(model, tok, ctx_ids, record, [p for p in policies if KINDS[p] == "lowrank"],
+                               {p: FRONTIER_EVICTION[p] for p in policies if KINDS[p] == "eviction"},
+                               {p: FRONTIER_COMPOSED[p] for p in policies if KINDS[p] == "composed"}, budgets, window)
 
 
 def task_rows(per_sample: list[dict]) -> list[dict]:

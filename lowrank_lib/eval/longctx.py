@@ -19,6 +19,7 @@ import random
 import re
 import statistics
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 from tqdm.auto import tqdm
@@ -55,10 +56,7 @@ class ByteTokenizer:
 
     def __call__(self, text, add_special_tokens=False, return_tensors=None):
         ids = list(str(text).encode("utf-8"))
-
-        class Enc:
-            input_ids = torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids
-        return Enc()
+        return SimpleNamespace(input_ids=torch.tensor([ids], dtype=torch.long) if return_tensors == "pt" else ids)
 
     def decode(self, ids, skip_special_tokens=False) -> str:
         ids = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
