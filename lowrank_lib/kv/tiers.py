@@ -1,0 +1,368 @@
+"""The tiered KV of one layer: the ONE state every KV method fits, and its attention.
+
+A layer holds, per segment ``s = b * H + h`` (batch row b, KV head h; positions are post-RoPE, so attention
+never needs them):
+
+    exact rows     k_exact, v_exact [N_e, d]       rows e_off[s] : e_off[s + 1] are segment s's, oldest first
+    low-rank runs  run j = row j of ``runs`` [R, 9] (sorted by segment; segment s owns runs r_off[s] : r_off[s + 1])
+                   K_j ~ A_K,j B_K,j    A_K,j [n_j, r_k,j] stored RANK-MAJOR, an [r_k,j, n_j] block of the flat a_k at
+                                        a_k_off_j; B_K,j [r_k,j, d] a block of the flat b_k at b_k_off_j
+                   V_j ~ A_V,j B_V,j    likewise in a_v / b_v
+                   int8 factors (``quant8``): a_k / a_v int8, one scale per token row (k_scale / v_scale [sum n_j] at
+                   tok_off_j, fp16, or fp32 when a scale does not fit fp16)
+    appended rows  k_new, v_new [B, H, cap, d]: rows [0, n_new) are the tokens appended after the prefill, exact
+    positions      pos_exact [N_e] / pos_mid [sum n_j] (int16 / int32) where the method keeps them (which tokens were
+                   kept: the notebooks read them; counted in the bytes), else None
+
+Rank-major factors let the products ``(q B_K^T) A_K`` and ``p A_V^T`` read contiguous token rows (SIMD over
+tokens). ``nbytes`` is every tensor held (descriptors, positions and scales included) with the appended rows
+counted as written; ``allocated_nbytes`` counts the appended capacity instead.
+
+Attention (:func:`attend`): per segment, ONE softmax (fp32) over the exact rows, every run in factor space and
+the appended rows (causal among the newest ``q_len`` of them). :func:`attend_portable` defines the result;
+a fused kernel (``runtime/kernels``) is chosen by :func:`select_backend` and must match it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..runtime.kv import BackendChoice
+
+#: columns of ``TieredLayer.runs``
+SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF = range(9)
+NEG = float("-inf")
+
+
+@dataclass(eq=False)
+class Run:
+    """One low-rank run of one segment, as a method produces it (row-major factors, floating point)."""
+
+    a_k: torch.Tensor                     # [n, r_k]
+    b_k: torch.Tensor                     # [r_k, d]
+    a_v: torch.Tensor                     # [n, r_v]
+    b_v: torch.Tensor                     # [r_v, d]
+    pos: torch.Tensor | None = None       # [n] positions (or None: not kept)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One (batch row, KV head) as a method produces it: exact rows (oldest first) and low-rank runs."""
+
+    k: torch.Tensor                       # [n_e, d]
+    v: torch.Tensor                       # [n_e, d]
+    pos: torch.Tensor | None = None       # [n_e]
+    runs: list[Run] = field(default_factory=list)
+
+
+def quantize_rows(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [n, r] -> (int8 [n, r], scale [n]) with x ~ q * scale: scale = max|row| / 127 (a zero row: the smallest
+    fp16 normal), rounded to nearest, clamped to [-127, 127]."""
+    amax = x.abs().amax(-1).float()
+    scale = (amax / 127.0).clamp_min(torch.finfo(torch.float16).tiny).to(scale_dtype)
+    q = torch.round(x.float() / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def scale_dtype_for(runs: list[Run]) -> torch.dtype:
+    """fp16 scales unless some row's scale would overflow fp16 (then fp32 for the layer)."""
+    amax = max((float(t.abs().max()) for r in runs for t in (r.a_k, r.a_v) if t.numel()), default=0.0)
+    return torch.float16 if amax / 127.0 < 6e4 else torch.float32
+
+
+@dataclass(eq=False)
+class TieredLayer:
+    """One layer's tiered KV (see the module docstring for the layout)."""
+
+    B: int
+    H: int
+    d: int
+    k_exact: torch.Tensor                 # [N_e, d]
+    v_exact: torch.Tensor                 # [N_e, d]
+    e_off: torch.Tensor                   # [B * H + 1] int64
+    runs: torch.Tensor                    # [R, 9] int64
+    r_off: torch.Tensor                   # [B * H + 1] int64
+    a_k: torch.Tensor                     # flat rank-major factor blocks (dtype, or int8)
+    a_v: torch.Tensor
+    b_k: torch.Tensor                     # flat basis blocks
+    b_v: torch.Tensor
+    k_scale: torch.Tensor | None = None   # [sum n_j] (int8 factors)
+    v_scale: torch.Tensor | None = None
+    pos_exact: torch.Tensor | None = None
+    pos_mid: torch.Tensor | None = None
+    k_new: torch.Tensor | None = None     # [B, H, cap, d]
+    v_new: torch.Tensor | None = None
+    n_new: int = 0                        # appended rows written (host count)
+    #: host copies of the descriptors (the portable path slices with them; the kernel reads the device ones)
+    host_e_off: list[int] = field(default_factory=list)
+    host_runs: list[list[int]] = field(default_factory=list)
+    host_r_off: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def build(segments: list[list[Segment]], quant8: bool = False, dtype: torch.dtype | None = None,
+              device=None) -> "TieredLayer":
+        """Pack ``segments`` [B][H] into one layer (``quant8``: int8 factors, one scale per token row)."""
+        B, H = len(segments), len(segments[0])
+        first = segments[0][0].k
+        d = first.shape[-1]
+        dtype = dtype or first.dtype
+        device = device or first.device
+        segs = [s for row in segments for s in row]
+        if any(len(row) != H for row in segments):
+            raise ValueError("TieredLayer.build: every batch row needs the same number of KV heads")
+        ne = [s.k.shape[0] for s in segs]
+        e_off = [0]
+        for n in ne:
+            e_off.append(e_off[-1] + n)
+        k_exact = torch.cat([s.k.to(dtype) for s in segs]) if e_off[-1] else torch.zeros(0, d, dtype=dtype, device=device)
+        v_exact = torch.cat([s.v.to(dtype) for s in segs]) if e_off[-1] else torch.zeros(0, d, dtype=dtype, device=device)
+        all_runs = [(i, r) for i, s in enumerate(segs) for r in s.runs]
+        sdt = scale_dtype_for([r for _, r in all_runs]) if quant8 else None
+        desc, r_off = [], [0] * (len(segs) + 1)
+        ak, av, bk, bv, ks, vs, pm = [], [], [], [], [], [], []
+        o_ak = o_av = o_tok = o_bk = o_bv = 0
+        for i, r in all_runs:
+            n, rk, rv = r.a_k.shape[0], r.b_k.shape[0], r.b_v.shape[0]
+            if r.a_k.shape[1] != rk or r.a_v.shape[1] != rv or r.a_v.shape[0] != n:
+                raise ValueError(f"TieredLayer.build: run of segment {i}: a_k {tuple(r.a_k.shape)}, b_k "
+                                 f"{tuple(r.b_k.shape)}, a_v {tuple(r.a_v.shape)}, b_v {tuple(r.b_v.shape)} disagree")
+            desc.append([i, n, rk, rv, o_ak, o_av, o_tok, o_bk, o_bv])
+            r_off[i + 1] += 1
+            if quant8:
+                qk, sk = quantize_rows(r.a_k, sdt)
+                qv, sv = quantize_rows(r.a_v, sdt)
+                ak.append(qk.T.reshape(-1))
+                av.append(qv.T.reshape(-1))
+                ks.append(sk)
+                vs.append(sv)
+            else:
+                ak.append(r.a_k.to(dtype).T.reshape(-1))
+                av.append(r.a_v.to(dtype).T.reshape(-1))
+            bk.append(r.b_k.to(dtype).reshape(-1))
+            bv.append(r.b_v.to(dtype).reshape(-1))
+            if r.pos is not None:
+                pm.append(r.pos)
+            o_ak, o_av, o_tok, o_bk, o_bv = o_ak + rk * n, o_av + rv * n, o_tok + n, o_bk + rk * d, o_bv + rv * d
+        for i in range(len(segs)):
+            r_off[i + 1] += r_off[i]
+        fdt = torch.int8 if quant8 else dtype
+        cat = lambda ts, dt: torch.cat(ts) if ts else torch.zeros(0, dtype=dt, device=device)
+        pe = [s.pos for s in segs]
+        if all(p is None for p in pe):
+            pos_exact = None
+        elif any(p is None for p in pe):
+            raise ValueError("TieredLayer.build: give exact positions for every segment or for none")
+        else:
+            pos_exact = cat(pe, pe[0].dtype)
+        if pm and len(pm) != len(all_runs):
+            raise ValueError("TieredLayer.build: give run positions for every run or for none")
+        long = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)
+        return TieredLayer(
+            B, H, d, k_exact, v_exact, long(e_off), long(desc).view(-1, 9), long(r_off), cat(ak, fdt), cat(av, fdt),
+            cat(bk, dtype), cat(bv, dtype), cat(ks, sdt) if quant8 else None, cat(vs, sdt) if quant8 else None,
+            pos_exact, cat(pm, pm[0].dtype) if pm else None, host_e_off=e_off, host_runs=desc, host_r_off=r_off)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def quant8(self) -> bool:
+        return self.a_k.dtype == torch.int8
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k_exact.dtype
+
+    def _stored(self) -> list[torch.Tensor]:
+        return [t for t in (self.k_exact, self.v_exact, self.e_off, self.runs, self.r_off, self.a_k, self.a_v,
+                            self.b_k, self.b_v, self.k_scale, self.v_scale, self.pos_exact, self.pos_mid)
+                if t is not None]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: every tier tensor (descriptors, scales, positions included) + the appended rows written."""
+        new = 2 * self.B * self.H * self.n_new * self.d * self.k_exact.element_size()
+        return sum(t.numel() * t.element_size() for t in self._stored()) + new
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """:attr:`nbytes` with the appended rows' whole capacity instead of the rows written."""
+        new = sum(t.numel() * t.element_size() for t in (self.k_new, self.v_new) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self._stored()) + new
+
+    def counts(self) -> dict:
+        """Tokens per tier summed over segments (exact, low-rank) and the appended rows."""
+        return {"exact": self.host_e_off[-1], "mid": sum(r[N] for r in self.host_runs),
+                "appended": self.n_new * self.B * self.H}
+
+    def segment_counts(self) -> tuple[list[int], list[int]]:
+        """Per segment: exact rows, low-rank rows."""
+        S = self.B * self.H
+        e = [self.host_e_off[s + 1] - self.host_e_off[s] for s in range(S)]
+        m = [sum(r[N] for r in self.host_runs[self.host_r_off[s]:self.host_r_off[s + 1]]) for s in range(S)]
+        return e, m
+
+    def ranks(self) -> list[tuple[int, int]]:
+        """(r_k, r_v) of every run, in run order."""
+        return [(r[RK], r[RV]) for r in self.host_runs]
+
+    def shape_key(self) -> tuple:
+        """Every shape the attention reads (a compiled step specialises on them)."""
+        return (self.B, self.H, self.d, tuple(self.k_exact.shape), tuple(self.runs.shape), tuple(self.a_k.shape),
+                tuple(self.a_v.shape), tuple(self.b_k.shape), tuple(self.b_v.shape),
+                None if self.k_new is None else tuple(self.k_new.shape), str(self.a_k.dtype))
+
+    # ------------------------------------------------------------------ reading one segment
+    def run_factors(self, j: int, dtype: torch.dtype | None = None):
+        """Run j as float factors (A_K [n, r_k], B_K [r_k, d], A_V [n, r_v], B_V [r_v, d]), int8 dequantised."""
+        seg, n, rk, rv, oak, oav, otok, obk, obv = self.host_runs[j]
+        dtype = dtype or self.dtype
+        a_k = self.a_k[oak:oak + rk * n].view(rk, n).T
+        a_v = self.a_v[oav:oav + rv * n].view(rv, n).T
+        if self.quant8:
+            a_k = a_k.to(dtype) * self.k_scale[otok:otok + n].to(dtype)[:, None]
+            a_v = a_v.to(dtype) * self.v_scale[otok:otok + n].to(dtype)[:, None]
+        return a_k, self.b_k[obk:obk + rk * self.d].view(rk, self.d), a_v, self.b_v[obv:obv + rv * self.d].view(rv, self.d)
+
+    def segment(self, s: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(exact K [n_e, d], exact V, run indices) of segment ``s``."""
+        lo, hi = self.host_e_off[s], self.host_e_off[s + 1]
+        return self.k_exact[lo:hi], self.v_exact[lo:hi], list(range(self.host_r_off[s], self.host_r_off[s + 1]))
+
+    def dense(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row segment ``s`` holds, rebuilt (exact, then runs, then appended rows) [n, d]."""
+        k, v, js = self.segment(s)
+        ks, vs = [k], [v]
+        for j in js:
+            a_k, b_k, a_v, b_v = self.run_factors(j)
+            ks.append(a_k @ b_k)
+            vs.append(a_v @ b_v)
+        if self.n_new:
+            b, h = divmod(s, self.H)
+            ks.append(self.k_new[b, h, :self.n_new])
+            vs.append(self.v_new[b, h, :self.n_new])
+        return torch.cat(ks), torch.cat(vs)
+
+    # ------------------------------------------------------------------ appended rows
+    def reserve(self, cap: int) -> None:
+        """Preallocate room for ``cap`` appended rows (static buffers: the engine's decode; keeps rows written)."""
+        old_k, old_v = self.k_new, self.v_new
+        z = lambda: torch.zeros(self.B, self.H, cap, self.d, dtype=self.dtype, device=self.k_exact.device)
+        self.k_new, self.v_new = z(), z()
+        if old_k is not None and self.n_new:
+            self.k_new[:, :, :self.n_new] = old_k[:, :, :self.n_new]
+            self.v_new[:, :, :self.n_new] = old_v[:, :, :self.n_new]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
+        """k, v [B, H, t, d] -> appended rows n_new .. n_new + t (grown by doubling when full). ``slot``: the
+        device index of the first row (a captured decode step writes at a device-side slot; t = 1)."""
+        t = k.shape[-2]
+        cap = 0 if self.k_new is None else self.k_new.shape[2]
+        if slot is not None:
+            self.k_new.index_copy_(2, slot, k)
+            self.v_new.index_copy_(2, slot, v)
+            self.n_new += t
+            return
+        if self.n_new + t > cap:
+            self.reserve(max(2 * cap, self.n_new + t, 16))
+        self.k_new[:, :, self.n_new:self.n_new + t] = k
+        self.v_new[:, :, self.n_new:self.n_new + t] = v
+        self.n_new += t
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+def _causal(q_len: int, t: int, device) -> torch.Tensor | None:
+    """Keep-mask [q_len, t] of the appended rows for the newest ``q_len`` of them as queries (None: q_len 1)."""
+    if q_len == 1 or t == 0:
+        return None
+    return torch.ones(q_len, t, dtype=torch.bool, device=device).tril(t - q_len)
+
+
+def attend_portable(layer: TieredLayer, q: torch.Tensor, scale: float | None = None,
+                    n_new: int | None = None) -> torch.Tensor:
+    """Attention of ``q`` [B, Hq, q_len, d] over every tier of ``layer`` and its first ``n_new`` appended rows
+    (default: all written; the queries are the newest q_len of them, causal; a [1] device tensor: every allocated
+    slot is read and those at or past it are masked, for captured decode steps) -> [B, Hq, q_len, d] in q's dtype.
+
+    Per segment: scores [exact | each run in factor space | appended], one fp32 (float64 for float64) softmax, probabilities in q's
+    dtype for the value products (the reference every fused kernel is checked against)."""
+    B, Hq, ql, d = q.shape
+    H = layer.H
+    G = Hq // H
+    scale = d ** -0.5 if scale is None else scale
+    if isinstance(n_new, torch.Tensor):              # device count (a captured step): every slot, masked
+        t = 0 if layer.k_new is None else layer.k_new.shape[2]
+        m = (torch.arange(t, device=q.device) < n_new)[None, :] if t else None
+        if ql != 1:
+            raise ValueError("tiered attention with a device-side n_new serves one query row (decode)")
+    else:
+        t = layer.n_new if n_new is None else n_new
+        m = _causal(ql, t, q.device)
+        if m is not None:
+            m = m.repeat(G, 1)                                           # rows g * q_len + j
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32        # softmax precision
+    out = torch.empty_like(q)
+    for b in range(B):
+        for h in range(H):
+            s = b * H + h
+            ke, ve, js = layer.segment(s)
+            qh = q[b, h * G:(h + 1) * G].reshape(G * ql, d) * scale     # [G q, d]
+            parts, facs = [], []
+            if ke.shape[0]:
+                parts.append(qh @ ke.T)
+            for j in js:
+                seg, n, rk, rv, oak, oav, otok, obk, obv = layer.host_runs[j]
+                b_k = layer.b_k[obk:obk + rk * d].view(rk, d)
+                a_k = layer.a_k[oak:oak + rk * n].view(rk, n)            # rank-major
+                qb = qh @ b_k.T                                          # [G q, r_k]
+                if layer.quant8:
+                    parts.append((qb @ a_k.to(qb.dtype)) * layer.k_scale[otok:otok + n].to(qb.dtype))
+                else:
+                    parts.append(qb @ a_k)
+                facs.append((j, n))
+            if t:
+                sn = qh @ layer.k_new[b, h, :t].T                       # [G q, t]
+                if m is not None:
+                    sn = sn.masked_fill(~m, NEG)
+                parts.append(sn)
+            if not parts:
+                raise ValueError(f"tiered attention: segment {s} (row {b}, KV head {h}) holds no token")
+            p = torch.softmax(torch.cat(parts, -1) if len(parts) > 1 else parts[0], -1, dtype=sdt).to(q.dtype)
+            o, off = None, 0
+            if ke.shape[0]:
+                o = p[:, :ke.shape[0]] @ ve
+                off = ke.shape[0]
+            for j, n in facs:
+                seg, n, rk, rv, oak, oav, otok, obk, obv = layer.host_runs[j]
+                pm = p[:, off:off + n]
+                a_v = layer.a_v[oav:oav + rv * n].view(rv, n)
+                if layer.quant8:
+                    pa = (pm * layer.v_scale[otok:otok + n].to(pm.dtype)) @ a_v.to(pm.dtype).T
+                else:
+                    pa = pm @ a_v.T                                      # [G q, r_v]
+                om = pa @ layer.b_v[obv:obv + rv * d].view(rv, d)
+                o = om if o is None else o + om
+                off += n
+            if t:
+                on = p[:, off:] @ layer.v_new[b, h, :t]
+                o = on if o is None else o + on
+            out[b, h * G:(h + 1) * G] = o.view(G, ql, d)
+    return out
+
+
+#: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, 1, d], scale, n_new) -> [B, Hq, 1, d]
+BACKENDS = {"portable": attend_portable}
+
+
+def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:
+    """The tiered decode attention to run, and why (only the portable path is registered so far)."""
+    if requested not in ("auto", *BACKENDS):
+        raise ValueError(f"unknown tiered attention {requested!r}; choose from {('auto', *BACKENDS)}")
+    return BackendChoice("portable", "requested" if requested == "portable" else
+                         "auto: the portable per-segment path (kv.tiers.attend_portable)")
+
+
+def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | None = None,
+           backend: str = "portable") -> torch.Tensor:
+    """:func:`attend_portable` or the named backend (decode, q_len 1) -> [B, Hq, q_len, d]."""
+    return BACKENDS[backend](layer, q, scale, n_new)
