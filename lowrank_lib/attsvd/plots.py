@@ -5,8 +5,7 @@ module or the package is imported.
 """
 from __future__ import annotations
 
-from ..hf.record import PrefillRecord
-from .interpret import HeadView, attention_rows, error_curves, head_view
+from .interpret import HeadView, attention_rows, error_curves
 
 
 def _plt():
@@ -39,40 +38,3 @@ def head_panel(h: HeadView, rank: int, ranks: list[int], axes=None, curves: dict
     ax.set(xlabel="key position", ylabel="attention (last query)", yscale="log")
     ax.legend(fontsize=7)
     return axes
-
-
-def rank_explorer(record: PrefillRecord, ranks: list[int], layer: int = 0, head: int = 0, rank: int = 32):
-    """An ipywidgets (layer, head, r) explorer that redraws :func:`head_panel` live.
-
-    Returns the widget, or None when ipywidgets or a widget front-end is unavailable (headless runs):
-    callers then show static figures instead.
-    """
-    try:
-        import ipywidgets as W
-        from IPython import get_ipython
-        from IPython.display import display
-    except ImportError:
-        return None
-    ip = get_ipython()
-    if ip is None or not hasattr(ip, "kernel"):
-        return None
-    L, H = len(record.keys), record.keys[0].shape[1]
-    d = record.keys[0].shape[-1]
-    cache: dict = {}
-
-    def draw(layer, head, r):
-        key = (layer, head)
-        if key not in cache:
-            h = head_view(record, layer, head)
-            cache[key] = (h, error_curves(h, ranks))
-        h, c = cache[key]
-        plt = _plt()
-        fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
-        head_panel(h, r, ranks, axes, c)
-        plt.show()
-
-    ui = W.interactive(draw, layer=W.IntSlider(layer, 0, L - 1, description="layer", continuous_update=False),
-                       head=W.IntSlider(head, 0, H - 1, description="KV head", continuous_update=False),
-                       r=W.IntSlider(rank, 1, d, description="rank r", continuous_update=False))
-    display(ui)
-    return ui

@@ -29,7 +29,6 @@ import torch
 
 from ..attsvd.basis import causal_probs, query_metric, sqrt_and_inv_sqrt
 from ..attsvd.interpret import HeadView, head_view
-from ..hf.record import PrefillRecord
 from .ui import in_kernel_with_widgets
 
 BASES = ("aware", "raw")
@@ -177,7 +176,7 @@ def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: i
     return s
 
 
-def head_explorer(record: PrefillRecord, layer: int = 0, head: int = 0, rank: int = 32,
+def head_explorer(record, layer: int = 0, head: int = 0, rank: int = 32,
                   labels: list[str] | None = None, k: int = 12):
     """An ipywidgets (layer, KV head, r) explorer over :func:`draw_head`; displays it and returns it.
 

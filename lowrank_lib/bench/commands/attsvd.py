@@ -8,9 +8,14 @@ from __future__ import annotations
 import sys
 
 
+#: the AttSVD variants and the layer-scope eviction scorers (the composed cache has its own frontier, kv-frontier)
+DEFAULT_METHODS = ("attsvd", "attsvd-stream", "svd", "attsvd-km", "attsvd-ext", "streamingllm", "h2o", "snapkv",
+                   "keydiff", "h2o_norm", "expected_attention")
+
+
 def add_arguments(p) -> None:
-    from ...eval.methods import METHODS
     from ...executor import add_arguments as add_executor_arguments
+    from ...kv import METHODS
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--report", action="store_true", help="the report parameters (SmolLM2 up to 8k tokens)")
@@ -18,8 +23,8 @@ def add_arguments(p) -> None:
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int)
     p.add_argument("--budgets", type=float, nargs="+")
-    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "dense"], choices=METHODS)
-    p.add_argument("--window", type=int, default=32, help="AttSVD exact window w (also kept by eviction)")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=sorted(METHODS))
+    p.add_argument("--window", type=int, default=32, help="exact recent window w (AttSVD; eviction scorers without their own rule)")
     p.add_argument("--chunk", type=int, default=128, help="stream chunk l")
     p.add_argument("--step", type=int, default=32, help="teacher-forced continuation tokens per forward")
     p.add_argument("--lengths", type=int, nargs="*", help="long-context prompt lengths (empty: skip)")

@@ -26,9 +26,12 @@ def add_arguments(p) -> None:
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int, help="teacher-forced continuation tokens (default 64)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(FRONTIER_BUDGETS))
-    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=list(FRONTIER_EVICTION))
-    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK))
-    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=list(FRONTIER_COMPOSED))
+    from ...kv import METHODS, method_kind
+
+    by_kind = lambda k: sorted(n for n in METHODS if method_kind(n) == k)
+    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=by_kind("eviction"))
+    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK), choices=by_kind("lowrank"))
+    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=by_kind("composed"))
     p.add_argument("--window", type=int, default=32, help="exact recent window (AttSVD; policies without their own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard", default=None, help="K/N: only windows w with w %% N == K (merge the shards after)")
@@ -45,8 +48,7 @@ def run(a) -> int:
 
     import torch
 
-    from ...eval.kv_sweep import (FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_QUICK, FRONTIER_REPORT,
-                                  frontier_table, kv_frontier, merge_frontier)
+    from ...eval.kv_sweep import FRONTIER_QUICK, FRONTIER_REPORT, frontier_table, kv_frontier, merge_frontier
     from ..results import ResultFiles, slug
 
     if a.merge:
@@ -65,9 +67,8 @@ def run(a) -> int:
         k, n = (int(x) for x in a.shard.split("/"))
         ids = [w for w in range(windows) if w % n == k]
     args = dict(model_name=model, prefill=a.prefill or preset["prefill"], windows=windows,
-                cont=a.cont or preset["cont"], budgets=a.budgets,
-                eviction={e: FRONTIER_EVICTION[e] for e in a.eviction}, lowrank=a.lowrank,
-                composed={c: FRONTIER_COMPOSED[c] for c in a.composed}, window=a.window, seed=a.seed, window_ids=ids)
+                cont=a.cont or preset["cont"], budgets=a.budgets, policies=[*a.eviction, *a.lowrank, *a.composed],
+                window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
     meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor, "tasks": a.tasks}

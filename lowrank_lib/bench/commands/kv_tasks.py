@@ -21,7 +21,8 @@ QUICK = dict(model="tiny-gqa", lengths=[192, 320], n_per=1, max_new=8)
 
 
 def add_arguments(p) -> None:
-    from ...eval.kv_tasks import BUDGETS, DEFAULT_POLICIES, KINDS, TASKS
+    from ...eval.kv_tasks import ADAPTERS, BUDGETS, DEFAULT_POLICIES, TASKS
+    from ...kv import METHODS
 
     p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick, byte tokenizer)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prompts, one sample per task")
@@ -29,7 +30,9 @@ def add_arguments(p) -> None:
     p.add_argument("--n-per", type=int, default=None, help="samples per task and length (default 2)")
     p.add_argument("--tasks-list", nargs="+", default=list(TASKS), choices=["passkey", *TASKS])
     p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS))
-    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=sorted(KINDS))
+    p.add_argument("--policies", nargs="+", default=list(DEFAULT_POLICIES), choices=sorted(METHODS))
+    p.add_argument("--adapter", default="hf", choices=ADAPTERS,
+                   help="serve the caches through transformers (hf) or the runtime engine (engine)")
     p.add_argument("--max-new", type=int, default=None, help="answer tokens at most (default 24)")
     p.add_argument("--window", type=int, default=32, help="exact recent window of the low-rank caches")
     p.add_argument("--seed", type=int, default=0)
@@ -67,12 +70,14 @@ def run(a) -> int:
     samples = build_task_samples(tok, a.tasks_list, lengths, n_per, a.seed,
                                  getattr(model.config, "max_position_embeddings", None), max_new)
     args = dict(model=model_name, lengths=lengths, n_per=n_per, tasks=a.tasks_list, budgets=a.budgets,
-                policies=a.policies, max_new=max_new, window=a.window, seed=a.seed)
+                policies=a.policies, max_new=max_new, window=a.window, seed=a.seed, adapter=a.adapter)
     meta = {"args": args, "command": a.command_line, "torch_threads": torch.get_num_threads(),
             "protocol": "context compressed, question fed exactly through the compressed cache, greedy answer"}
-    files = ResultFiles(a.out, "kv_tasks", slug(model_name, "L" + "-".join(map(str, lengths)), f"n{n_per}"))
+    files = ResultFiles(a.out, "kv_tasks", slug(model_name, "L" + "-".join(map(str, lengths)), f"n{n_per}",
+                                                None if a.adapter == "hf" else a.adapter))
     res = evaluate_tasks(model, tok, samples, a.budgets, a.policies, a.window, max_new,
-                         checkpoint=lambda partial: files.write(partial | meta, txt=tasks_table(partial))) | meta
+                         checkpoint=lambda partial: files.write(partial | meta, txt=tasks_table(partial)),
+                         adapter=a.adapter) | meta
     txt = tasks_table(res)
     files.write(res, txt=txt)
     print(txt)
