@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lowrank_lib.bench.cli import COMMANDS, main
-from lowrank_lib.eval.kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, lowrank_budget
+from lowrank_lib.eval.kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
+from lowrank_lib.kv.methods.attsvd import rank_for_budget
 
 FIELDS = {"policy", "kind", "prefill", "budget", "bytes_ratio", "kl_mean", "kl_std", "ppl", "ppl_dense", "windows"}
 ARGS = ["kv-frontier", "--quick", "--windows", "2", "--budgets", "0.5", "0.25"]
@@ -66,8 +67,8 @@ def test_windows_as_sweep_tasks_equal_the_single_run(full, tmp_path):
         assert x["kl_mean"] == pytest.approx(y["kl_mean"], rel=1e-6) and y["windows"] == 2
 
 
-def test_lowrank_budget_fits_the_bytes():
+def test_attsvd_rank_fits_the_bytes():
     # Eq. 6 bytes / dense = (2r (2016 + 64) + 2 * 32 * 64) / (2 * 64 * 2048) <= 0.25  <=>  r <= 14.77
-    assert lowrank_budget(0.25, 2048, 64, 32) == 14 / 64
-    assert lowrank_budget(0.5, 2048, 64, 32) == 30 / 64
-    assert lowrank_budget(0.001, 2048, 64, 32) == 1 / 64     # never below rank 1
+    assert rank_for_budget(0.25, 2048, 64, 32) == 14
+    assert rank_for_budget(0.5, 2048, 64, 32) == 30
+    assert rank_for_budget(0.001, 2048, 64, 32) == 1         # never below rank 1
