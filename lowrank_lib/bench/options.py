@@ -8,7 +8,7 @@ import argparse
 import sys
 
 
-class _Deprecated(argparse.Action):
+class Deprecated(argparse.Action):
     """Store like the new flag and warn that the old spelling will go."""
 
     def __init__(self, option_strings, dest, new: str = "", split_commas: bool = False, **kw):
@@ -35,7 +35,7 @@ def add_list(p, flag: str, type_, default, help_: str, old: str | None = None) -
     p.add_argument(flag, nargs="+", action=Split, default=list(default), dest=dest,
                    help=f"{help_} (space-separated; default {' '.join(map(str, default))})")
     if old:
-        p.add_argument(old, nargs="+", dest=dest, action=_Deprecated, new=flag, split_commas=True, type=type_,
+        p.add_argument(old, nargs="+", dest=dest, action=Deprecated, new=flag, split_commas=True, type=type_,
                        help=argparse.SUPPRESS)
 
 
@@ -43,7 +43,7 @@ def _int_option(p, flag: str, default, help_: str, old: str | None) -> None:
     dest = flag.lstrip("-").replace("-", "_")
     p.add_argument(flag, type=int, default=default, dest=dest, help=f"{help_} (default {default})")
     if old:
-        p.add_argument(old, type=int, dest=dest, action=_Deprecated, new=flag, help=argparse.SUPPRESS)
+        p.add_argument(old, type=int, dest=dest, action=Deprecated, new=flag, help=argparse.SUPPRESS)
 
 
 def add_prompt_len(p, default: int, help_: str = "prompt tokens", old: str | None = None) -> None:

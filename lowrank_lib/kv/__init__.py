@@ -15,9 +15,18 @@
 - :mod:`.hf_adapter`: :class:`KVCache` (transformers ``Cache``), :func:`record` (a recorded prefill);
 - :mod:`.engine_adapter`: :class:`MethodStore` (the engine's ``KVStore``).
 """
-from .method import KVMethod, Prefill, RowFit
-from .registry import EVICTION_MODES, EXT_OBS_WINDOW, METHODS, make_method, method_kind
-from .tiers import Run, Segment, TieredLayer
+from importlib import import_module
 
-__all__ = ["EVICTION_MODES", "EXT_OBS_WINDOW", "KVMethod", "METHODS", "Prefill", "RowFit", "Run", "Segment",
-           "TieredLayer", "make_method", "method_kind"]
+# Names are imported on first use (PEP 562): ``kv.tiers`` is a leaf module the composed cache's math imports, and
+# the registry imports that math, so the package must not import its registry just because tiers is imported.
+_EXPORTS = {"KVMethod": "method", "Prefill": "method", "RowFit": "method", "Run": "tiers", "Segment": "tiers",
+            "TieredLayer": "tiers", "EVICTION_MODES": "registry", "EXT_OBS_WINDOW": "registry", "METHODS": "registry",
+            "make_method": "registry", "method_kind": "registry", "KVCache": "hf_adapter", "record": "hf_adapter",
+            "MethodStore": "engine_adapter"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -127,6 +127,7 @@ class KVCache(Cache):
         self.model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
         super().__init__(layers=[MethodLayer(self) for _ in range(geometry(model_or_config).n_layers)])
         self.prefill: Prefill | None = None
+        self.fit_info: dict = {}
         self._fitting = False
 
     # ------------------------------------------------------------------ construction from a recorded prefill
@@ -142,6 +143,7 @@ class KVCache(Cache):
         self.prefill = prefill
         for layer, state, K in zip(self.layers, states, prefill.keys):
             layer.load(state, prefill.length, K)
+        self.fit_info = self.method.describe(states, prefill)
 
     # ------------------------------------------------------------------ fitting after a live prefill
     def fit(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None) -> None:
@@ -212,8 +214,9 @@ class KVCache(Cache):
         return self.method.nbytes(self.states)
 
     def describe(self) -> dict:
-        """The method's report of the fitted state (bytes held right after the prefill over the dense bytes...)."""
-        return self.method.describe(self.states, self.prefill)
+        """The method's report of its fit, taken right after the prefill (bytes held over the dense prompt bytes:
+        the budget's meaning; tier counts; the method's own knobs). Bytes held now: :attr:`nbytes`."""
+        return self.fit_info
 
 
 @contextmanager

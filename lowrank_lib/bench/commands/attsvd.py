@@ -14,12 +14,17 @@ DEFAULT_METHODS = ("attsvd", "attsvd-stream", "svd", "attsvd-km", "attsvd-ext", 
 
 
 def add_arguments(p) -> None:
+    import argparse
+
+    from ..options import Deprecated
     from ...executor import add_arguments as add_executor_arguments
     from ...kv import METHODS
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--report", action="store_true", help="the report parameters (SmolLM2 up to 8k tokens)")
-    p.add_argument("--prefill", type=int, nargs="+")
+    p.add_argument("--prompt-len", type=int, nargs="+", help="prefill lengths of the quality windows (space-separated)")
+    p.add_argument("--prefill", type=int, nargs="+", dest="prompt_len", action=Deprecated, new="--prompt-len",
+                   help=argparse.SUPPRESS)
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int)
     p.add_argument("--budgets", type=float, nargs="+")
@@ -43,7 +48,7 @@ def run(a) -> int:
     from ..results import ResultFiles, slug
 
     preset = REPORT if a.report else QUICK
-    args = dict(model_name=a.model, prefill=a.prefill or preset["prefill"], windows=a.windows or preset["windows"],
+    args = dict(model_name=a.model, prefill=a.prompt_len or preset["prefill"], windows=a.windows or preset["windows"],
                 cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
                 window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
                 n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,

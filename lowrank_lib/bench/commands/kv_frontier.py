@@ -1,7 +1,7 @@
 """KV-memory frontier: every eviction, low-rank and composed cache at byte budgets 0.5 / 0.375 / 0.25 / 0.125.
 
     python -m lowrank_lib.bench kv-frontier                         # SmolLM2, prefill 2048, 8 windows, seed 0
-    python -m lowrank_lib.bench kv-frontier --prefill 2048 4096
+    python -m lowrank_lib.bench kv-frontier --prompt-len 2048 4096
     python -m lowrank_lib.bench kv-frontier --quick                 # tiny random model, seconds (the test)
     python -m lowrank_lib.bench kv-frontier --shard 0/2 & ... --shard 1/2; then --merge A.json B.json
     python -m lowrank_lib.bench kv-frontier --tasks 8 --executor ray [--address auto]   # one task per window set
@@ -18,11 +18,16 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    import argparse
+
+    from ..options import Deprecated
     from ...eval.kv_sweep import FRONTIER_BUDGETS, FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
 
     p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prefill, 2 windows")
-    p.add_argument("--prefill", type=int, nargs="+")
+    p.add_argument("--prompt-len", type=int, nargs="+", help="prefill lengths (space-separated; default 2048)")
+    p.add_argument("--prefill", type=int, nargs="+", dest="prompt_len", action=Deprecated, new="--prompt-len",
+                   help=argparse.SUPPRESS)
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int, help="teacher-forced continuation tokens (default 64)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(FRONTIER_BUDGETS))
@@ -66,7 +71,7 @@ def run(a) -> int:
     if a.shard:
         k, n = (int(x) for x in a.shard.split("/"))
         ids = [w for w in range(windows) if w % n == k]
-    args = dict(model_name=model, prefill=a.prefill or preset["prefill"], windows=windows,
+    args = dict(model_name=model, prefill=a.prompt_len or preset["prefill"], windows=windows,
                 cont=a.cont or preset["cont"], budgets=a.budgets, policies=[*a.eviction, *a.lowrank, *a.composed],
                 window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
