@@ -32,8 +32,8 @@ def test_frontier_rows_cover_every_policy_and_budget(full):
     assert {(r["budget"], r["windows"], r["prefill"]) for r in rows} == {(0.5, 2, 128), (0.25, 2, 128)}
     for r in rows:
         assert r["kl_mean"] >= 0 and r["ppl"] > 1 and r["ppl_dense"] > 1
-        if r["budget"] == 0.5:       # tiny prompts: forced windows and the rank-1 floor may exceed 0.25
-            assert r["bytes_ratio"] <= r["budget"] * 1.01, r
+        if r["budget"] == 0.5:       # tiny prompts: forced windows and the rank-1 floor may exceed 0.25; the
+            assert r["bytes_ratio"] <= r["budget"] * 1.02, r    # segment descriptors are ~1 % of 128 tokens' bytes
     assert {(b["prefill"], b["budget"]) for b in res["best"]} == {(128, 0.5), (128, 0.25)}
     assert (out / "kv_frontier.txt").read_text().count("target") == 2
 

@@ -13,6 +13,7 @@ memory ratio; long-context exact / partial match) through ``lowrank_lib.bench.re
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -82,16 +83,43 @@ def sweep_method(name: str, budget: float, window: int, chunk: int):
     return make_method(name, budget, **opts)
 
 
-def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, budgets: list[float],
-                 methods: list[str], window: int, chunk: int, lengths: list[int], n_per: int, tasks: list[str],
-                 step: int, seed: int, longctx_budgets: list[float], progress: bool = True, checkpoint=None) -> dict:
-    """Quality of every ``method`` (registry names) at every byte budget for each prefill length, then long-context
-    tasks; ``checkpoint(partial)`` is called after each finished prefill length (long runs keep their results)."""
+@dataclass
+class SweepConfig:
+    """What ``bench attsvd`` measures: every method (registry names) at every byte budget on ``windows`` WikiText-2
+    windows of each prompt length (+ ``cont`` teacher-forced tokens fed ``step`` at a time), then long-context tasks
+    of ``lengths`` tokens (``n_per`` per task) at ``longctx_budgets``."""
+
+    model: str = "smollm2"
+    prompt_len: list[int] = field(default_factory=lambda: list(QUICK["prefill"]))
+    windows: int = QUICK["windows"]
+    cont: int = QUICK["cont"]
+    budgets: list[float] = field(default_factory=lambda: list(QUICK["budgets"]))
+    methods: list[str] = field(default_factory=list)
+    window: int = 32
+    chunk: int = 128
+    lengths: list[int] = field(default_factory=list)
+    n_per: int = 1
+    tasks: list[str] = field(default_factory=list)
+    step: int = 32
+    seed: int = 0
+    longctx_budgets: list[float] = field(default_factory=lambda: [0.5])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def budget_sweep(cfg: SweepConfig, progress: bool = True, checkpoint=None) -> dict:
+    """Quality of every method of ``cfg`` at every byte budget for each prompt length, then long-context tasks;
+    ``checkpoint(partial)`` is called after each finished prompt length (long runs keep their results)."""
     from .. import models
     from . import kvquality, longctx
 
+    c = cfg
+    prefill, windows, cont, budgets, methods = c.prompt_len, c.windows, c.cont, c.budgets, c.methods
+    window, chunk, lengths, n_per, tasks, step, seed = c.window, c.chunk, c.lengths, c.n_per, c.tasks, c.step, c.seed
+    longctx_budgets = c.longctx_budgets
     torch.manual_seed(seed)
-    model, tok = models.load(model_name)
+    model, tok = models.load(c.model)
     model.eval()
     specs = {f"{m}@{b:g}": sweep_method(m, b, window, chunk) for b in budgets for m in methods if m != "dense"}
     res: dict = {"quality": {}, "targets": {}, "timing_s": {}}
@@ -228,24 +256,46 @@ def frontier_caches(model, prefill, policies, budgets, window: int = 32):
             yield name, method_kind(name), b, KVCache.from_prefill(frontier_method(name, b, window), prefill, model)
 
 
-def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, budgets=FRONTIER_BUDGETS,
-                policies=(*FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED), window: int = 32, seed: int = 0,
-                window_ids: list[int] | None = None, progress: bool = True, checkpoint=None, model=None,
-                tok=None) -> dict:
-    """The frontier: for each prefill length and each of ``windows`` WikiText-2 windows (seed ``seed``; only
-    ``window_ids`` of them if given, for sharded runs), record the prefill once, then every method at every
-    budget: KL(dense || method) per continuation token, NLL, bytes really held after the prefill.
+@dataclass
+class FrontierConfig:
+    """What ``bench kv-frontier`` measures: for each prompt length and each of ``windows`` WikiText-2 windows (seed
+    ``seed``; only ``window_ids`` of them if given, for sharded runs), every policy (registry names) at every byte
+    budget, on ``cont`` teacher-forced continuation tokens; ``window``: the low-rank methods' exact window."""
+
+    model: str = "smollm2"
+    prompt_len: list[int] = field(default_factory=lambda: list(FRONTIER_REPORT["prefill"]))
+    windows: int = FRONTIER_REPORT["windows"]
+    cont: int = FRONTIER_REPORT["cont"]
+    budgets: list[float] = field(default_factory=lambda: list(FRONTIER_BUDGETS))
+    policies: list[str] = field(default_factory=lambda: [*FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED])
+    window: int = 32
+    seed: int = 0
+    window_ids: list[int] | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_windows(self, ids: list[int]) -> "FrontierConfig":
+        return replace(self, window_ids=list(ids))
+
+
+def kv_frontier(cfg: FrontierConfig, progress: bool = True, checkpoint=None, model=None, tok=None) -> dict:
+    """The frontier of ``cfg``: per window, record the prefill once, then every method at every budget:
+    KL(dense || method) per continuation token, NLL, bytes really held after the prefill.
     ``checkpoint(result)`` after every window (rows aggregate the windows done so far)."""
     from tqdm.auto import tqdm
 
     from .. import models
     from ..kv.hf_adapter import dense_cache, record
 
+    prefill, windows, cont, budgets, policies = cfg.prompt_len, cfg.windows, cfg.cont, cfg.budgets, cfg.policies
+    window, seed, window_ids = cfg.window, cfg.seed, cfg.window_ids
+
     bad = [p for p in policies if p not in METHODS or method_kind(p) == "dense"]
     if bad:
         raise ValueError(f"kv_frontier: unknown or dense policies {bad}; choose from the KV registry {sorted(METHODS)}")
     if model is None:
-        model, tok = models.load(model_name)
+        model, tok = models.load(cfg.model)
     model.eval()
     per_window: list[dict] = []
     dense_nll: dict = {}

@@ -43,22 +43,22 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     import torch
 
-    from ...eval.kv_sweep import QUICK, REPORT, table
+    from ...eval.kv_sweep import QUICK, REPORT, SweepConfig, table
     from ...executor import SweepError, Task, from_args, run_sweep
     from ..results import ResultFiles, slug
 
     preset = REPORT if a.report else QUICK
-    args = dict(model_name=a.model, prefill=a.prompt_len or preset["prefill"], windows=a.windows or preset["windows"],
-                cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
-                window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
-                n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
-                longctx_budgets=a.longctx_budgets)
-    files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, args["prefill"])), f"n{args['windows']}"))
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+    cfg = SweepConfig(model=a.model, prompt_len=a.prompt_len or preset["prefill"], windows=a.windows or preset["windows"],
+                      cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
+                      window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
+                      n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
+                      longctx_budgets=a.longctx_budgets)
+    files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, cfg.prompt_len)), f"n{cfg.windows}"))
+    meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor}
-    tasks = [Task(f"quality_{P}", stage, (args, [P], [])) for P in args["prefill"]]
-    if args["lengths"] and args["tasks"]:
-        tasks.append(Task("longctx", stage, (args, [], args["lengths"])))
+    tasks = [Task(f"quality_{P}", stage, (cfg, [P], [])) for P in cfg.prompt_len]
+    if cfg.lengths and cfg.tasks:
+        tasks.append(Task("longctx", stage, (cfg, [], cfg.lengths)))
     done: dict = {}
 
     def finished(name, part):       # the result so far, rewritten after every task
@@ -78,11 +78,13 @@ def run(a) -> int:
     return 0
 
 
-def stage(args: dict, prefill: list[int], lengths: list[int]) -> dict:
-    """One sweep task: :func:`budget_sweep` on some prefill lengths and/or the long-context lengths."""
+def stage(cfg, prompt_len: list[int], lengths: list[int]) -> dict:
+    """One sweep task: :func:`budget_sweep` on some prompt lengths and/or the long-context lengths."""
+    from dataclasses import replace
+
     from ...eval.kv_sweep import budget_sweep
 
-    return budget_sweep(**(args | {"prefill": prefill, "lengths": lengths}))
+    return budget_sweep(replace(cfg, prompt_len=prompt_len, lengths=lengths))
 
 
 def merge(parts: dict, order: list[str]) -> dict:

@@ -53,7 +53,8 @@ def run(a) -> int:
 
     import torch
 
-    from ...eval.kv_sweep import FRONTIER_QUICK, FRONTIER_REPORT, frontier_table, kv_frontier, merge_frontier
+    from ...eval.kv_sweep import FRONTIER_QUICK, FRONTIER_REPORT, FrontierConfig, frontier_table, kv_frontier, \
+        merge_frontier
     from ..results import ResultFiles, slug
 
     if a.merge:
@@ -71,20 +72,20 @@ def run(a) -> int:
     if a.shard:
         k, n = (int(x) for x in a.shard.split("/"))
         ids = [w for w in range(windows) if w % n == k]
-    args = dict(model_name=model, prefill=a.prompt_len or preset["prefill"], windows=windows,
-                cont=a.cont or preset["cont"], budgets=a.budgets, policies=[*a.eviction, *a.lowrank, *a.composed],
-                window=a.window, seed=a.seed, window_ids=ids)
+    cfg = FrontierConfig(model=model, prompt_len=a.prompt_len or preset["prefill"], windows=windows,
+                         cont=a.cont or preset["cont"], budgets=a.budgets,
+                         policies=[*a.eviction, *a.lowrank, *a.composed], window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+    meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor, "tasks": a.tasks}
     if a.tasks <= 1 and a.executor == "serial":
-        res = kv_frontier(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+        res = kv_frontier(cfg, checkpoint=lambda partial: files.write(partial | meta)) | meta
     else:
         from ...executor import SweepError, Task, from_args, run_sweep
 
         mine = ids if ids is not None else list(range(windows))
         groups = [g for g in (mine[i::a.tasks] for i in range(max(a.tasks, 1))) if g]
-        tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, kwargs=args | {"window_ids": g}) for g in groups]
+        tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, (cfg.with_windows(g),)) for g in groups]
         parts = []
 
         def merged_so_far(name, part):
