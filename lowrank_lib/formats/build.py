@@ -46,7 +46,7 @@ from torch import nn
 from ..factorized import LowRankLinear, account, set_module, shared_groups, untie_lm_head
 from .derived import split_derived
 from .errors import CheckpointError, brief, fail
-from .lazy import LazyTensor, count_nonfinite, stream
+from .lazy import LazyTensor, count_nonfinite, one_thread, stream
 
 #: Llama-family architecture fields read from a (pickled, 4.x or 5.x) config.
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -218,6 +218,10 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).replace("torch.", "")
 
 
+#: Seconds a load runs before its progress bar appears (tqdm's ``delay``).
+PROGRESS_DELAY = 2.0
+
+
 class _Progress:
     """tqdm on stderr (bytes and tensors) for a load that takes more than ~2 s; silent otherwise."""
 
@@ -228,7 +232,8 @@ class _Progress:
 
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=2.0, file=sys.stderr,
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=PROGRESS_DELAY,
+                            file=sys.stderr,
                             desc=f"loading {Path(source).name}", leave=False)
 
     def update(self, nbytes: int) -> None:
@@ -345,21 +350,23 @@ def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source:
     bad = {}
     stored_b: dict[str, int] = {}
     try:
-        for key, t in order:
-            c, ok = stream(t, dtype, bar.update)
-            stored_b[_dtype_name(t.dtype)] = stored_b.get(_dtype_name(t.dtype), 0) + t.nbytes
-            loaded[id(t)] = c
-            bar.tensor_done()
-            if ok:
-                continue
-            nan, inf, first = count_nonfinite(c)
-            after = ""
-            if dtype is not None and t.dtype != dtype and count_nonfinite(t.load()) is None:
-                after = f" after casting to {dtype}"
-            if not allow_nonfinite:
-                fail(source, f"tensor '{key}' holds {nan} NaN and {inf} Inf values{after} (first at index {first}); "
-                             f"refusing. load_checkpoint(..., allow_nonfinite=True) loads it for inspection", key=key)
-            bad[key] = {"nan": nan, "inf": inf, "first": list(first)}
+        with one_thread():
+            for key, t in order:
+                c, ok = stream(t, dtype, bar.update)
+                stored_b[_dtype_name(t.dtype)] = stored_b.get(_dtype_name(t.dtype), 0) + t.nbytes
+                loaded[id(t)] = c
+                bar.tensor_done()
+                if ok:
+                    continue
+                nan, inf, first = count_nonfinite(c)
+                after = ""
+                if dtype is not None and t.dtype != dtype and count_nonfinite(t.load()) is None:
+                    after = f" after casting to {dtype}"
+                if not allow_nonfinite:
+                    fail(source, f"tensor '{key}' holds {nan} NaN and {inf} Inf values{after} (first at index "
+                                 f"{first}); refusing. load_checkpoint(..., allow_nonfinite=True) loads it for "
+                                 f"inspection", key=key)
+                bad[key] = {"nan": nan, "inf": inf, "first": list(first)}
     finally:
         bar.close()
 

@@ -116,9 +116,11 @@ def _check_inv_freq(key, t, inv, rtype, factor, head_dim, source):
         return
     t = _value(t)
     rtol = max(1e-3, _tol(t.dtype))     # fp16-rounded frequencies pass; another theta / head_dim does not
-    ok, diff = _close(t, inv, 0.0, rtol)
+    fi = torch.finfo(t.dtype)
+    atol = 2 * fi.tiny * fi.eps         # fp16 subnormals (theta 500000 gives frequencies down to 3e-6)
+    ok, diff = _close(t, inv, atol, rtol)
     if not ok and factor:
-        ok, _ = _close(t, inv * factor, 0.0, rtol)    # 4.x LinearScaling stored the unscaled frequencies
+        ok, _ = _close(t, inv * factor, atol, rtol)    # 4.x LinearScaling stored the unscaled frequencies
     if not ok:
         fail(source, f"derived buffer '{key}' does not match the config's RoPE (rope_type {rtype}, head_dim "
                      f"{head_dim}): max abs diff {diff:.3g} from the expected frequencies {_head(inv)}, found "

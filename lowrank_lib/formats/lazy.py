@@ -34,8 +34,11 @@ A loaded model whose tensors kept their stored dtype reads the file's pages, lik
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import zlib
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterator
 
 import torch
@@ -328,6 +331,21 @@ def count_nonfinite(t: torch.Tensor, chunk_elems: int = 1 << 22) -> tuple[int, i
 
 
 # --------------------------------------------------------------------------- streaming one tensor
+@contextlib.contextmanager
+def one_thread():
+    """Intra-op threads set to 1 for the block (restored after). The streamed work is one memory-bound op
+    per 8 MB chunk: an OpenMP parallel region per chunk costs more than it saves, and on a shared
+    machine its barrier waits for a busy core (measured: 0.5 GB/s with 2 threads, 5 GB/s with 1)."""
+    n = torch.get_num_threads()
+    if n != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if n != 1:
+            torch.set_num_threads(n)
+
+
 def _ranges(n: int, step: int) -> Iterator[tuple[int, int]]:
     for a in range(0, n, step):
         yield a, min(n, a + step)
@@ -374,6 +392,20 @@ def stream(lt: LazyTensor, dtype: torch.dtype | None, on_bytes: Callable[[int], 
     return dest, ok
 
 
+_CRC_WORKER: ThreadPoolExecutor | None = None
+#: Chunks the CRC worker may run ahead of the cast / scan (bounds the source pages resident at once).
+CRC_AHEAD = 4
+
+
+def _crc_worker() -> ThreadPoolExecutor:
+    """One background thread computing record CRCs while the caller casts and scans (``zlib.crc32`` releases
+    the GIL): on two cores the CRC (2.5 GB/s, the slowest step) overlaps the rest of the pass."""
+    global _CRC_WORKER
+    if _CRC_WORKER is None:
+        _CRC_WORKER = ThreadPoolExecutor(1, thread_name_prefix="lowrank-crc")
+    return _CRC_WORKER
+
+
 def _stream_record(lt: LazyTensor, rec: Record, cast: bool, out_dtype: torch.dtype, tick) -> tuple[torch.Tensor, bool]:
     """The fused pass over one whole mapped record (see :func:`stream`)."""
     es = lt.dtype.itemsize
@@ -383,22 +415,45 @@ def _stream_record(lt: LazyTensor, rec: Record, cast: bool, out_dtype: torch.dty
     src = base.view(lt.dtype) if aligned else None
     dest = torch.empty(lt.numel(), dtype=out_dtype) if copy else src
     dest_bytes = dest.view(torch.uint8) if copy and not cast else None
-    ok, crc = True, 0
-    for a, b in _ranges(lt.numel(), max(1, CHUNK_BYTES // es)):
-        a8, n8 = a * es, (b - a) * es
-        if not rec.verified:
-            crc = rec.mapping.crc(rec.offset + a8, n8, crc)
-        if copy:
-            if dest_bytes is not None:                      # unaligned, same dtype: a byte copy
-                dest_bytes[a8:a8 + n8].copy_(base[a8:a8 + n8])
+    chunks = list(_ranges(lt.numel(), max(1, CHUNK_BYTES // es)))
+    crc = [0]
+    pending: deque = deque()
+
+    def crc_chunk(a8: int, n8: int) -> None:           # runs in the worker, chunks in order
+        crc[0] = rec.mapping.crc(rec.offset + a8, n8, crc[0])
+
+    def submit(i: int) -> None:
+        if not rec.verified and i < len(chunks):
+            a, b = chunks[i]
+            if CRC_AHEAD:
+                pending.append(_crc_worker().submit(crc_chunk, a * es, (b - a) * es))
             else:
-                s = src[a:b] if aligned else base[a8:a8 + n8].clone().view(lt.dtype)
-                dest[a:b].copy_(s)
-            rec.release(a8, n8)
-        ok = ok and finite(dest[a:b])
-        tick(n8)
+                crc_chunk(a * es, (b - a) * es)
+
+    for i in range(max(1, CRC_AHEAD)):
+        submit(i)
+    ok = True
+    try:
+        for i, (a, b) in enumerate(chunks):
+            a8, n8 = a * es, (b - a) * es
+            if copy:
+                if dest_bytes is not None:                      # unaligned, same dtype: a byte copy
+                    dest_bytes[a8:a8 + n8].copy_(base[a8:a8 + n8])
+                else:
+                    s = src[a:b] if aligned else base[a8:a8 + n8].clone().view(lt.dtype)
+                    dest[a:b].copy_(s)
+            ok = ok and finite(dest[a:b])
+            if pending:
+                pending.popleft().result()                       # chunk i's CRC is done: its pages may go
+            if copy:
+                rec.release(a8, n8)
+            submit(i + max(1, CRC_AHEAD))
+            tick(n8)
+    finally:
+        for f in pending:
+            f.result()
     if not rec.verified:
-        rec.check_crc(crc)
+        rec.check_crc(crc[0])
     if copy:
         rec.release()
     return dest.view(lt.shape), ok
