@@ -234,7 +234,7 @@ class _Progress:
 
             self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=PROGRESS_DELAY,
                             file=sys.stderr,
-                            desc=f"loading {Path(source).name}", leave=False)
+                            desc=f"loading {Path(source).name}", leave=False, postfix=f"0/{n} tensors")
 
     def update(self, nbytes: int) -> None:
         if self.bar is not None:
@@ -243,7 +243,7 @@ class _Progress:
     def tensor_done(self) -> None:
         self.done += 1
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{self.done}/{self.n} tensors", refresh=False)
+            self.bar.set_postfix_str(f"{self.done}/{self.n} tensors", refresh=self.done == self.n)
 
     def close(self) -> None:
         if self.bar is not None:
