@@ -38,7 +38,7 @@ from ..factorized import LLAMA_PARENT, LLAMA_PROJ, LowRankLinear, set_module
 from ..ranks import basis_sharing_num_basis, keep_rank
 from .models import LLAMA7B
 
-GB = 1 << 30
+GB = 1 << 30          # GiB: sizes in the tables; throughput is file bytes / 1e9 per second
 
 #: Geometries (``LlamaConfig`` fields). ``llama-3.2-1b``: the issue's file (untied head, 2048 positions:
 #: SVD-LLM's evaluation length; 4.18 GB as SVD-LLM v1 at keep 0.8). ``test``: files of 200-400 MB.
@@ -398,7 +398,7 @@ def load_in_child(jobs: list[dict], timeout: float = 1800) -> list[dict]:
 def contract(row: dict) -> dict:
     """The memory and speed contract of one successful row (the README's numbers)."""
     over = row["peak_rss"] - row["baseline_rss"]
-    limit = 1.15 * row["model_bytes"] + 0.5 * GB
+    limit = 1.15 * row["model_bytes"] + 0.5e9
     return {"peak_over_baseline": over, "rss_limit": int(limit), "within_rss_limit": over <= limit,
             "file_GBps": row["file_bytes"] / row["wall_s"] / 1e9}
 
@@ -456,18 +456,18 @@ def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: 
 
 def _line(r: dict) -> str:
     if not r.get("ok"):
-        return (f"{r['family']:<14} {'refused' if r['refusal'] else 'FAILED':<8} file {r['file_bytes'] / GB:6.2f} GB  "
-                f"{r['wall_s']:6.2f} s  peak-base {(r['peak_rss'] - r['baseline_rss']) / GB:5.2f} GB  "
+        return (f"{r['family']:<14} {'refused' if r['refusal'] else 'FAILED':<8} file {r['file_bytes'] / GB:6.2f} GiB  "
+                f"{r['wall_s']:6.2f} s  peak-base {(r['peak_rss'] - r['baseline_rss']) / GB:5.2f} GiB  "
                 f"{r.get('error')}: {r.get('message', '')[:80]}")
-    return (f"{r['family']:<14} {r['dtype']:<8} file {r['file_bytes'] / GB:6.2f} GB  model {r['model_bytes'] / GB:6.2f} GB"
-            f"  {r['wall_s']:6.2f} s  {r['file_GBps']:5.2f} GB/s  peak-base {r['peak_over_baseline'] / GB:5.2f} GB"
-            f" (limit {r['rss_limit'] / GB:5.2f})  base {r['baseline_rss'] / GB:4.2f} GB")
+    return (f"{r['family']:<14} {r['dtype']:<8} file {r['file_bytes'] / GB:6.2f} GiB  model {r['model_bytes'] / GB:6.2f} GiB"
+            f"  {r['wall_s']:6.2f} s  {r['file_GBps']:5.2f} GB/s  peak-base {r['peak_over_baseline'] / GB:5.2f} GiB"
+            f" (limit {r['rss_limit'] / GB:5.2f})  base {r['baseline_rss'] / GB:4.2f} GiB")
 
 
 def format_table(res: dict) -> str:
     head = (f"checkpoint loads at shape {res['shape']} (keep {res['keep']}); {res['machine']}; load average "
             f"{res['load_average']}; copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s\n\n"
-            "| family | shape | dtype | file GB | model GB | wall s | file GB/s | peak - baseline GB | limit GB | ok |\n"
+            "| family | shape | dtype | file GiB | model GiB | wall s | file GB/s | peak - baseline GiB | limit GiB | ok |\n"
             "|---|---|---|---|---|---|---|---|---|---|\n")
     out = []
     for r in res["rows"]:
