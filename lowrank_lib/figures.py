@@ -186,21 +186,19 @@ def image(r: Rendered):
     return Image(data=r.png, format="png", width=r.display_width)
 
 
-def show(fig, path: str | Path | None = None, name: str | None = None, handle=None):
-    """Save (optionally), check and display ``fig`` in place of matplotlib's inline copy, then close it.
-
-    ``handle``: an IPython ``DisplayHandle`` to update instead of displaying a new output (a slider's view).
-    Returns the rendering.
-    """
+def as_image(fig, path: str | Path | None = None, name: str | None = None):
+    """:func:`save` ``fig`` (checked; written to ``path`` when given), close it, and return it as an IPython
+    image at its true size: what a slider panel's view shows (matplotlib's inline copy never appears)."""
     import matplotlib.pyplot as plt
-    from IPython.display import display
 
     try:
-        r = save(fig, path, name)
+        return image(save(fig, path, name))
     finally:
         plt.close(fig)
-    if handle is not None:
-        handle.update(image(r))
-    else:
-        display(image(r))
-    return r
+
+
+def show(fig, path: str | Path | None = None, name: str | None = None):
+    """:func:`as_image`, displayed as a new output of the running cell."""
+    from IPython.display import display
+
+    display(as_image(fig, path, name))
