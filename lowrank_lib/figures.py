@@ -90,9 +90,43 @@ def _texts(fig):
             yield t
 
 
+def _box(t, renderer):
+    """The text's ORIENTED box in display pixels: (centre x, centre y, width, height, angle in radians).
+
+    The axis-aligned extent of a rotated text is far larger than its glyphs (two tick labels rotated by 30
+    degrees have overlapping extents while their slanted strips are apart), so overlaps are tested on the
+    rotated rectangle: its centre is the centre of the rotated extent, its size the unrotated extent's."""
+    import math
+
+    rot = t.get_rotation()
+    ext = t.get_window_extent(renderer)
+    if rot % 90 == 0:
+        return ((ext.x0 + ext.x1) / 2, (ext.y0 + ext.y1) / 2, ext.width, ext.height, 0.0)
+    t.set_rotation(0)
+    flat = t.get_window_extent(renderer)
+    t.set_rotation(rot)
+    return ((ext.x0 + ext.x1) / 2, (ext.y0 + ext.y1) / 2, flat.width, flat.height, math.radians(rot))
+
+
 def _overlap(a, b, tol: float = 1.0) -> bool:
-    """Whether two display boxes overlap by more than ``tol`` pixels in both directions."""
-    return (min(a.x1, b.x1) - max(a.x0, b.x0) > tol) and (min(a.y1, b.y1) - max(a.y0, b.y0) > tol)
+    """Whether two oriented boxes (:func:`_box`) overlap by more than ``tol`` pixels along every separating
+    axis (the separating-axis test for two rectangles)."""
+    import math
+
+    def corners(bx):
+        cx, cy, w, h, th = bx
+        c, s = math.cos(th), math.sin(th)
+        return [(cx + dx * c - dy * s, cy + dx * s + dy * c) for dx, dy in
+                ((-w / 2, -h / 2), (w / 2, -h / 2), (w / 2, h / 2), (-w / 2, h / 2))]
+
+    pa, pb = corners(a), corners(b)
+    for th in (a[4], a[4] + math.pi / 2, b[4], b[4] + math.pi / 2):
+        ax, ay = math.cos(th), math.sin(th)
+        ra = [x * ax + y * ay for x, y in pa]
+        rb = [x * ax + y * ay for x, y in pb]
+        if min(max(ra), max(rb)) - max(min(ra), min(rb)) <= tol:
+            return False
+    return True
 
 
 def _ax_name(fig, ax) -> str:
@@ -112,7 +146,7 @@ def _tick_labels(ax, axis, renderer):
             loc = tick.get_loc()
             if loc is None or not (lo - 1e-9 * abs(hi - lo) <= loc <= hi + 1e-9 * abs(hi - lo)):
                 continue
-            out.append((loc, lab, lab.get_window_extent(renderer)))
+            out.append((loc, lab, _box(lab, renderer)))
     return sorted(out, key=lambda t: t[0])
 
 
@@ -144,7 +178,7 @@ def check(fig, rendered: Rendered | None = None) -> list[str]:
                                     f"overlap (fewer ticks, a smaller font of at least {MIN_PT:g} pt, rotation or a "
                                     f"larger figure)")
                     break
-        notes = [(t, t.get_window_extent(renderer)) for t in ax.texts if t.get_visible() and t.get_text().strip()]
+        notes = [(t, _box(t, renderer)) for t in ax.texts if t.get_visible() and t.get_text().strip()]
         clash = [(a, b) for i, (a, ba) in enumerate(notes) for b, bb in notes[i + 1:] if _overlap(ba, bb)]
         if clash:
             a, b = clash[0]
@@ -154,7 +188,7 @@ def check(fig, rendered: Rendered | None = None) -> list[str]:
                           *(ax._left_title for ax in fig.axes if ax.get_visible()),
                           *(ax._right_title for ax in fig.axes if ax.get_visible()), *fig.texts]
               if t.get_visible() and t.get_text().strip()]
-    boxes = [(t, t.get_window_extent(renderer)) for t in titles]
+    boxes = [(t, _box(t, renderer)) for t in titles]
     for i, (a, ba) in enumerate(boxes):
         for b, bb in boxes[i + 1:]:
             if _overlap(ba, bb):

@@ -98,3 +98,17 @@ def test_save_raises_in_error_mode_warns_in_warn_mode(tmp_path, monkeypatch):
     monkeypatch.setenv(figures.CHECK_ENV, "loud")
     with pytest.raises(ValueError, match="error, warn or off"):
         figures.mode()
+
+
+def test_rotated_labels_are_tested_as_rotated_rectangles():
+    """Slanted tick labels whose extents overlap but whose strips are apart pass; crowded ones still fail."""
+    fig, ax = plt.subplots(figsize=(6.5, 3.4))
+    types = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    ax.bar(types, range(7))
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    assert figures.check(fig) == []
+    fig2, ax2 = plt.subplots(figsize=(2.5, 3))
+    ax2.bar(range(12), range(12))
+    ax2.set_xticks(range(12), [f"a long label {i}" for i in range(12)], rotation=30, ha="right")
+    assert any("x tick labels" in p for p in figures.check(fig2))

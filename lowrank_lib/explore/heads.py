@@ -172,7 +172,7 @@ def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: i
                                        ("raw", f"raw SVD r={r} (TV {top['tv_raw']:.3f})"))):
         ax.bar(x + (i - 1) * w, top[name], w, color=COLORS[name], label=label)
     names = [f"{labels[p][:10]!r} @{p}" if labels is not None else f"@{p}" for p in top["positions"]]
-    ax.set_xticks(x, names, fontsize=8, rotation=70, ha="right", rotation_mode="anchor")
+    ax.set_xticks(x, names, fontsize=8, rotation=90)
     ax.set(ylabel="attention of the last query",
            title=f"top {len(x)} keys ({top['top_mass_dense']:.0%} of dense attention)")
     ax.legend(fontsize=8)

@@ -146,6 +146,7 @@ class NotebookContext:
         self.figures: list[str] = []
         self.metrics_path: Path | None = None
         self.started = time.time()
+        plain_text_views()
 
     def _writable(self, path: Path) -> Path:
         if not self.overwrite_tracked and _git_tracked(path):
@@ -198,6 +199,29 @@ class NotebookContext:
         banner(text, kind)
 
 
+def plain_text_views() -> None:
+    """In a kernel: give tables (pandas ``Styler``), Markdown and images a plain-text form worth reading (the
+    table itself, the Markdown source, ``[figure W x H px]``) instead of ``<... object at 0x7f...>``, the text
+    a plain-text viewer, a diff or a test sees of the output. Idempotent; nothing outside a kernel."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, Markdown
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None:
+        return
+    fmt = ip.display_formatter.formatters["text/plain"]
+    try:
+        from pandas.io.formats.style import Styler
+
+        fmt.for_type(Styler, lambda obj, p, cycle: p.text(obj.data.to_string()))
+    except ImportError:
+        pass
+    fmt.for_type(Markdown, lambda obj, p, cycle: p.text(obj.data or ""))
+    fmt.for_type(Image, lambda obj, p, cycle: p.text(f"[figure {obj.width or '?'} px wide]"))
+
+
 @contextlib.contextmanager
 def working():
     """Run a block with its progress shown live in a transient area, and none of it left in the output.
@@ -232,6 +256,7 @@ def working():
     if failed is not None:
         raise failed
     handle.update({"text/plain": ""}, raw=True)
+    area.clear_output()             # a saved state of the closed area (papermill keeps one) holds no progress
     for mid in [m for m in list(instances) if m not in before]:
         w = instances.get(mid)
         if w is not None:
@@ -250,8 +275,8 @@ def banner(text: str, kind: str = "warning") -> None:
 
     style = BANNER_STYLE[kind]
     display({"text/html": f'<div style="{style};padding:8px 12px;border-radius:4px;font-size:14px;'
-                          f'margin:4px 0"><b>{"Note" if kind == "info" else "Warning"}:</b> {html.escape(text)}</div>',
-             "text/plain": f"{'NOTE' if kind == 'info' else 'WARNING'}: {text}"}, raw=True)
+                          f'margin:4px 0"><b>{"Note" if kind == "info" else "Read with care"}:</b> {html.escape(text)}</div>',
+             "text/plain": f"{'NOTE' if kind == 'info' else 'READ WITH CARE'}: {text}"}, raw=True)
 
 
 def timing_banner(ci: bool, repeats: int | None = None) -> str | None:
@@ -334,12 +359,25 @@ def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool
         pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
                             kernel_name=kernel, cwd=str(base), progress_bar=progress,
                             request_save_on_cell_execute=False)
+    _prune(out_nb)
     metrics_path = base / params["OUT_DIR"] / "metrics.json"
     if not metrics_path.exists():
         raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
     print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
           file=sys.stderr, flush=True)
     return json.loads(metrics_path.read_text())
+
+
+def _prune(path: Path) -> None:
+    """Rewrite the executed notebook without the saved state of widgets no output shows
+    (:func:`lowrank_lib.notebooks.html.prune_widget_state`: closed progress bars and areas)."""
+    import nbformat
+
+    from .html import prune_widget_state
+
+    nb = nbformat.read(path, as_version=4)
+    if prune_widget_state(nb):
+        nbformat.write(nb, path)
 
 
 def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True,

@@ -73,6 +73,27 @@ def offline_notebook(nb):
     return nb
 
 
+def prune_widget_state(nb) -> int:
+    """Drop the saved state of every widget model no output shows (directly or as a child, layout or style of
+    one that does): closed progress bars and progress areas. Returns how many models were dropped."""
+    states = _widget_states(nb)
+    if not states:
+        return 0
+    todo = [o["data"][WIDGET_MIME].get("model_id") for c in nb.cells if c.cell_type == "code"
+            for o in c.get("outputs", []) if WIDGET_MIME in o.get("data", {})]
+    keep: set[str] = set()
+    while todo:
+        mid = todo.pop()
+        if mid in keep or mid not in states:
+            continue
+        keep.add(mid)
+        todo += re.findall(r"IPY_MODEL_([0-9a-f]+)", json.dumps(states[mid].get("state", {})))
+    dropped = [m for m in states if m not in keep]
+    for m in dropped:
+        del states[m]
+    return len(dropped)
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
@@ -141,7 +162,8 @@ def write_index(reports_dir: str | Path, names: list[str]) -> Path:
 
 
 # --------------------------------------------------------------------------- freshness and cleanliness
-WARNING_RE = re.compile(r"\b\w*(Warning|Deprecat\w*):")
+#: a Python warning as printed (``FutureWarning: ...``, ``UserWarning: ...``): a class name ending in Warning
+WARNING_RE = re.compile(r"\b[A-Z][A-Za-z]*[a-z]Warning: ")
 NEG_ZERO_RE = re.compile(r"(?<![\w.])-0\.0+(?![\d.eE]*[1-9])\b")
 
 

@@ -132,10 +132,24 @@ class Lab:
     """One Chromium page on the JupyterLab server, with the few gestures the tests need."""
 
     def __init__(self, page, base: str, token: str, nbdir: Path):
-        self.page, self.base, self.token, self.nbdir = page, base, token, nbdir
+        self.base, self.token, self.nbdir = base, token, nbdir
         self.console: list[str] = []
+        self._watch(page)
+
+    def _watch(self, page):
+        self.page = page
         page.on("console", lambda m: self.console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+
+    def new_page(self):
+        """Close this page, stop every kernel, and continue on a fresh page with no saved workspace: a person
+        opening the saved notebook again later."""
+        context = self.page.context
+        self.page.close()
+        self.shutdown_kernels()
+        self.console.clear()
+        self._watch(context.new_page())
+        self.reset_workspaces()
 
     def open(self, name: str):
         """Open ``name`` as the only document of the page. JupyterLab restores its saved workspace beside a
@@ -330,5 +344,5 @@ def lab(lab_server, browser_context):
     try:
         yield lab
     finally:
-        page.close()
+        lab.page.close()
         lab.shutdown_kernels()

@@ -153,13 +153,7 @@ def test_run_all_then_every_slider(lab, timings, name):
     if not statuses:
         return
     # reopened with no kernel state: the saved widget state draws the panels at their last values
-    lab.page.close()
-    lab.shutdown_kernels()
-    lab.page = lab.page.context.new_page()
-    lab.console.clear()
-    lab.page.on("console", lambda msg: lab.console.append(f"console.{msg.type}: {msg.text}")
-                if msg.type == "error" else None)
-    lab.reset_workspaces()
+    lab.new_page()
     lab.open(name)
     lab.wait_text(".widget-html", re.escape(statuses[-1][:30]), 120)
     assert lab.page.locator("text=Error displaying widget").count() == 0, f"{name} reopened: a widget did not load"

@@ -71,3 +71,13 @@ def test_index_links_every_report(offline_page):
     for name in notebooks.on_disk():
         assert f"{name}.html" in links, f"index.html does not link {name}.html"
     assert page.locator("td ul li").count() >= len(notebooks.on_disk())
+
+
+def test_the_offline_page_sees_a_network_request(offline_page, tmp_path):
+    """The check above can fail: a page that loads a script from a CDN is caught."""
+    page = tmp_path / "cdn.html"
+    page.write_text('<html><head><script src="https://cdn.jsdelivr.net/npm/x/dist/x.js"></script></head>'
+                    "<body>x</body></html>")
+    offline_page.asked.clear()
+    offline_page.goto(page.as_uri(), wait_until="load")
+    assert offline_page.asked == ["https://cdn.jsdelivr.net/npm/x/dist/x.js"]
