@@ -201,7 +201,7 @@ class NotebookContext:
 
 def plain_text_views() -> None:
     """In a kernel: give tables (pandas ``Styler``), Markdown and images a plain-text form worth reading (the
-    table itself, the Markdown source, ``[figure W x H px]``) instead of ``<... object at 0x7f...>``, the text
+    table itself, the Markdown source, ``[figure W px wide]``) instead of ``<... object at 0x7f...>``, the text
     a plain-text viewer, a diff or a test sees of the output. Idempotent; nothing outside a kernel."""
     try:
         from IPython import get_ipython

@@ -97,7 +97,7 @@ def _check_00(lab, panel, m: dict):
     """A long drag computes only where it is released; a keep seen before comes from the cache."""
     keep = lab.slider("keep")
     before = lab.status(panel)
-    lab.drag(keep, -70)
+    lab.drag(keep, -150)             # 3-4 steps below the keeps seen so far (0.90, 0.95)
     v = lab.readout(keep)
     text = lab.wait_status(panel, rf"^showing keep {re.escape(v)} ", STEP_S)
     assert text != before
