@@ -31,8 +31,9 @@ def in_kernel_with_widgets() -> bool:
     return ip is not None and hasattr(ip, "kernel")
 
 
-#: a slider's track width and its label's width (a 64-step rank slider: ~8 px per step)
-TRACK = "640px"
+#: a slider's width and its label's (the track is what remains after the label and the readout: a 64-step
+#: rank slider gets about 10 px per step, so a small drag is one step)
+TRACK = "800px"
 LABEL = "90px"
 
 
