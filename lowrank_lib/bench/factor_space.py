@@ -36,6 +36,7 @@ from ..attsvd.factor_space import dense_attention, factor_space_attention, rebui
 from ..attsvd.kv import LowRankKV
 from ..compat import cache_kw
 from ..geometry import geometry
+from .ablation import quartiles_ms
 from .cost import step_cost
 
 
@@ -96,10 +97,11 @@ def cuda_graphed(fn):
 
 
 def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
-                     inner: int = 1) -> dict[str, float]:
+                     inner: int = 1, samples: dict | None = None) -> dict[str, float]:
     """Median seconds per call of each ``fns[name]()``, called round-robin in a shuffled order per round.
 
-    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs.
+    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs. ``samples``:
+    a dict that receives every repeat's seconds per name (the spread behind the medians).
     """
     names = list(fns)
     for _ in range(warmup):
@@ -116,6 +118,8 @@ def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", 
                 fns[n]()
             _sync(device)
             times[n].append((time.perf_counter() - t0) / inner)
+    if samples is not None:
+        samples.update(times)
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -168,7 +172,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             fns[f"factor_r{r}"] = (lambda kv=kv: factor_space_attention(q, kv))
         if cfg.cuda_graphs and cfg.device.startswith("cuda"):
             fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
-        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner)
+        samples: dict = {}
+        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner, samples=samples)
         for name, t in med.items():
             route, r = (name, cfg.head_dim) if "_r" not in name else (name.split("_r")[0], int(name.split("_r")[1]))
             model_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
@@ -177,7 +182,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             err = None
             if route == "factor":
                 err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
-            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3,
+            q1, q3 = quartiles_ms(samples[name])
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3, "ms_step_q1": q1, "ms_step_q3": q3,
                          "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
                          "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
                          "rel_err_vs_rebuild": err})
@@ -267,8 +273,9 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
             ref = ("rebuild", r) if route == "factor" else None
             c = caches[(route, r)]
             mem = c.describe()["bytes_ratio"] if isinstance(c, KVCache) else 1.0
+            q1, q3 = quartiles_ms(ts)
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(ts) * 1e3,
-                         "tokens": toks[(route, r)],
+                         "ms_token_q1": q1, "ms_token_q3": q3, "tokens": toks[(route, r)],
                          "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
                          "max_logit_rel_err": None if ref is None else max(
                              rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
@@ -318,9 +325,11 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
                 toks[k].append(int(state[k]))
         for (route, r), eng in engines.items():
             fit = eng.kv.report().get("fit", {})
+            q1, q3 = quartiles_ms(times[(route, r)])
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
-                         "prefill_s": prefill_s[(route, r)], "kv_bytes": eng.report()["kv_cache_bytes"],
-                         "attsvd_ratio": fit.get("bytes_ratio", 1.0), "tokens": toks[(route, r)]})
+                         "ms_token_q1": q1, "ms_token_q3": q3, "prefill_s": prefill_s[(route, r)],
+                         "kv_bytes": eng.report()["kv_cache_bytes"], "attsvd_ratio": fit.get("bytes_ratio", 1.0),
+                         "tokens": toks[(route, r)]})
         del engines
     return rows
 
