@@ -104,7 +104,7 @@ def test_bytes_held_per_store(model):
     fit = eng.kv.report()["fit"]
     assert fit["bytes_held"] == eng.kv.nbytes and fit["dense_bytes"] == L * H * e * 2 * (40 + 35) * D
     assert eng.kv.allocated_nbytes == eng.kv.nbytes + L * 2 * B * H * (S - 40) * D * e     # room for the decode
-    tok = eng.step(eng.prefill(ids, mask).argmax(-1))
+    eng.step(eng.prefill(ids, mask).argmax(-1))
     assert eng.kv.nbytes == L * (tiers + desc + 2 * B * H * D * e)                          # + one appended row
 
 

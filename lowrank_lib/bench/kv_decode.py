@@ -77,14 +77,14 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
         engines = build_engines(cfg, model, tok, ids, C)
         tok_next = {k: ids[:, C] for k in engines}
 
-        def stepper(key):
+        def stepper(key, engines=engines):
             eng = engines[key]
 
             def step():
                 tok_next[key] = eng.step(tok_next[key]).argmax(-1)
             return step
 
-        def attention(key):
+        def attention(key, engines=engines):
             eng = engines[key]
             q = torch.randn(1, eng.n_kv, eng.n_heads // eng.n_kv, eng.head_dim, dtype=eng.dtype,
                             generator=torch.Generator().manual_seed(1))
@@ -120,7 +120,7 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
                     compiles_s=[round(c.get("seconds", 0.0), 2) for c in rep["compiles"]]))
         meta["load_average"][f"after_context_{C}"] = load_average()
         files.write({"rows": rows, **meta}, txt=table(rows))
-        del engines
+        engines.clear()                     # free this context's engines before the next
     txt = table(rows)
     files.write({"rows": rows, **meta}, txt=txt)
     print(txt)
