@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.kernels import build as kernel_build
+from ..runtime.kernels import ops as kernel_ops
 from ..runtime.kv import BackendChoice
 
 #: columns of ``TieredLayer.runs``
@@ -358,11 +360,10 @@ def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     read once for its G query heads. ``n_new``: appended rows to read (default: all written); a [1] int64 tensor
     is read by the kernel at run time, so a compiled / captured step replays for every step (a host int is baked
     into a compiled graph)."""
-    from ..runtime.kernels.build import load
-    from ..runtime.kernels.ops import tier_attend
-
-    if not torch.compiler.is_compiling() and not load().available:   # loads (or builds) the library once
-        raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {load().reason}")
+    if not torch.compiler.is_compiling():
+        lib = kernel_build.load()                    # loads (or builds) the library once
+        if not lib.available:
+            raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {lib.reason}")
     B, Hq, ql, d = q.shape
     if ql != 1:
         raise ValueError(f"the fused tier attention serves one query row (decode), got q_len {ql}: "
@@ -370,9 +371,9 @@ def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     scale = d ** -0.5 if scale is None else scale
     if not isinstance(n_new, torch.Tensor):
         n_new = torch.tensor([layer.n_new if n_new is None else n_new], dtype=torch.long)
-    o = tier_attend(q.reshape(B, layer.H, Hq // layer.H, d), layer.k_exact, layer.v_exact, layer.e_off, layer.runs,
-                    layer.r_off, layer.a_k, layer.a_v, layer.b_k, layer.b_v, layer.k_scale, layer.v_scale,
-                    layer.k_new, layer.v_new, n_new, scale)
+    o = kernel_ops.tier_attend(q.reshape(B, layer.H, Hq // layer.H, d), layer.k_exact, layer.v_exact, layer.e_off,
+                               layer.runs, layer.r_off, layer.a_k, layer.a_v, layer.b_k, layer.b_v, layer.k_scale,
+                               layer.v_scale, layer.k_new, layer.v_new, n_new, scale)
     return o.view(B, Hq, 1, d)
 
 

@@ -50,7 +50,13 @@ int64_t isa_flags();  // lrk.cpp
 
 namespace tiers {
 
-constexpr int64_t CH = 256;  // tokens per online-softmax update (scores scratch: G * CH floats)
+#ifndef LRK_TIER_CH
+#define LRK_TIER_CH 256          // tokens per online-softmax update (scores scratch: G * CH floats)
+#endif
+#ifndef LRK_TIER_PF
+#define LRK_TIER_PF 1            // prefetch the other stream of exact rows (V while scoring K, next K while summing V)
+#endif
+constexpr int64_t CH = LRK_TIER_CH;
 constexpr int NG_MAX = 4;    // query heads per register group in the factor loops
 constexpr int64_t NCOL = 9;
 enum { SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF };
@@ -111,12 +117,20 @@ static inline __m512 ld_tail(const F* p, int64_t left) {  // 16 elements, or the
   return left >= 16 ? ld(p) : ldm(p, lanes(left));
 }
 
-// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. pf (or null): rows
+// at stride spf prefetched alongside (the V rows of the same tokens, read next)
 template <typename T, int DC>
-static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc) {
+static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
+                         int64_t spf) {
   constexpr int D = DC * 16;
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int m = (int)(n - t0 < 16 ? n - t0 : 16);
+    if (LRK_TIER_PF && pf)
+      for (int i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * sizeof(T));
     for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
       __m512 qv[DC];
       for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(qs + g * D + c * 16);
@@ -136,9 +150,11 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
   }
 }
 
-// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i
+// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside (the
+// next chunk's K rows)
 template <typename T, int DC>
-static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc) {
+static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                         int64_t spf, int64_t npf) {
   constexpr int D = DC * 16;
   constexpr int GV = DC >= 16 ? 1 : 16 / DC;   // heads per pass: GV * DC <= 16 accumulators
   for (int64_t g0 = 0; g0 < G; g0 += GV) {
@@ -147,6 +163,7 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
     for (int g = 0; g < gb; g++)
       for (int c = 0; c < DC; c++) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * D + c * 16);
     for (int64_t t = 0; t < n; t++) {
+      if (LRK_TIER_PF && pf && g0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
       const T* v = V + t * sv;
       __m512 vv[DC];
       for (int c = 0; c < DC; c++) vv[c] = ld(v + c * 16);
@@ -305,8 +322,8 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
 template <typename T>
 static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a, int64_t b, float* m,
                        float* l, float* acc, const Scratch& S) {
-  typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*);
-  typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*);
+  typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
+  typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
   static const sc_fn SC[8] = {exact_scores<T, 1>, exact_scores<T, 2>, exact_scores<T, 3>, exact_scores<T, 4>,
                               exact_scores<T, 5>, exact_scores<T, 6>, exact_scores<T, 7>, exact_scores<T, 8>};
   static const va_fn VA[8] = {exact_values<T, 1>, exact_values<T, 2>, exact_values<T, 3>, exact_values<T, 4>,
@@ -314,9 +331,10 @@ static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64
   const int64_t G = L.G, D = L.D;
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t cn = b - c0 < CH ? b - c0 : CH;
-    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc);
+    const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
+    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
     softmax_chunk(S.sc, G, cn, D, m, l, acc);
-    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc);
+    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
   }
 }
 
@@ -509,21 +527,20 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   // (r_k + r_v) factor entries and costs about 12 G fp32 operations per query head in registers
   const int64_t es = bf ? 2 : 4, fes = q8 ? 1 : es;
   const double w_row = 2.0 * D * es;
-  std::vector<Item> items;
+  auto w_run = [&](const int64_t* r) { return (double)((r[RK] + r[RV]) * fes + (q8 ? 4 : 0)) + 12.0 * G; };
+  // f(tokens, cost per token) for the tiers of segment s in their order
+  auto for_each_tier = [&](int64_t s, auto&& f) {
+    f(eo[s + 1] - eo[s], w_row);
+    for (int64_t j = ro[s]; j < ro[s + 1]; j++) f(rd[j * NCOL + N], w_run(rd + j * NCOL));
+    f(nn, w_row);
+  };
   double total = 0;
-  std::vector<std::vector<std::pair<int64_t, double>>> tiers(S);    // per segment: (tokens, cost per token)
-  for (int64_t s = 0; s < S; s++) {
-    tiers[s].push_back({eo[s + 1] - eo[s], w_row});
-    for (int64_t j = ro[s]; j < ro[s + 1]; j++) {
-      const int64_t* r = rd + j * NCOL;
-      tiers[s].push_back({r[N], (double)((r[RK] + r[RV]) * fes + (q8 ? 4 : 0)) + 12.0 * G});
-    }
-    tiers[s].push_back({nn, w_row});
-    for (auto& t : tiers[s]) total += t.first * t.second;
-  }
+  for (int64_t s = 0; s < S; s++) for_each_tier(s, [&](int64_t n, double w) { total += n * w; });
   const int64_t nt = at::get_num_threads();
   const bool split = nt > 1 && total > (double)(256 << 10);
   const double target = split ? std::max(total / (4.0 * nt), (double)(32 << 10)) : 0.0;
+  std::vector<Item> items;
+  items.reserve(split ? S + 4 * nt + 1 : S);
   for (int64_t s = 0; s < S; s++) {
     if (!split) {
       items.push_back({s, 0, seg_tokens[s] + nn, 0.0});
@@ -531,17 +548,16 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
     }
     int64_t idx = 0, lo = 0;
     double acc = 0;
-    for (auto& t : tiers[s]) {
-      int64_t rem = t.first;
+    for_each_tier(s, [&](int64_t rem, double w) {
       while (rem > 0) {
-        const int64_t take = std::min(rem, std::max<int64_t>(1, (int64_t)std::ceil((target - acc) / t.second)));
-        idx += take, rem -= take, acc += take * t.second;
+        const int64_t take = std::min(rem, std::max<int64_t>(1, (int64_t)std::ceil((target - acc) / w)));
+        idx += take, rem -= take, acc += take * w;
         if (acc >= target) {
           items.push_back({s, lo, idx, acc});
           lo = idx, acc = 0;
         }
       }
-    }
+    });
     if (idx > lo) items.push_back({s, lo, idx, acc});
   }
   const int64_t NI = (int64_t)items.size(), ST = 2 * G + G * D;
