@@ -286,3 +286,28 @@ def test_the_library_is_built_from_every_source():
     assert names == ["lrk.cpp", "tiers.cpp"] and [p.name for p in build.HEADERS] == ["lrk_simd.h"]
     assert all(p.exists() for p in build.SOURCES + build.HEADERS)
     assert build.extension_kwargs()["sources"] == [str(p) for p in build.SOURCES]
+
+
+# --------------------------------------------------------------------------- the benchmark (tiny model, one round)
+@needs_lrk
+def test_tier_attention_benchmark_writes_its_rows(tmp_path):
+    """bench.tier_attention on a tiny SmolLM2-shaped model: the composed cache's layouts at each budget, timed beside
+    the dense store; rows say which kernels ran, the bytes held and read, and the kernel's distance to portable."""
+    import json
+
+    from lowrank_lib.bench.tier_attention import TARGETS, TierAttentionConfig, tier_attention
+
+    res = tier_attention(TierAttentionConfig(model="tiny-smol", context=160, repeats=1, inner=1, out=str(tmp_path),
+                                             progress=False, command="test"))
+    rows = res["rows"]
+    assert [r["budget"] for r in rows] == [None, 0.5, 0.25, 0.125]
+    assert res["dense_backend"]["name"] == "cpu_lrk" and res["tier_backend"]["name"] == "cpu_lrk"
+    for r in rows[1:]:
+        assert r["attention"] == "cpu_lrk" and r["kernel_vs_portable_max_rel"] < 1e-5
+        assert r["budget_held"] <= r["budget"] * 1.02 and r["target_ratio"] == TARGETS[r["budget"]]
+        appended = 4 * 2 * 64 * 4                   # 4 layers x one KV head: the current token's K and V rows
+        assert r["kv_bytes"] * 0.9 < r["bytes_read"] < r["kv_bytes"] + appended and r["tokens"]["appended"] == 4
+    assert rows[0]["bytes_read"] == 2 * 4 * 1 * 161 * 64 * 4
+    assert all(v > 0 for v in res["copy_GBps"].values())
+    saved = json.loads(next(tmp_path.glob("tier_attention_*.json")).read_text())
+    assert saved["rows"] == rows and saved["command"] == "test"
