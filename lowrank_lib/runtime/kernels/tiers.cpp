@@ -20,8 +20,8 @@
 //            G heads of its group); run j: s_i = k_scale_i * sum_r (scale q_g B_K^T)_r A_K[r, i]
 //   softmax  ONE online softmax per query head over every tier, updated per chunk of CH tokens (running max
 //            m_g, denominator l_g, output accumulator [d] rescaled when the max grows)
-//   values   exact / appended: acc_g += p_gi v_i; run j: pa_g = sum_i p_gi v_scale_i A_V[:, i] (rank space),
-//            then acc_g += pa_g B_V once per chunk
+//   values   exact / appended: acc_g += p_gi v_i; run j: pa_g = sum_i p_gi v_scale_i A_V[:, i] summed in rank
+//            space over the run (rescaled with acc), then acc_g += pa_g B_V once per run
 //   threads  1 thread: the segments one after another. More (at::get_num_threads()) and enough work: every
 //            segment is cut into pieces of about equal cost (a piece may span tiers), the pieces are spread over
 //            the threads in contiguous groups of equal cost, and the pieces of a segment are merged by their
@@ -81,7 +81,8 @@ struct Scratch {
   float* qs;   // [G, D]  scaled queries
   float* sc;   // [G, CH] scores, then probabilities
   float* qb;   // [G, rmax] queries in run j's key basis
-  float* pa;   // [G * rmax + 16] probabilities in run j's value basis
+  float* pa;   // [G * rmax + 16] one chunk's probabilities in run j's value basis (order r * NG + g per group)
+  float* pr;   // [G, rmax] the run piece's running sum of them (rescaled with acc)
 };
 
 #if LRK_X86
@@ -178,8 +179,11 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
 }
 
 // ---- the online softmax of one chunk: scores sc[g * CH + i] (i < n) become probabilities relative to the
-// running max m[g]; l[g] and acc[g * D + :] are rescaled when the max grows; lanes >= n of the last block are 0
-static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc) {
+// running max m[g] (times vs[i], the per-token value scales of int8 factors, when vs is given: what the value
+// product reads); l[g], acc[g * D + :] and (run pieces) pr[g * rv + :] are rescaled when the max grows; lanes >= n
+// of the last block are 0
+static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc, float* pr,
+                          int64_t rv, const void* vs, bool s32) {
   for (int64_t g = 0; g < G; g++) {
     float* s = sc + g * CH;
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -190,13 +194,16 @@ static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, 
       l[g] *= alpha;
       const __m512 av = _mm512_set1_ps(alpha);
       for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), av));
+      if (pr)
+        for (int64_t r = 0; r < rv; r++) pr[g * rv + r] *= alpha;
       m[g] = mc;
     }
     const __m512 mb = _mm512_set1_ps(m[g]);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      const __m512 e = _mm512_maskz_mov_ps(lanes(n - t0), exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mb)));
-      _mm512_storeu_ps(s + t0, e);
+      const __mmask16 k = lanes(n - t0);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mb)));
+      _mm512_storeu_ps(s + t0, vs ? _mm512_mul_ps(e, ld_scale(vs, s32, t0, k)) : e);
       sum = _mm512_add_ps(sum, e);
     }
     l[g] += _mm512_reduce_add_ps(sum);
@@ -261,13 +268,13 @@ static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int6
   }
 }
 
-// acc[g * D + :] += sum_r pa[r * NG + g] B_V[r, :]   (B_V [rv, D] in T)
+// acc[g * D + :] += sum_r pr[g * rv + r] B_V[r, :]   (B_V [rv, D] in T; once per run piece)
 template <typename T>
-static void basis_acc(const float* pa, int64_t NG, int64_t rv, const T* bv, int64_t D, float* acc) {
-  for (int64_t g = 0; g < NG; g++)
+static void basis_acc(const float* pr, int64_t G, int64_t rv, const T* bv, int64_t D, float* acc) {
+  for (int64_t g = 0; g < G; g++)
     for (int64_t c = 0; c < D; c += 16) {
       __m512 v = _mm512_loadu_ps(acc + g * D + c);
-      for (int64_t r = 0; r < rv; r++) v = _mm512_fmadd_ps(_mm512_set1_ps(pa[r * NG + g]), ld(bv + r * D + c), v);
+      for (int64_t r = 0; r < rv; r++) v = _mm512_fmadd_ps(_mm512_set1_ps(pr[g * rv + r]), ld(bv + r * D + c), v);
       _mm512_storeu_ps(acc + g * D + c, v);
     }
 }
@@ -282,6 +289,7 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
   const T* bk = (const T*)L.bk + R[BK_OFF];
   const T* bv = (const T*)L.bv + R[BV_OFF];
   project<T>(S.qs, G, D, bk, rk, S.qb);
+  for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t cn = b - c0 < CH ? b - c0 : CH;
     const void* ks = nullptr;
@@ -297,13 +305,9 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
         default: run_scores<F, 4>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
       }
     }
-    softmax_chunk(S.sc, G, cn, D, m, l, acc);
-    if (L.q8)                                  // p_i * v_scale_i (lanes >= cn stay 0)
-      for (int64_t g = 0; g < G; g++)
-        for (int64_t t0 = 0; t0 < cn; t0 += 16) {
-          float* p = S.sc + g * CH + t0;
-          _mm512_storeu_ps(p, _mm512_mul_ps(_mm512_loadu_ps(p), ld_scale(L.vs, L.s32, tok + c0 + t0, lanes(cn - t0))));
-        }
+    const void* vs = nullptr;
+    if (L.q8) vs = L.s32 ? (const void*)((const float*)L.vs + tok + c0) : (const void*)((const uint16_t*)L.vs + tok + c0);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, S.pr, rv, vs, L.s32);       // sc: p_i (* v_scale_i)
     for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
       const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
       const float* p = S.sc + g0 * CH;
@@ -313,9 +317,11 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
         case 3: run_values<F, 3>(p, rv, av + c0, n, cn, S.pa); break;
         default: run_values<F, 4>(p, rv, av + c0, n, cn, S.pa); break;
       }
-      basis_acc<T>(S.pa, ng, rv, bv, D, acc + g0 * D);
+      for (int64_t r = 0; r < rv; r++)
+        for (int g = 0; g < ng; g++) S.pr[(g0 + g) * rv + r] += S.pa[r * ng + g];
     }
   }
+  basis_acc<T>(S.pr, G, rv, bv, D, acc);
 }
 
 // rows [a, b) of an exact block (the exact tier or the appended rows)
@@ -333,7 +339,7 @@ static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64
     const int64_t cn = b - c0 < CH ? b - c0 : CH;
     const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
     SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
-    softmax_chunk(S.sc, G, cn, D, m, l, acc);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
     VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
   }
 }
@@ -566,8 +572,9 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
 #if LRK_X86
   const item_fn fn = bf ? ITEM_BF16 : ITEM_F32;
   auto run_range = [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(G * D + G * CH + G * rmax + G * rmax + 16);
-    Scratch sc{buf.data(), buf.data() + G * D, buf.data() + G * D + G * CH, buf.data() + G * D + G * CH + G * rmax};
+    std::vector<float> buf(G * D + G * CH + 3 * G * rmax + 16);
+    float* p = buf.data();
+    Scratch sc{p, p + G * D, p + G * D + G * CH, p + G * D + G * CH + G * rmax, p + G * D + G * CH + 2 * G * rmax + 16};
     for (int64_t i = i0; i < i1; i++) fn(L, items[i].s, items[i].lo, items[i].hi, state.data() + i * ST, sc);
   };
   if (!split) {
