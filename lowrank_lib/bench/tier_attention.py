@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from .results import DEFAULT_OUT
+
 #: issue 19: tiered attention time per token at most this fraction of dense attention, per budget (8k context)
 TARGETS = {0.5: 0.6, 0.25: 0.35, 0.125: 0.2}
 
@@ -46,7 +48,7 @@ class TierAttentionConfig:
     quant8: bool = True
     attention: str = "auto"           # kv.tiers backend ("auto": the fused kernel where it can run)
     seed: int = 0
-    out: str = "benchmarks/results"
+    out: str = DEFAULT_OUT
     progress: bool = True
     command: str = ""                 # the command line that ran this (recorded)
 
