@@ -33,7 +33,8 @@ ALLOWED: dict[str, set[str]] = {
     # KV methods (one class each), their registry, the tiered state and the two adapters (issue 19)
     "kv": CORE | {"hf", "attsvd", "eviction", "composed", "runtime.kv", "runtime.kernels"},
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "families", "executor"},
-    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families", "executor"},
+    "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "composed", "eval", "families", "executor",
+              "kv"},
     "explore": CORE | {"compress", "eval", "hf", "attsvd"},   # the notebooks' sliders
     "notebooks": None,          # the notebook runner may import anything
     "__init__": None,           # the package root re-exports the core API
