@@ -359,11 +359,10 @@ static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* s
   for (int64_t i = 0; i < G * D; i += 16) _mm512_storeu_ps(S.qs + i, _mm512_mul_ps(ld(q + i), sv));
   // exact tier
   const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
-  int64_t base = 0;
   if (lo < ne)
     rows_piece<T>(L, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m,
                   l, acc, S);
-  base = ne;
+  int64_t base = ne;          // first token index of the next tier
   // runs
   for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
     const int64_t* R = L.runs + j * NCOL;
