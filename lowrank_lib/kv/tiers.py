@@ -30,6 +30,7 @@ import torch
 
 from ..runtime.kernels import build as kernel_build
 from ..runtime.kernels import ops as kernel_ops
+from ..runtime.kernels.gemv import lrk_unavailable
 from ..runtime.kv import BackendChoice
 
 #: columns of ``TieredLayer.runs``
@@ -386,8 +387,6 @@ def cpu_lrk_unavailable(device, head_dim: int, dtype: torch.dtype) -> str | None
     128, the kernel library loaded (built on first use) and AVX512F/BW/VL (+ AVX512_BF16 for bf16)."""
     if head_dim % 16 or not 16 <= head_dim <= 128:
         return f"head_dim {head_dim}: the fused kernel serves multiples of 16 up to 128"
-    from ..runtime.kernels.gemv import lrk_unavailable
-
     return lrk_unavailable(device, dtype)
 
 
@@ -411,7 +410,7 @@ def select_backend(requested: str, device: torch.device, head_dim: int, dtype: t
 def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | torch.Tensor | None = None,
            backend: str = "portable") -> torch.Tensor:
     """:func:`attend_portable` or the named backend -> [B, Hq, q_len, d]. ``"auto"``: :func:`select_backend`'s
-    choice for a decode query (q_len 1), the portable path otherwise."""
+    choice for a decode query (q_len 1), the portable path otherwise (a compiled step passes the chosen name)."""
     if backend == "auto":
         backend = (select_backend("auto", q.device, q.shape[-1], q.dtype).name if q.shape[2] == 1 else "portable")
     if backend not in BACKENDS:
