@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from lowrank_lib.bench.cli import COMMANDS, main
+from lowrank_lib.kv.tiers import cpu_lrk_unavailable
 
 
 def test_quick_run_writes_every_system_row(tmp_path):
@@ -23,4 +26,7 @@ def test_quick_run_writes_every_system_row(tmp_path):
             assert r["ratio_vs_dense"] == 1.0 and r["bytes_ratio"] == 1.0
         else:
             assert 0 < r["bytes_ratio"] <= 0.5 * 1.05 or r["system"] == "attsvd"   # AttSVD keeps its window exact
+            # attention "auto": the fused tier kernel wherever it can run (the row says which ran)
+            fused = cpu_lrk_unavailable(torch.device("cpu"), 64, torch.float32) is None
+            assert r["attention_kernel"] == ("cpu_lrk" if fused else "portable"), r
     assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and (tmp_path / "kv_decode.txt").exists()

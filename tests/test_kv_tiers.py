@@ -112,6 +112,23 @@ def test_int8_factors_are_rowwise_quantised_and_attended_dequantised():
     assert (qi.abs() <= 127).all() and torch.allclose(qi.float() * sc[:, None], x, atol=float(sc.max()) / 2 + 1e-7)
 
 
+
+def test_a_rank_zero_int8_run_packs_and_attends_as_its_absence():
+    """A run whose key (or value) rank is 0 (a budget that leaves no direction): int8 packing must not fail, and the
+    run's zero-rank side adds nothing (keys score 0, values add 0)."""
+    d, n = 16, 6
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(4, d, generator=g), torch.randn(4, d, generator=g)
+    run = Run(torch.zeros(n, 0), torch.zeros(0, d), torch.randn(n, 2, generator=g), torch.randn(2, d, generator=g))
+    qi, sc = quantize_rows(torch.zeros(n, 0), torch.float16)
+    assert qi.shape == (n, 0) and sc.shape == (n,) and (sc > 0).all()
+    q8 = TieredLayer.build([[Segment(k, v, None, [run])]], quant8=True)
+    fp = TieredLayer.build([[Segment(k, v, None, [run])]])
+    q = torch.randn(1, 2, 1, d, generator=g)
+    out, ref = attend_portable(q8, q), attend_portable(fp, q)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)         # int8 value factors: ~1 % per entry
+
 def test_hostile_layouts_are_refused_by_name():
     k = torch.zeros(2, 8)
     with pytest.raises(ValueError, match="disagree"):

@@ -28,6 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..runtime.kernels import build as kernel_build
+from ..runtime.kernels import ops as kernel_ops
+from ..runtime.kernels.gemv import lrk_unavailable
 from ..runtime.kv import BackendChoice
 
 #: columns of ``TieredLayer.runs``
@@ -58,8 +61,8 @@ class Segment:
 
 def quantize_rows(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """x [n, r] -> (int8 [n, r], scale [n]) with x ~ q * scale: scale = max|row| / 127 (a zero row: the smallest
-    fp16 normal), rounded to nearest, clamped to [-127, 127]."""
-    amax = x.abs().amax(-1).float()
+    fp16 normal; a rank-0 run has only zero rows), rounded to nearest, clamped to [-127, 127]."""
+    amax = x.abs().amax(-1).float() if x.shape[-1] else x.new_zeros(x.shape[0], dtype=torch.float32)   # rank 0: no columns
     scale = (amax / 127.0).clamp_min(torch.finfo(torch.float16).tiny).to(scale_dtype)
     q = torch.round(x.float() / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
@@ -415,19 +418,67 @@ def attend_rebuild(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     return out
 
 
+def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = None,
+                   n_new: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The fused kernel (``runtime/kernels/tiers.cpp``, ``lowrank_lrk::tier_attend``): decode, q [B, Hq, 1, d] ->
+    [B, Hq, 1, d]. Every segment's exact rows, runs in factor space (int8 factors dequantised in registers) and
+    appended rows under one online fp32 softmax per query head, all heads of the layer in one call, each K/V row
+    read once for its G query heads. ``n_new``: appended rows to read (default: all written); a [1] int64 tensor
+    is read by the kernel at run time, so a compiled / captured step replays for every step (a host int is baked
+    into a compiled graph)."""
+    if not torch.compiler.is_compiling():
+        lib = kernel_build.load()                    # loads (or builds) the library once
+        if not lib.available:
+            raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {lib.reason}")
+    B, Hq, ql, d = q.shape
+    if ql != 1:
+        raise ValueError(f"the fused tier attention serves one query row (decode), got q_len {ql}: "
+                         f"use backend='portable'")
+    scale = d ** -0.5 if scale is None else scale
+    if not isinstance(n_new, torch.Tensor):
+        n_new = torch.tensor([layer.n_new if n_new is None else n_new], dtype=torch.long)
+    o = kernel_ops.tier_attend(q.reshape(B, layer.H, Hq // layer.H, d), layer.k_exact, layer.v_exact, layer.e_off,
+                               layer.runs, layer.r_off, layer.a_k, layer.a_v, layer.b_k, layer.b_v, layer.k_scale,
+                               layer.v_scale, layer.k_new, layer.v_new, n_new, scale)
+    return o.view(B, Hq, 1, d)
+
+
 #: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape
-BACKENDS = {"portable": attend_portable, "rebuild": attend_rebuild}
+#: (cpu_lrk: decode only, q_len 1)
+BACKENDS = {"portable": attend_portable, "rebuild": attend_rebuild, "cpu_lrk": attend_cpu_lrk}
+
+
+def cpu_lrk_unavailable(device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """Why the fused kernel cannot run (None: it can): a CPU device, fp32 / bf16, head_dim a multiple of 16 up to
+    128, the kernel library loaded (built on first use) and AVX512F/BW/VL (+ AVX512_BF16 for bf16)."""
+    if head_dim % 16 or not 16 <= head_dim <= 128:
+        return f"head_dim {head_dim}: the fused kernel serves multiples of 16 up to 128"
+    return lrk_unavailable(device, dtype)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:
-    """The tiered decode attention to run, and why (only the portable path is registered so far)."""
+    """The tiered decode attention to run, and why: ``"auto"`` takes the fused kernel ``cpu_lrk`` where it can run
+    (:func:`cpu_lrk_unavailable`), else the portable path with the reason; ``"portable"`` and ``"rebuild"`` run as
+    requested; a requested ``"cpu_lrk"`` that cannot run raises, saying why."""
     if requested not in ("auto", *BACKENDS):
         raise ValueError(f"unknown tiered attention {requested!r}; choose from {('auto', *BACKENDS)}")
-    return BackendChoice("portable", "requested" if requested == "portable" else
-                         "auto: the portable per-segment path (kv.tiers.attend_portable)")
+    if requested in ("portable", "rebuild"):
+        return BackendChoice(requested, "requested")
+    why = cpu_lrk_unavailable(device, head_dim, dtype)
+    if why is None:
+        return BackendChoice("cpu_lrk", f"{requested}: our fused tier attention (runtime/kernels/tiers.cpp, AVX-512: "
+                                        f"exact rows, runs in factor space, appended rows, one softmax)")
+    if requested == "cpu_lrk":
+        raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {why}")
+    return BackendChoice("portable", f"auto: the portable per-segment path (kv.tiers.attend_portable; cpu_lrk: {why})")
 
 
-def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | None = None,
+def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | torch.Tensor | None = None,
            backend: str = "portable") -> torch.Tensor:
-    """:func:`attend_portable` or the named backend (decode, q_len 1) -> [B, Hq, q_len, d]."""
+    """:func:`attend_portable` or the named backend -> [B, Hq, q_len, d]. ``"auto"``: :func:`select_backend`'s
+    choice for a decode query (q_len 1), the portable path otherwise (a compiled step passes the chosen name)."""
+    if backend == "auto":
+        backend = (select_backend("auto", q.device, q.shape[-1], q.dtype).name if q.shape[2] == 1 else "portable")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown tiered attention {backend!r}; choose from {('auto', *BACKENDS)}")
     return BACKENDS[backend](layer, q, scale, n_new)

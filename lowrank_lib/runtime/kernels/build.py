@@ -1,12 +1,13 @@
 """The compiled kernels' library: found ahead-of-time built, else built just in time, else absent (with why).
 
-ONE source file (``lrk.cpp`` beside this module, shipped as package data) and ONE set of flags
-(:data:`CFLAGS`), two routes:
+ONE library from the sources beside this module (:data:`SOURCES`: ``lrk.cpp``, packed GEMV and dense decode
+attention; ``tiers.cpp``, the fused attention over a tiered KV layer; both include ``lrk_simd.h``; all shipped
+as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
 
 - **ahead of time**: ``pip install`` (``setup.py``) compiles it when torch is importable in the build
   environment (``make`` installs torch first and the package with ``--no-build-isolation``), as the
-  extension ``lowrank_lib.runtime.kernels._lrk_<tag>`` (``<tag>`` = hash of the source and flags, so
-  a stale build of an edited source is never loaded);
+  extension ``lowrank_lib.runtime.kernels._lrk_<tag>`` (``<tag>`` = hash of the sources, header and flags, so
+  a stale build of an edited source or header is never loaded);
 - **just in time**: otherwise, on first use, ``torch.utils.cpp_extension.load`` compiles it into
   :func:`jit_dir` (the model cache's ``kernels/`` when ``$LOWRANK_LIB_CACHE`` is set, else torch's
   extension folder; once per torch version and source; needs a C++ compiler and ninja);
@@ -28,7 +29,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("lrk.cpp")
+HERE = Path(__file__).parent
+#: the translation units of the one library (ops of both in the lowrank_lrk namespace)
+SOURCES = [HERE / "lrk.cpp", HERE / "tiers.cpp"]
+#: included by the sources: part of the tag, so an edited header rebuilds
+HEADERS = [HERE / "lrk_simd.h"]
 NAMESPACE = "lowrank_lrk"
 #: the compile flags of BOTH routes (no -march: the AVX-512 code is selected by target pragmas and a
 #: run-time CPUID check, so the library builds and loads on any x86-64)
@@ -39,8 +44,11 @@ ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8}
 
 
 def source_tag() -> str:
-    """12 hex digits of sha256(source + flags): names the AOT module and the JIT build folder."""
-    h = hashlib.sha256(SOURCE.read_bytes())
+    """12 hex digits of sha256(sources + headers + flags): names the AOT module and the JIT build folder."""
+    h = hashlib.sha256()
+    for p in SOURCES + HEADERS:
+        h.update(p.name.encode())
+        h.update(p.read_bytes())
     h.update(" ".join(CFLAGS + LDFLAGS).encode())
     return h.hexdigest()[:12]
 
@@ -55,7 +63,7 @@ def define_flags() -> list[str]:
 
 def extension_kwargs() -> dict:
     """What ``setup.py`` passes to ``torch.utils.cpp_extension.CppExtension``."""
-    return {"name": f"lowrank_lib.runtime.kernels.{module_name()}", "sources": [str(SOURCE)],
+    return {"name": f"lowrank_lib.runtime.kernels.{module_name()}", "sources": [str(p) for p in SOURCES],
             "extra_compile_args": CFLAGS + define_flags(), "extra_link_args": LDFLAGS}
 
 
@@ -83,7 +91,7 @@ _LIB: KernelLibrary | None = None
 
 def aot_library() -> Path | None:
     """The ahead-of-time built library of THIS source, if ``pip install`` built it."""
-    d = SOURCE.parent
+    d = HERE
     for suf in importlib.machinery.EXTENSION_SUFFIXES:
         hits = glob.glob(str(d / f"{module_name()}{suf}"))
         if hits:
@@ -120,8 +128,9 @@ def _jit_build(log) -> str:
     name = f"lowrank_lrk_{source_tag()}"
     lib = d / f"{name}.so"
     if not lib.exists():
-        log(f"[lowrank_lib.kernels] compiling {SOURCE.name} into {d} (once per torch version and source; ~1 min)")
-    ce.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + define_flags(), extra_ldflags=LDFLAGS,
+        log(f"[lowrank_lib.kernels] compiling {', '.join(p.name for p in SOURCES)} into {d} (once per torch version "
+            "and source; ~1 min)")
+    ce.load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS + define_flags(), extra_ldflags=LDFLAGS,
             build_directory=str(d), is_python_module=False, verbose=False)
     return str(lib)
 
@@ -144,6 +153,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(f"{NAMESPACE}::attend")
     def _(q, K, V, length, pad, scale):
+        return q.new_empty(q.shape[0], q.shape[1] * q.shape[2] * q.shape[3])
+
+    @torch.library.register_fake(f"{NAMESPACE}::tier_attend")
+    def _(q, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, k_new, v_new, n_new, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2] * q.shape[3])
 
 

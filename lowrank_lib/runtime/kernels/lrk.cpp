@@ -16,6 +16,7 @@
 //        (block-diagonal: each member reads its slice of the stage-1 output, shared bases included).
 //   attend(q [B, Hkv, G, D], K, V [>=B, Hkv, S, D], length [1], pad [>=B], scale) -> o [B, Hkv*G*D]
 //        decode attention of the token at slot `length` over the slots pad[b] <= s <= length.
+//   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp
 //
 // Packed layout of W [out, in]: output rows in blocks of 64 (the last block rounded up to a multiple
 // of 16, zero rows), each block ONE contiguous stream of its weights in the order the kernel reads:
@@ -147,7 +148,8 @@ at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
 
 // ------------------------------------------------------------------------------------ AVX-512 code
 // Everything between push_options and pop_options is compiled for AVX-512 and called only after
-// check_isa(); no header is included in this region (no inline function of a header gets AVX-512 code).
+// check_isa(); the only header included in this region is our own lrk_simd.h (no inline function of a
+// system header gets AVX-512 code).
 #if LRK_X86
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2")
@@ -156,7 +158,7 @@ at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
                              apply_to = function)
 #endif
 
-static inline __mmask16 lanes(int64_t m) { return (__mmask16)(m >= 16 ? 0xFFFFu : ((1u << m) - 1u)); }
+#include "lrk_simd.h"   // lanes, exp512, ld / st (fp32, bf16), hsum16: shared with tiers.cpp
 
 // One block of a packed fp32 matrix against R rows of x: y_r[0:n] = block . x_r (NZ * 16 = block width).
 // U independent accumulator sets (alternate k) hide the FMA latency when R * NZ is small.
@@ -246,46 +248,6 @@ static const bf16_fn BF16_KERNELS[4][4] = {LRK_ROW(bf16, blk_bf16, 1), LRK_ROW(b
 #undef LRK_ROW
 
 // ---- decode attention, one (batch row, kv head): G queries of dim D = DC * 16 over slots [lo, hi]
-static inline __m512 exp512(__m512 x) {     // e^x, relative error ~2e-7 (Cody-Waite + degree-6 Taylor)
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 ld(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-static inline void st(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline void st(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(v)); }
-
-// sums of 16 vectors -> one vector (lane i = sum of a[i]): a transpose-add tree (3 levels + 1 permute)
-static inline __m512 hsum16(const __m512* a) {
-  __m512 t[8], u[4];
-  for (int i = 0; i < 8; i++)
-    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int j = 0; j < 4; j++)
-    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88), _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-  // lane 4q + c of u[j] holds a partial of a[4j + q]; reduce the 4 partials inside each 128-bit lane
-  const __m512 v0 = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
-  const __m512 v1 = _mm512_add_ps(_mm512_unpacklo_ps(u[2], u[3]), _mm512_unpackhi_ps(u[2], u[3]));
-  const __m512 w = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(v0), _mm512_castps_pd(v1))));
-  // lane 4q + j of w = sum of a[4j + q]
-  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(idx, w);
-}
-
 // q [G, D] (row stride D), K/V rows at stride sk / sv; sc: scratch >= GB * ceil16(n) floats
 template <typename T, int DC>
 static void attend_head(const T* q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t lo, int64_t hi,

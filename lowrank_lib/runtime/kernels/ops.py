@@ -1,4 +1,5 @@
-"""Python entry points of the compiled ops (``torch.ops.lowrank_lrk``); see ``lrk.cpp`` for the layout.
+"""Python entry points of the compiled ops (``torch.ops.lowrank_lrk``); see ``lrk.cpp`` and ``tiers.cpp`` for the
+layouts.
 
 Call :func:`lowrank_lib.runtime.kernels.build.load` first (the registry does). Each function is a
 plain call of the op, so ``torch.compile`` traces it as one extern kernel call.
@@ -33,3 +34,16 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, length: torch.Tens
            scale: float) -> torch.Tensor:
     """Decode attention: q [B, Hkv, G, D] over slots pad[b] <= s <= length of K/V [>=B, Hkv, S, D]."""
     return _ops().attend(q, K, V, length, pad, scale)
+
+
+def tier_attend(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tensor, e_off: torch.Tensor,
+                runs: torch.Tensor, r_off: torch.Tensor, a_k: torch.Tensor, a_v: torch.Tensor, b_k: torch.Tensor,
+                b_v: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                k_new: torch.Tensor | None, v_new: torch.Tensor | None, n_new: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Fused decode attention over one tiered KV layer (``tiers.cpp``; the layout of ``kv/tiers.py``):
+    q [B, H, G, d] over each segment's exact rows, low-rank runs (factor space) and the first ``n_new`` [1]
+    appended rows of k_new / v_new [B, H, cap, d], one fp32 softmax per query head -> [B, H * G * d]. (Calls the
+    overload directly: the packet's overload resolution costs a few microseconds per layer in an eager step.)"""
+    return _ops().tier_attend.default(q, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale,
+                              k_new, v_new, n_new, scale)

@@ -1,0 +1,639 @@
+// lowrank_lib's fused decode attention over a tiered KV layer (the layout of lowrank_lib/kv/tiers.py).
+//
+// Compiled into the same library as lrk.cpp (same flags, ops in the same namespace lowrank_lrk, the same
+// run-time ISA check; the AVX-512 helpers are shared through lrk_simd.h).
+//
+// Op:
+//   tier_attend(q [B, H, G, d], k_exact, v_exact [N_e, d], e_off [B*H+1], runs [R, 9], r_off [B*H+1],
+//               a_k, a_v (flat rank-major factors: q's dtype, or int8), b_k, b_v (flat bases, q's dtype),
+//               k_scale?, v_scale? ([sum n_j] fp16 or fp32: int8 factors only), k_new?, v_new? [B, H, cap, d],
+//               n_new [1] int64 (read at run time: a compiled / captured step replays for every step), scale)
+//        -> o [B, H*G*d] in q's dtype
+//   Per segment s = b*H + h, its G query heads (q[b, h]) attend over, in this order: the exact rows
+//   e_off[s] : e_off[s+1], every run j of r_off[s] : r_off[s+1] in factor space, and the first n_new appended
+//   rows k_new[b, h]. Run j (columns SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF) holds A_K
+//   [RK, N] at a_k[AK_OFF:] (rank-major: row r is the N tokens' r-th coefficient), B_K [RK, d] at b_k[BK_OFF:],
+//   likewise A_V / B_V, and (int8) one scale per token at k_scale / v_scale[TOK_OFF:].
+//
+// Algorithm (all arithmetic fp32; bf16 inputs are widened on load, int8 factors converted in registers):
+//   scores   exact / appended rows: (scale q_g) . k_i (16 rows per transpose-add, each row read once for the
+//            G heads of its group); run j: s_i = k_scale_i * sum_r (scale q_g B_K^T)_r A_K[r, i]
+//   softmax  ONE online softmax per query head over every tier, updated per chunk of CH tokens (running max
+//            m_g, denominator l_g, output accumulator [d] rescaled when the max grows)
+//   values   exact / appended: acc_g += p_gi v_i; run j: pa_g = sum_i p_gi v_scale_i A_V[:, i] summed in rank
+//            space over the run (rescaled with acc), then acc_g += pa_g B_V once per run
+//   threads  1 thread: the segments one after another. More (at::get_num_threads()) and enough work: every
+//            segment is cut into pieces of about equal cost (a piece may span tiers), the pieces are spread over
+//            the threads in contiguous groups of equal cost, and the pieces of a segment are merged by their
+//            (m, l, acc) states (log-sum-exp), so long segments are split (flash-decoding).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define LRK_X86 1
+#include <immintrin.h>
+#else
+#define LRK_X86 0
+#endif
+
+namespace lrk {
+
+int64_t isa_flags();  // lrk.cpp
+
+namespace tiers {
+
+#ifndef LRK_TIER_CH
+#define LRK_TIER_CH 256          // tokens per online-softmax update (scores scratch: G * CH floats)
+#endif
+#ifndef LRK_TIER_PF
+#define LRK_TIER_PF 1            // prefetch the other stream of exact rows (V while scoring K, next K while summing V)
+#endif
+constexpr int64_t CH = LRK_TIER_CH;
+constexpr int NG_MAX = 4;    // query heads per register group in the factor loops
+constexpr int64_t NCOL = 9;
+enum { SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF };
+
+// The validated layer as raw pointers (element offsets are in the element type of each buffer).
+struct Layer {
+  int64_t G, D;
+  float scale;
+  const void* q;                        // [B*H, G, D] contiguous
+  const void *ke, *ve;                  // exact rows, row strides ske / sve (elements)
+  int64_t ske, sve;
+  const int64_t *eoff, *runs, *roff;
+  const void *ak, *av, *bk, *bv;        // factors (T or int8) and bases (T)
+  const void *ks, *vs;                  // per-token scales (int8 factors), fp16 or fp32 (s32)
+  bool q8, s32;
+  const void *kn, *vn;                  // appended rows: segment (b, h) at b * sb + h * sh, rows at ss
+  int64_t H, kn_sb, kn_sh, kn_ss, vn_sb, vn_sh, vn_ss, nn;
+};
+
+// Per-call scratch of one thread (allocated by the driver, outside the AVX-512 region).
+struct Scratch {
+  float* qs;   // [G, D]  scaled queries
+  float* sc;   // [G, CH] scores, then probabilities
+  float* qb;   // [G, rmax] queries in run j's key basis
+  float* pa;   // [G * rmax + 16] one chunk's probabilities in run j's value basis (order r * NG + g per group)
+  float* pr;   // [G, rmax] the run piece's running sum of them (rescaled with acc)
+};
+
+#if LRK_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2")
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2"))), \
+                             apply_to = function)
+#endif
+
+}  // namespace tiers
+#include "lrk_simd.h"  // lanes, exp512, ld / st (fp32, bf16), hsum16 (namespace lrk)
+namespace tiers {
+
+// masked (tail) loads of 16 elements widened to fp32: fp32, bf16, int8; per-token scales fp16 / fp32
+static inline __m512 ldm(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
+static inline __m512 ldm(const uint16_t* p, __mmask16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+static inline __m512 ld(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline __m512 ldm(const int8_t* p, __mmask16 k) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
+}
+using lrk::ld;
+static inline __m512 ld_scale(const void* base, bool s32, int64_t i, __mmask16 k) {
+  return s32 ? _mm512_maskz_loadu_ps(k, (const float*)base + i)
+             : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t*)base + i));
+}
+template <typename F>
+static inline __m512 ld_tail(const F* p, int64_t left) {  // 16 elements, or the `left` < 16 of a tail
+  return left >= 16 ? ld(p) : ldm(p, lanes(left));
+}
+
+static inline void prefetch_row(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
+// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. pf (or null): rows
+// at stride spf prefetched alongside (the V rows of the same tokens, read next)
+template <typename T, int DC>
+static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
+                         int64_t spf) {
+  constexpr int D = DC * 16;
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = (int)(n - t0 < 16 ? n - t0 : 16);
+    if (LRK_TIER_PF && pf)
+      for (int i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * sizeof(T));
+    for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
+      __m512 qv[DC];
+      for (int c = 0; c < DC; c++) qv[c] = _mm512_loadu_ps(qs + g * D + c * 16);
+      __m512 part[16];
+      for (int i = 0; i < 16; i++) {
+        if (i < m) {
+          const T* k = K + (t0 + i) * sk;
+          __m512 a = _mm512_mul_ps(qv[0], ld(k));
+          for (int c = 1; c < DC; c++) a = _mm512_fmadd_ps(qv[c], ld(k + c * 16), a);
+          part[i] = a;
+        } else {
+          part[i] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_storeu_ps(sc + g * CH + t0, hsum16(part));
+    }
+  }
+}
+
+// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside (the
+// next chunk's K rows)
+template <typename T, int DC>
+static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                         int64_t spf, int64_t npf) {
+  constexpr int D = DC * 16;
+  constexpr int GV = DC >= 16 ? 1 : 16 / DC;   // heads per pass: GV * DC <= 16 accumulators
+  for (int64_t g0 = 0; g0 < G; g0 += GV) {
+    const int gb = (int)(G - g0 < GV ? G - g0 : GV);
+    __m512 a[GV][DC];
+    for (int g = 0; g < gb; g++)
+      for (int c = 0; c < DC; c++) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * D + c * 16);
+    for (int64_t t = 0; t < n; t++) {
+      if (LRK_TIER_PF && pf && g0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+      const T* v = V + t * sv;
+      __m512 vv[DC];
+      for (int c = 0; c < DC; c++) vv[c] = ld(v + c * 16);
+      for (int g = 0; g < gb; g++) {
+        const __m512 pb = _mm512_set1_ps(p[(g0 + g) * CH + t]);
+        for (int c = 0; c < DC; c++) a[g][c] = _mm512_fmadd_ps(pb, vv[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < gb; g++)
+      for (int c = 0; c < DC; c++) _mm512_storeu_ps(acc + (g0 + g) * D + c * 16, a[g][c]);
+  }
+}
+
+// ---- the online softmax of one chunk: scores sc[g * CH + i] (i < n) become probabilities relative to the
+// running max m[g] (times vs[i], the per-token value scales of int8 factors, when vs is given: what the value
+// product reads); l[g], acc[g * D + :] and (run pieces) pr[g * rv + :] are rescaled when the max grows; lanes >= n
+// of the last block are 0
+static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc, float* pr,
+                          int64_t rv, const void* vs, bool s32) {
+  for (int64_t g = 0; g < G; g++) {
+    float* s = sc + g * CH;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) mx = _mm512_mask_max_ps(mx, lanes(n - t0), mx, _mm512_loadu_ps(s + t0));
+    const float mc = _mm512_reduce_max_ps(mx);
+    if (mc > m[g]) {
+      const float alpha = expf(m[g] - mc);          // 0 on the first chunk (m = -inf)
+      l[g] *= alpha;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc + g * D + c, _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + c), av));
+      if (pr)
+        for (int64_t r = 0; r < rv; r++) pr[g * rv + r] *= alpha;
+      m[g] = mc;
+    }
+    const __m512 mb = _mm512_set1_ps(m[g]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const __mmask16 k = lanes(n - t0);
+      const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t0), mb)));
+      _mm512_storeu_ps(s + t0, vs ? _mm512_mul_ps(e, ld_scale(vs, s32, t0, k)) : e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    l[g] += _mm512_reduce_add_ps(sum);
+  }
+}
+
+// ---- runs: qb[g * rk + r] = qs_g . B_K[r] (B_K [rk, D] in T)
+template <typename T>
+static void project(const float* qs, int64_t G, int64_t D, const T* bk, int64_t rk, float* qb) {
+  for (int64_t r = 0; r < rk; r++)
+    for (int64_t g = 0; g < G; g++) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(qs + g * D + c), ld(bk + r * D + c), a);
+      qb[g * rk + r] = _mm512_reduce_add_ps(a);
+    }
+}
+
+// sc[g * CH + i] = k_scale_i * sum_r qb[g * rk + r] A[r * lda + i]  (i < n; NG heads; ks null: no scale)
+template <typename F, int NG>
+static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, const void* ks, bool s32, int64_t n,
+                       float* sc) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rk; r++) {
+      const __m512 a = ld_tail(A + r * lda + t0, n - t0);
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qb[g * rk + r]), a, acc[g]);
+    }
+    if (ks) {
+      const __m512 s = ld_scale(ks, s32, t0, lanes(n - t0));
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_mul_ps(acc[g], s);
+    }
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(sc + g * CH + t0, acc[g]);
+  }
+}
+
+// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0)
+template <typename F, int NG>
+static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
+  __m512 part[16];
+  int cnt = 0;
+  float* out = pa;
+  for (int64_t r = 0; r < rv; r++) {
+    __m512 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      const __m512 a = ld_tail(A + r * lda + t0, n - t0);
+      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(p + g * CH + t0), a, acc[g]);
+    }
+    for (int g = 0; g < NG; g++) {
+      part[cnt++] = acc[g];
+      if (cnt == 16) {
+        _mm512_storeu_ps(out, hsum16(part));
+        out += 16;
+        cnt = 0;
+      }
+    }
+  }
+  if (cnt) {
+    for (int i = cnt; i < 16; i++) part[i] = _mm512_setzero_ps();
+    _mm512_storeu_ps(out, hsum16(part));      // pa holds 16 spare floats for this
+  }
+}
+
+// acc[g * D + :] += sum_r pr[g * rv + r] B_V[r, :]   (B_V [rv, D] in T; once per run piece)
+template <typename T>
+static void basis_acc(const float* pr, int64_t G, int64_t rv, const T* bv, int64_t D, float* acc) {
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512 v = _mm512_loadu_ps(acc + g * D + c);
+      for (int64_t r = 0; r < rv; r++) v = _mm512_fmadd_ps(_mm512_set1_ps(pr[g * rv + r]), ld(bv + r * D + c), v);
+      _mm512_storeu_ps(acc + g * D + c, v);
+    }
+}
+
+// one run's tokens [a, b) of the current item
+template <typename T, typename F>
+static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, float* m, float* l, float* acc,
+                      const Scratch& S) {
+  const int64_t G = L.G, D = L.D, n = R[N], rk = R[RK], rv = R[RV], tok = R[TOK_OFF];
+  const F* ak = (const F*)L.ak + R[AK_OFF];
+  const F* av = (const F*)L.av + R[AV_OFF];
+  const T* bk = (const T*)L.bk + R[BK_OFF];
+  const T* bv = (const T*)L.bv + R[BV_OFF];
+  project<T>(S.qs, G, D, bk, rk, S.qb);
+  for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
+  for (int64_t c0 = a; c0 < b; c0 += CH) {
+    const int64_t cn = b - c0 < CH ? b - c0 : CH;
+    const void* ks = nullptr;
+    if (L.q8) ks = L.s32 ? (const void*)((const float*)L.ks + tok + c0) : (const void*)((const uint16_t*)L.ks + tok + c0);
+    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
+      const float* qb = S.qb + g0 * rk;
+      float* sc = S.sc + g0 * CH;
+      switch (ng) {
+        case 1: run_scores<F, 1>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        case 2: run_scores<F, 2>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        case 3: run_scores<F, 3>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        default: run_scores<F, 4>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+      }
+    }
+    const void* vs = nullptr;
+    if (L.q8) vs = L.s32 ? (const void*)((const float*)L.vs + tok + c0) : (const void*)((const uint16_t*)L.vs + tok + c0);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, S.pr, rv, vs, L.s32);       // sc: p_i (* v_scale_i)
+    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
+      const float* p = S.sc + g0 * CH;
+      switch (ng) {
+        case 1: run_values<F, 1>(p, rv, av + c0, n, cn, S.pa); break;
+        case 2: run_values<F, 2>(p, rv, av + c0, n, cn, S.pa); break;
+        case 3: run_values<F, 3>(p, rv, av + c0, n, cn, S.pa); break;
+        default: run_values<F, 4>(p, rv, av + c0, n, cn, S.pa); break;
+      }
+      for (int64_t r = 0; r < rv; r++)
+        for (int g = 0; g < ng; g++) S.pr[(g0 + g) * rv + r] += S.pa[r * ng + g];
+    }
+  }
+  basis_acc<T>(S.pr, G, rv, bv, D, acc);
+}
+
+// rows [a, b) of an exact block (the exact tier or the appended rows)
+template <typename T>
+static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a, int64_t b, float* m,
+                       float* l, float* acc, const Scratch& S) {
+  typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
+  typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
+  static const sc_fn SC[8] = {exact_scores<T, 1>, exact_scores<T, 2>, exact_scores<T, 3>, exact_scores<T, 4>,
+                              exact_scores<T, 5>, exact_scores<T, 6>, exact_scores<T, 7>, exact_scores<T, 8>};
+  static const va_fn VA[8] = {exact_values<T, 1>, exact_values<T, 2>, exact_values<T, 3>, exact_values<T, 4>,
+                              exact_values<T, 5>, exact_values<T, 6>, exact_values<T, 7>, exact_values<T, 8>};
+  const int64_t G = L.G, D = L.D;
+  for (int64_t c0 = a; c0 < b; c0 += CH) {
+    const int64_t cn = b - c0 < CH ? b - c0 : CH;
+    const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
+    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
+    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
+  }
+}
+
+// One item: segment s, tokens [lo, hi) of [exact | runs | appended]; st = m [G], l [G], acc [G * D] (written).
+template <typename T>
+static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* st, const Scratch& S) {
+  const int64_t G = L.G, D = L.D;
+  float *m = st, *l = st + G, *acc = st + 2 * G;
+  for (int64_t g = 0; g < G; g++) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+  const T* q = (const T*)L.q + s * G * D;
+  const __m512 sv = _mm512_set1_ps(L.scale);
+  for (int64_t i = 0; i < G * D; i += 16) _mm512_storeu_ps(S.qs + i, _mm512_mul_ps(ld(q + i), sv));
+  // exact tier
+  const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
+  if (lo < ne)
+    rows_piece<T>(L, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m,
+                  l, acc, S);
+  int64_t base = ne;          // first token index of the next tier
+  // runs
+  for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
+    const int64_t* R = L.runs + j * NCOL;
+    const int64_t a = lo > base ? lo - base : 0, b = hi - base < R[N] ? hi - base : R[N];
+    if (a < b) {
+      if (L.q8)
+        run_piece<T, int8_t>(L, R, a, b, m, l, acc, S);
+      else
+        run_piece<T, T>(L, R, a, b, m, l, acc, S);
+    }
+    base += R[N];
+  }
+  // appended rows
+  if (hi > base && L.nn) {
+    const int64_t bb = s / L.H, hh = s % L.H;
+    const T* kn = (const T*)L.kn + bb * L.kn_sb + hh * L.kn_sh;
+    const T* vn = (const T*)L.vn + bb * L.vn_sb + hh * L.vn_sh;
+    const int64_t a = lo > base ? lo - base : 0, b = hi - base < L.nn ? hi - base : L.nn;
+    if (a < b) rows_piece<T>(L, kn, L.kn_ss, vn, L.vn_ss, a, b, m, l, acc, S);
+  }
+}
+
+typedef void (*item_fn)(const Layer&, int64_t, int64_t, int64_t, float*, const Scratch&);
+static const item_fn ITEM_F32 = run_item<float>;
+static const item_fn ITEM_BF16 = run_item<uint16_t>;
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+#endif  // LRK_X86
+
+// ------------------------------------------------------------------------------------ driver
+struct Item {
+  int64_t s, lo, hi;
+  double cost;
+};
+
+static bool is_float_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+static const char* OP = "lowrank_lrk::tier_attend: ";
+
+static void check_flat(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 1 && t.is_contiguous() && t.device().is_cpu(), OP, name,
+              " must be a 1-D contiguous CPU tensor, got shape ", t.sizes(), " strides ", t.strides());
+}
+
+at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
+                       const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
+                       const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                       const at::Tensor& n_new, double scale) {
+  // ---- shapes, dtypes, descriptors (every offset checked against its buffer: a bad layout is an error, never a read
+  // out of bounds)
+  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu() && is_float_or_bf16(q), OP,
+              "q must be a CPU [B, H, G, d] fp32 / bf16 tensor, got ", q.sizes(), " ", q.scalar_type());
+  const bool bf = q.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((isa_flags() & (bf ? 15 : 7)) == (bf ? 15 : 7), OP, "this CPU lacks ",
+              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa_flags(), ")");
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = B * H;
+  TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, OP, "head_dim must be a multiple of 16 up to 128, got ", D);
+  TORCH_CHECK(G >= 1, OP, "q has no query head per KV head (G = 0)");
+  const auto dt = q.scalar_type();
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_exact, "k_exact"}, {&v_exact, "v_exact"}}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->scalar_type() == dt && t->device().is_cpu() &&
+                    (t->size(0) == 0 || t->stride(1) == 1),
+                OP, name, " must be [N_e, ", D, "] ", dt, " with unit column stride, got ", t->sizes(), " ",
+                t->scalar_type());
+  }
+  TORCH_CHECK(k_exact.size(0) == v_exact.size(0), OP, "k_exact has ", k_exact.size(0), " rows, v_exact ",
+              v_exact.size(0));
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&e_off, "e_off"}, {&r_off, "r_off"}}) {
+    check_flat(*t, name);
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == S + 1, OP, name, " must be [B*H + 1] = [", S + 1,
+                "] int64, got [", t->numel(), "] ", t->scalar_type());
+  }
+  TORCH_CHECK(runs.dim() == 2 && runs.size(1) == NCOL && runs.scalar_type() == at::kLong && runs.is_contiguous(), OP,
+              "runs must be [R, 9] contiguous int64, got ", runs.sizes(), " ", runs.scalar_type());
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&a_k, "a_k"}, {&a_v, "a_v"}, {&b_k, "b_k"},
+                         {&b_v, "b_v"}})
+    check_flat(*t, name);
+  const bool q8 = a_k.scalar_type() == at::kChar;
+  TORCH_CHECK((a_k.scalar_type() == dt || q8) && a_v.scalar_type() == a_k.scalar_type(), OP,
+              "a_k / a_v must both be ", dt, " or both int8, got ", a_k.scalar_type(), " / ", a_v.scalar_type());
+  TORCH_CHECK(b_k.scalar_type() == dt && b_v.scalar_type() == dt, OP, "b_k / b_v must be ", dt, ", got ",
+              b_k.scalar_type(), " / ", b_v.scalar_type());
+  bool s32 = false;
+  if (q8) {
+    TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), OP, "int8 factors need k_scale and v_scale");
+    check_flat(*k_scale, "k_scale");
+    check_flat(*v_scale, "v_scale");
+    const auto st = k_scale->scalar_type();
+    TORCH_CHECK((st == at::kHalf || st == at::kFloat) && v_scale->scalar_type() == st, OP,
+                "k_scale / v_scale must both be fp16 or both fp32, got ", st, " / ", v_scale->scalar_type());
+    s32 = st == at::kFloat;
+  }
+  const int64_t* eo = e_off.data_ptr<int64_t>();
+  const int64_t* ro = r_off.data_ptr<int64_t>();
+  const int64_t* rd = runs.data_ptr<int64_t>();
+  const int64_t R = runs.size(0);
+  TORCH_CHECK(eo[0] == 0 && eo[S] <= k_exact.size(0), OP, "e_off must start at 0 and end at most at N_e = ",
+              k_exact.size(0), ", got ", eo[0], " .. ", eo[S]);
+  TORCH_CHECK(ro[0] == 0 && ro[S] == R, OP, "r_off must run from 0 to R = ", R, ", got ", ro[0], " .. ", ro[S]);
+  const int64_t n_scale = q8 ? std::min(k_scale->numel(), v_scale->numel()) : 0;
+  int64_t rmax = 0;
+  std::vector<int64_t> seg_tokens(S, 0);
+  for (int64_t s = 0; s < S; s++) {
+    TORCH_CHECK(eo[s + 1] >= eo[s] && ro[s + 1] >= ro[s], OP, "e_off / r_off decrease at segment ", s);
+    seg_tokens[s] = eo[s + 1] - eo[s];
+    for (int64_t j = ro[s]; j < ro[s + 1]; j++) {
+      const int64_t* r = rd + j * NCOL;
+      const int64_t n = r[N], rk = r[RK], rv = r[RV];
+      TORCH_CHECK(r[SEG] == s, OP, "run ", j, " belongs to segment ", r[SEG], " but r_off gives it to ", s);
+      TORCH_CHECK(n >= 0 && rk >= 0 && rv >= 0 && r[AK_OFF] >= 0 && r[AV_OFF] >= 0 && r[TOK_OFF] >= 0 &&
+                      r[BK_OFF] >= 0 && r[BV_OFF] >= 0,
+                  OP, "run ", j, " has a negative count or offset");
+      TORCH_CHECK(r[AK_OFF] + rk * n <= a_k.numel() && r[AV_OFF] + rv * n <= a_v.numel(), OP, "run ", j,
+                  ": factors [", rk, " + ", rv, ", ", n, "] at ", r[AK_OFF], " / ", r[AV_OFF], " overrun a_k [",
+                  a_k.numel(), "] / a_v [", a_v.numel(), "]");
+      TORCH_CHECK(r[BK_OFF] + rk * D <= b_k.numel() && r[BV_OFF] + rv * D <= b_v.numel(), OP, "run ", j,
+                  ": bases at ", r[BK_OFF], " / ", r[BV_OFF], " overrun b_k [", b_k.numel(), "] / b_v [", b_v.numel(),
+                  "]");
+      TORCH_CHECK(!q8 || r[TOK_OFF] + n <= n_scale, OP, "run ", j, ": scales [", r[TOK_OFF], ", ", r[TOK_OFF] + n,
+                  ") overrun k_scale / v_scale [", n_scale, "]");
+      rmax = std::max(rmax, std::max(rk, rv));
+      seg_tokens[s] += n;
+    }
+  }
+  const int64_t nn = n_new.numel() == 1 && n_new.scalar_type() == at::kLong && n_new.device().is_cpu()
+                         ? n_new.data_ptr<int64_t>()[0]
+                         : -1;
+  TORCH_CHECK(nn >= 0, OP, "n_new must be a [1] non-negative int64 CPU tensor, got ", n_new.sizes(), " ",
+              n_new.scalar_type(), nn < 0 && n_new.numel() == 1 && n_new.scalar_type() == at::kLong ? " (negative)" : "");
+  Layer L{};
+  L.nn = nn;
+  if (nn > 0) {
+    TORCH_CHECK(k_new.has_value() && v_new.has_value(), OP, "n_new = ", nn, " but no k_new / v_new");
+    for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&*k_new, "k_new"}, {&*v_new, "v_new"}})
+      TORCH_CHECK(t->dim() == 4 && t->size(0) == B && t->size(1) == H && t->size(3) == D && t->scalar_type() == dt &&
+                      t->stride(3) == 1 && t->device().is_cpu(),
+                  OP, name, " must be [", B, ", ", H, ", cap, ", D, "] ", dt, " with unit stride in d, got ",
+                  t->sizes(), " ", t->scalar_type());
+    TORCH_CHECK(nn <= k_new->size(2) && nn <= v_new->size(2), OP, "n_new = ", nn, " exceeds the appended capacity ",
+                k_new->size(2));
+    L.kn = k_new->data_ptr();
+    L.vn = v_new->data_ptr();
+    L.kn_sb = k_new->stride(0), L.kn_sh = k_new->stride(1), L.kn_ss = k_new->stride(2);
+    L.vn_sb = v_new->stride(0), L.vn_sh = v_new->stride(1), L.vn_ss = v_new->stride(2);
+  }
+  for (int64_t s = 0; s < S; s++)
+    TORCH_CHECK(seg_tokens[s] + nn > 0, OP, "segment ", s, " (row ", s / H, ", KV head ", s % H, ") holds no token");
+
+  auto qc = q.contiguous();
+  L.G = G, L.D = D, L.H = H, L.scale = (float)scale, L.q = qc.data_ptr();
+  L.ke = k_exact.data_ptr(), L.ve = v_exact.data_ptr();
+  L.ske = k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
+  L.eoff = eo, L.runs = rd, L.roff = ro;
+  L.ak = a_k.data_ptr(), L.av = a_v.data_ptr(), L.bk = b_k.data_ptr(), L.bv = b_v.data_ptr();
+  L.q8 = q8, L.s32 = s32;
+  L.ks = q8 ? k_scale->data_ptr() : nullptr, L.vs = q8 ? v_scale->data_ptr() : nullptr;
+
+  // ---- work items: one per segment, or (several threads, enough work) pieces of about equal cost
+  // cost model (bytes-equivalent): an exact / appended row streams 2 d elements; a factor-space token reads
+  // (r_k + r_v) factor entries and costs about 12 G fp32 operations per query head in registers
+  const int64_t es = bf ? 2 : 4, fes = q8 ? 1 : es;
+  const double w_row = 2.0 * D * es;
+  auto w_run = [&](const int64_t* r) { return (double)((r[RK] + r[RV]) * fes + (q8 ? 4 : 0)) + 12.0 * G; };
+  // f(tokens, cost per token) for the tiers of segment s in their order
+  auto for_each_tier = [&](int64_t s, auto&& f) {
+    f(eo[s + 1] - eo[s], w_row);
+    for (int64_t j = ro[s]; j < ro[s + 1]; j++) f(rd[j * NCOL + N], w_run(rd + j * NCOL));
+    f(nn, w_row);
+  };
+  double total = 0;
+  for (int64_t s = 0; s < S; s++) for_each_tier(s, [&](int64_t n, double w) { total += n * w; });
+  const int64_t nt = at::get_num_threads();
+  const bool split = nt > 1 && total > (double)(256 << 10);
+  const double target = split ? std::max(total / (4.0 * nt), (double)(32 << 10)) : 0.0;
+  std::vector<Item> items;
+  items.reserve(split ? S + 4 * nt + 1 : S);
+  for (int64_t s = 0; s < S; s++) {
+    if (!split) {
+      items.push_back({s, 0, seg_tokens[s] + nn, 0.0});
+      continue;
+    }
+    int64_t idx = 0, lo = 0;
+    double acc = 0;
+    for_each_tier(s, [&](int64_t rem, double w) {
+      while (rem > 0) {
+        const int64_t take = std::min(rem, std::max<int64_t>(1, (int64_t)std::ceil((target - acc) / w)));
+        idx += take, rem -= take, acc += take * w;
+        if (acc >= target) {
+          items.push_back({s, lo, idx, acc});
+          lo = idx, acc = 0;
+        }
+      }
+    });
+    if (idx > lo) items.push_back({s, lo, idx, acc});
+  }
+  const int64_t NI = (int64_t)items.size(), ST = 2 * G + G * D;
+  std::vector<float> state(NI * ST);
+
+#if LRK_X86
+  const item_fn fn = bf ? ITEM_BF16 : ITEM_F32;
+  auto run_range = [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(G * D + G * CH + 3 * G * rmax + 16);
+    float* p = buf.data();
+    Scratch sc{p, p + G * D, p + G * D + G * CH, p + G * D + G * CH + G * rmax, p + G * D + G * CH + 2 * G * rmax + 16};
+    for (int64_t i = i0; i < i1; i++) fn(L, items[i].s, items[i].lo, items[i].hi, state.data() + i * ST, sc);
+  };
+  if (!split) {
+    run_range(0, NI);
+  } else {       // contiguous groups of about equal cost, one per thread
+    std::vector<int64_t> cut(nt + 1, NI);
+    cut[0] = 0;
+    double acc = 0;
+    int64_t t = 1;
+    for (int64_t i = 0; i < NI && t < nt; i++) {
+      acc += items[i].cost;
+      if (acc * nt >= total * t) cut[t++] = i + 1;
+    }
+    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; t++)
+        if (cut[t] < cut[t + 1]) run_range(cut[t], cut[t + 1]);
+    });
+  }
+#endif
+
+  // ---- merge the pieces of each segment (log-sum-exp of their states) and normalise
+  auto o = at::empty({B, H * G * D}, q.options());
+  std::vector<float> out(G * D);
+  for (int64_t i0 = 0; i0 < NI;) {
+    const int64_t s = items[i0].s;
+    int64_t i1 = i0;
+    while (i1 < NI && items[i1].s == s) i1++;
+    for (int64_t g = 0; g < G; g++) {
+      float mx = -INFINITY;
+      for (int64_t i = i0; i < i1; i++) mx = std::max(mx, state[i * ST + g]);
+      float l = 0;
+      for (int64_t c = 0; c < D; c++) out[g * D + c] = 0;
+      for (int64_t i = i0; i < i1; i++) {
+        const float* st = state.data() + i * ST;
+        const float w = std::exp(st[g] - mx);
+        l += st[G + g] * w;
+        for (int64_t c = 0; c < D; c++) out[g * D + c] += st[2 * G + g * D + c] * w;
+      }
+      const float inv = 1.0f / l;
+      for (int64_t c = 0; c < D; c++) out[g * D + c] *= inv;
+    }
+    if (bf) {
+      auto* op = o.data_ptr<at::BFloat16>() + s * G * D;
+      for (int64_t c = 0; c < G * D; c++) op[c] = at::BFloat16(out[c]);
+    } else {
+      std::memcpy(o.data_ptr<float>() + s * G * D, out.data(), G * D * sizeof(float));
+    }
+    i0 = i1;
+  }
+  return o;
+}
+
+}  // namespace tiers
+}  // namespace lrk
+
+TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
+  m.def(
+      "tier_attend(Tensor q, Tensor k_exact, Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, "
+      "Tensor a_v, Tensor b_k, Tensor b_v, Tensor? k_scale, Tensor? v_scale, Tensor? k_new, Tensor? v_new, "
+      "Tensor n_new, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) { m.impl("tier_attend", &lrk::tiers::tier_attend); }
