@@ -55,13 +55,13 @@ def layout_bench(shapes: Counter, dtype=torch.float32, working_set_mb: int = 256
         ts = interleaved({lay: fn for lay, (fn, _) in sweeps.items()}, repeats, warmup=1)
         st = {lay: summary([t / sweeps[lay][1] for t in ts[lay]]) for lay in layouts}
         del sweeps
-        t = {lay: st[lay]["median_ms"] / 1e3 for lay in layouts}
+        us = {lay: 1e3 * st[lay]["median_ms"] for lay in layouts}
         rows.append({"out": o, "in": i, "per_token": count, "bytes": nbytes,
-                     "GBps": {k: nbytes / v / 1e9 for k, v in t.items()}, "us": {k: 1e6 * v for k, v in t.items()},
+                     "GBps": {k: nbytes / v / 1e3 for k, v in us.items()}, "us": us,
                      "us_q1": {k: 1e3 * st[k]["q1_ms"] for k in layouts},
                      "us_q3": {k: 1e3 * st[k]["q3_ms"] for k in layouts},
                      "auto": pick_layout(o, i, torch.device("cpu"), "auto", dtype),
-                     "best": min(t, key=t.get)})
+                     "best": min(us, key=us.get)})
     tot = {lay: sum(r["us"][lay] * r["per_token"] for r in rows) / 1e3 for lay in layouts}
     tot["auto"] = sum(r["us"][r["auto"]] * r["per_token"] for r in rows) / 1e3
     tot["best"] = sum(r["us"][r["best"]] * r["per_token"] for r in rows) / 1e3
