@@ -38,6 +38,7 @@ def test_cli_writes_json_and_table(tmp_path, capsys):
         # every derived figure is the arithmetic of the raw step times of this run (1 repeat x 3 steps)
         assert len(r["step_ms"]) == 3 and "tokens_match_hf_dynamic" not in r
         assert r["decode_ms_per_token"] == pytest.approx(statistics.median(r["step_ms"]))
+        assert r["decode_ms_q1"] <= r["decode_ms_per_token"] <= r["decode_ms_q3"]
         assert r["decode_tokens_per_s"] == pytest.approx(1e3 / r["decode_ms_per_token"])
         assert r["achieved_GBps"] == pytest.approx(r["weight_bytes_per_token"] / r["decode_ms_per_token"] / 1e6)
         assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 /
@@ -138,6 +139,7 @@ def test_layout_bench_counts_every_operand(tmp_path, capsys):
         assert r["best"] == min(r["us"], key=r["us"].get)
         for lay in ("out_major", "in_major"):
             assert r["GBps"][lay] == pytest.approx(r["bytes"] / r["us"][lay] / 1e3)
+            assert r["us_q1"][lay] <= r["us"][lay] <= r["us_q3"][lay]          # the spread of the interleaved rounds
             tot[lay] += r["us"][lay] * r["per_token"] / 1e3
         tot["auto"] += r["us"][r["auto"]] * r["per_token"] / 1e3
         tot["best"] += r["us"][r["best"]] * r["per_token"] / 1e3

@@ -1,13 +1,12 @@
 """Mechanism ablation and sweeps (notebook 03): every switch on/off under ONE setting, and decode
 latency vs prompt length, generation length, keep ratio, and cached length.
 
-All timings come from :func:`lowrank_lib.runtime.run_generation` (the loop every system shares);
-medians over all decode steps of all repeats, with that population's quartiles (``*_q1`` / ``*_q3``, the
-IQR bars of notebook 03) and each repeat's own median (``*_repeats``) beside them.
+All timings come from :func:`lowrank_lib.runtime.run_generation` (the loop every system shares), the systems
+compared in interleaved rounds in a rotated order (:mod:`.timing`); medians over all decode steps of all
+repeats, with that population's quartiles (``*_q1`` / ``*_q3``, the IQR bars of notebook 03) and each repeat's
+own median (``*_repeats``) beside them.
 """
 from __future__ import annotations
-
-import statistics
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +15,7 @@ from ..runtime import Engine, EngineConfig, run_generation
 from ..runtime.baselines import make_runner
 from ..runtime.config import PRESETS
 from ..runtime.profiling import per_token_counts
+from .timing import interleaved, interleaved_samples, summary
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels
@@ -48,87 +48,126 @@ def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 def quartiles_ms(samples_s: list[float]) -> tuple[float, float]:
     """(first, third) quartile of ``samples_s`` (seconds) in ms; both the value itself for one sample."""
-    if len(samples_s) < 2:
-        return 1e3 * samples_s[0], 1e3 * samples_s[0]
-    q = statistics.quantiles(samples_s, n=4, method="inclusive")
-    return 1e3 * q[0], 1e3 * q[2]
+    st = summary(samples_s)
+    return st["q1_ms"], st["q3_ms"]
+
+
+def _generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
+    """One short warm-up generation per runner (graph capture / compile apart), then ``repeats`` interleaved
+    rounds (rotated order, :mod:`.timing`) of a ``gen_len`` generation each. Per key: the raw samples."""
+    for r in runners.values():
+        run_generation(r, ids, min(3, gen_len))
+    outs = {k: [] for k in runners}
+
+    def generation(k):
+        def run():
+            outs[k].append(run_generation(runners[k], ids, gen_len))
+            return outs[k][-1].step_s
+        return run
+
+    steps = interleaved_samples({k: generation(k) for k in runners}, repeats)
+    return {k: {"steps": steps[k], "prefill": [o.prefill_s for o in outs[k]],
+                "per_repeat": [summary(o.step_s)["median_ms"] for o in outs[k]],
+                "capture_s": getattr(runners[k], "capture_s", 0.0)} for k in runners}
+
+
+def _pool(a: dict, b: dict) -> dict:
+    """The samples of two timings of the same runner, together."""
+    return {"steps": a["steps"] + b["steps"], "prefill": a["prefill"] + b["prefill"],
+            "per_repeat": a["per_repeat"] + b["per_repeat"], "capture_s": a["capture_s"]}
+
+
+def _row(raw: dict) -> dict:
+    st = summary(raw["steps"])
+    return {"decode_ms": st["median_ms"], "decode_ms_q1": st["q1_ms"], "decode_ms_q3": st["q3_ms"],
+            "decode_ms_repeats": raw["per_repeat"], "prefill_ms": summary(raw["prefill"])["median_ms"],
+            "prefill_ms_repeats": [1e3 * p for p in raw["prefill"]], "capture_s": raw["capture_s"]}
+
+
+def time_runners(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
+    """:func:`time_runner` for several runners side by side: one warm-up each, then ``repeats`` interleaved rounds
+    (rotated order), so their ratios are measured on the same load. Returns {key: the row of time_runner}."""
+    return {k: _row(raw) for k, raw in _generations(runners, ids, gen_len, repeats).items()}
 
 
 def time_runner(runner, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
     """One warm-up, then ``repeats`` generations: median decode ms/token over every step of every repeat,
     its quartiles (``decode_ms_q1`` / ``decode_ms_q3``), each repeat's median step (``decode_ms_repeats``),
     and the median prefill ms (every repeat's in ``prefill_ms_repeats``)."""
-    run_generation(runner, ids, min(3, gen_len))
-    steps, pre, per_rep = [], [], []
-    for _ in range(repeats):
-        o = run_generation(runner, ids, gen_len)
-        steps += o.step_s
-        pre.append(o.prefill_s)
-        per_rep.append(1e3 * statistics.median(o.step_s))
-    q1, q3 = quartiles_ms(steps)
-    return {"decode_ms": 1e3 * statistics.median(steps), "decode_ms_q1": q1, "decode_ms_q3": q3,
-            "decode_ms_repeats": per_rep, "prefill_ms": 1e3 * statistics.median(pre),
-            "prefill_ms_repeats": [1e3 * p for p in pre], "capture_s": getattr(runner, "capture_s", 0.0)}
+    return time_runners({0: runner}, ids, gen_len, repeats)[0]
 
 
 def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int = 32, repeats: int = 2,
                     dtype=None, rows: list[str] | None = None, baselines=("hf_static",), count_tokens: int = 2,
                     progress: bool = True) -> list[dict]:
-    """Every mechanism on/off under one setting. Rows: baselines then :data:`MECHANISMS` entries."""
+    """Every mechanism on/off under one setting. Rows: baselines then :data:`MECHANISMS` entries.
+
+    The first row is the reference: every other row is timed interleaved with it (two runners alive at a
+    time), and ``speedup_vs_<reference>`` is the ratio of the two medians of that pair (``reference_ms``: the
+    reference's median in it). The reference's own row pools its samples of every pair."""
     ids = _prompt(model.config.vocab_size, prompt_len)
     S = prompt_len + gen_len
-    out = []
     names = list(baselines) + list(rows or MECHANISMS)
-    for name in tqdm(names, desc="mechanisms", disable=not progress):
+
+    def build(name):
         if name in MECHANISMS:
-            r = Engine(model, EngineConfig(max_seq_len=S, dtype=dtype, **MECHANISMS[name]))
-        else:
-            r = make_runner(name, model, dense_model, dtype=dtype, max_seq_len=S)
-        row = {"system": name, **time_runner(r, ids, gen_len, repeats)}
-        row["ops_per_token"] = per_token_counts(r, ids, count_tokens)["total"]
-        out.append(row)
-        del r
-    base = out[0]["decode_ms"]
-    for row in out:
-        row["speedup_vs_" + names[0]] = base / row["decode_ms"]
-    return out
+            return Engine(model, EngineConfig(max_seq_len=S, dtype=dtype, **MECHANISMS[name]))
+        return make_runner(name, model, dense_model, dtype=dtype, max_seq_len=S)
+
+    ref_name, ref = names[0], build(names[0])
+    key = "speedup_vs_" + ref_name
+    ref_raw, out = None, []
+    for name in tqdm(names[1:] or names, desc="mechanisms", disable=not progress):
+        pair = {"reference": ref} if name == ref_name else {"reference": ref, "row": build(name)}
+        raw = _generations(pair, ids, gen_len, repeats)
+        ref_raw = raw["reference"] if ref_raw is None else _pool(ref_raw, raw["reference"])
+        if "row" in pair:
+            row = {"system": name, **_row(raw["row"]),
+                   "ops_per_token": per_token_counts(pair["row"], ids, count_tokens)["total"]}
+            row["reference_ms"] = summary(raw["reference"]["steps"])["median_ms"]
+            row[key] = row["reference_ms"] / row["decode_ms"]
+            out.append(row)
+        del pair
+    first = {"system": ref_name, **_row(ref_raw), "ops_per_token": per_token_counts(ref, ids, count_tokens)["total"]}
+    first["reference_ms"] = first["decode_ms"]
+    first[key] = 1.0
+    return [first] + out
 
 
 def sweep(model, dense_model=None, systems=("hf_static", "dense_kv", "engine", "naive"), prompt_lens=(256,),
           gen_lens=(32,), repeats: int = 2, dtype=None, progress: bool = True) -> list[dict]:
-    """Decode ms/token for every (system, prompt_len, gen_len)."""
-    out = []
-    grid = [(s, p, g) for s in systems for p in prompt_lens for g in gen_lens]
-    runners = {}
+    """Decode ms/token for every (system, prompt_len, gen_len); at each (prompt_len, gen_len) every system is
+    timed in the same interleaved rounds. Rows in (system, prompt_len, gen_len) order."""
     S = max(prompt_lens) + max(gen_lens)
-    for s, p, g in tqdm(grid, desc="sweep", disable=not progress):
-        if s not in runners:
-            runners[s] = make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S)
-        ids = _prompt(model.config.vocab_size, p)
-        out.append({"system": s, "prompt_len": p, "gen_len": g, **time_runner(runners[s], ids, g, repeats)})
-    return out
+    runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
+    by = {}
+    for p, g in tqdm([(p, g) for p in prompt_lens for g in gen_lens], desc="sweep", disable=not progress):
+        for s, row in time_runners(runners, _prompt(model.config.vocab_size, p), g, repeats).items():
+            by[(s, p, g)] = {"system": s, "prompt_len": p, "gen_len": g, **row}
+    return [by[(s, p, g)] for s in systems for p in prompt_lens for g in gen_lens]
 
 
 @torch.no_grad()
 def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv", "engine", "hf_static"),
                             context_lens=(64, 256, 1024), steps: int = 8, dtype=None, progress: bool = True) -> list[dict]:
     """Latency of single decode steps after a prefill of each cached length (dense KV: flat;
-    rebuilt history: grows with the length)."""
-    import time
-
+    rebuilt history: grows with the length). At each length every system prefills, then their steps are
+    interleaved (rotated order, :mod:`.timing`); the first step of each is a warm-up, ``steps - 1`` are timed."""
     S = max(context_lens) + steps + 1
-    out = []
-    for s in tqdm(systems, desc="step latency", disable=not progress):
-        r = make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S)
-        for n in context_lens:
-            ids = _prompt(model.config.vocab_size, n)
-            tok = r.prefill(ids, None).argmax(-1)
-            ts = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                tok = r.step(tok).argmax(-1)
-                ts.append(time.perf_counter() - t0)
-            q1, q3 = quartiles_ms(ts[1:])
-            out.append({"system": s, "cached_len": n, "step_ms": 1e3 * statistics.median(ts[1:]),
-                        "step_ms_q1": q1, "step_ms_q3": q3, "step_ms_samples": [1e3 * t for t in ts[1:]]})
-    return out
+    runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
+    by = {}
+    for n in tqdm(context_lens, desc="step latency", disable=not progress):
+        ids = _prompt(model.config.vocab_size, n)
+        tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
+
+        def stepper(s):
+            def step():
+                tok[s] = runners[s].step(tok[s]).argmax(-1)
+            return step
+
+        ts = interleaved({s: stepper(s) for s in runners}, rounds=steps - 1, warmup=1)
+        for s in systems:
+            st = summary(ts[s])
+            by[(s, n)] = {"system": s, "cached_len": n, "step_ms": st["median_ms"], "step_ms_q1": st["q1_ms"],
+                          "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in ts[s]]}
+    return [by[(s, n)] for s in systems for n in context_lens]

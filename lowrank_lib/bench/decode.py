@@ -1,6 +1,8 @@
 """Decode benchmark: every system on the same factors, side by side in one run.
 
-Per system: median decode ms/token (over all steps of all repeats), prefill ms, end-to-end s,
+The systems run in interleaved rounds, in a rotated order per round (:mod:`.timing`); the step times are those
+the shared decode loop (``run_generation``) measures. Per system: median decode ms/token (over all steps of all
+repeats) with its quartiles (``decode_ms_q1`` / ``decode_ms_q3``), prefill ms, end-to-end s,
 tokens/s, ATen dispatches (CPU) or kernel launches (CUDA) per token, weight bytes read per token,
 achieved GB/s = bytes / decode time, and the roofline measured in the same run: the machine's copy
 bandwidth (bytes read + written per second of a large ``copy_``); ``roofline_x`` = decode time /
@@ -8,7 +10,6 @@ bandwidth (bytes read + written per second of a large ``copy_``); ``roofline_x``
 """
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from ..runtime.baselines import make_runner
 from ..generation import run_generation
 from ..runtime.engine import Engine
 from ..runtime.profiling import per_token_counts
+from .timing import interleaved_samples, summary, timed
 
 
 @dataclass
@@ -48,21 +50,15 @@ class DecodeBenchConfig:
 
 
 def copy_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
-    """Copy bandwidth in GB/s: 2 * nbytes (read + write) / median time of ``dst.copy_(src)``."""
+    """Copy bandwidth in GB/s: 2 * nbytes (read + write) / median time of ``dst.copy_(src)`` (one warm-up copy
+    first; on CUDA every copy is bracketed by a device sync)."""
     n = nbytes // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    ts = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    ts = timed(lambda d=dst, s=src: d.copy_(s), repeats + 1, sync)[1:]
     del src, dst
-    return 2 * n * 4 / statistics.median(ts[1:]) / 1e9
+    return 2 * n * 4 / (summary(ts)["median_ms"] / 1e3) / 1e9
 
 
 def model_weight_bytes_per_token(model) -> int:
@@ -101,32 +97,38 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
     ids = torch.randint(0, comp.config.vocab_size, (cfg.batch, cfg.prompt_len), generator=g).to(dev)
     runners = {s: make_runner(s, comp, dense, dtype=dt, max_seq_len=S, max_batch=cfg.batch) for s in cfg.systems}
     bw = copy_bandwidth(dev)
-    steps = {s: [] for s in cfg.systems}
-    pre = {s: [] for s in cfg.systems}
-    e2e = {s: [] for s in cfg.systems}
-    tokens = {}
     capture = {}
     for s, r in runners.items():     # warm-up (and graph capture / compile, timed apart)
         run_generation(r, ids, min(4, cfg.gen_len))
         capture[s] = getattr(r, "capture_s", 0.0)
-    bar = tqdm(total=cfg.repeats * len(runners), desc="decode bench", disable=not progress)
-    for _ in range(cfg.repeats):          # interleaved: drift hits every system alike
-        for s, r in runners.items():
-            o = run_generation(r, ids, cfg.gen_len)
-            steps[s] += o.step_s
-            pre[s].append(o.prefill_s)
-            e2e[s].append(o.total_s)
-            tokens[s] = o.tokens
+    outs = {s: [] for s in runners}
+
+    def generation(s):
+        def run():
+            o = run_generation(runners[s], ids, cfg.gen_len)
+            outs[s].append(o)
             bar.update(1)
+            return o.step_s
+        return run
+
+    bar = tqdm(total=cfg.repeats * len(runners), desc="decode bench", disable=not progress)
+    # interleaved rounds in a rotated order (timing): drift hits every system alike
+    steps = interleaved_samples({s: generation(s) for s in runners}, cfg.repeats)
     bar.close()
+    pre = {s: [o.prefill_s for o in outs[s]] for s in runners}
+    e2e = {s: [o.total_s for o in outs[s]] for s in runners}
+    tokens = {s: outs[s][-1].tokens for s in runners}
     rows = {}
     for s, r in runners.items():
         c = per_token_counts(r, ids, cfg.count_tokens)
-        ms = 1e3 * statistics.median(steps[s])
+        st = summary(steps[s])
+        e2e_s = summary(e2e[s])["median_ms"] / 1e3
+        ms = st["median_ms"]
         wb = weight_bytes(r)
         rows[s] = {
-            "decode_ms_per_token": ms, "prefill_ms": 1e3 * statistics.median(pre[s]),
-            "e2e_s": statistics.median(e2e[s]), "tokens_per_s": cfg.batch * cfg.gen_len / statistics.median(e2e[s]),
+            "decode_ms_per_token": ms, "decode_ms_q1": st["q1_ms"], "decode_ms_q3": st["q3_ms"],
+            "prefill_ms": summary(pre[s])["median_ms"],
+            "e2e_s": e2e_s, "tokens_per_s": cfg.batch * cfg.gen_len / e2e_s,
             "decode_tokens_per_s": 1e3 * cfg.batch / ms,
             "per_token_count": c["total"], "count_kind": c["kind"], "count_by_class": c["by_class"],
             "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,

@@ -9,13 +9,13 @@ heads, 3 KV heads, d = 64), batch 1, for: ``dense`` (our grouped attention on ex
 cache does it: fresh tensors + concatenation), ``rebuildpre`` (the same rebuild into K/V buffers
 allocated once: only the GEMMs) and
 ``factor`` (factor space), at r/d = 0.5 and 0.25 with an exact window of w tokens. All routes are
-timed side by side in one run, interleaved call by call in a shuffled order; medians are reported,
+timed side by side in one run, interleaved call by call in a rotated order (:mod:`.timing`); medians are reported,
 and the per-token attention estimate multiplies by the layer count.
 
 Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
 ``DynamicCache``, AttSVD rebuild (the cache's own path) and AttSVD factor space, from ONE recorded
 prefill and ONE compression per rank (the factor cache is a deep copy of the same compressed cache),
-decode steps interleaved across routes. ``--ppl``: the continuation perplexity of the AttSVD issue
+decode steps interleaved across routes (rotated order). ``--ppl``: the continuation perplexity of the AttSVD issue
 (``eval.kvquality.continuation_quality``) through both routes. ``--engine``: the runtime Engine with its
 dense store vs with the AttSVD store.
 
@@ -23,8 +23,6 @@ Results: ``factor_space_<tag>.json`` and ``.md`` through :mod:`lowrank_lib.bench
 """
 from __future__ import annotations
 
-import random
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -36,8 +34,8 @@ from ..attsvd.factor_space import dense_attention, factor_space_attention, rebui
 from ..attsvd.kv import LowRankKV
 from ..compat import cache_kw
 from ..geometry import geometry
-from .ablation import quartiles_ms
 from .cost import step_cost
+from .timing import interleaved, summary
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -77,11 +75,6 @@ class AttnBenchConfig:
         return [max(1, round(f * self.head_dim)) for f in self.rank_fracs]
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def cuda_graphed(fn):
     """Capture ``fn()`` (fixed shapes, static inputs) in a CUDA graph; returns its replay."""
     s = torch.cuda.Stream()
@@ -98,29 +91,16 @@ def cuda_graphed(fn):
 
 def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
                      inner: int = 1, samples: dict | None = None) -> dict[str, float]:
-    """Median seconds per call of each ``fns[name]()``, called round-robin in a shuffled order per round.
-
-    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs. ``samples``:
-    a dict that receives every repeat's seconds per name (the spread behind the medians).
+    """Median seconds per call of each ``fns[name]()``: :func:`.timing.interleaved` (``warmup`` untimed calls
+    each, then ``repeats`` rounds in a rotated order), each sample ``inner`` back-to-back calls (divided out)
+    bracketed by device syncs on CUDA. ``samples``: a dict that receives every repeat's seconds per name (the
+    spread behind the medians). ``seed`` is kept for callers: the rotated order needs none.
     """
-    names = list(fns)
-    for _ in range(warmup):
-        for n in names:
-            fns[n]()
-    times = {n: [] for n in names}
-    rng = random.Random(seed)
-    for _ in range(repeats):
-        rng.shuffle(names)
-        for n in names:
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fns[n]()
-            _sync(device)
-            times[n].append((time.perf_counter() - t0) / inner)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    times = interleaved(fns, repeats, warmup=warmup, sync=sync, inner=inner)
     if samples is not None:
         samples.update(times)
-    return {n: statistics.median(v) for n, v in times.items()}
+    return {n: summary(v)["median_ms"] / 1e3 for n, v in times.items()}
 
 
 def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
@@ -182,8 +162,9 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             err = None
             if route == "factor":
                 err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
-            q1, q3 = quartiles_ms(samples[name])
-            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3, "ms_step_q1": q1, "ms_step_q3": q3,
+            st = summary(samples[name])
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3, "ms_step_q1": st["q1_ms"],
+                         "ms_step_q3": st["q3_ms"],
                          "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
                          "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
                          "rel_err_vs_rebuild": err})
@@ -251,31 +232,26 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
                 caches[(route, r)] = KVCache.from_prefill(_attsvd(r, cfg.window, cfg.obs_window), rec, model, backend)
         del rec
         state = {k: first for k in caches}
-        times = {k: [] for k in caches}
         logits = {k: [] for k in caches}
         toks = {k: [] for k in caches}
-        order = list(caches)
-        rng = random.Random(n)
-        with tiered_attention(model):
-            for step in range(cfg.warmup_tokens + cfg.gen_tokens):
-                rng.shuffle(order)
-                for k in order:
-                    t0 = time.perf_counter()
-                    out = model(state[k], **cache_kw(caches[k]), use_cache=True)
-                    lg = out.logits[:, -1].float()
-                    state[k] = lg.argmax(-1, keepdim=True)
-                    dt = time.perf_counter() - t0
-                    if step >= cfg.warmup_tokens:
-                        times[k].append(dt)
-                    logits[k].append(lg)
-                    toks[k].append(int(state[k]))
+
+        def stepper(k, caches=caches):
+            def step():
+                lg = model(state[k], **cache_kw(caches[k]), use_cache=True).logits[:, -1].float()
+                state[k] = lg.argmax(-1, keepdim=True)
+                logits[k].append(lg)
+                toks[k].append(int(state[k]))
+            return step
+
+        with tiered_attention(model):       # interleaved steps, rotated order (timing); the warm-up untimed
+            times = interleaved({k: stepper(k) for k in caches}, cfg.gen_tokens, warmup=cfg.warmup_tokens)
         for (route, r), ts in times.items():
             ref = ("rebuild", r) if route == "factor" else None
             c = caches[(route, r)]
             mem = c.describe()["bytes_ratio"] if isinstance(c, KVCache) else 1.0
-            q1, q3 = quartiles_ms(ts)
-            rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(ts) * 1e3,
-                         "ms_token_q1": q1, "ms_token_q3": q3, "tokens": toks[(route, r)],
+            st = summary(ts)
+            rows.append({"context": n, "route": route, "rank": r, "ms_token": st["median_ms"],
+                         "ms_token_q1": st["q1_ms"], "ms_token_q3": st["q3_ms"], "tokens": toks[(route, r)],
                          "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
                          "max_logit_rel_err": None if ref is None else max(
                              rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
@@ -290,7 +266,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     """The runtime ``Engine`` with its dense store vs the AttSVD method served by the engine adapter, eager.
 
     Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
-    All engines are prefilled, then their greedy decode steps are interleaved (shuffled per step), so
+    All engines are prefilled, then their greedy decode steps are interleaved (rotated order per step, :mod:`.timing`), so
     the ratios are measured side by side; the first step is a warm-up.
     """
     from ..data import tokens
@@ -307,27 +283,25 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
         for f in rank_fracs:
             r = max(1, round(f * d))
             engines[("engine_factor", r)] = Engine(model, ecfg, kv=MethodStore(_attsvd(r, window)))
-        state, times, prefill_s = {}, {k: [] for k in engines}, {}
+        state, prefill_s = {}, {}
         for k, eng in engines.items():
-            t0 = time.perf_counter()
+            t0 = time.perf_counter()                                   # one prefill each: a wall-time pair
             state[k] = eng.prefill(ids).argmax(-1)                    # [1]
             prefill_s[k] = time.perf_counter() - t0
         toks = {k: [int(state[k])] for k in engines}
-        order = list(engines)
-        rng = random.Random(n)
-        for step in range(gen_tokens + 1):                              # step 0 = warm-up, not timed
-            rng.shuffle(order)
-            for k in order:
-                t0 = time.perf_counter()
+
+        def stepper(k, engines=engines):
+            def step():
                 state[k] = engines[k].step(state[k]).argmax(-1)
-                if step:
-                    times[k].append(time.perf_counter() - t0)
                 toks[k].append(int(state[k]))
+            return step
+
+        times = interleaved({k: stepper(k) for k in engines}, gen_tokens, warmup=1)   # rotated order (timing)
         for (route, r), eng in engines.items():
             fit = eng.kv.report().get("fit", {})
-            q1, q3 = quartiles_ms(times[(route, r)])
-            rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
-                         "ms_token_q1": q1, "ms_token_q3": q3, "prefill_s": prefill_s[(route, r)],
+            st = summary(times[(route, r)])
+            rows.append({"context": n, "route": route, "rank": r, "ms_token": st["median_ms"],
+                         "ms_token_q1": st["q1_ms"], "ms_token_q3": st["q3_ms"], "prefill_s": prefill_s[(route, r)],
                          "kv_bytes": eng.report()["kv_cache_bytes"], "attsvd_ratio": fit.get("bytes_ratio", 1.0),
                          "tokens": toks[(route, r)]})
         del engines

@@ -6,12 +6,17 @@ summarised by the median with the inter-quartile range.
 
     >>> t = interleaved({"dense": step_dense, "composed": step_composed}, rounds=3, calls=32)
     >>> summary(t["dense"])            # {'median_ms': ..., 'q1_ms': ..., 'q3_ms': ..., 'n': 96}
+
+On CUDA pass ``sync=torch.cuda.synchronize`` (each sample is bracketed by it) and ``inner`` > 1 to amortise the
+host sync over back-to-back calls. A function that measures its own samples (the shared decode loop
+``run_generation`` times every step itself) is scheduled the same way with :func:`interleaved_samples`.
+A single wall time of a one-off phase (a load, a prefill, a compile) is a plain ``perf_counter`` pair, not this.
 """
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Hashable
+from typing import Callable, Hashable, Iterable, Iterator
 
 
 def summary(seconds: list[float]) -> dict:
@@ -23,30 +28,62 @@ def summary(seconds: list[float]) -> dict:
     return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "n": len(ms)}
 
 
-def timed(fn: Callable[[], object], calls: int = 1) -> list[float]:
-    """Seconds of each of ``calls`` calls of ``fn``."""
+def timed(fn: Callable[[], object], calls: int = 1, sync: Callable[[], object] | None = None,
+          inner: int = 1) -> list[float]:
+    """Seconds of each of ``calls`` samples of ``fn``: a sample is ``inner`` back-to-back calls (divided out),
+    bracketed by ``sync()`` when given (e.g. ``torch.cuda.synchronize``)."""
+    if inner < 1:
+        raise ValueError(f"inner must be >= 1, got {inner}")
     out = []
     for _ in range(calls):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
+        for _ in range(inner):
+            fn()
+        if sync is not None:
+            sync()
+        out.append((time.perf_counter() - t0) / inner)
     return out
+
+
+def rotations(keys: Iterable[Hashable], rounds: int) -> Iterator[tuple[int, list]]:
+    """(round, order) for every round: the keys rotated left by the round number."""
+    keys = list(keys)
+    for r in range(rounds):
+        s = r % len(keys) if keys else 0
+        yield r, keys[s:] + keys[:s]
 
 
 def interleaved(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int = 1,
                 before_round: Callable[[int], None] | None = None,
-                progress: Callable[[int], None] | None = None) -> dict[Hashable, list[float]]:
+                progress: Callable[[int], None] | None = None, warmup: int = 0,
+                sync: Callable[[], object] | None = None, inner: int = 1) -> dict[Hashable, list[float]]:
     """Time every function ``calls`` times per round for ``rounds`` rounds, the order rotated by one each round.
 
-    before_round(r) runs before round r (e.g. set the thread count); progress(r) after it. Returns per key the
-    seconds of every call of every round."""
-    keys = list(fns)
-    out: dict = {k: [] for k in keys}
-    for r in range(rounds):
+    before_round(r) runs before round r (e.g. set the thread count); progress(r) after it. ``warmup`` untimed
+    calls of every function come first; ``sync`` / ``inner`` as in :func:`timed`. Returns per key the seconds of
+    every call of every round."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    if sync is not None and warmup:
+        sync()
+    return interleaved_samples({k: (lambda f=f: timed(f, calls, sync, inner)) for k, f in fns.items()}, rounds,
+                               before_round, progress)
+
+
+def interleaved_samples(fns: dict[Hashable, Callable[[], list[float]]], rounds: int,
+                        before_round: Callable[[int], None] | None = None,
+                        progress: Callable[[int], None] | None = None) -> dict[Hashable, list[float]]:
+    """The schedule of :func:`interleaved` for functions that return their own samples (seconds): every function
+    once per round, in the rotated order; returns per key the concatenated samples of every round."""
+    out: dict = {k: [] for k in fns}
+    for r, order in rotations(fns, rounds):
         if before_round is not None:
             before_round(r)
-        for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            out[k].extend(timed(fns[k], calls))
+        for k in order:
+            out[k].extend(fns[k]())
         if progress is not None:
             progress(r)
     return out
