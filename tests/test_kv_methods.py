@@ -224,6 +224,42 @@ def test_compiled_engine_step_equals_eager(model, name):
     assert store.nbytes == store.fit_info["fit"]["bytes_held"] + 2 * 2 * B * 2 * 6 * 16 * 4   # 6 appended rows
 
 
+
+def test_requests_of_other_lengths_share_a_compiled_step_only_where_it_is_correct(model, name="attsvd"):
+    """Under the fused kernel (device-side layout, bucketed buffers) two prompts whose layers round alike share one
+    compiled step, and both decode as the eager engine does (the prompt length is read from device memory); a
+    host-slicing reader keys its capture by the layout too. (AttSVD: its layout is a function of the length; a
+    budget-allocating method's split moves with the content, so its requests share a step only by chance.)"""
+    from lowrank_lib.kv.tiers import cpu_lrk_unavailable
+
+    if cpu_lrk_unavailable(torch.device("cpu"), 16, torch.float32):
+        pytest.skip("the fused tier kernel cannot run here")
+    ecfg = EngineConfig(max_batch=B, max_seq_len=T + 24, graph="whole-step", compile_backend="aot_eager")
+    comp = Engine(model, ecfg, kv=MethodStore(method(name)))
+    keys, lens = {}, []
+    for n in range(T - 12, T + 1):                       # the first two lengths whose bucketed layers agree
+        ids, mask, _ = batch(n, T=n)
+        comp.prefill(ids, mask)
+        lens = keys.setdefault(comp.kv.shape_key(), []) + [n]
+        keys[comp.kv.shape_key()] = lens
+        if len(lens) == 2:
+            break
+    assert len(lens) == 2, keys.values()
+    for n in lens:
+        ids, mask, nxt = batch(n, T=n)
+        eager, _ = engine_logits(model, method(name), ids, mask, nxt[:5])
+        out = [comp.prefill(ids, attention_mask=mask)] + [comp.step(t) for t in nxt[:5]]
+        assert max(rel_err(a, b) for a, b in zip(out, eager)) < 1e-5, n
+    assert len(comp.graphs.captured) == 1                # one compile served both requests
+    port = MethodStore(method(name), attention="portable")
+    eng = Engine(model, EngineConfig(max_batch=B, max_seq_len=T + 24), kv=port)
+    port_keys = set()
+    for n in lens:
+        ids, mask, _ = batch(n, T=n)
+        eng.prefill(ids, mask)
+        port_keys.add(port.shape_key())
+    assert len(port_keys) == 2                           # host-sliced layouts never share a capture
+
 def test_the_engine_probe_is_the_transformers_forward(model):
     """KVzip's reconstruction forward, run by the engine: the same post-RoPE queries and keys as transformers'."""
     ids, mask, _ = batch(9)

@@ -159,7 +159,9 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
             eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
                          kv=MethodStore(make_method("attsvd", rank=32, window=16)))
             res = []
-            for T in (300, 310, 400):                     # three requests: three fitted shapes
+            # three requests: the first two round to the same buffers under a reader of device-side layouts (one
+            # capture), the third re-captures; a host-slicing reader (the portable path) re-captures for each
+            for T in (290, 300, 400):
                 g = torch.Generator().manual_seed(T)
                 ids = torch.randint(3, 512, (2, T), generator=g).to(dev)
                 mask = torch.ones_like(ids)

@@ -8,12 +8,16 @@
   ``store_prefill`` (q kept only where the method reads queries) and are held until ``end_prefill``, which builds
   the :class:`~lowrank_lib.kv.method.Prefill` (the prompt ids, the engine's probe forward for model-scope scorers
   such as KVzip, RoPE at any position from the model's rotary module) and fits the method; the prompt's dense K/V
-  are then freed and each layer preallocates room for the appended rows (``max_seq_len - T``);
+  are then freed and each layer preallocates room for the appended rows (``max_seq_len - T`` rounded up to a power
+  of two);
 - decode: ``append`` is the method's (accumulate: the token's k/v at a device-side slot), ``attend`` the ONE tiered
   attention over exact rows, low-rank runs (factor space) and appended rows, by the backend
   :func:`~lowrank_lib.kv.tiers.select_backend` picks (our fused CPU kernel where it runs, else the portable path);
   under graphs / the compiled step every length is read from device memory (``cursor.length - T``), so one capture
-  per request (``shape_key``: the fitted layers' shapes) replays for every step.
+  per request (``shape_key``: the fitted layers' shapes) replays for every step. Under the fused kernel, which reads
+  the layout from device tensors, every buffer is rounded up to a bucket (``TieredLayer.pad_to_buckets``: at most
+  1/8 more, allocated but not held), so requests whose layers round alike share one capture; a backend that slices
+  with host ints keys its captures by the layout too (never a replay over another request's layout).
 
 ``capturable`` is the method's (AttSVD's stream mode reshapes its state every ``chunk`` tokens: eager).
 ``nbytes`` = the fitted tiers + the appended rows written; ``report()`` adds the allocation and the method's
@@ -57,6 +61,10 @@ class MethodStore:
         self.spec, self.cursor = spec, spec.cursor
         self.backend = select_backend(self.attention, spec.device, spec.head_dim, spec.dtype)
         self._slots = torch.arange(spec.max_seq_len, device=spec.device)
+        # the prompt length as a device scalar, filled in place per request: a captured / compiled step reads it
+        # (a host int would be baked in, and requests of another length sharing the capture would write and read
+        # the appended rows at the wrong slots)
+        self._t_dev = torch.zeros((), dtype=torch.long, device=spec.device)
 
     @property
     def nbytes(self) -> int:
@@ -72,8 +80,15 @@ class MethodStore:
     def allocated_nbytes(self) -> int:
         return sum(l.allocated_nbytes for l in self.layers)
 
+    @property
+    def _device_layout(self) -> bool:
+        """The backend reads the layout from device tensors (the fused kernel); others slice with host ints."""
+        return self.backend is not None and self.backend.name == "cpu_lrk"
+
     def shape_key(self):
-        return tuple(l.shape_key() for l in self.layers)
+        """The layers' shapes (bucketed under the fused kernel); with a host-slicing backend the layout too, so a
+        capture never replays over another request's layout."""
+        return tuple(l.shape_key(layout=not self._device_layout) for l in self.layers)
 
     def report(self) -> dict:
         return {"store": "method", "method": self.name, "options": self.method.options(),
@@ -83,6 +98,7 @@ class MethodStore:
     # ------------------------------------------------------------------ prefill
     def reset(self, B: int, T: int, ids: torch.Tensor | None = None) -> None:
         self._B, self._T, self._ids = B, T, ids
+        self._t_dev.fill_(T)
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._q: list[torch.Tensor] = []
@@ -108,16 +124,18 @@ class MethodStore:
         prefill = Prefill(self._k, self._v, self._q if self.method.needs_queries else None, spec.head_dim ** -0.5,
                           valid, self._ids, self._probe, spec.rope_at, self.tokenizer)
         self.layers = self.method.fit(prefill)
-        for l in self.layers:
-            l.reserve(spec.max_seq_len - T)
         self.fit_info = {"fit": self.method.describe(self.layers, prefill)}
+        for l in self.layers:
+            if self._device_layout:
+                l.pad_to_buckets()                         # requests that round alike share one compiled step
+            l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
         self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
 
     # ------------------------------------------------------------------ decode
     def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> TierStep:
         pos = self.cursor.length
         if live is None:                                   # graphs: device-side counts
-            return TierStep(B, 1, False, rope, None, pos, None, pos - self._T + 1, pos - self._T)
+            return TierStep(B, 1, False, rope, None, pos, None, pos - self._t_dev + 1, pos - self._t_dev)
         return TierStep(B, 1, False, rope, None, pos, live, None, None)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: TierStep) -> None:

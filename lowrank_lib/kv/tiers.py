@@ -68,6 +68,16 @@ def quantize_rows(x: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tens
     return q, scale
 
 
+def bucket_size(n: int, steps: int = 8) -> int:
+    """``n`` rounded up to the next of ``2^k (1 + j / steps)`` (at most 1 / steps more than n, and at least
+    ``steps``; 0 stays 0)."""
+    if n <= steps:
+        return min(n, 1) * steps
+    base = 1 << (n.bit_length() - 1)                      # 2^k <= n
+    step = base // steps
+    return -(-n // step) * step
+
+
 def scale_dtype_for(runs: list[Run]) -> torch.dtype:
     """fp16 scales unless some row's scale would overflow fp16 (then fp32 for the layer)."""
     amax = max((float(t.abs().max()) for r in runs for t in (r.a_k, r.a_v) if t.numel()), default=0.0)
@@ -97,6 +107,7 @@ class TieredLayer:
     k_new: torch.Tensor | None = None     # [B, H, cap, d]
     v_new: torch.Tensor | None = None
     n_new: int = 0                        # appended rows written (host count)
+    pad_nbytes: int = 0                   # bytes of bucket padding past the fitted extents (allocated, not held)
     info: list[dict] = field(default_factory=list)   # per batch row: what the method reports of its fit (not held)
     #: host copies of the descriptors (the portable path slices with them; the kernel reads the device ones)
     host_e_off: list[int] = field(default_factory=list)
@@ -184,8 +195,9 @@ class TieredLayer:
 
     @property
     def tier_nbytes(self) -> int:
-        """Bytes of the fitted tiers: every tensor (descriptors, scales, positions included), no appended rows."""
-        return sum(t.numel() * t.element_size() for t in self._stored())
+        """Bytes of the fitted tiers: every tensor (descriptors, scales, positions included), no appended rows and
+        no bucket padding (:meth:`pad_to_buckets`)."""
+        return sum(t.numel() * t.element_size() for t in self._stored()) - self.pad_nbytes
 
     def appended_nbytes(self, n: int) -> int:
         """Bytes of ``n`` appended rows (every row and head, K and V)."""
@@ -200,7 +212,7 @@ class TieredLayer:
     def allocated_nbytes(self) -> int:
         """:attr:`nbytes` with the appended rows' whole capacity instead of the rows written."""
         cap = 0 if self.k_new is None else self.k_new.shape[2]
-        return self.tier_nbytes + self.appended_nbytes(cap)
+        return self.tier_nbytes + self.pad_nbytes + self.appended_nbytes(cap)
 
     def counts(self) -> dict:
         """Tokens per tier summed over segments (exact, low-rank) and the appended rows."""
@@ -218,11 +230,30 @@ class TieredLayer:
         """(r_k, r_v) of every run, in run order."""
         return [(r[RK], r[RV]) for r in self.host_runs]
 
-    def shape_key(self) -> tuple:
-        """Every shape the attention reads (a compiled step specialises on them)."""
-        return (self.B, self.H, self.d, tuple(self.k_exact.shape), tuple(self.runs.shape), tuple(self.a_k.shape),
-                tuple(self.a_v.shape), tuple(self.b_k.shape), tuple(self.b_v.shape),
-                None if self.k_new is None else tuple(self.k_new.shape), str(self.a_k.dtype))
+    def shape_key(self, layout: bool = False) -> tuple:
+        """Every shape the attention reads (a compiled step specialises on them); ``layout``: the host descriptors
+        too (a reader that slices with host ints bakes them into a capture: a new layout must re-capture)."""
+        key = (self.B, self.H, self.d, tuple(self.k_exact.shape), tuple(self.runs.shape), tuple(self.a_k.shape),
+               tuple(self.a_v.shape), tuple(self.b_k.shape), tuple(self.b_v.shape),
+               None if self.k_new is None else tuple(self.k_new.shape), str(self.a_k.dtype))
+        return key + (tuple(self.host_e_off), tuple(map(tuple, self.host_runs))) if layout else key
+
+    def pad_to_buckets(self, bucket=None) -> None:
+        """Round every stored buffer's length up to ``bucket(n)`` (default :func:`bucket_size`) with zeros past the
+        fitted extents, which no descriptor references: requests whose layers round alike share one compiled /
+        captured step under a reader of device-side descriptors (the fused kernel). The padding is allocated, not
+        held (:attr:`pad_nbytes`)."""
+        bucket = bucket or bucket_size
+        grow = lambda t, n: torch.cat([t, t.new_zeros((n - t.shape[0], *t.shape[1:]))]) if n > t.shape[0] else t
+        added = 0
+        for name in ("k_exact", "v_exact", "runs", "a_k", "a_v", "b_k", "b_v", "k_scale", "v_scale"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            g = grow(t, bucket(t.shape[0]))
+            added += (g.numel() - t.numel()) * t.element_size()
+            setattr(self, name, g)
+        self.pad_nbytes += added
 
     # ------------------------------------------------------------------ reading one segment
     def run_factors(self, j: int, dtype: torch.dtype | None = None):

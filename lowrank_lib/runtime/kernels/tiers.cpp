@@ -468,7 +468,7 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   const int64_t R = runs.size(0);
   TORCH_CHECK(eo[0] == 0 && eo[S] <= k_exact.size(0), OP, "e_off must start at 0 and end at most at N_e = ",
               k_exact.size(0), ", got ", eo[0], " .. ", eo[S]);
-  TORCH_CHECK(ro[0] == 0 && ro[S] == R, OP, "r_off must run from 0 to R = ", R, ", got ", ro[0], " .. ", ro[S]);
+  TORCH_CHECK(ro[0] == 0 && ro[S] <= R, OP, "r_off must start at 0 and end at most at R = ", R, ", got ", ro[0], " .. ", ro[S]);
   const int64_t n_scale = q8 ? std::min(k_scale->numel(), v_scale->numel()) : 0;
   int64_t rmax = 0;
   std::vector<int64_t> seg_tokens(S, 0);
