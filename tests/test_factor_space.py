@@ -161,7 +161,7 @@ def test_attend_dispatch_and_clear_errors():
         factor_space_attention(q, kv, torch.ones(1, 1, 1, kv.length + 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="nothing to attend"):
         LowRankKV([], None, None).validate()
-    with pytest.raises(TypeError, match="factor_space"):
+    with pytest.raises(TypeError, match="tiered_attention"):
         kv.shape                                   # a dense attention function gets a clear error
 
 

@@ -17,7 +17,8 @@ def test_factor_space_same_function_as_rebuild(executed_notebook):
     ident = m["continuation"]["identity"]
     assert ident["ppl_rel_diff"] < 1e-5
     assert ident["memory_ratio_factor"] == ident["memory_ratio_rebuild"]
-    assert m["continuation"]["factor_calls"] > 0
+    # both readers really ran (tiered attention calls counted by backend)
+    assert m["continuation"]["factor_calls"] > 0 and m["continuation"]["rebuild_calls"] > 0
     routes = {(r["route"], r["rank"]) for r in m["decode_rows"]}
     assert {("dense", 64), ("rebuild", 32), ("factor", 32), ("rebuild", 16), ("factor", 16)} <= routes
     # the runtime Engine with the factor-space KV mode holds less KV than the dense engine

@@ -316,7 +316,8 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
 
     Every rank decodes in factor space; at ``identity_frac`` (r/d) the paper's rebuild-then-attend path runs too,
     on the same windows, so the identity of the two paths shows in the same numbers.
-    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}}.
+    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}, "factor_calls",
+    "rebuild_calls" (tiered attention calls of each reader: both really ran)}.
     """
     from ..eval.kvquality import continuation_quality, wikitext_windows
 
@@ -342,6 +343,9 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
                            "memory_ratio_factor": fac.memory_ratio,
                            "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
                            "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
+    # which reader really ran: the tiered attention calls of every factor-space method and of the rebuild one
+    out["factor_calls"] = sum(res[f"factor@{f}"].attention_calls.get("portable", 0) for f in ranks)
+    out["rebuild_calls"] = res["rebuild@identity"].attention_calls.get("rebuild", 0) if identity_frac is not None else 0
     return out
 
 

@@ -35,6 +35,7 @@ class QualityResult:
     memory_ratio_end: float    # ... and at the end of the continuation (accumulate grows, stream stays bounded)
     tokens: int
     memory: dict | None = None  # the last window's fit as the method describes it (bytes, ranks, tiers)
+    attention_calls: dict | None = None   # tiered attention calls by backend, summed over windows (which reader ran)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +85,7 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
     mem = {m: [] for m in methods}
     mem_end = {m: [] for m in methods}
     report = {m: None for m in methods}
+    calls = {m: {} for m in methods}
     dense_nll = []
     for w in tqdm(range(N), desc="kv-quality windows", disable=not progress):
         x = windows[w:w + 1].to(dev)
@@ -97,6 +99,8 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
             lp = F.log_softmax(_continue(model, cache, cont, step), -1)
             mem[name].append(report[name]["bytes_ratio"])
             mem_end[name].append(cache.nbytes / report[name]["dense_bytes"])
+            for b, c in cache.attention_calls.items():
+                calls[name][b] = calls[name].get(b, 0) + c
             kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
             nll[name].append(float(F.nll_loss(lp, tgt)))
         del rec
@@ -107,5 +111,5 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
         out[name] = QualityResult(name, math.exp(statistics.fmean(nll[name])), ppl_dense, statistics.fmean(k),
                                   statistics.pstdev(k), min(k), max(k), k, nll[name],
                                   statistics.fmean(mem[name]), statistics.fmean(mem_end[name]), N * (T - 1),
-                                  report[name])
+                                  report[name], calls[name])
     return out

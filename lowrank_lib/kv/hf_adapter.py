@@ -19,6 +19,7 @@ Left padding: pass ``attention_mask``; :func:`record` derives position ids from 
 """
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -37,11 +38,13 @@ class TieredRead:
     """What a fitted layer hands attention in place of K and V: its state, the method that reads it and the
     attention backend of its cache."""
 
-    def __init__(self, layer: TieredLayer, method: KVMethod, backend: str):
-        self.layer, self.method, self.backend = layer, method, backend
+    def __init__(self, layer: TieredLayer, method: KVMethod, backend: str, calls: Counter | None = None):
+        self.layer, self.method, self.backend, self.calls = layer, method, backend, calls
 
     def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
         """query [B, Hq, q, d] -> [B, q, Hq, d] (the layout transformers' attention functions return)."""
+        if self.calls is not None:
+            self.calls[self.backend] += 1
         return self.method.attend(self.layer, query, scaling, None, self.backend).transpose(1, 2).contiguous()
 
     @property
@@ -84,7 +87,7 @@ class MethodLayer(CacheLayerMixin):
             return key_states, value_states
         self.cache.method.append(self.state, key_states, value_states)
         self.seen += key_states.shape[-2]
-        r = TieredRead(self.state, self.cache.method, self.cache.attention)
+        r = TieredRead(self.state, self.cache.method, self.cache.attention, self.cache.attention_calls)
         return r, r
 
     def load(self, state: TieredLayer, seen: int, like: torch.Tensor) -> None:
@@ -128,6 +131,8 @@ class KVCache(Cache):
         super().__init__(layers=[MethodLayer(self) for _ in range(geometry(model_or_config).n_layers)])
         self.prefill: Prefill | None = None
         self.fit_info: dict = {}
+        #: tiered attention calls (one per layer and forward) by backend: which reader really ran
+        self.attention_calls: Counter = Counter()
         self._fitting = False
 
     # ------------------------------------------------------------------ construction from a recorded prefill
