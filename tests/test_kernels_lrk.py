@@ -39,14 +39,15 @@ def _gen(seed):
 
 # --------------------------------------------------------------------------- ops
 @needs_lrk
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
 @pytest.mark.parametrize("out,inp", [(1, 1), (15, 3), (17, 33), (63, 64), (64, 17), (65, 1), (130, 77), (209, 576)])
 def test_pack_unpack_round_trip_and_padding(dtype, out, inp):
     ops = _ops()
-    W = torch.randn(out, inp, generator=_gen(out * 1000 + inp)).to(dtype)
+    W = torch.randn(out, inp, generator=_gen(out * 1000 + inp))
+    W = (W * 40).round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else W.to(dtype)
     P = ops.pack(W)
     rows = (out // 64) * 64 + -(-(out % 64) // 16) * 16                 # blocks of 64, tail rounded to 16
-    cols = 2 * -(-inp // 2) if dtype == torch.bfloat16 else inp            # bf16 pairs
+    cols = 2 * -(-inp // 2) if dtype != torch.float32 else inp             # bf16 / int8 pairs
     assert P.shape == (rows * cols,) and P.dtype == dtype
     assert torch.equal(ops.unpack(P, out, inp), W)                         # exact: a permutation + zeros
     assert int((P != 0).sum()) == int((W != 0).sum())                      # padding is zeros, nothing lost
@@ -123,7 +124,7 @@ def test_gemv_rejects_hostile_arguments():
         ops.gemv(x, [P], [20], [10], [1])                          # slice beyond x
     with pytest.raises(RuntimeError, match="not a packed"):
         ops.gemv(x.bfloat16(), [P], [20], [10], [0])               # dtype mismatch
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
         ops.pack(W.double())
     with pytest.raises(RuntimeError, match="unit column stride"):
         ops.gemv(torch.randn(10, 2).t(), [P], [20], [10], [0])

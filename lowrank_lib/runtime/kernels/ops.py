@@ -15,7 +15,7 @@ def _ops():
 
 
 def pack(W: torch.Tensor) -> torch.Tensor:
-    """W [out, in] (fp32 / bf16) -> the packed 1-D layout of ``lrk.cpp``."""
+    """W [out, in] (fp32 / bf16 / int8) -> the packed 1-D layout of ``lrk.cpp``."""
     return _ops().pack(W)
 
 
@@ -33,3 +33,9 @@ def attend(q: torch.Tensor, K: torch.Tensor, V: torch.Tensor, length: torch.Tens
            scale: float) -> torch.Tensor:
     """Decode attention: q [B, Hkv, G, D] over slots pad[b] <= s <= length of K/V [>=B, Hkv, S, D]."""
     return _ops().attend(q, K, V, length, pad, scale)
+
+
+def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torch.Tensor, V: int, max_fraction: float,
+                   stats: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] of the certified LM head (``runtime/lm_head.py``); ``stats`` int64 [5] is updated in place."""
+    return _ops().certified_head(x, Q, meta, P, V, max_fraction, stats)
