@@ -99,8 +99,9 @@ _MARK = "lowrank_lib_random.json"
 _FORMAT = 1
 
 
-def shape_config(shape: str, layers: int | None = None, **overrides):
-    """The ``LlamaConfig`` of a :data:`SHAPES` geometry; ``layers`` cuts the layer count (tests, dry runs)."""
+def shape_config(shape: str, layers: int | None = None, overrides: dict | None = None):
+    """The ``LlamaConfig`` of a :data:`SHAPES` geometry; ``layers`` cuts the layer count, ``overrides`` replaces
+    any other field (tests and dry runs: e.g. a smaller vocabulary)."""
     from transformers import LlamaConfig
 
     if shape not in SHAPES:
@@ -109,7 +110,7 @@ def shape_config(shape: str, layers: int | None = None, **overrides):
     theta = kw.pop("rope_theta")
     if layers is not None:
         kw["num_hidden_layers"] = int(layers)
-    kw.update(overrides)
+    kw.update(overrides or {})
     return LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta},
                        attn_implementation="sdpa", dtype="bfloat16")
 
@@ -135,17 +136,20 @@ def _proj_shapes(cfg) -> dict[str, tuple[int, int]]:
 
 
 def shape_dir(shape: str, keep: float | None = None, seed: int = 0, layers: int | None = None,
-              cache_dir=None) -> Path:
+              cache_dir=None, overrides: dict | None = None) -> Path:
     """Folder of the random weights of ``shape`` (dense) or of its random keep-``keep`` factors."""
+    import hashlib
+
     from .. import models
 
     root = Path(cache_dir) if cache_dir is not None else models.default_cache_dir() / "random-models"
-    name = f"{shape}{'' if layers is None else f'-L{layers}'}-s{seed}" + ("" if keep is None else f"-keep{keep}")
+    o = "" if not overrides else "-o" + hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()[:8]
+    name = f"{shape}{'' if layers is None else f'-L{layers}'}{o}-s{seed}" + ("" if keep is None else f"-keep{keep}")
     return root / name
 
 
 def write_shape_weights(shape: str, keep: float | None = None, seed: int = 0, layers: int | None = None,
-                        cache_dir=None, progress: bool = True) -> Path:
+                        cache_dir=None, progress: bool = True, overrides: dict | None = None) -> Path:
     """Write (once) the random bf16 weights of a geometry as safetensors shards; returns the folder.
 
     Dense (``keep=None``): one shard per layer (its 7 projections and 2 norms, ``model.layers.<i>.*``
@@ -159,15 +163,15 @@ def write_shape_weights(shape: str, keep: float | None = None, seed: int = 0, la
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    cfg = shape_config(shape, layers)
-    d = shape_dir(shape, keep, seed, layers, cache_dir)
+    cfg = shape_config(shape, layers, overrides)
+    d = shape_dir(shape, keep, seed, layers, cache_dir, overrides)
     want = {"format": _FORMAT, "shape": shape, "keep": keep, "seed": seed, "layers": cfg.num_hidden_layers,
-            "init_std": INIT_STD}
+            "init_std": INIT_STD, "overrides": overrides or {}}
     mark = d / _MARK
     if mark.exists() and json.loads(mark.read_text()).get("spec") == want:
         return d
     if keep is not None:
-        write_shape_weights(shape, None, seed, layers, cache_dir, progress)       # embedding, norms, head
+        write_shape_weights(shape, None, seed, layers, cache_dir, progress, overrides)   # embedding, norms, head
     d.mkdir(parents=True, exist_ok=True)
     mark.unlink(missing_ok=True)
     shapes = _proj_shapes(cfg)
@@ -198,7 +202,7 @@ def write_shape_weights(shape: str, keep: float | None = None, seed: int = 0, la
 
 
 def load_shape_model(shape: str, keep: float | None = None, seed: int = 0, layers: int | None = None,
-                     cache_dir=None, progress: bool = True):
+                     cache_dir=None, progress: bool = True, overrides: dict | None = None):
     """A bf16 ``LlamaForCausalLM`` of a geometry whose weights are the files of :func:`write_shape_weights`,
     memory-mapped (safetensors loads zero-copy: the pages are the OS's file cache, not this process's
     memory, so an engine built from it holds the only resident copy). ``keep``: the projections are
@@ -206,15 +210,15 @@ def load_shape_model(shape: str, keep: float | None = None, seed: int = 0, layer
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    dense_d = write_shape_weights(shape, None, seed, layers, cache_dir, progress)
-    cfg = shape_config(shape, layers)
+    dense_d = write_shape_weights(shape, None, seed, layers, cache_dir, progress, overrides)
+    cfg = shape_config(shape, layers, overrides)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     sd = {}
     for f in sorted(dense_d.glob("*.safetensors")):
         sd.update(load_file(str(f)))
     if keep is not None:
-        fd = write_shape_weights(shape, keep, seed, layers, cache_dir, progress)
+        fd = write_shape_weights(shape, keep, seed, layers, cache_dir, progress, overrides)
         factors = {}
         for f in sorted(fd.glob("layer-*.safetensors")):
             factors.update(load_file(str(f)))
