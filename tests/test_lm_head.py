@@ -169,6 +169,11 @@ def test_kernel_ties_zero_x_and_fallback(dtype):
     z = torch.zeros(2, d, dtype=dtype)                            # every logit 0: every row a candidate -> fallback
     y = ops.certified_head(z, Qp, meta, P, V, 0.25, st_)
     assert torch.equal(y, ops.gemv(z, [P], [V], [d], [0])) and st_[2] == 1 and st_[0] == 2
+    bad = x.clone()
+    bad[0, 5] = float("nan")                                     # no bound holds: the exact head, and it says so
+    n = int(st_[2])
+    assert torch.equal(ops.certified_head(bad, Qp, meta, P, V, 0.25, st_).isnan(),
+                       ops.gemv(bad, [P], [V], [d], [0]).isnan()) and st_[2] == n + 1
     with pytest.raises(RuntimeError, match="not a packed int8"):
         ops.certified_head(x, P, meta, P, V, 0.25, st_)
     with pytest.raises(RuntimeError, match="stats must be int64"):
@@ -186,6 +191,12 @@ def test_portable_op_matches_aten_argmax_and_counts():
     assert stats[0] == 1 and stats[2] == 0 and stats[4] <= 2 * BLOCK
     zh, bd = bounds(torch.zeros(1, 3), meta[:3], torch.ones(1), torch.ones(1), torch.zeros(1), False)
     assert (bd > 0).all() and (zh == 0).all()
+    inf = x.clone()
+    inf[1, 0] = float("inf")
+    y = certified_head_portable(inf, Q, meta, W.t(), 0.25, stats)
+    assert stats[2] == 1 and torch.equal(y.isnan(), torch.mm(inf, W.t()).isnan())
+    with pytest.raises(ValueError, match="finite head"):
+        quantize_head(torch.tensor([[1.0, float("nan")]]))
 
 
 # --------------------------------------------------------------------------- the engine

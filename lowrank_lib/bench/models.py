@@ -127,7 +127,7 @@ def _randn(shape, seed: int, name: str, std: float) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
 
 
-def _proj_shapes(cfg) -> dict[str, tuple[int, int]]:
+def proj_shapes(cfg) -> dict[str, tuple[int, int]]:
     """(out, in) of each decoder projection of one layer."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q, kv = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
@@ -174,7 +174,7 @@ def write_shape_weights(shape: str, keep: float | None = None, seed: int = 0, la
         write_shape_weights(shape, None, seed, layers, cache_dir, progress, overrides)   # embedding, norms, head
     d.mkdir(parents=True, exist_ok=True)
     mark.unlink(missing_ok=True)
-    shapes = _proj_shapes(cfg)
+    shapes = proj_shapes(cfg)
     H = cfg.hidden_size
     for i in tqdm(range(cfg.num_hidden_layers), desc=f"random {d.name}", disable=not progress):
         p = f"model.layers.{i}."
@@ -236,6 +236,7 @@ def load_shape_model(shape: str, keep: float | None = None, seed: int = 0, layer
         raise RuntimeError(f"{dense_d}: weights missing {sorted(set(missing) - tied)[:4]}, unexpected {unexpected[:4]}")
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.requires_grad_(False)                                           # served, never trained
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)      # its buffers were on meta
     left = [k for k, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:

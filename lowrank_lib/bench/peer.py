@@ -155,7 +155,7 @@ class CpuClocked:
         return y
 
 
-def _median_ms(xs) -> float:
+def median_ms(xs) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
@@ -214,7 +214,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             ggufs = {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", {"fp32": "F32", "bf16": "BF16"}[dt])
                      for dt in cfg.dtypes}
     res = {"config": asdict(cfg), "command": None,
-           "machine": {"cpu": _cpu_name(), "cores": _nproc(),
+           "machine": {"cpu": cpu_name(), "cores": nproc(),
                        "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
            "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
            "load_average": {"start": load_average()},
@@ -295,16 +295,16 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
         for (s, dt, head), r in runners.items():
             k = (s, dt, head)
-            ms = _median_ms(steps[k])
+            ms = median_ms(steps[k])
             wb = gguf_bytes_per_token(ggufs[dt]) if s == "llamacpp_dense" else r.weight_bytes_per_token()
             row = {"system": s, "dtype": dt, "threads": th, "lm_head": head, "decode_ms_per_token": ms,
-                   "prefill_ms": _median_ms(pre[k]), "weight_bytes_per_token": wb,
-                   "decode_ms_p10": 1e3 * _quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * _quantile(steps[k], 0.9),
+                   "prefill_ms": median_ms(pre[k]), "weight_bytes_per_token": wb,
+                   "decode_ms_p10": 1e3 * quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * quantile(steps[k], 0.9),
                    "decode_steps": len(steps[k]), "achieved_GBps": wb / (ms / 1e3) / 1e9,
                    "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
-                   "decode_cpu_ms_per_token": _median_ms(r.cpu_s) if th == 1 else None}
+                   "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None}
             if s == "llamacpp_dense":
-                row.update(eval_ms_per_token=_median_ms(evals[k]),
+                row.update(eval_ms_per_token=median_ms(evals[k]),
                            perf_eval_ms_per_token=statistics.median(p["eval_ms_per_token"] for p in perf[k]),
                            perf_prefill_ms=statistics.median(p["t_p_eval_ms"] for p in perf[k]),
                            info={**r.report(), "flash_attn_probe": fa_choice.get((dt, th), {}).get("probe")})
@@ -355,20 +355,20 @@ def _resolve_fa(cfg, path, dt, th, ids, cache: dict) -> bool:
     return cache[(dt, th)]["fa"]
 
 
-def _quantile(xs, q: float) -> float:
+def quantile(xs, q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _nproc() -> int:
+def nproc() -> int:
     import os
 
     return os.cpu_count() or 0
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

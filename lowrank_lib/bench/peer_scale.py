@@ -139,10 +139,10 @@ def gguf_path(cfg: ScaleConfig, dtype: str) -> Path:
 def disk_needed(cfg: ScaleConfig) -> int:
     """Bytes the generated files take (weights, factors, GGUFs), estimated from the geometry."""
     from ..ranks import keep_rank
-    from .models import _proj_shapes, shape_config
+    from .models import proj_shapes, shape_config
 
     c = shape_config(cfg.shape, cfg.layers, cfg.overrides)
-    proj = _proj_shapes(c)
+    proj = proj_shapes(c)
     dense = sum(o * i for o, i in proj.values()) * c.num_hidden_layers
     emb = c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     n = {"dense": 2 * (dense + emb)}
@@ -219,7 +219,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
     from ..runtime.config import parse_dtype
     from .decode import copy_bandwidth
     from .models import load_shape_model, shape_config
-    from .peer import CpuClocked, _median_ms, _quantile, gguf_bytes_per_token
+    from .peer import CpuClocked, median_ms, quantile, gguf_bytes_per_token
     from .results import load_average
 
     system, dtype, keep = unit["system"], unit["dtype"], unit["keep"]
@@ -273,15 +273,15 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
             pre.append(o.prefill_s)
         bws.append(copy_bandwidth(torch.device("cpu")))
         bw = statistics.median(bws)
-        ms = _median_ms(steps)
+        ms = median_ms(steps)
         w = wb if system == "llamacpp_dense" else runner.weight_bytes_per_token()
         row = {"shape": cfg.shape, "layers": c.num_hidden_layers, "system": system, "dtype": dtype, "threads": th,
                "keep": keep, "decode_ms_per_token": ms, "weight_bytes_per_token": w, "copy_gbs": bw,
                "copy_gbs_before_after": bws, "roofline_ms": w / (bw * 1e9) * 1e3,
                "roofline_x": ms / 1e3 / (w / (bw * 1e9)), "achieved_GBps": w / (ms / 1e3) / 1e9,
-               "prefill_ms": _median_ms(pre), "decode_ms_p10": 1e3 * _quantile(steps, 0.1),
-               "decode_ms_p90": 1e3 * _quantile(steps, 0.9), "decode_steps": len(steps),
-               "decode_cpu_ms_per_token": _median_ms(r.cpu_s) if th == 1 else None,
+               "prefill_ms": median_ms(pre), "decode_ms_p10": 1e3 * quantile(steps, 0.1),
+               "decode_ms_p90": 1e3 * quantile(steps, 0.9), "decode_steps": len(steps),
+               "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None,
                "warmup_s": warm_s, "load_average": {"before": la0, "after": load_average()}}
         if system == "llamacpp_dense":
             row["info"] = {**runner.report(), "perf": runner.perf()}
@@ -363,7 +363,7 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
     import torch
 
     from .llamacpp import available, version
-    from .peer import _cpu_name, _nproc
+    from .peer import cpu_name, nproc
     from .results import load_average
 
     if "llamacpp_dense" in cfg.systems:
@@ -379,7 +379,7 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
         raise SystemExit(f"peer --shape {cfg.shape}: the generated files need about {need / 1e9:.1f} GB, "
                          f"{root} has {free / 1e9:.1f} GB free")
     res = {"config": asdict(cfg), "command": None, "units": [],
-           "machine": {"cpu": _cpu_name(), "cores": _nproc(), "torch": torch.__version__,
+           "machine": {"cpu": cpu_name(), "cores": nproc(), "torch": torch.__version__,
                        "llama_cpp_python": version(), "python": platform.python_version()},
            "load_average": {"start": load_average()}, "disk_needed_gb": need / 1e9, "note": cfg.note,
            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

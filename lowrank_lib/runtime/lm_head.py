@@ -23,7 +23,7 @@ serves decode rows (up to ``LRK_MAX_ROWS`` rows of x; prefill's full logits stay
    ``zh_i + bound_i >= L`` may win, and no other can: only the 64-row blocks of the exact head holding
    such a row are multiplied, with the same kernels (and row grouping) as the exact head, so their
    logits are the exact head's bit for bit. When more than ``max_fraction`` of the blocks would be
-   needed, every block is multiplied (the fallback: the exact head). The argmax of the returned logits
+   needed (or x is not finite), every block is multiplied (the fallback: the exact head). The argmax of the returned logits
    is therefore the exact head's argmax, ties (first index) included: every other entry holds the
    approximate score rounded DOWN to the output dtype, strictly below the largest exact logit.
 
@@ -93,6 +93,8 @@ def quantize_head(W: torch.Tensor, chunk: int = 8192) -> tuple[torch.Tensor, tor
     ``s_i = max|w_i| / 127`` (1 for a zero row), ``q_i = round(w_i / s_i)``, ``a_i = |w_i - s_i q_i| + gamma |w_i|``,
     ``b_i = s_i |q_i|``, both rounded up to float32; computed in float64, ``chunk`` rows at a time."""
     V, d = W.shape
+    if not bool(torch.isfinite(W).all()):
+        raise ValueError("the certified head needs a finite head: the LM head holds inf / NaN weights")
     Q = torch.empty(V, d, dtype=torch.int8)
     meta = torch.empty(V, 3, dtype=torch.float32)
     g = _gamma(d)
@@ -174,6 +176,9 @@ def certified_head_portable(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor
     ``x @ Wt`` operand) -> logits [N, V] at x's dtype; ``stats`` int64 [5] updated in place."""
     N, d = x.shape
     V = Q.shape[0]
+    if not bool(torch.isfinite(x).all()):          # no bound holds: the exact head
+        stats += torch.tensor([1, N, 1, 0, V], dtype=stats.dtype)
+        return torch.mm(x, Wt)
     q, s_h, hn, rn = quantize_rows(x, 2 * -(-d // 2))
     sums = torch.cat([q @ Q[i:i + 8192].double().t() for i in range(0, V, 8192)], 1)   # exact integers
     zh, bd = bounds(sums, meta, s_h, hn, rn, x.dtype == torch.bfloat16)

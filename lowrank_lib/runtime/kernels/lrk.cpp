@@ -615,6 +615,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
   const int64_t mq = imin(32767, ((int64_t(1) << 31) - 1) / (127 * K));
   std::vector<uint32_t> xq(N * K2, 0);
   std::vector<float> sh(N), hn(N), rn(N);
+  bool finite = true;                               // a non-finite x: no bound holds, the exact head runs
   for (int64_t r = 0; r < N; r++) {
     std::vector<double> h(d);
     double mx = 0, h2 = 0, r2 = 0;
@@ -630,7 +631,10 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
       mx = std::fmax(mx, std::fabs(h[i]));
       h2 += h[i] * h[i];
     }
-    TORCH_CHECK(std::isfinite(h2), "lowrank_lrk::certified_head: row ", r, " of x is not finite");
+    if (!std::isfinite(h2)) {
+      finite = false;
+      continue;
+    }
     const float s = mx > 0 ? (float)(mx / (double)mq) : 1.0f;
     for (int64_t i = 0; i < d; i++) {
       double q = std::nearbyint(h[i] / (double)s);
@@ -658,7 +662,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
   std::vector<char> sel(nblk, 0);
   int64_t cands = 0;
 #if LRK_X86
-  for (int64_t r = 0; r < N; r++) {
+  for (int64_t r = 0; r < N && finite; r++) {
     const float L = bound_pass(sums.data() + r * rows, meta.data_ptr<float>(), V, sh[r], hn[r], rn[r], rho, zh.data(),
                                up.data());
     char* yr = (char*)y.data_ptr() + r * V * es;
@@ -676,7 +680,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
 #endif
   int64_t nsel = 0;
   for (auto c : sel) nsel += c;
-  const bool fallback = (double)nsel > max_fraction * (double)nblk;
+  const bool fallback = !finite || (double)nsel > max_fraction * (double)nblk;
   // 4. the exact head on the selected blocks (all of them on fallback): gemv's kernels and row grouping
   std::vector<uint32_t> xp(bf ? N * K2 : 0);
   if (bf) bf16_pairs((const uint16_t*)x.data_ptr(), ldx, N, 0, d, xp.data());
