@@ -8,9 +8,10 @@ run as ONE segmented call; RoPE folding doubles the q/k stage-2 rows when every 
     low rank: qkv.V [r_q + r_k + r_v, H], qkv.U (2q x r_q, 2kv x r_k, kv x r_v), o.V, o.U,
               gate_up.V [r_g + r_u, H], gate_up.U (I x r_g, I x r_u), down.V [r_d, I], down.U [H, r_d]
 
-Each class is timed streaming from memory: enough packed copies of its matrices to exceed
-``stream_bytes`` are multiplied in turn (nothing stays in cache), ``repeats`` times, median; GB/s =
-weight bytes / time. Only the public kernel ops (``runtime.kernels.ops``) are used.
+Each class is timed streaming from memory: enough packed copies of its matrices (clones of one random
+draw, each in its own memory) to exceed ``stream_bytes`` are multiplied in turn (nothing stays in cache),
+``repeats`` times, median; GB/s = weight bytes / time. Only the public kernel ops (``runtime.kernels.ops``)
+are used.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def measure(cfg, keep: float | None, dtype: torch.dtype, stream_bytes: float = 1
     for c in gemv_classes(cfg, keep):
         nbytes = sum(o * i for o, i, _ in c["mats"]) * dtype.itemsize
         k = min(2000, max(2, int(stream_bytes // nbytes)))
-        sets = [[ops.pack((torch.randn(o, i, generator=g) * 0.02).to(dtype)) for o, i, _ in c["mats"]] for _ in range(k)]
+        one = [ops.pack((torch.randn(o, i, generator=g) * 0.02).to(dtype)) for o, i, _ in c["mats"]]
+        sets = [one] + [[P.clone() for P in one] for _ in range(k - 1)]        # distinct memory: cold streams
         x = torch.randn(1, c["x"], generator=g).to(dtype)
         outs, ins, offs = ([m[j] for m in c["mats"]] for j in range(3))
         for P in sets[:2]:
