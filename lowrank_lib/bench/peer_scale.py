@@ -317,9 +317,38 @@ def run_gemv_classes(cfg: ScaleConfig, dtype: str) -> dict:
             "rss_anon_gb_end": _status_gb("RssAnon")}
 
 
+class MemorySampler:
+    """Peak anonymous and file-backed resident memory of this process, sampled every ``period`` s in a thread.
+
+    ``VmHWM`` (the kernel's peak RSS) counts the pages of memory-mapped weight files too, which the OS can
+    drop at any time; the anonymous peak is what the process itself holds (weights packed by the engine,
+    llama.cpp's buffers, the KV cache)."""
+
+    def __init__(self, period: float = 0.2):
+        import threading
+
+        self.period, self.peak = period, {"RssAnon": 0.0, "RssFile": 0.0}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.wait(self.period):
+            for k in self.peak:
+                v = _status_gb(k)
+                if v is not None:
+                    self.peak[k] = max(self.peak[k], v)
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._t.join()
+        return {"peak_anon_gb": self.peak["RssAnon"], "peak_file_gb": self.peak["RssFile"]}
+
+
 def worker_main(argv: list[str]) -> int:
     """``python -m lowrank_lib.bench.peer_scale --worker SPEC.json`` (a child of :func:`run_scale`)."""
     spec = json.loads(Path(argv[argv.index("--worker") + 1]).read_text())
+    mem = MemorySampler()
     cfg = ScaleConfig(**{**spec["config"], "keeps": tuple(spec["config"]["keeps"]),
                          "dtypes": tuple(spec["config"]["dtypes"]), "threads": tuple(spec["config"]["threads"]),
                          "quants": tuple(spec["config"]["quants"]), "systems": tuple(spec["config"]["systems"])})
@@ -329,6 +358,7 @@ def worker_main(argv: list[str]) -> int:
         res = run_gemv_classes(cfg, spec["unit"]["dtype"])
     else:
         res = run_unit(cfg, spec["unit"], spec.get("logits"))
+    res.update(mem.stop())
     Path(spec["result"]).write_text(json.dumps(res, default=str))
     return 0
 
@@ -350,7 +380,8 @@ def _child(cfg: ScaleConfig, unit, tmp: Path, i: int, log) -> dict:
     res["wall_s"] = time.perf_counter() - t0
     res["child_maxrss_gb"] = ru.ru_maxrss / 2 ** 20
     res["logits"] = spec["logits"]
-    log(f"[peer-scale] {unit}: {res['wall_s']:.0f} s, peak RSS {res['child_maxrss_gb']:.2f} GB")
+    log(f"[peer-scale] {unit}: {res['wall_s']:.0f} s, peak RSS {res['child_maxrss_gb']:.2f} GB (anonymous "
+        f"{res.get('peak_anon_gb', float('nan')):.2f} GB, mapped files {res.get('peak_file_gb', float('nan')):.2f} GB)")
     return res
 
 
@@ -391,11 +422,11 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
             r = _child(cfg, u, tmp, i, log)
             classes += r.get("gemv_classes", [])
             outs.append((u, r))
+            mem = {k: r.get(k) for k in ("peak_rss_gb", "child_maxrss_gb", "peak_anon_gb", "peak_file_gb")}
             for row in r["rows"]:
-                row.update(peak_rss_gb=r["peak_rss_gb"], child_maxrss_gb=r["child_maxrss_gb"], build_s=r["build_s"])
+                row.update(**mem, build_s=r["build_s"])
             rows += r["rows"]
-            res["units"].append({**u, "wall_s": r["wall_s"], "build_s": r["build_s"],
-                                 "peak_rss_gb": r["peak_rss_gb"], "child_maxrss_gb": r["child_maxrss_gb"],
+            res["units"].append({**u, "wall_s": r["wall_s"], "build_s": r["build_s"], **mem,
                                  "rss_anon_gb_end": r["rss_anon_gb_end"]})
         res["rows"] = rows
         res["gemv_classes"] = classes
