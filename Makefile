@@ -31,6 +31,8 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 	$(PY) -m lowrank_lib.models fetch smollm2
+	@# JupyterLab of this venv saves widget state with a notebook (sliders survive a reopen)
+	@$(PY) -m lowrank_lib.notebooks lab-settings >/dev/null
 
 fetch: setup
 
@@ -54,6 +56,8 @@ test-oldest: setup $(VENV_OLDEST)/.installed
 	@$(PY_OLDEST) -c "import transformers; print('[test-oldest] transformers', transformers.__version__)"
 	$(PY_OLDEST) -m pytest -q -p no:cacheprovider -m compat tests
 
+# Every notebook at its own parameters -> reports/<nb>.ipynb, figures/, then reports/<nb>.html (offline: no
+# script from the network) and reports/index.html with each notebook's headline numbers.
 report: setup
 	$(PY) -m lowrank_lib.notebooks run
 

@@ -68,6 +68,10 @@ class LowRankLinear(nn.Module):
         return self.U.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        if x.dtype != self.V.dtype:
+            # a checkpoint loaded in the dtypes it stores (SVD-LLM: fp32 factors, fp16 embeddings and
+            # norms): compute in the factors' dtype, hand back the caller's
+            return F.linear(F.linear(x.to(self.V.dtype), self.V), self.U, self.bias).to(x.dtype)
         return F.linear(F.linear(x, self.V), self.U, self.bias)
 
     def dense_weight(self) -> torch.Tensor:

@@ -36,20 +36,13 @@ def tiny_gqa():
     return models.tiny_model("tiny-gqa", seed=0)
 
 
-_EXECUTED: dict[str, dict] = {}
-
-
 @pytest.fixture(scope="session")
 def executed_notebook():
-    """``executed_notebook(name) -> metrics dict``: runs the notebook once per session with CI params."""
-    from lowrank_lib import notebooks
+    """``executed_notebook(name) -> metrics dict``: the notebook run once per session with CI params (by the
+    browser tests' Run All when they ran it, else papermill: ``tests/nbruns.py``)."""
+    import nbruns
 
-    def run(name: str) -> dict:
-        if name not in _EXECUTED:
-            _EXECUTED[name] = notebooks.run([name], ci=True, progress=False)[name]
-        return _EXECUTED[name]
-
-    return run
+    return lambda name: nbruns.get(name).metrics
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from lowrank_lib.bench.cli import COMMANDS, main
-from lowrank_lib.eval.kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, lowrank_budget
+from lowrank_lib.eval.kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
+from lowrank_lib.kv.methods.attsvd import rank_for_budget
 
 FIELDS = {"policy", "kind", "prefill", "budget", "bytes_ratio", "kl_mean", "kl_std", "ppl", "ppl_dense", "windows"}
 ARGS = ["kv-frontier", "--quick", "--windows", "2", "--budgets", "0.5", "0.25"]
@@ -31,8 +32,8 @@ def test_frontier_rows_cover_every_policy_and_budget(full):
     assert {(r["budget"], r["windows"], r["prefill"]) for r in rows} == {(0.5, 2, 128), (0.25, 2, 128)}
     for r in rows:
         assert r["kl_mean"] >= 0 and r["ppl"] > 1 and r["ppl_dense"] > 1
-        if r["budget"] == 0.5:       # tiny prompts: forced windows and the rank-1 floor may exceed 0.25
-            assert r["bytes_ratio"] <= r["budget"] * 1.01, r
+        if r["budget"] == 0.5:       # tiny prompts: forced windows and the rank-1 floor may exceed 0.25; the
+            assert r["bytes_ratio"] <= r["budget"] * 1.02, r    # segment descriptors are ~1 % of 128 tokens' bytes
     assert {(b["prefill"], b["budget"]) for b in res["best"]} == {(128, 0.5), (128, 0.25)}
     assert (out / "kv_frontier.txt").read_text().count("target") == 2
 
@@ -66,8 +67,8 @@ def test_windows_as_sweep_tasks_equal_the_single_run(full, tmp_path):
         assert x["kl_mean"] == pytest.approx(y["kl_mean"], rel=1e-6) and y["windows"] == 2
 
 
-def test_lowrank_budget_fits_the_bytes():
+def test_attsvd_rank_fits_the_bytes():
     # Eq. 6 bytes / dense = (2r (2016 + 64) + 2 * 32 * 64) / (2 * 64 * 2048) <= 0.25  <=>  r <= 14.77
-    assert lowrank_budget(0.25, 2048, 64, 32) == 14 / 64
-    assert lowrank_budget(0.5, 2048, 64, 32) == 30 / 64
-    assert lowrank_budget(0.001, 2048, 64, 32) == 1 / 64     # never below rank 1
+    assert rank_for_budget(0.25, 2048, 64, 32) == 14
+    assert rank_for_budget(0.5, 2048, 64, 32) == 30
+    assert rank_for_budget(0.001, 2048, 64, 32) == 1         # never below rank 1

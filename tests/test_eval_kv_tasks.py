@@ -11,8 +11,9 @@ from transformers import DynamicCache
 
 from lowrank_lib.compat import cache_kw
 from lowrank_lib.eval import kv_tasks
-from lowrank_lib.eval.kv_tasks import (DEFAULT_POLICIES, KINDS, build_task_samples, check_policies,
-                                       evaluate_tasks, target_tokens)
+from lowrank_lib.eval.kv_tasks import (DEFAULT_POLICIES, build_task_samples, check_policies, evaluate_tasks,
+                                       target_tokens)
+from lowrank_lib.kv import METHODS
 from lowrank_lib.eval.longctx import ByteTokenizer, Sample, stop_ids, greedy_decode, sample_ids
 
 TOK = ByteTokenizer()
@@ -62,10 +63,10 @@ def _plain_greedy(model, ids, max_new, stop):
 
 
 def test_budget_one_equals_plain_full_prompt_decoding(tiny_gqa, samples):
-    """At budget 1.0 every policy (eviction keeps every row, low-rank at full rank, composed all exact) answers
-    with exactly the tokens of plain greedy decoding of context + question; so does dense."""
+    """At budget 1.3 every policy (eviction keeps every row, low-rank at full rank: S + d rows' bytes, composed all
+    exact) answers with exactly the tokens of plain greedy decoding of context + question; so does dense."""
     model = tiny_gqa.eval()
-    res = evaluate_tasks(model, TOK, samples, budgets=[1.0], policies=DEFAULT_POLICIES, max_new=8, progress=False)
+    res = evaluate_tasks(model, TOK, samples, budgets=[1.3], policies=DEFAULT_POLICIES, max_new=8, progress=False)
     stop = stop_ids(TOK)
     refs = [_plain_greedy(model, torch.cat(sample_ids(TOK, s), 1), 8, stop) for _, s in samples]
     assert len(res["per_sample"]) == len(samples) * len(DEFAULT_POLICIES)
@@ -88,17 +89,17 @@ def test_scorers_see_only_the_context(tiny_gqa, samples, monkeypatch):
 
     seen = {"kvzip": [], "snapkv": []}
     kvzip, snap = SCORERS["kvzip"], SCORERS["snapkv"]
-    orig_ctx, orig_snap = kvzip.score_context, snap.score
+    orig_ctx, orig_snap = kvzip.score_prefill, snap.score
 
-    def spy_ctx(self, model, tok, ids, record):
-        seen["kvzip"].append((ids.clone(), record.length))
-        return orig_ctx(self, model, tok, ids, record)
+    def spy_ctx(self, prefill):
+        seen["kvzip"].append((prefill.ids.clone(), prefill.length))
+        return orig_ctx(self, prefill)
 
     def spy_snap(self, K, V, obs):
         seen["snapkv"].append((K.shape[-2], int(obs.q_pos.max())))
         return orig_snap(self, K, V, obs)
 
-    monkeypatch.setattr(kvzip, "score_context", spy_ctx)
+    monkeypatch.setattr(kvzip, "score_prefill", spy_ctx)
     monkeypatch.setattr(snap, "score", spy_snap)
     _, s = samples[0]
     res = evaluate_tasks(tiny_gqa.eval(), TOK, [samples[0]], budgets=[0.5],
@@ -115,7 +116,21 @@ def test_unknown_policy_is_refused():
     assert check_policies(["kvzip", "dense"]) == ["dense", "kvzip"]
     with pytest.raises(ValueError, match="unknown policies"):
         check_policies(["dense", "pyramidkv"])
-    assert set(DEFAULT_POLICIES) <= set(KINDS)
+    assert set(DEFAULT_POLICIES) <= set(METHODS)
+
+
+def test_the_engine_adapter_answers_as_the_transformers_adapter(tiny_gqa, samples):
+    """Served by the runtime engine (the context prefilled and fitted inside it, KVzip's reconstruction run by the
+    engine, the question as decode steps), every policy answers with the transformers adapter's tokens."""
+    pols = ["dense", "kvzip", "snapkv", "attsvd-ext", "composed-kvzip-q8"]
+    kw = dict(budgets=[0.5, 0.25], policies=pols, max_new=6, progress=False)
+    hf = evaluate_tasks(tiny_gqa.eval(), TOK, samples[:2], **kw)
+    en = evaluate_tasks(tiny_gqa.eval(), TOK, samples[:2], adapter="engine", **kw)
+    key = lambda r: (r["sample"], r["policy"], r["budget"])
+    assert [key(r) for r in hf["per_sample"]] == [key(r) for r in en["per_sample"]]
+    for a, b in zip(hf["per_sample"], en["per_sample"]):
+        assert a["tokens"] == b["tokens"], key(a)
+        assert a["bytes_ratio"] == pytest.approx(b["bytes_ratio"], rel=1e-12)
 
 
 def test_quick_command_writes_the_schema(tmp_path):
@@ -123,7 +138,7 @@ def test_quick_command_writes_the_schema(tmp_path):
 
     assert "kv-tasks" in COMMANDS
     pols = ["dense", "kvzip", "snapkv", "attsvd-ext", "composed-kvzip-q8"]
-    assert main(["kv-tasks", "--quick", "--lengths", "384", "--budgets", "0.5", "0.25", "--policies", *pols,
+    assert main(["kv-tasks", "--quick", "--prompt-len", "384", "--budgets", "0.5", "0.25", "--policies", *pols,
                  "--tasks-list", "needle_single", "variable_tracking", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "kv_tasks_tiny-gqa_L384_n1.json").read_text())
     fields = {"policy", "kind", "length", "budget", "bytes_ratio", "task", "exact", "partial", "n"}
@@ -133,7 +148,7 @@ def test_quick_command_writes_the_schema(tmp_path):
     assert keys == {("dense", 1.0, t) for t in tasks} | {(p, b, t) for p in pols[1:] for b in (0.5, 0.25) for t in tasks}
     for r in res["rows"]:
         assert r["length"] == 384 and r["n"] == 1 and 0 <= r["exact"] <= r["partial"] <= 1
-        assert r["bytes_ratio"] <= (1.0 if r["kind"] == "dense" else r["budget"] * 1.01), r
+        assert r["bytes_ratio"] <= r["budget"] * 1.01, r           # + the segment descriptors (tiny prompts)
     assert len(res["per_sample"]) == 2 * (1 + 4 * 2) and all("output" in r for r in res["per_sample"])
     assert res["command"].startswith("python -m lowrank_lib.bench kv-tasks --quick")
     assert "budget 0.25" in (tmp_path / "kv_tasks_tiny-gqa_L384_n1.txt").read_text()

@@ -39,13 +39,12 @@ def test_samples_have_needles_and_target_length(task):
 
 @pytest.mark.smollm2
 def test_passkey_end_to_end_dense_and_attsvd(smollm2):
-    from lowrank_lib.attsvd import AttSVDConfig
-    from lowrank_lib.eval.methods import MethodSpec
+    from lowrank_lib.kv import make_method
 
     model, tok = smollm2
     samples = build_samples(tok, tasks=("passkey",), lengths=(384,), n_per=1, seed=0)
     assert abs(samples[0].n_tokens - 384) <= 16
-    methods = {n: MethodSpec(n, 0.5, AttSVDConfig(rank=1, window=16)).make for n in ("dense", "attsvd")}
+    methods = {"dense": make_method("dense"), "attsvd": make_method("attsvd", 0.5, window=16)}
     with torch.no_grad():
         res = evaluate(model, tok, samples, methods, max_new=8, progress=False)
     assert res["summary"]["dense"]["passkey"]["exact"] == 1.0     # SmolLM2 finds the key at this length

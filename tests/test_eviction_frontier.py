@@ -8,11 +8,11 @@ import torch
 
 from lowrank_lib import models
 from lowrank_lib.compat import cache_kw
-from lowrank_lib.eviction import H2O, SCORERS, EvictionBudget, EvictionCache, ExpectedAttention, KVzip, \
-    ObservedAttention
+from lowrank_lib.eviction import H2O, SCORERS, ExpectedAttention, KVzip, Observation, ObservedAttention
 from lowrank_lib.eviction.budget import index_dtype, keep_counts, select, token_bytes
 from lowrank_lib.eviction.expected import model_rope, rotate_half, rotation_matrix
-from lowrank_lib.hf import Observation, dense_from, record_prefill, replay
+from lowrank_lib.kv import make_method
+from lowrank_lib.kv.hf_adapter import KVCache, dense_cache, record
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,12 @@ def _obs(B=1, H=2, G=2, S=24, d=8, seed=0):
     K = torch.randn(B, H, S, d, generator=g)
     V = torch.randn(B, H, S, d, generator=g)
     Q = torch.randn(B, H * G, S, d, generator=g)
-    return K, V, Observation(Q, d ** -0.5, torch.arange(S))
+    return K, V, Observation(Q, d ** -0.5, torch.arange(S), K)
+
+
+def _budget(n: int, S: int, L: int = 2, H: int = 2, d: int = 16) -> float:
+    """The byte budget at which every (layer, head) of a tiny-gqa prefill of S tokens keeps n tokens."""
+    return n * token_bytes(d, 4, S) * L * H / (2 * L * H * S * d * 4)
 
 
 def test_observed_attention_is_mean_attention_per_observing_query():
@@ -43,18 +48,21 @@ def test_observed_attention_is_mean_attention_per_observing_query():
     # the same as H2O's summed mass, normalised (the frontier shares that work)
     torch.testing.assert_close(ObservedAttention.normalise(H2O().score(K, V, obs), obs, G), ref, rtol=1e-5, atol=1e-6)
     # uniform attention (zero queries): H2O's sum favours the first key S times more than the mean does
-    z = Observation(torch.zeros_like(obs.query), obs.scaling, obs.q_pos)
+    z = Observation(torch.zeros_like(obs.query), obs.scaling, obs.q_pos, K)
     h, s = H2O().score(K, V, z)[0, 0], ObservedAttention().score(K, V, z)[0, 0]
     assert float(h[0] / h[-1]) == pytest.approx(S * float(s[0] / s[-1]), rel=1e-4)
 
 
 def test_observed_attention_has_no_forced_window(tiny):
     ids = torch.randint(0, 256, (1, 48))
-    rec = record_prefill(tiny, ids)
-    cache = replay(rec, EvictionCache(tiny, ObservedAttention(), EvictionBudget(tokens=12, window=8)))
-    l0 = cache.layers[0]
-    scores = ObservedAttention().score(rec.keys[0], rec.values[0], rec.obs[0])
-    assert l0.kept_idx.tolist() == scores.topk(12, -1).indices.sort(-1).values.tolist()   # pure top-k
+    rec = record(tiny, ids)
+    cache = KVCache.from_prefill(make_method("h2o_norm", _budget(12, 48), window=8), rec, tiny)
+    assert cache.method.window == 8                    # asked for explicitly; the scorer's own rule is none
+    cache = KVCache.from_prefill(make_method("h2o_norm", _budget(12, 48)), rec, tiny)
+    l0 = cache.states[0]
+    scores = ObservedAttention().score(rec.keys[0], rec.values[0], rec.observation(0))[0]
+    kept = [l0.pos_exact[l0.host_e_off[h]:l0.host_e_off[h + 1]].long().tolist() for h in range(2)]
+    assert cache.method.window == 0 and kept == scores.topk(12, -1).indices.sort(-1).values.tolist()   # pure top-k
 
 
 def test_rotation_matrix_is_the_rope_map(tiny):
@@ -75,13 +83,13 @@ def test_expected_attention_closed_form_matches_monte_carlo():
     mu = torch.randn(d, generator=g)
     q = mu + torch.randn(m, d, generator=g) @ A.T
     ident = lambda pos: (torch.ones(len(pos), d), torch.zeros(len(pos), d))
-    obs = Observation(q[None, None], 0.5, torch.arange(m))
-    pol = ExpectedAttention(sinks=0, use_vnorm=False, rope=ident, n_future=4)
+    obs = Observation(q[None, None], 0.5, torch.arange(m), K, rope=ident)
+    pol = ExpectedAttention(sinks=0, use_vnorm=False, n_future=4)
     got = pol.score(K, V, obs)[0, 0]
     mc = torch.exp(0.5 * q @ K[0, 0].T).mean(0)
     torch.testing.assert_close(got, mc / mc.sum(), rtol=0.03, atol=1e-3)
     # without the covariance term only the mean query counts (a different, worse estimate here)
-    mean_only = ExpectedAttention(sinks=0, use_vnorm=False, use_covariance=False, rope=ident).score(K, V, obs)[0, 0]
+    mean_only = ExpectedAttention(sinks=0, use_vnorm=False, use_covariance=False).score(K, V, obs)[0, 0]
     torch.testing.assert_close(mean_only, torch.softmax(0.5 * K[0, 0] @ q.mean(0), -1), rtol=1e-4, atol=1e-6)
     assert float((mean_only - mc / mc.sum()).abs().max()) > float((got - mc / mc.sum()).abs().max())
 
@@ -95,8 +103,8 @@ def test_expected_attention_undoes_rope_and_rotates_to_the_future(tiny):
     cos, sin = rope(torch.arange(S))
     q = q0 * cos + rotate_half(q0[None]) * sin                   # [S, d] post-RoPE
     K, V = torch.randn(1, 1, S, d), torch.randn(1, 1, S, d)
-    obs = Observation(q[None, None], 0.25, torch.arange(S))
-    got = ExpectedAttention(sinks=2, n_future=8, rope=rope, use_covariance=False).score(K, V, obs)[0, 0]
+    obs = Observation(q[None, None], 0.25, torch.arange(S), K, rope=rope)
+    got = ExpectedAttention(sinks=2, n_future=8, use_covariance=False).score(K, V, obs)[0, 0]
     cf, sf = rope(torch.arange(S, S + 8))
     mu_f = q0 @ rotation_matrix(cf.mean(0), sf.mean(0)).T
     ref = torch.softmax(0.25 * K[0, 0] @ mu_f, -1) * V[0, 0].norm(dim=-1)
@@ -104,13 +112,15 @@ def test_expected_attention_undoes_rope_and_rotates_to_the_future(tiny):
     torch.testing.assert_close(got[2:], ref[2:], rtol=1e-4, atol=1e-6)
 
 
-def test_expected_attention_binds_rope_in_the_cache(tiny):
+def test_expected_attention_reads_rope_from_the_adapter(tiny):
     ids = torch.randint(0, 256, (1, 40))
-    rec = record_prefill(tiny, ids)
+    rec = record(tiny, ids)
+    obs = rec.observation(0)
     with pytest.raises(RuntimeError, match="needs RoPE"):
-        ExpectedAttention().score(rec.keys[0], rec.values[0], rec.obs[0])
-    cache = replay(rec, EvictionCache(tiny, ExpectedAttention(), EvictionBudget(tokens=10)))
-    assert cache.layers[0].keys.shape[-2] == 10 and cache.layers[0].kept_idx[..., :4].tolist() == [[[0, 1, 2, 3]] * 2]
+        ExpectedAttention().score(rec.keys[0], rec.values[0], Observation(obs.query, obs.scaling, obs.q_pos, obs.keys))
+    cache = KVCache.from_prefill(make_method("expected_attention", _budget(10, 40)), rec, tiny)
+    layer = cache.states[0]
+    assert layer.segment_counts()[0] == [10, 10] and layer.pos_exact[:4].tolist() == [0, 1, 2, 3]   # sinks kept
 
 
 def test_kvzip_chunk_scores_match_brute_force():
@@ -139,14 +149,14 @@ def test_kvzip_score_is_the_models_own_max_attention(tiny):
     group gives it in the model's own (eager) forward over the full cache."""
     S = 30
     ids = torch.randint(0, 256, (1, S))
-    rec = record_prefill(tiny, ids)
+    rec = record(tiny, ids)
     kz = KVzip(chunk=64)
-    cs = kz.score_context(tiny, None, ids, rec)
+    cs = kz.score_prefill(rec)
     (s0, e0, x), = kz.inputs(None, ids)
     tiny.set_attn_implementation("eager")
     try:
         with torch.no_grad():
-            out = tiny(x, **cache_kw(dense_from(rec, tiny)), output_attentions=True)
+            out = tiny(x, **cache_kw(dense_cache(rec, tiny)), output_attentions=True)
     finally:
         tiny.set_attn_implementation("sdpa")
     H = rec.keys[0].shape[1]
@@ -165,9 +175,13 @@ def test_kvzip_chunks_cover_the_context():
 
 
 def test_kvzip_is_model_scope():
-    assert SCORERS["kvzip"] is KVzip and KVzip.scope == "model"
-    with pytest.raises(RuntimeError, match="second forward"):
-        KVzip().score(None, None)
+    assert SCORERS["kvzip"] is KVzip and KVzip.scope == "model" and KVzip.forced_window == 0
+    with pytest.raises(NotImplementedError, match="model-scope scorer without score"):
+        KVzip().score(None, None, None)
+    from lowrank_lib.kv import Prefill
+
+    with pytest.raises(ValueError, match="token ids and a probe"):
+        KVzip().score_prefill(Prefill([torch.zeros(1, 1, 4, 8)], [torch.zeros(1, 1, 4, 8)], None, 1.0))
 
 
 def test_keep_counts_spend_the_token_budget():

@@ -148,15 +148,15 @@ def test_attsvd_sweep_split_into_tasks_equals_one_budget_sweep(smollm2, tmp_path
     import json
 
     from lowrank_lib.bench.cli import main
-    from lowrank_lib.eval.kv_sweep import budget_sweep
+    from lowrank_lib.eval.kv_sweep import SweepConfig, budget_sweep
 
     argv = ["attsvd", "--out", str(tmp_path), "--prefill", "32", "48", "--windows", "1", "--cont", "8",
             "--budgets", "0.5", "--methods", "attsvd", "streamingllm", "--lengths"]
     assert main(argv) == 0
     (path,) = tmp_path.glob("attsvd_*.json")
     got = json.loads(path.read_text())
-    ref = budget_sweep("smollm2", prefill=[32, 48], windows=1, cont=8, budgets=[0.5],
-                       methods=["attsvd", "streamingllm"], window=32, chunk=128, lengths=[], n_per=1,
-                       tasks=[], step=32, seed=0, longctx_budgets=[0.5], progress=False)
+    ref = budget_sweep(SweepConfig("smollm2", prompt_len=[32, 48], windows=1, cont=8, budgets=[0.5],
+                                   methods=["attsvd", "streamingllm"], window=32, chunk=128, lengths=[], n_per=1,
+                                   tasks=[], step=32, seed=0, longctx_budgets=[0.5]), progress=False)
     assert list(got["quality"]) == ["32", "48"]
     assert got["quality"] == json.loads(json.dumps(ref["quality"])) and got["targets"] == ref["targets"]

@@ -74,10 +74,11 @@ def test_device_side_count_masks_unwritten_slots():
     kn, vn = torch.randn(B, H, 3, d, dtype=torch.float64), torch.randn(B, H, 3, d, dtype=torch.float64)
     for i in range(3):
         layer.append(kn[:, :, i:i + 1], vn[:, :, i:i + 1], slot=torch.tensor([i]))
+    assert layer.n_new == 0                            # device slots: the caller's counter is the count
     layer.k_new[:, :, 3:] = 1e3                        # garbage past the written rows must not be read
     q = torch.randn(B, H * G, 1, d, dtype=torch.float64)
     torch.testing.assert_close(attend_portable(layer, q, n_new=torch.tensor([3])), reference(q, dense, kn, vn, H))
-    torch.testing.assert_close(attend_portable(layer, q), reference(q, dense, kn, vn, H))
+    torch.testing.assert_close(attend_portable(layer, q, n_new=3), reference(q, dense, kn, vn, H))
 
 
 def test_bytes_count_every_tensor_and_the_rows_written():
@@ -121,3 +122,16 @@ def test_hostile_layouts_are_refused_by_name():
     empty = TieredLayer.build([[Segment(torch.zeros(0, 8), torch.zeros(0, 8))]])
     with pytest.raises(ValueError, match="holds no token"):
         attend_portable(empty, torch.zeros(1, 1, 1, 8))
+
+
+def test_rebuild_path_is_the_same_function():
+    from lowrank_lib.kv.tiers import attend_rebuild
+
+    B, H, G, d = 2, 3, 2, 16
+    segs, dense = random_layer(B, H, d, 11)
+    layer = TieredLayer.build(segs)
+    kn, vn = torch.randn(B, H, 4, d, dtype=torch.float64), torch.randn(B, H, 4, d, dtype=torch.float64)
+    layer.append(kn, vn)
+    q = torch.randn(B, H * G, 2, d, dtype=torch.float64)
+    torch.testing.assert_close(attend_rebuild(layer, q), attend_portable(layer, q), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(attend_rebuild(layer, q), reference(q, dense, kn, vn, H), rtol=1e-12, atol=1e-12)

@@ -1,4 +1,4 @@
-"""Notebook 00's keep slider: values cached per keep, equal to compressing directly; then the notebook headless."""
+"""Notebook 00's answer comparison and keep slider: values cached per keep, equal to compressing directly."""
 import math
 
 import pytest
@@ -9,8 +9,7 @@ from lowrank_lib.compress import collect_stats
 from lowrank_lib.compress.whitened import WhitenedSpectra
 from lowrank_lib.data import random_token_batches
 from lowrank_lib.eval.perplexity import perplexity
-from lowrank_lib.explore import keep as keep_mod
-from lowrank_lib.explore.keep import KeepExplorer
+from lowrank_lib.explore.keep import AnswerComparison, KeepExplorer, readable
 
 
 @pytest.fixture()
@@ -18,21 +17,18 @@ def explorer(monkeypatch):
     m = models.tiny_model("tiny-gqa", seed=0)
     stats = collect_stats(m, random_token_batches(256, 4, 64, seed=1), progress=False)
     spectra = WhitenedSpectra(m, stats, progress=False)
-    calls = {"compress": 0, "answer": 0}
+    calls = {"compress": 0}
     real = spectra.compress
 
     def counting(model, keep=None, ranks=None):
         calls["compress"] += 1
         return real(model, keep, ranks)
 
-    def fake_answer(model, tok, q, max_new_tokens=24):   # tiny models have no tokenizer: count the calls
-        calls["answer"] += 1
-        return f"answer of a {account(model).total_params}-parameter model"
-
     monkeypatch.setattr(spectra, "compress", counting)
-    monkeypatch.setattr(keep_mod, "answer", fake_answer)
     window = random_token_batches(256, 1, 48, seed=5)[0]
-    return KeepExplorer(m, None, spectra, window, "q?"), m, real, window, calls
+    prompt = random_token_batches(256, 1, 12, seed=6)
+    answers = AnswerComparison(m, prompt, tok=None, max_new_tokens=8)
+    return KeepExplorer(m, spectra, window, answers), m, real, window, calls
 
 
 def test_values_equal_direct_compression_and_are_cached(explorer):
@@ -42,15 +38,46 @@ def test_values_equal_direct_compression_and_are_cached(explorer):
     assert row["ppl"] == pytest.approx(perplexity(direct, window, seq_len=48, progress=False).ppl, rel=1e-6)
     assert row["params"] == account(direct).total_params < account(m).total_params
     assert row["method"] == "svdllm" and row["keep"] == 0.6 and not row["cached"]
+    assert row["answer_ids"] == ex.answers.generate(direct).tolist()
     again = ex.result(0.6000000001)                     # a slider's float noise hits the same entry
     assert again["cached"] and again["ppl"] == row["ppl"] and calls["compress"] == 1
     ex.result(0.8)
     assert calls["compress"] == 2 and sorted(ex.results) == [0.6, 0.8]
-    assert ex.results[0.8]["ppl"] <= row["ppl"] * 1.5   # more rank is not much worse on random data
     assert math.isfinite(ex.dense()["ppl"]) and ex.dense() is ex.dense()
 
 
-def test_describe_and_draw_show_the_current_keep(explorer):
+def test_agreement_and_kl_against_the_dense_answer(explorer):
+    ex, m, compress, *_ = explorer
+    a = ex.answers
+    assert a.dense_ids.numel() >= 1
+    same = a.compare(m)                                  # the dense model against itself
+    assert same["agreement"] == 1.0 and same["kl"] == pytest.approx(0.0, abs=1e-9)
+    assert same["answer_ids"] == a.dense_ids.tolist() == a.dense["answer_ids"]
+    low = a.compare(compress(m, 0.3))
+    assert 0.0 <= low["agreement"] <= 1.0 and low["kl"] > 1e-4
+    # KL by hand at the first answer position
+    T = a.prompt.shape[1]
+    ids = torch.cat([a.prompt, a.dense_ids[None]], 1)
+    with torch.no_grad():
+        pd_ = torch.log_softmax(m(ids).logits[0, T - 1].double(), -1)
+        pc = torch.log_softmax(compress(m, 0.3)(ids).logits[0, T - 1].double(), -1)
+    first = float((pd_.exp() * (pd_ - pc)).sum())
+    if a.dense_ids.numel() == 1:
+        assert low["kl"] == pytest.approx(first, rel=1e-6)
+    with pytest.raises(ValueError, match=r"\[1, T\]"):
+        AnswerComparison(m, a.prompt[0], tok=None)
+
+
+def test_readable_cuts_repetition_and_length():
+    assert readable("France - France - France - France - France") == "France - France - … (repeats)"
+    assert readable("scratch scratch scratch scratch scratch") == "scratch scratch … (repeats)"
+    assert readable("The capital of France is Paris.") == "The capital of France is Paris."
+    assert readable("a" * 10 + " line\nbreak", limit=200) == "aaaaaaaaaa line break"
+    long = readable(" ".join(f"w{i}" for i in range(40)), limit=50)
+    assert len(long) == 50 and long.endswith("…")
+
+
+def test_table_describe_and_draw_show_the_current_keep(explorer):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,23 +88,26 @@ def test_describe_and_draw_show_the_current_keep(explorer):
     text = ex.describe(row)
     assert text.startswith("keep 0.75 (SVD-LLM v1)") and f"{row['ppl']:.2f}" in text and "computed in" in text
     assert "cached" in ex.describe(ex.result(0.75))
-    assert row["answer"] in text and text.endswith("keeps computed so far: 0.75")
-    fig, ax = plt.subplots()
-    ex.draw(ax, 0.75)
-    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    t = ex.table(row)
+    assert list(t.index) == ["dense", "SVD-LLM v1, keep 0.75"]
+    assert t.loc["dense", "agreement with dense answer"] == "100%"
+    assert t.loc["SVD-LLM v1, keep 0.75", "perplexity (1 × 48 tokens)"] == f"{row['ppl']:.2f}"
+    fig, axes = plt.subplots(1, 2)
+    ex.draw(axes, 0.75)
+    labels = [t.get_text() for t in axes[0].get_legend().get_texts()]
     plt.close(fig)
-    assert "keep 0.75" in labels and "dense" in labels
+    assert "keep 0.75" in labels and any(lab.startswith("dense") for lab in labels)
 
 
-def test_widget_is_none_outside_a_kernel(explorer):
+def test_panel_is_none_outside_a_kernel(explorer):
     ex, *_ = explorer
-    assert ex.widget(0.8) is None
+    assert ex.panel(0.8) is None
 
 
 def test_window_must_be_1d(explorer):
     ex, m, *_ = explorer
     with pytest.raises(ValueError, match="1-D"):
-        KeepExplorer(m, None, ex.spectra, torch.zeros(2, 8, dtype=torch.long), "q")
+        KeepExplorer(m, ex.spectra, torch.zeros(2, 8, dtype=torch.long), ex.answers)
 
 
 class _ByteTok:

@@ -5,7 +5,7 @@ import torch
 
 from lowrank_lib import models
 from lowrank_lib.attsvd import interpret
-from lowrank_lib.hf.record import record_prefill
+from lowrank_lib.kv import record
 from lowrank_lib.explore.heads import CURVES, HeadRanks, draw_head, format_summary
 from lowrank_lib.tokentext import token_label, token_labels
 
@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 def rec():
     m = models.tiny_model("tiny-gqa", seed=0)
     ids = torch.randint(0, m.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    return record_prefill(m, ids)
+    return record(m, ids)
 
 
 @pytest.mark.parametrize("layer,head", [(0, 0), (1, 1)])

@@ -14,14 +14,16 @@ def test_nb_05_quality_memory(executed_notebook):
     for P in fr["prefills"]:
         assert {b["budget"] for b in fr["best"] if b["prefill"] == P} == {0.5, 0.375, 0.25, 0.125}, P
     kl = m["kl"]
-    # full rank reproduces the dense cache; raw-K/V SVD is clearly worse than attention-aware at 50 %
-    assert abs(kl["attsvd@1"]) < 1e-4 and abs(kl["svd@1"]) < 1e-4
+    # budget 1.5 holds every token exactly (AttSVD and SVD at full rank, eviction keeping every row): the dense
+    # cache; raw-K/V SVD is clearly worse than attention-aware at 50 %
+    assert all(abs(kl[f"{m}@1.5"]) < 1e-4 for m in ("attsvd", "svd", "h2o", "snapkv"))
     assert kl["svd@0.5"] > 2 * kl["attsvd@0.5"]
     assert kl["attsvd@0.25"] > kl["attsvd@0.5"]
-    # eviction budgets are matched to AttSVD's stored bytes
+    # one meaning of budget: every method holds at most its byte budget (AttSVD: the largest rank that fits, one
+    # rank step ~2 % of the bytes at the CI prompt), and the eviction caches fill theirs
     mem = m["memory_ratio"]
-    for p in ("streamingllm", "h2o", "snapkv", "keydiff", "svd"):
-        assert abs(mem[f"{p}@0.5"] - mem["attsvd@0.5"]) < 0.02
+    for p in ("streamingllm", "h2o", "snapkv", "keydiff", "svd", "attsvd"):
+        assert 0.5 - 0.03 < mem[f"{p}@0.5"] <= 0.5 * 1.01, p
     # the energy rule gives keys fewer directions than values (r_K << r_V)
     for v in m["energy_rule"].values():
         assert v["mean_rank_k"] < v["mean_rank_v"]

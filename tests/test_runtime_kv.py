@@ -7,10 +7,10 @@ import torch
 
 from lowrank_lib import models
 from lowrank_lib.compat import cache_kw
-from lowrank_lib.attsvd.config import AttSVDConfig
-from lowrank_lib.attsvd.factor_cache import FactorSpaceAttSVDCache, decode_route
-from lowrank_lib.attsvd.store import AttSVDStore
 from lowrank_lib.compress import compress_svd
+from lowrank_lib.kv import make_method
+from lowrank_lib.kv.engine_adapter import MethodStore
+from lowrank_lib.kv.hf_adapter import KVCache
 from lowrank_lib.generation import run_generation
 from lowrank_lib.runtime import Engine, EngineConfig
 from lowrank_lib.runtime.baselines import HFRunner
@@ -19,8 +19,8 @@ from lowrank_lib.runtime.profiling import DispatchCounter
 
 from helpers import rel_err
 
-ACFG = AttSVDConfig(ratio=0.5, window=6)
-STORES = {"dense": DenseKV, "rebuild": RebuildKV, "attsvd": lambda: AttSVDStore(ACFG, bucket=16)}
+ATTSVD = dict(rank=8, window=6)          # r/d = 0.5 at d = 16
+STORES = {"dense": DenseKV, "rebuild": RebuildKV, "attsvd": lambda: MethodStore(make_method("attsvd", **ATTSVD))}
 ECFG = dict(max_batch=2, max_seq_len=64)
 
 
@@ -37,12 +37,12 @@ def _batch(T=40, pad=5, seed=3):
 
 
 def _reference(name, model, ids, mask, new):
-    """dense / rebuild: transformers' DynamicCache; attsvd: the transformers AttSVD cache in factor space."""
+    """dense / rebuild: transformers' DynamicCache; attsvd: the same method through the transformers adapter."""
     if name != "attsvd":
         ref = run_generation(HFRunner(model, "dynamic"), ids, new, mask, return_logits=True)
         return ref.tokens, torch.stack(ref.logits, 1)
-    cache = FactorSpaceAttSVDCache(model, ACFG)
-    with decode_route(model, cache, "factor"):
+    cache = KVCache(make_method("attsvd", **ATTSVD), model)
+    with cache.serving(model):
         o = model.generate(ids, attention_mask=mask, **cache_kw(cache), max_new_tokens=new, do_sample=False,
                            pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     return o.sequences[:, ids.shape[1]:], torch.stack(o.scores, 1)
@@ -93,20 +93,24 @@ def test_bytes_held_per_store(model):
     reb = Engine(model, EngineConfig(**ECFG), kv=RebuildKV()).kv
     lat = [(eng_l.qkv.latent_dim(1), eng_l.qkv.latent_dim(2)) for eng_l in Engine(model, EngineConfig(**ECFG)).layers]
     assert reb.nbytes == sum(B * S * (rk + rv) * e for rk, rv in lat) < dense.nbytes
-    eng = Engine(model, EngineConfig(**ECFG), kv=AttSVDStore(ACFG))
+    eng = Engine(model, EngineConfig(**ECFG), kv=STORES["attsvd"]())
     assert eng.kv.nbytes == 0                                          # nothing before the first prefill
-    ids, mask = _batch()
+    ids, mask = _batch()                                               # row 1: 5 pad slots, never stored
     eng.prefill(ids, mask)
-    r, s_b = 8, 40 - 6
-    assert eng.kv.nbytes == L * B * H * e * 2 * (s_b * r + r * D + (S - s_b) * D) < dense.nbytes
-    rep = eng.kv.report()
-    assert rep["attsvd_stored_bytes"] == L * B * H * e * 2 * (s_b * r + r * D + 6 * D)
-    assert rep["attsvd_dense_bytes"] == L * B * H * e * 2 * 40 * D
+    r, w, i64 = 8, 6, 8
+    tiers = sum(H * e * 2 * (n_b * r + r * D + w * D) for n_b in (40 - w, 40 - 5 - w))   # per layer, both rows
+    desc = 2 * (B * H + 1) * i64 + B * H * 9 * i64                                       # e_off, r_off, runs
+    assert eng.kv.nbytes == L * (tiers + desc) < dense.nbytes
+    fit = eng.kv.report()["fit"]
+    assert fit["bytes_held"] == eng.kv.nbytes and fit["dense_bytes"] == L * H * e * 2 * (40 + 35) * D
+    assert eng.kv.allocated_nbytes == eng.kv.nbytes + L * 2 * B * H * (S - 40) * D * e     # room for the decode
+    eng.step(eng.prefill(ids, mask).argmax(-1))
+    assert eng.kv.nbytes == L * (tiers + desc + 2 * B * H * D * e)                          # + one appended row
 
 
 def test_kv_is_appended_in_one_place(model):
     """One decode step writes each layer's k and v exactly once (the store), never again in a kernel."""
-    for store in (DenseKV(), AttSVDStore(ACFG)):
+    for store in (DenseKV(), STORES["attsvd"]()):
         eng = Engine(model, EngineConfig(**ECFG), kv=store)
         ids, mask = _batch()
         tok = eng.prefill(ids, mask).argmax(-1)
@@ -138,8 +142,8 @@ class TraceKV(DenseKV):
         super().__init__()
         self.calls = []
 
-    def reset(self, B, T):
-        self.calls.append(("reset", B, T))
+    def reset(self, B, T, ids=None):
+        self.calls.append(("reset", B, T, tuple(ids.shape)))
 
     def store_prefill(self, layer, q, k, v):
         self.calls.append(("prefill", layer, tuple(q.shape), tuple(k.shape)))
@@ -160,7 +164,7 @@ def test_a_new_store_plugs_in_through_the_protocol(model):
     out = eng.generate(ids, 3, mask)
     ref = Engine(model, EngineConfig(**ECFG)).generate(ids, 3, mask)
     assert torch.equal(out.tokens, ref.tokens) and eng.report()["kv"] == "trace"
-    assert store.calls == [("reset", 2, 7), ("prefill", 0, (2, 4, 7, 16), (2, 2, 7, 16)),
+    assert store.calls == [("reset", 2, 7, (2, 7)), ("prefill", 0, (2, 4, 7, 16), (2, 2, 7, 16)),
                            ("prefill", 1, (2, 4, 7, 16), (2, 2, 7, 16)), ("end_prefill",),
                            ("append", 0, 7), ("append", 1, 7), ("append", 0, 8), ("append", 1, 8)]
 
@@ -195,16 +199,18 @@ def test_triton_decode_kernel_reads_the_stores_slots_in_the_interpreter():
 
 
 def test_every_capture_compiles_apart_past_dynamos_recompile_limit(model):
-    """An AttSVD store crossing 10 bulk buckets on one compiled engine: 10 captures (dynamo's per-code
-    recompile limit is 8; each capture has its own code object), each bucket equal to eager, only the
-    live capture kept."""
+    """A method store fitting 10 requests of different lengths on one compiled engine: 10 captures (dynamo's
+    per-code recompile limit is 8; each capture has its own code object), each equal to eager, only the live
+    capture kept."""
     ecfg = dict(max_batch=1, max_seq_len=120)
-    comp = Engine(model, EngineConfig(**ecfg, graph="whole-step", compile_backend="aot_eager"),
-                  kv=AttSVDStore(AttSVDConfig(rank=4, window=4), bucket=8))
-    eager = Engine(model, EngineConfig(**ecfg), kv=AttSVDStore(AttSVDConfig(rank=4, window=4), bucket=8))
+    method = lambda: MethodStore(make_method("attsvd", rank=4, window=4))
+    comp = Engine(model, EngineConfig(**ecfg, graph="whole-step", compile_backend="aot_eager"), kv=method())
+    eager = Engine(model, EngineConfig(**ecfg), kv=method())
+    keys = set()
     for i in range(10):
         ids = torch.randint(3, 256, (1, 12 + 8 * i), generator=torch.Generator().manual_seed(i))
         a, b = eager.generate(ids, 2, return_logits=True), comp.generate(ids, 2, return_logits=True)
-        assert b.info["capture_s"] > 0 and comp.kv.shape_key()[1] == 8 * (i + 1)
+        assert b.info["capture_s"] > 0 and comp.kv.shape_key() not in keys
+        keys.add(comp.kv.shape_key())
         assert torch.equal(a.tokens, b.tokens) and rel_err(torch.stack(b.logits), torch.stack(a.logits)) < 1e-5
         assert comp.graphs.captured == [(1, comp.kv.shape_key())]

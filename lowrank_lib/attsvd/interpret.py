@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ..attention_mass import attention_mass
-from ..hf.record import PrefillRecord
 from .basis import attention_svd, causal_probs, logit_error, output_error, query_metric, sqrt_and_inv_sqrt, svd
 from .ranks import energy_rank
 
@@ -33,7 +32,7 @@ class HeadView:
     mass: torch.Tensor
 
 
-def head_view(record: PrefillRecord, layer: int, head: int) -> HeadView:
+def head_view(record, layer: int, head: int) -> HeadView:
     K, V = record.keys[layer][0, head].float(), record.values[layer][0, head].float()
     obs = record.obs[layer]
     Qg = obs.grouped(record.keys[layer].shape[1])[0, head].float()            # [G, S, d]
@@ -43,7 +42,7 @@ def head_view(record: PrefillRecord, layer: int, head: int) -> HeadView:
 
 
 @torch.no_grad()
-def effective_ranks(record: PrefillRecord, tau: float = 0.99) -> dict[str, torch.Tensor]:
+def effective_ranks(record, tau: float = 0.99) -> dict[str, torch.Tensor]:
     """[L, H] maps: ``rank_k`` / ``rank_v`` (attention-aware) and ``raw_rank_k`` / ``raw_rank_v`` at ``tau``,
     plus ``q_spectrum`` [L, H, d] (normalised eigenvalues of C_Q, descending)."""
     out = {k: [] for k in ("rank_k", "rank_v", "raw_rank_k", "raw_rank_v", "q_spectrum")}

@@ -11,8 +11,8 @@ between runs, but are shared by the heads of a run (a smaller per-head rank is z
 producer). ``b_*`` may have batch 1 to share a basis across rows.
 
 Who uses it: :func:`lowrank_lib.attsvd.basis.compress_prefill` returns it (Algorithm 2 of one
-layer), the transformers cache layer (:class:`lowrank_lib.attsvd.cache.AttSVDLayer`) holds it, the
-engine store (:class:`lowrank_lib.attsvd.store.AttSVDStore`) copies it into static buffers, and
+layer), the AttSVD KV method (:class:`lowrank_lib.kv.methods.attsvd.AttSVD`) turns it into the tiered state both
+adapters serve, and
 factor-space attention and evaluation read it. Construction does not validate (decode builds no
 checked objects); producers call :meth:`LowRankKV.validate`.
 """
@@ -120,7 +120,8 @@ class LowRankKV:
     def shape(self):
         """Not a tensor: a dense attention function that asks for ``key.shape`` gets a clear error."""
         raise TypeError("a LowRankKV (factored AttSVD cache layer) reached a dense attention function: run the "
-                        "model inside lowrank_lib.attsvd.factor_cache.factor_space(model) or decode_route(...)")
+                        "model inside lowrank_lib.kv.hf_adapter.tiered_attention(model) (or serve the AttSVD method "
+                        "with lowrank_lib.kv.KVCache)")
 
     # ------------------------------------------------------------------ transforms
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:

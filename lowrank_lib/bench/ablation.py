@@ -2,7 +2,8 @@
 latency vs prompt length, generation length, keep ratio, and cached length.
 
 All timings come from :func:`lowrank_lib.runtime.run_generation` (the loop every system shares);
-medians over all decode steps of all repeats.
+medians over all decode steps of all repeats, with that population's quartiles (``*_q1`` / ``*_q3``, the
+IQR bars of notebook 03) and each repeat's own median (``*_repeats``) beside them.
 """
 from __future__ import annotations
 
@@ -45,16 +46,29 @@ def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
+def quartiles_ms(samples_s: list[float]) -> tuple[float, float]:
+    """(first, third) quartile of ``samples_s`` (seconds) in ms; both the value itself for one sample."""
+    if len(samples_s) < 2:
+        return 1e3 * samples_s[0], 1e3 * samples_s[0]
+    q = statistics.quantiles(samples_s, n=4, method="inclusive")
+    return 1e3 * q[0], 1e3 * q[2]
+
+
 def time_runner(runner, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
-    """One warm-up, then ``repeats`` generations: median decode ms/token and prefill ms."""
+    """One warm-up, then ``repeats`` generations: median decode ms/token over every step of every repeat,
+    its quartiles (``decode_ms_q1`` / ``decode_ms_q3``), each repeat's median step (``decode_ms_repeats``),
+    and the median prefill ms (every repeat's in ``prefill_ms_repeats``)."""
     run_generation(runner, ids, min(3, gen_len))
-    steps, pre = [], []
+    steps, pre, per_rep = [], [], []
     for _ in range(repeats):
         o = run_generation(runner, ids, gen_len)
         steps += o.step_s
         pre.append(o.prefill_s)
-    return {"decode_ms": 1e3 * statistics.median(steps), "prefill_ms": 1e3 * statistics.median(pre),
-            "capture_s": getattr(runner, "capture_s", 0.0)}
+        per_rep.append(1e3 * statistics.median(o.step_s))
+    q1, q3 = quartiles_ms(steps)
+    return {"decode_ms": 1e3 * statistics.median(steps), "decode_ms_q1": q1, "decode_ms_q3": q3,
+            "decode_ms_repeats": per_rep, "prefill_ms": 1e3 * statistics.median(pre),
+            "prefill_ms_repeats": [1e3 * p for p in pre], "capture_s": getattr(runner, "capture_s", 0.0)}
 
 
 def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int = 32, repeats: int = 2,
@@ -114,5 +128,7 @@ def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv
                 t0 = time.perf_counter()
                 tok = r.step(tok).argmax(-1)
                 ts.append(time.perf_counter() - t0)
-            out.append({"system": s, "cached_len": n, "step_ms": 1e3 * statistics.median(ts[1:])})
+            q1, q3 = quartiles_ms(ts[1:])
+            out.append({"system": s, "cached_len": n, "step_ms": 1e3 * statistics.median(ts[1:]),
+                        "step_ms_q1": q1, "step_ms_q3": q3, "step_ms_samples": [1e3 * t for t in ts[1:]]})
     return out

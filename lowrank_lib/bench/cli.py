@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "gpu-session": "lowrank_lib.bench.commands.gpu_session",
     "peer": "lowrank_lib.bench.commands.peer",
     "kv-decode": "lowrank_lib.bench.commands.kv_decode",
+    "load": "lowrank_lib.bench.commands.load",
 }
 
 

@@ -23,7 +23,6 @@ Results: ``factor_space_<tag>.json`` and ``.md`` through :mod:`lowrank_lib.bench
 """
 from __future__ import annotations
 
-import copy
 import random
 import statistics
 import time
@@ -37,6 +36,7 @@ from ..attsvd.factor_space import dense_attention, factor_space_attention, rebui
 from ..attsvd.kv import LowRankKV
 from ..compat import cache_kw
 from ..geometry import geometry
+from .ablation import quartiles_ms
 from .cost import step_cost
 
 
@@ -97,10 +97,11 @@ def cuda_graphed(fn):
 
 
 def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
-                     inner: int = 1) -> dict[str, float]:
+                     inner: int = 1, samples: dict | None = None) -> dict[str, float]:
     """Median seconds per call of each ``fns[name]()``, called round-robin in a shuffled order per round.
 
-    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs.
+    Each sample times ``inner`` back-to-back calls (divided out), bracketed by device syncs. ``samples``:
+    a dict that receives every repeat's seconds per name (the spread behind the medians).
     """
     names = list(fns)
     for _ in range(warmup):
@@ -117,6 +118,8 @@ def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", 
                 fns[n]()
             _sync(device)
             times[n].append((time.perf_counter() - t0) / inner)
+    if samples is not None:
+        samples.update(times)
     return {n: statistics.median(v) for n, v in times.items()}
 
 
@@ -169,7 +172,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             fns[f"factor_r{r}"] = (lambda kv=kv: factor_space_attention(q, kv))
         if cfg.cuda_graphs and cfg.device.startswith("cuda"):
             fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
-        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner)
+        samples: dict = {}
+        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner, samples=samples)
         for name, t in med.items():
             route, r = (name, cfg.head_dim) if "_r" not in name else (name.split("_r")[0], int(name.split("_r")[1]))
             model_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
@@ -178,7 +182,8 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             err = None
             if route == "factor":
                 err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
-            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3,
+            q1, q3 = quartiles_ms(samples[name])
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3, "ms_step_q1": q1, "ms_step_q3": q3,
                          "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
                          "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
                          "rel_err_vs_rebuild": err})
@@ -218,31 +223,32 @@ class FactorDecodeConfig:
     model: str = "smollm2"
 
 
+def _attsvd(r: int, window: int, obs_window: int | None = None):
+    """The AttSVD method at an explicit rank r (the r/d studies of this benchmark)."""
+    from ..kv import make_method
+
+    return make_method("attsvd", rank=r, window=window, obs_window=obs_window)
+
+
 @torch.inference_mode()
 def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> list[dict]:
-    """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}."""
-    from ..attsvd.config import AttSVDConfig
-    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
+    """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}: the AttSVD cache
+    (``KVCache``) read by the paper's rebuild-then-attend backend and in factor space, and the dense cache."""
     from ..data import tokens
-    from ..hf.record import dense_from, record_prefill, replay
+    from ..kv.hf_adapter import KVCache, dense_cache, record, tiered_attention
 
     ids_all = tokens(tok, "test")
     d = geometry(model).head_dim
     rows = []
     for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
         ids = ids_all[:n][None]
-        rec = record_prefill(model, ids)
+        rec = record(model, ids)
         first = rec.last_logits.argmax(-1, keepdim=True)        # [1, 1]
-        caches = {("dense", d): dense_from(rec, model)}
+        caches = {("dense", d): dense_cache(rec, model)}
         for f in cfg.rank_fracs:
             r = max(1, round(f * d))
-            c = FactorSpaceAttSVDCache(model, AttSVDConfig(rank=r, window=cfg.window, obs_window=cfg.obs_window),
-                                       route="rebuild")
-            replay(rec, c)
-            fc = copy.deepcopy(c)
-            fc.route = "factor"
-            caches[("rebuild", r)] = c
-            caches[("factor", r)] = fc
+            for route, backend in (("rebuild", "rebuild"), ("factor", "portable")):   # the same fit, two readers
+                caches[(route, r)] = KVCache.from_prefill(_attsvd(r, cfg.window, cfg.obs_window), rec, model, backend)
         del rec
         state = {k: first for k in caches}
         times = {k: [] for k in caches}
@@ -250,7 +256,7 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
         toks = {k: [] for k in caches}
         order = list(caches)
         rng = random.Random(n)
-        with factor_space(model) as stats:
+        with tiered_attention(model):
             for step in range(cfg.warmup_tokens + cfg.gen_tokens):
                 rng.shuffle(order)
                 for k in order:
@@ -263,12 +269,13 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
                         times[k].append(dt)
                     logits[k].append(lg)
                     toks[k].append(int(state[k]))
-        assert stats.factor_calls > 0, "factor route never ran"
         for (route, r), ts in times.items():
             ref = ("rebuild", r) if route == "factor" else None
-            mem = caches[(route, r)].memory().ratio if hasattr(caches[(route, r)], "memory") else 1.0
+            c = caches[(route, r)]
+            mem = c.describe()["bytes_ratio"] if isinstance(c, KVCache) else 1.0
+            q1, q3 = quartiles_ms(ts)
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(ts) * 1e3,
-                         "tokens": toks[(route, r)],
+                         "ms_token_q1": q1, "ms_token_q3": q3, "tokens": toks[(route, r)],
                          "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
                          "max_logit_rel_err": None if ref is None else max(
                              rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
@@ -280,15 +287,14 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
 @torch.inference_mode()
 def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
                  progress: bool = True) -> list[dict]:
-    """The runtime ``Engine`` with its dense store vs with the AttSVD factor store, eager.
+    """The runtime ``Engine`` with its dense store vs the AttSVD method served by the engine adapter, eager.
 
     Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
     All engines are prefilled, then their greedy decode steps are interleaved (shuffled per step), so
     the ratios are measured side by side; the first step is a warm-up.
     """
-    from ..attsvd.config import AttSVDConfig
-    from ..attsvd.store import AttSVDStore
     from ..data import tokens
+    from ..kv.engine_adapter import MethodStore
     from ..runtime import Engine, EngineConfig
 
     ids_all = tokens(tok, "test")
@@ -300,7 +306,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
         engines = {("engine_dense", d): Engine(model, ecfg)}
         for f in rank_fracs:
             r = max(1, round(f * d))
-            engines[("engine_factor", r)] = Engine(model, ecfg, kv=AttSVDStore(AttSVDConfig(rank=r, window=window)))
+            engines[("engine_factor", r)] = Engine(model, ecfg, kv=MethodStore(_attsvd(r, window)))
         state, times, prefill_s = {}, {k: [] for k in engines}, {}
         for k, eng in engines.items():
             t0 = time.perf_counter()
@@ -318,10 +324,12 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
                     times[k].append(time.perf_counter() - t0)
                 toks[k].append(int(state[k]))
         for (route, r), eng in engines.items():
-            rep = eng.kv.report()
+            fit = eng.kv.report().get("fit", {})
+            q1, q3 = quartiles_ms(times[(route, r)])
             rows.append({"context": n, "route": route, "rank": r, "ms_token": statistics.median(times[(route, r)]) * 1e3,
-                         "prefill_s": prefill_s[(route, r)], "kv_bytes": eng.report()["kv_cache_bytes"],
-                         "attsvd_ratio": rep.get("attsvd_ratio", 1.0), "tokens": toks[(route, r)]})
+                         "ms_token_q1": q1, "ms_token_q3": q3, "prefill_s": prefill_s[(route, r)],
+                         "kv_bytes": eng.report()["kv_cache_bytes"], "attsvd_ratio": fit.get("bytes_ratio", 1.0),
+                         "tokens": toks[(route, r)]})
         del engines
     return rows
 
@@ -332,34 +340,30 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
                          progress: bool = True) -> dict:
     """The AttSVD issue's continuation protocol (``eval.kvquality.continuation_quality``) per rank.
 
-    Every rank decodes through factor space; at ``identity_frac`` (r/d) the AttSVD cache's own rebuild
-    path runs too, on the same windows, so the identity of the two routes shows in the same numbers.
+    Every rank decodes in factor space; at ``identity_frac`` (r/d) the paper's rebuild-then-attend path runs too,
+    on the same windows, so the identity of the two paths shows in the same numbers.
     Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}}.
     """
-    from ..attsvd.cache import AttSVDCache
-    from ..attsvd.config import AttSVDConfig
-    from ..attsvd.factor_cache import FactorSpaceAttSVDCache, factor_space
     from ..eval.kvquality import continuation_quality, wikitext_windows
 
     d = geometry(model).head_dim
-    cfgs = {f: AttSVDConfig(rank=max(1, round(f * d)), window=window) for f in rank_fracs}
-    methods = {f"factor@{f}": (lambda m, n, c=c: FactorSpaceAttSVDCache(m, c, route="factor"))
-               for f, c in cfgs.items()}
+    ranks = {f: max(1, round(f * d)) for f in rank_fracs}
+    methods = {f"factor@{f}": _attsvd(r, window) for f, r in ranks.items()}
+    attention = {}
     if identity_frac is not None:
-        icfg = AttSVDConfig(rank=max(1, round(identity_frac * d)), window=window)
-        methods["rebuild@identity"] = lambda m, n: AttSVDCache(m, icfg)
-        methods["factor@identity"] = lambda m, n: FactorSpaceAttSVDCache(m, icfg, route="factor")
+        ir = max(1, round(identity_frac * d))
+        methods["rebuild@identity"] = methods["factor@identity"] = _attsvd(ir, window)
+        attention["rebuild@identity"] = "rebuild"
     wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
-    with factor_space(model) as stats:
-        res = continuation_quality(model, wins, prefill_len, methods, progress=progress)
-    rows = [{"rank_frac": f, "rank": c.rank, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
+    res = continuation_quality(model, wins, prefill_len, methods, progress=progress, attention=attention)
+    rows = [{"rank_frac": f, "rank": r, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
              "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
-            for f, c in cfgs.items()]
+            for f, r in ranks.items()]
     out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
-           "ppl_dense": next(iter(res.values())).ppl_dense, "factor_calls": stats.factor_calls, "rows": rows}
+           "ppl_dense": next(iter(res.values())).ppl_dense, "rows": rows}
     if identity_frac is not None:
         reb, fac = res["rebuild@identity"], res["factor@identity"]
-        out["identity"] = {"rank": icfg.rank, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
+        out["identity"] = {"rank": ir, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
                            "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
                            "memory_ratio_factor": fac.memory_ratio,
                            "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
@@ -393,7 +397,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['context']} | {r['route']} | {r['rank']} | {r['ms_token']:.1f} | "
                          f"{r['memory_ratio']:.3f} | {r['tokens_equal_rebuild']} | {err} |")
     if result.get("engine"):
-        lines += ["", "## runtime Engine: dense store vs AttSVD factor store (AttSVDStore), eager", "",
+        lines += ["", "## runtime Engine: dense store vs the AttSVD method (engine adapter), eager", "",
                   "| context | route | rank | ms/token | KV bytes held in decode | AttSVD memory ratio |",
                   "|---|---|---|---|---|---|"]
         for r in result["engine"]["rows"]:

@@ -145,21 +145,21 @@ def factor_correctness(dev: str, n: int = 4096) -> dict:
 
 
 def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_backend: str = "inductor") -> dict:
-    """The Engine with the AttSVD store, eager vs graph modes, on a random tiny-smol model (fp32)."""
+    """The Engine with the AttSVD method (engine adapter, r/d 0.5), eager vs graph modes, on a random tiny-smol
+    model (fp32): one capture per request shape, replayed for every step."""
     from .. import models
-    from ..attsvd.config import AttSVDConfig
-    from ..attsvd.store import AttSVDStore
+    from ..kv import make_method
+    from ..kv.engine_adapter import MethodStore
     from ..runtime import Engine, EngineConfig
 
     model = models.tiny_model("tiny-smol", seed=0).to(dev)
-    acfg = AttSVDConfig(ratio=0.5, window=16)
     out, ref = {}, []
     for graph in graphs:
         try:
             eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
-                         kv=AttSVDStore(acfg, bucket=64))
+                         kv=MethodStore(make_method("attsvd", rank=32, window=16)))
             res = []
-            for T in (300, 310, 400):                     # bulks 284, 294 (bucket 320), 384 (384)
+            for T in (300, 310, 400):                     # three requests: three fitted shapes
                 g = torch.Generator().manual_seed(T)
                 ids = torch.randint(3, 512, (2, T), generator=g).to(dev)
                 mask = torch.ones_like(ids)

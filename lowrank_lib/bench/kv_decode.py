@@ -1,126 +1,126 @@
-"""The KV decode-speed benchmark behind ``python -m lowrank_lib.bench kv-decode`` (see that command's help):
-the composed engine store against the dense one, the same context, interleaved repeats."""
+"""The KV decode-speed benchmark behind ``python -m lowrank_lib.bench kv-decode``: KV methods served by the engine
+adapter against the engine's dense store, the same context, the same step mode, interleaved repeats.
+
+Per context and thread count, each system is its own :class:`~lowrank_lib.runtime.Engine` (the dense store, or a
+:class:`~lowrank_lib.kv.engine_adapter.MethodStore` of a registry method at a budget) that prefilled the same
+prompt; decode ms/token is the median over every step of every round (:mod:`.timing`); attention ms/token is the
+median time of one decode attention of every layer (the store's ``attend`` through the KVStore protocol, after the
+last step). Everything a row says comes from the engine's own report: the step mode, the attention kernel and why.
+"""
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
 
-def configs_of(a) -> list[tuple]:
-    """(store, attention mode, budget, quant8) of every store timed: dense first."""
-    out = [("dense", None, None, False)]
-    for mode in a.attention:
-        for b in a.budgets:
-            for q8 in (False, True):
-                out.append((f"composed-{a.scorer}{'-q8' if q8 else ''}", mode, b, q8))
+
+@dataclass
+class KVDecodeConfig:
+    """What ``bench kv-decode`` measures (the command's options)."""
+
+    model: str = "smollm2"
+    contexts: list[int] = field(default_factory=lambda: [8000])
+    methods: list[str] = field(default_factory=lambda: ["composed-kvzip-q8"])
+    budgets: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125])
+    gen_len: int = 32                     # decode steps timed per round and system
+    repeats: int = 3                      # rounds
+    threads: list[int] = field(default_factory=lambda: [1])
+    graph: str = "whole-step"             # the engine's step mode for every system ("none": eager)
+    attention: str = "auto"               # MethodStore attention backend
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
+    """{(label, budget): engine} for the dense store and every method at every budget, each prefilled on
+    ``ids[:, :C]`` (its own prefill: a method fits inside its engine, KVzip's reconstruction forward included)."""
+    import time
+
+    from ..kv import make_method
+    from ..kv.engine_adapter import MethodStore
+    from ..runtime import Engine, EngineConfig
+
+    ecfg = EngineConfig(max_batch=1, max_seq_len=C + cfg.gen_len * cfg.repeats * len(cfg.threads) + 8, graph=cfg.graph)
+    systems = [("dense", None)] + [(m, b) for m in cfg.methods for b in cfg.budgets]
+    out = {}
+    for label, b in systems:
+        kv = None if b is None else MethodStore(make_method(label, b), tok, cfg.attention)
+        eng = Engine(model, ecfg, kv=kv)
+        t0 = time.perf_counter()
+        eng.prefill(ids[:, :C])
+        eng.prepare(1)                      # compile / capture apart from the timed steps
+        print(f"context {C}: {label}{'' if b is None else f'@{b:g}'} prefill+fit+compile "
+              f"{time.perf_counter() - t0:.1f} s", flush=True)
+        out[(label, b)] = eng
     return out
 
 
-def kv_decode(a) -> dict:
-    """Run the benchmark ``a`` (the command's parsed options); writes and returns the result."""
-    import copy
-    import statistics
-    import time
-
+def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
+    """Run the benchmark; writes (and rewrites after every context) and returns the result."""
     import torch
 
     from .. import models
-    from ..composed import ComposedConfig, ComposedStore, build
     from ..eval.kv_sweep import frontier_windows
-    from ..runtime import Engine, EngineConfig
-    from ..runtime.kv import DenseKV
+    from .decode import copy_bandwidth
     from .results import ResultFiles, load_average
+    from .timing import interleaved, summary
 
-    class Recording(DenseKV):
-        """The dense store, also holding the prompt's post-RoPE q/k/v (to build the composed stores from)."""
-
-        def reset(self, B, T):
-            super().reset(B, T)
-            self.prefill = []
-
-        def store_prefill(self, layer, q, k, v):
-            self.prefill.append((q, k, v))
-            super().store_prefill(layer, q, k, v)
-
-    name = a.model or ("tiny-gqa" if a.quick else "smollm2")
-    contexts = a.contexts or ([96, 192] if a.quick else [8000, 2048, 4096])
-    new, repeats = a.new or (4 if a.quick else 32), a.repeats or (2 if a.quick else 3)
-    model, tok = models.load(name)
+    model, tok = models.load(cfg.model)
     model.eval()
-    configs = configs_of(a)
-    meta = {"command": a.command_line, "model": name, "contexts": contexts, "new": new, "repeats": repeats,
-            "scorer": a.scorer, "threads": a.threads, "load_average": {"start": load_average()},
-            "note": "decode steps interleaved over stores and thread counts; medians over every step of every round"}
-    rows = []
-    files = ResultFiles(a.out, "kv_decode")
-    for C in contexts:
-        ids = frontier_windows(tok, model, 1, C + new, a.seed)[:1]
-        dense = Recording()
-        eng = Engine(model, EngineConfig(max_batch=1, max_seq_len=C + new + 1), kv=dense)
-        t0 = time.perf_counter()
-        eng.prefill(ids[:, :C])
-        print(f"context {C}: prefill {time.perf_counter() - t0:.1f} s", flush=True)
-        stores, built = {}, {}
-        imp = None
-        for key in configs:
-            label, mode, b, q8 = key
-            if mode is None:
-                stores[key] = dense
-            else:
-                s = ComposedStore(ComposedConfig(scorer=a.scorer, quant8=q8), b, attention=mode)
-                s.allocate(dense.spec)
-                s.reset(1, C)
-                for i, (q, k, v) in enumerate(dense.prefill):
-                    s.store_prefill(i, q, k, v)
-                rec = s.record()
-                if (b, q8) not in built:         # one scoring per context (budget and quant8 do not change it)
-                    imp = imp or s.scores(rec)
-                    built[(b, q8)] = build(rec, imp, b, s.config)
-                # the same tiers for every mode; a packing store turns the heads into views, so each gets a copy
-                s.load(copy.deepcopy(built[(b, q8)]))
-                stores[key] = s
-        imp = rec = None
-        dense.prefill = []
-        print(f"context {C}: {len(stores) - 1} composed stores built", flush=True)
-        steps = {(key, th): [] for key in configs for th in a.threads}
-        attn = {(key, th): [] for key in configs for th in a.threads}
-        qa = torch.randn(1, eng.n_kv, eng.n_heads // eng.n_kv, eng.head_dim, generator=torch.Generator().manual_seed(1))
-        for r in range(repeats):
-            for th in a.threads:
-                torch.set_num_threads(th)
-                order = configs[r % len(configs):] + configs[:r % len(configs)]     # rotate the order per round
-                for key in order:
-                    eng.kv = stores[key]
-                    eng.cursor.length.fill_(C)
-                    eng.cursor.host = C
-                    with torch.no_grad():
-                        for j in range(new):
-                            t0 = time.perf_counter()
-                            logits = eng.step(ids[:, C + j])
-                            steps[(key, th)].append(time.perf_counter() - t0)
-                        if not torch.isfinite(logits).all():
-                            raise RuntimeError(f"{key[0]}: non-finite logits")
-                        ctx = eng.step_context(1, eng.cursor.host + 1)     # as the next step would read
-                        for _ in range(5):
-                            t0 = time.perf_counter()
-                            for i in range(eng.n_layers):
-                                eng.kv.attend(i, qa, ctx)
-                            attn[(key, th)].append(time.perf_counter() - t0)
-            print(f"context {C}: round {r + 1}/{repeats} done", flush=True)
-        for th in a.threads:
-            d_ms = statistics.median(steps[(configs[0], th)]) * 1e3
-            d_at = statistics.median(attn[(configs[0], th)]) * 1e3
-            for key in configs:
-                label, mode, b, q8 = key
-                s = stores[key]
-                ms = statistics.median(steps[(key, th)]) * 1e3
-                at = statistics.median(attn[(key, th)]) * 1e3
-                prompt = (s.report().get("packed_bytes") if mode is not None else
-                          2 * eng.n_layers * eng.n_kv * C * eng.head_dim * eng.dtype.itemsize)
-                rows.append(dict(store=label, attention=mode, budget=b, quant8=q8, context=C, threads=th,
-                                 decode_ms_per_token=round(ms, 3), attn_ms_per_token=round(at, 3),
-                                 kv_bytes=s.nbytes, prompt_kv_bytes=prompt, ratio_vs_dense=round(ms / d_ms, 3),
-                                 attn_ratio_vs_dense=round(at / d_at, 3)))
+    meta = {"command": command, "config": cfg.to_dict(), "load_average": {"start": load_average()},
+            "copy_gbs": round(copy_bandwidth(torch.device("cpu")), 2), "note": "interleaved rounds (rotated order), medians over every step; "
+            "attention = one decode attention of every layer through the store's KVStore.attend"}
+    rows: list[dict] = []
+    files = ResultFiles(out_dir, "kv_decode")
+    for C in cfg.contexts:
+        ids = frontier_windows(tok, model, 1, C + 1, cfg.seed)[:1]
+        engines = build_engines(cfg, model, tok, ids, C)
+        tok_next = {k: ids[:, C] for k in engines}
+
+        def stepper(key, engines=engines):
+            eng = engines[key]
+
+            def step():
+                tok_next[key] = eng.step(tok_next[key]).argmax(-1)
+            return step
+
+        def attention(key, engines=engines):
+            eng = engines[key]
+            q = torch.randn(1, eng.n_kv, eng.n_heads // eng.n_kv, eng.head_dim, dtype=eng.dtype,
+                            generator=torch.Generator().manual_seed(1))
+
+            def attend_all():
+                ctx = eng.step_context(1, None if eng.graphs is not None else eng.cursor.host + 1)
+                for i in range(eng.n_layers):
+                    eng.kv.attend(i, q, ctx)
+            return attend_all
+
+        for th in cfg.threads:
+            torch.set_num_threads(th)
+            with torch.no_grad():
+                steps = interleaved({k: stepper(k) for k in engines}, cfg.repeats, cfg.gen_len,
+                                    progress=lambda r: print(f"context {C}, {th} thread(s): round {r + 1}/"
+                                                             f"{cfg.repeats}", flush=True))
+                attn = interleaved({k: attention(k) for k in engines}, cfg.repeats, 5)
+            d_ms, d_at = summary(steps[("dense", None)])["median_ms"], summary(attn[("dense", None)])["median_ms"]
+            for (label, b), eng in engines.items():
+                rep = eng.report()
+                st, at = summary(steps[(label, b)]), summary(attn[(label, b)])
+                fit = rep["kv_store"].get("fit", {})
+                rows.append(dict(
+                    system=label, budget=b, context=C, threads=th, graph=rep["graph"], graph_impl=rep["graph_impl"],
+                    attention_kernel=(rep["kv_store"].get("attention") or rep["backend"]),
+                    attention_reason=rep["backend_reason"], gemv=rep["gemv"],
+                    decode_ms_per_token=round(st["median_ms"], 3), decode_iqr_ms=[round(st["q1_ms"], 3),
+                                                                                  round(st["q3_ms"], 3)],
+                    attn_ms_per_token=round(at["median_ms"], 3), ratio_vs_dense=round(st["median_ms"] / d_ms, 3),
+                    speedup_vs_dense=round(d_ms / st["median_ms"], 3), attn_ratio_vs_dense=round(at["median_ms"] / d_at, 3),
+                    kv_bytes_held=rep["kv_cache_bytes"] if b is None else fit.get("bytes_held"),
+                    bytes_ratio=1.0 if b is None else fit.get("bytes_ratio"),
+                    compiles_s=[round(c.get("seconds", 0.0), 2) for c in rep["compiles"]]))
         meta["load_average"][f"after_context_{C}"] = load_average()
         files.write({"rows": rows, **meta}, txt=table(rows))
-        del eng, stores, dense
+        engines.clear()                     # free this context's engines before the next
     txt = table(rows)
     files.write({"rows": rows, **meta}, txt=txt)
     print(txt)
@@ -129,12 +129,12 @@ def kv_decode(a) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'context':>7} {'thr':>3} {'store':<24}{'attn':<7}{'budget':>7} {'ms/tok':>8} {'x dense':>8} "
-            f"{'attn ms':>8} {'x dense':>8} {'prompt MB':>10}")
+    head = (f"{'context':>7} {'thr':>3} {'system':<22}{'budget':>7} {'graph':<11}{'attention':<12}{'ms/tok':>8} "
+            f"{'x dense':>8} {'attn ms':>8} {'x dense':>8} {'bytes':>7}")
     lines = [head]
     for r in rows:
         b = "" if r["budget"] is None else f"{r['budget']:.3f}"
-        lines.append(f"{r['context']:>7} {r['threads']:>3} {r['store']:<24}{r['attention'] or '':<7}{b:>7} "
-                     f"{r['decode_ms_per_token']:>8.2f} {r['ratio_vs_dense']:>8.3f} {r['attn_ms_per_token']:>8.3f} "
-                     f"{r['attn_ratio_vs_dense']:>8.3f} {r['prompt_kv_bytes'] / 1e6:>10.2f}")
+        lines.append(f"{r['context']:>7} {r['threads']:>3} {r['system']:<22}{b:>7} {r['graph']:<11}"
+                     f"{r['attention_kernel']:<12}{r['decode_ms_per_token']:>8.2f} {r['ratio_vs_dense']:>8.3f} "
+                     f"{r['attn_ms_per_token']:>8.3f} {r['attn_ratio_vs_dense']:>8.3f} {r['bytes_ratio']:>7.3f}")
     return "\n".join(lines)

@@ -71,7 +71,7 @@ def load_bench_models(model: str, method: str = "svd", keep: float = 0.5, checkp
     if checkpoint:
         from ..formats import load_checkpoint
 
-        return dense, load_checkpoint(checkpoint).to(device).eval(), tok
+        return dense, load_checkpoint(checkpoint, dtype=dense.dtype).to(device).eval(), tok
     if method == "svd":
         return dense, compress_svd(dense, keep), tok
     from ..compress import COMPRESSORS, collect_stats

@@ -172,5 +172,6 @@ def allocate(scores: list[torch.Tensor], budget_bytes: float, cost: TierBytes, m
 
 
 def plan_bytes(plans: list[list[list[HeadPlan]]], cost: TierBytes) -> int:
-    """Bytes the tiers of ``plans`` hold (the same count as :attr:`HeadTiers.nbytes` of the built cache)."""
+    """Bytes the tiers of ``plans`` hold (exact rows, positions, low-rank factors and bases: the tiered layer's
+    bytes less its segment descriptors)."""
     return sum(cost.head(len(p.exact), len(p.mid), p.rank_k, p.rank_v) for layer in plans for row in layer for p in row)

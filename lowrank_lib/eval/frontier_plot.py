@@ -31,9 +31,10 @@ def draw_panel(ax, rows: list[dict], title: str, colours: dict) -> None:
     ax.set_xticks([], minor=True)
 
 
-def plot_frontier(res: dict, which: list[int] | None = None, panel_size=(6.5, 5.0)):
-    """A figure with one panel per prefill in ``which`` (default: every prefill of ``res``); the same colour
-    for a policy in every panel. Returns the matplotlib figure."""
+def plot_frontier(res: dict, which: list[int] | None = None, panel_size=(9.0, 4.0)):
+    """A figure with one panel per prefill in ``which`` (default: every prefill of ``res``), stacked, and ONE
+    legend under them for every policy of every panel (the same colour in every panel). The width is one
+    panel's, so the figure fits a notebook (:mod:`lowrank_lib.figures`). Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     which = which or prefills(res)
@@ -42,18 +43,21 @@ def plot_frontier(res: dict, which: list[int] | None = None, panel_size=(6.5, 5.
         raise ValueError(f"plot_frontier: no rows for prefill {missing}; the result has {prefills(res)}")
     policies = sorted({r["policy"] for r in res["rows"]})
     colours = {p: plt.cm.tab20(i % 20) for i, p in enumerate(policies)}
-    fig, axes = plt.subplots(1, len(which), figsize=(panel_size[0] * len(which), panel_size[1]), squeeze=False)
-    for ax, P in zip(axes[0], which):
+    n_leg_rows = -(-len(policies) // 3)
+    fig, axes = plt.subplots(len(which), 1, figsize=(panel_size[0], panel_size[1] * len(which) + 0.3 * n_leg_rows + 0.6),
+                             squeeze=False)
+    for ax, P in zip(axes[:, 0], which):
         rows = [r for r in res["rows"] if r["prefill"] == P]
         n_win = max(r["windows"] for r in rows)
-        draw_panel(ax, rows, f"prefill {P}, {n_win} window{'s' if n_win > 1 else ''} (mean +- std)", colours)
-    axes[0][0].set_ylabel("KL(dense || cache) per token (log)")
-    handles: dict = {}                   # one legend for every policy of every panel, beside the panels
-    for ax in axes[0]:
+        draw_panel(ax, rows, f"prefill {P}, {n_win} window{'s' if n_win > 1 else ''} (mean ± std)", colours)
+        ax.set_ylabel("KL(dense || cache) per token (log)")
+    handles: dict = {}                   # one legend for every policy of every panel, under the panels
+    for ax in axes[:, 0]:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
-    fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle("KV-memory frontier (SmolLM2, WikiText-2 test, seed 0)" if res.get("args", {}).get(
         "model_name") == "smollm2" else "KV-memory frontier")
     fig.tight_layout()
+    fig.legend(handles.values(), handles.keys(), fontsize=9, loc="upper center", ncol=3,
+               bbox_to_anchor=(0.5, 0.0), frameon=False)
     return fig

@@ -4,7 +4,7 @@ the AttSVD issue's acceptance checks (``targets``). The library of ``python -m l
     python -m lowrank_lib.bench attsvd                      # quick: tiny sizes (minutes on a 2-core CPU)
     python -m lowrank_lib.bench attsvd --report             # report parameters: SmolLM2, prefill 2k/4k/8k,
                                                             # 8 windows, long-context 1k-8k (hours on CPU)
-    python -m lowrank_lib.bench attsvd --prefill 2048 --windows 8 --budgets 0.5
+    python -m lowrank_lib.bench attsvd --prompt-len 2048 --windows 8 --budgets 0.5
 
 The command writes ``attsvd_<model>_p<prefills>_n<windows>.json`` + ``.txt`` (the table: per method and
 budget the mean KL(dense || method) +- std over windows, continuation perplexity vs dense, measured
@@ -13,12 +13,12 @@ memory ratio; long-context exact / partial match) through ``lowrank_lib.bench.re
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..attsvd.config import AttSVDConfig
 from ..compat import cache_kw
-from .methods import MethodSpec, attsvd_stored_tokens
+from ..kv import METHODS, make_method, method_kind
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)
@@ -74,19 +74,54 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, budgets: list[float],
-                 methods: list[str], window: int, chunk: int, lengths: list[int], n_per: int, tasks: list[str],
-                 step: int, seed: int, longctx_budgets: list[float], progress: bool = True, checkpoint=None) -> dict:
-    """Quality of every ``method`` at every budget for each prefill length, then long-context tasks;
-    ``checkpoint(partial)`` is called after each finished prefill length (long runs keep their results)."""
+def sweep_method(name: str, budget: float, window: int, chunk: int):
+    """The registry method ``name`` at ``budget`` with the sweep's exact ``window`` (and AttSVD's stream ``chunk``)."""
+    kind = method_kind(name)
+    opts = {"window": window} if kind in ("lowrank", "eviction") else {}
+    if kind == "lowrank":
+        opts["chunk"] = chunk
+    return make_method(name, budget, **opts)
+
+
+@dataclass
+class SweepConfig:
+    """What ``bench attsvd`` measures: every method (registry names) at every byte budget on ``windows`` WikiText-2
+    windows of each prompt length (+ ``cont`` teacher-forced tokens fed ``step`` at a time), then long-context tasks
+    of ``lengths`` tokens (``n_per`` per task) at ``longctx_budgets``."""
+
+    model: str = "smollm2"
+    prompt_len: list[int] = field(default_factory=lambda: list(QUICK["prefill"]))
+    windows: int = QUICK["windows"]
+    cont: int = QUICK["cont"]
+    budgets: list[float] = field(default_factory=lambda: list(QUICK["budgets"]))
+    methods: list[str] = field(default_factory=list)
+    window: int = 32
+    chunk: int = 128
+    lengths: list[int] = field(default_factory=list)
+    n_per: int = 1
+    tasks: list[str] = field(default_factory=list)
+    step: int = 32
+    seed: int = 0
+    longctx_budgets: list[float] = field(default_factory=lambda: [0.5])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def budget_sweep(cfg: SweepConfig, progress: bool = True, checkpoint=None) -> dict:
+    """Quality of every method of ``cfg`` at every byte budget for each prompt length, then long-context tasks;
+    ``checkpoint(partial)`` is called after each finished prompt length (long runs keep their results)."""
     from .. import models
     from . import kvquality, longctx
 
+    c = cfg
+    prefill, windows, cont, budgets, methods = c.prompt_len, c.windows, c.cont, c.budgets, c.methods
+    window, chunk, lengths, n_per, tasks, step, seed = c.window, c.chunk, c.lengths, c.n_per, c.tasks, c.step, c.seed
+    longctx_budgets = c.longctx_budgets
     torch.manual_seed(seed)
-    model, tok = models.load(model_name)
+    model, tok = models.load(c.model)
     model.eval()
-    base = AttSVDConfig(rank=1, window=window, chunk=chunk)
-    specs = {f"{m}@{b:g}": MethodSpec(m, b, base).make for b in budgets for m in methods if m != "dense"}
+    specs = {f"{m}@{b:g}": sweep_method(m, b, window, chunk) for b in budgets for m in methods if m != "dense"}
     res: dict = {"quality": {}, "targets": {}, "timing_s": {}}
     for P in prefill:
         t0 = time.perf_counter()
@@ -100,8 +135,9 @@ def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, b
     lc = None
     if lengths and tasks:
         t0 = time.perf_counter()
-        lspecs = {"dense": MethodSpec("dense").make}
-        lspecs |= {f"{m}@{b:g}": MethodSpec(m, b, base).make for b in longctx_budgets for m in methods if m != "dense"}
+        lspecs = {"dense": make_method("dense")}
+        lspecs |= {f"{m}@{b:g}": sweep_method(m, b, window, chunk) for b in longctx_budgets for m in methods
+                   if m != "dense"}
         samples = longctx.build_samples(tok, tasks=tasks, lengths=lengths, n_per=n_per, seed=seed)
         lc = longctx.evaluate(model, tok, samples, lspecs, progress=progress)
         res["longctx"] = lc
@@ -112,26 +148,15 @@ def budget_sweep(model_name: str, prefill: list[int], windows: int, cont: int, b
 
 
 # ----------------------------------------------------------------------------- the KV-memory frontier
-#: ``python -m lowrank_lib.bench kv-frontier``: every policy at every byte budget (fraction of the dense
-#: prefill KV bytes); eviction runs as real ragged per-head storage (kept rows + int16 positions),
-#: KVzip with its global (layer- and head-wise) allocation, the other policies with a uniform per-head one
+#: ``python -m lowrank_lib.bench kv-frontier``: every policy at every byte budget (fraction of the dense prefill KV
+#: bytes really held); eviction runs as real ragged per-head storage (kept rows + positions), KVzip with its global
+#: (layer- and head-wise) allocation, the other scorers per head (``kv.EVICTION_MODES``)
 FRONTIER_BUDGETS = (0.5, 0.375, 0.25, 0.125)
-FRONTIER_EVICTION = {"streamingllm": "head", "snapkv": "head", "keydiff": "head", "h2o": "head",
-                     "h2o_norm": "head", "expected_attention": "head", "kvzip": "global"}
+FRONTIER_EVICTION = tuple(n for n in METHODS if method_kind(n) == "eviction")
 FRONTIER_LOWRANK = ("attsvd", "attsvd-ext")      # raw-K/V "svd" on request (--lowrank): far behind at 0.5
-#: composed variants: name -> (scorer, ComposedConfig fields); the scorer's scores are computed once per window
-FRONTIER_COMPOSED = {"composed-kvzip": dict(scorer="kvzip", mode="global", mid_share=0.25, rank=8),
-                     "composed-kvzip-q8": dict(scorer="kvzip", mode="global", mid_share=0.25, rank=8, quant8=True),
-                     "composed-kvzip-q8-m50": dict(scorer="kvzip", mode="global", mid_share=0.5, rank=8, quant8=True)}
+FRONTIER_COMPOSED = ("composed-kvzip", "composed-kvzip-q8", "composed-kvzip-q8-m50")
 FRONTIER_REPORT = dict(prefill=[2048], windows=8, cont=64)
 FRONTIER_QUICK = dict(prefill=[128], windows=2, cont=16)
-
-
-def lowrank_budget(budget: float, S: int, d: int, window: int) -> float:
-    """The AttSVD budget knob (``MethodSpec.budget``, rank round(b d)) whose stored bytes (Eq. 6: factors,
-    bases and the exact window) are the largest not above ``budget`` of the dense bytes (at least rank 1)."""
-    r = max([r for r in range(1, d + 1) if attsvd_stored_tokens(S, d, r, r, window) <= budget * S] or [1])
-    return r / d
 
 
 def frontier_windows(tok, model, n_windows: int, length: int, seed: int) -> torch.Tensor:
@@ -144,35 +169,21 @@ def frontier_windows(tok, model, n_windows: int, length: int, seed: int) -> torc
     return wikitext_windows(tok, n_windows, length, seed=seed)
 
 
+def frontier_method(name: str, budget: float, window: int = 32):
+    """The frontier's method ``name`` at ``budget``: low-rank methods take the frontier's exact ``window``; the
+    scorers keep their own rule (a recent window of 32 where they have none)."""
+    return make_method(name, budget, **({"window": window} if method_kind(name) == "lowrank" else {}))
+
+
 @torch.no_grad()
-def _teacher_forced(model, cache, cont: torch.Tensor, routed=None) -> torch.Tensor:
-    """log-probs [T, V] (fp32) of ``cont`` [1, T] fed in one forward over ``cache`` (inside ``routed``)."""
+def teacher_forced(model, cache, cont: torch.Tensor) -> torch.Tensor:
+    """log-probs [T, V] (fp32) of ``cont`` [1, T] fed in one forward over ``cache`` (served by its adapter)."""
     import contextlib
 
     import torch.nn.functional as F
 
-    with routed(model) if routed is not None else contextlib.nullcontext():
+    with cache.serving(model) if hasattr(cache, "serving") else contextlib.nullcontext():
         return F.log_softmax(model(cont, **cache_kw(cache)).logits[0].float(), -1)
-
-
-def scores_for(scorers: list[str], model, tok, ids, record, need_stats: set[str]) -> dict:
-    """Importance of every scorer (shared work: normalised H2O reuses H2O's attention mass)."""
-    from ..composed import importance, make_policy
-    from ..eviction import ObservedAttention
-
-    out, raw = {}, {}
-    for name in sorted(scorers, key=lambda n: n != "h2o"):          # h2o first: h2o_norm reuses its mass
-        pol = make_policy(name, model)
-        pre = None
-        if name == "h2o_norm" and "h2o" in raw:
-            pre = [ObservedAttention.normalise(s, obs, obs.query.shape[1] // K.shape[1])
-                   for s, K, obs in zip(raw["h2o"], record.keys, record.obs)]
-        imp = importance(pol, model, tok, ids, record, stats=name in need_stats, scores=pre)
-        if name == "h2o":
-            raw["h2o"] = [pol.score(K, V, obs) for K, V, obs in zip(record.keys, record.values, record.obs)] \
-                if pre is None else pre
-        out[name] = imp
-    return out
 
 
 def frontier_rows(per_window: list[dict], dense_nll: dict) -> list[dict]:
@@ -233,80 +244,83 @@ def frontier_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def frontier_caches(model, tok, ids: torch.Tensor, record, lowrank, eviction: dict, composed: dict, budgets,
-                    window: int = 32):
-    """Yield ``(policy, kind, budget, cache, routed)`` for every frontier policy at every budget, each cache built
-    from ``record`` (the prefill of ``ids``): the low-rank caches (``MethodSpec`` at :func:`lowrank_budget`),
-    then the eviction policies (``eviction``: name -> allocation mode; the ragged head-wise cache, ``composed.build``
-    with ``mid_share=0``) and the composed caches (``composed``: name -> :class:`ComposedConfig` fields), whose
-    scorers run once, when the first of them is reached (:func:`scores_for`). ``routed`` is the attention routing
-    the cache needs (``None``: the model's own). The one construction the frontier and ``kv_tasks`` share."""
-    from ..composed import ComposedConfig, build, composed_attention
-    from ..hf.record import replay
+def frontier_caches(model, prefill, policies, budgets, window: int = 32):
+    """Yield ``(policy, kind, budget, cache)`` for every registry method of ``policies`` at every budget, each a
+    :class:`~lowrank_lib.kv.hf_adapter.KVCache` fitted from the recorded ``prefill`` (scores and statistics are
+    memoised on it: one scoring per scorer, whatever the budgets). The construction the frontier and ``kv_tasks``
+    share."""
+    from ..kv.hf_adapter import KVCache
 
-    S, d = record.length, record.keys[0].shape[-1]
-    base = AttSVDConfig(rank=1, window=window, chunk=128)
-    for m in lowrank:
+    for name in policies:
         for b in budgets:
-            yield m, "lowrank", b, replay(record, MethodSpec(m, lowrank_budget(b, S, d, window), base).make(model, S)), None
-    cfgs = {name: ("eviction", ComposedConfig(scorer=name, mode=mode, mid_share=0.0)) for name, mode in eviction.items()}
-    cfgs |= {name: ("composed", ComposedConfig(**spec)) for name, spec in composed.items()}
-    if not cfgs:
-        return
-    need_stats = {c.scorer for _, c in cfgs.values() if c.mid_share > 0}
-    imps = scores_for(sorted({c.scorer for _, c in cfgs.values()}), model, tok, ids, record, need_stats)
-    for name, (kind, cfg) in cfgs.items():
-        for b in budgets:
-            yield name, kind, b, build(record, imps[cfg.scorer], b, cfg), composed_attention
+            yield name, method_kind(name), b, KVCache.from_prefill(frontier_method(name, b, window), prefill, model)
 
 
-def kv_frontier(model_name: str, prefill: list[int], windows: int, cont: int, budgets=FRONTIER_BUDGETS,
-                eviction: dict | None = None, lowrank=FRONTIER_LOWRANK, composed: dict | None = None,
-                window: int = 32, seed: int = 0, window_ids: list[int] | None = None, progress: bool = True,
-                checkpoint=None, model=None, tok=None) -> dict:
-    """The frontier: for each prefill length and each of ``windows`` WikiText-2 windows (seed ``seed``; only
-    ``window_ids`` of them if given, for sharded runs), record the prefill once, then every method at every
-    budget: KL(dense || method) per continuation token, NLL, bytes really held after the prefill.
+@dataclass
+class FrontierConfig:
+    """What ``bench kv-frontier`` measures: for each prompt length and each of ``windows`` WikiText-2 windows (seed
+    ``seed``; only ``window_ids`` of them if given, for sharded runs), every policy (registry names) at every byte
+    budget, on ``cont`` teacher-forced continuation tokens; ``window``: the low-rank methods' exact window."""
+
+    model: str = "smollm2"
+    prompt_len: list[int] = field(default_factory=lambda: list(FRONTIER_REPORT["prefill"]))
+    windows: int = FRONTIER_REPORT["windows"]
+    cont: int = FRONTIER_REPORT["cont"]
+    budgets: list[float] = field(default_factory=lambda: list(FRONTIER_BUDGETS))
+    policies: list[str] = field(default_factory=lambda: [*FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED])
+    window: int = 32
+    seed: int = 0
+    window_ids: list[int] | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def with_windows(self, ids: list[int]) -> "FrontierConfig":
+        return replace(self, window_ids=list(ids))
+
+
+def kv_frontier(cfg: FrontierConfig, progress: bool = True, checkpoint=None, model=None, tok=None) -> dict:
+    """The frontier of ``cfg``: per window, record the prefill once, then every method at every budget:
+    KL(dense || method) per continuation token, NLL, bytes really held after the prefill.
     ``checkpoint(result)`` after every window (rows aggregate the windows done so far)."""
     from tqdm.auto import tqdm
 
     from .. import models
-    from ..hf.record import dense_from, record_prefill
+    from ..kv.hf_adapter import dense_cache, record
 
-    eviction = dict(FRONTIER_EVICTION) if eviction is None else eviction
-    composed = dict(FRONTIER_COMPOSED) if composed is None else composed
+    prefill, windows, cont, budgets, policies = cfg.prompt_len, cfg.windows, cfg.cont, cfg.budgets, cfg.policies
+    window, seed, window_ids = cfg.window, cfg.seed, cfg.window_ids
+
+    bad = [p for p in policies if p not in METHODS or method_kind(p) == "dense"]
+    if bad:
+        raise ValueError(f"kv_frontier: unknown or dense policies {bad}; choose from the KV registry {sorted(METHODS)}")
     if model is None:
-        model, tok = models.load(model_name)
+        model, tok = models.load(cfg.model)
     model.eval()
     per_window: list[dict] = []
     dense_nll: dict = {}
     res: dict = {"timing_s": {}}
-    n_methods = len(lowrank) * len(budgets) + (len(eviction) + len(composed)) * len(budgets)
     for P in prefill:
         W = frontier_windows(tok, model, windows, P + cont, seed)
         ids_ = list(range(windows)) if window_ids is None else [w for w in window_ids if w < windows]
         dense_nll[str(P)] = {}
-        bar = tqdm(total=len(ids_) * n_methods, desc=f"kv-frontier prefill {P}", disable=not progress)
+        bar = tqdm(total=len(ids_) * len(policies) * len(budgets), desc=f"kv-frontier prefill {P}",
+                   disable=not progress)
         for w in ids_:
             t0 = time.perf_counter()
             x = W[w:w + 1].to(next(model.parameters()).device)
             pre, cont_ids, tgt = x[:, :P], x[:, P:-1], x[0, P + 1:]
-            rec = record_prefill(model, pre)
-            ref = _teacher_forced(model, dense_from(rec, model), cont_ids)
+            rec = record(model, pre, tokenizer=tok)
+            ref = teacher_forced(model, dense_cache(rec, model), cont_ids)
             dense_nll[str(P)][w] = float(torch.nn.functional.nll_loss(ref, tgt))
-
-            def add(policy, kind, budget, cache, routed=None):
-                ratio = cache.memory().ratio                          # bytes held right after the prefill
-                lp = _teacher_forced(model, cache, cont_ids, routed)
+            for policy, kind, b, cache in frontier_caches(model, rec, policies, budgets, window):
+                ratio = cache.describe()["bytes_ratio"]              # bytes held right after the prefill
+                lp = teacher_forced(model, cache, cont_ids)
                 kl = float(torch.nn.functional.kl_div(lp, ref, log_target=True, reduction="batchmean"))
-                per_window.append(dict(policy=policy, kind=kind, prefill=P, budget=budget, window=w, kl=kl,
+                per_window.append(dict(policy=policy, kind=kind, prefill=P, budget=b, window=w, kl=kl,
                                        nll=float(torch.nn.functional.nll_loss(lp, tgt)), bytes_ratio=ratio))
-                bar.set_postfix_str(f"w{w} {policy}@{budget:g} kl={kl:.4f}")
+                bar.set_postfix_str(f"w{w} {policy}@{b:g} kl={kl:.4f}")
                 bar.update()
-
-            for policy, kind, b, cache, routed in frontier_caches(model, tok, pre, rec, lowrank, eviction, composed,
-                                                                   budgets, window):
-                add(policy, kind, b, cache, routed)
                 del cache
             del rec
             res["timing_s"][f"p{P}_w{w}"] = time.perf_counter() - t0

@@ -5,53 +5,53 @@ Protocol, per sample (:class:`~lowrank_lib.eval.longctx.Sample`, split into ``co
 each tokenised on its own: :func:`~lowrank_lib.eval.longctx.sample_ids`):
 
 1. the CONTEXT only (instruction head + haystack with the needles) is prefilled once and recorded
-   (:func:`~lowrank_lib.hf.record.record_prefill`: K, V and post-RoPE queries of every layer);
-2. every scorer's importance is computed once from that record (``kv_sweep.scores_for``, shared with
-   the frontier); each policy's cache is built from the record at each byte budget, as ``kv_frontier``
-   builds them (eviction: ragged head-wise storage, ``composed.build`` with ``mid_share=0``; low-rank:
-   ``MethodSpec`` at ``lowrank_budget``; composed: ``composed.build``);
+   (:func:`~lowrank_lib.kv.hf_adapter.record`: K, V and post-RoPE queries of every layer);
+2. every registry method of ``policies`` is fitted from that record at each byte budget, exactly as
+   ``kv_frontier`` fits them (``kv_sweep.frontier_caches``; scores memoised on the record: one scoring per
+   scorer);
 3. the QUESTION tokens go through the compressed cache in one forward, exactly (they are appended as exact
-   rows, never compressed), inside the attention routing the cache needs (``composed_attention``);
-4. the answer is decoded greedily (``longctx.greedy_decode``, through the same routing) until a newline /
-   EOS or ``max_new`` tokens, and scored (``longctx.score``: exact / partial).
+   rows, never compressed);
+4. the answer is decoded greedily (``longctx.greedy_decode``) until a newline / EOS or ``max_new`` tokens, and
+   scored (``longctx.score``: exact / partial).
 
-Dense is the unmodified recorded cache (``dense_from``). ``bytes_ratio`` is the policy cache's
-``memory().ratio`` right after it is built from the context (bytes really held, index bytes included,
-over the dense context bytes), before the question is appended.
+``adapter="engine"`` serves every method through the runtime engine instead
+(:class:`~lowrank_lib.kv.engine_adapter.MethodStore`): the engine prefills the context, the method fits inside
+the engine (KVzip's reconstruction forward run by the engine), the question tokens are decode steps (appended
+exactly, one by one: the same rows a single forward appends) and the answer is the engine's greedy decode.
+
+Dense is the ``dense`` method (every context token exact). ``bytes_ratio`` is what the method reports right after
+it is fitted to the context (bytes really held, positions and descriptors included, over the dense context
+bytes), before the question is appended.
 
 Question-agnostic scoring (kvpress's setting; the choice written down here): the scorers see ONLY the
-context. KVzip reconstructs the context ids alone (its ``score_context`` gets the context ids and the
-context record); SnapKV's observation window is the last ``obs_window`` (64) queries of the CONTEXT, i.e.
+context. KVzip reconstructs the context ids alone (its ``score_prefill`` reads the context's ids and record); SnapKV's observation window is the last ``obs_window`` (64) queries of the CONTEXT, i.e.
 the end of the haystack, not the question; ExpectedAttention's query statistics and H2O's attention mass
 come from the context prefill's queries; the composed cache's low-rank tier is fitted with the context's
 statistics (KVzip's reconstruction queries). The question influences nothing before it is fed.
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 
 import torch
 
 from ..compat import cache_kw
-from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, frontier_caches
-from .longctx import Sample, stop_ids, greedy_decode, make_sample, sample_ids, score
+from ..kv import METHODS, method_kind
+from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, frontier_caches, frontier_method
+from .longctx import Sample, greedy_decode, make_sample, sample_ids, score, stop_ids
 
 TASKS = ("needle_single", "needle_multikey", "variable_tracking")
 BUDGETS = (0.5, 0.25)
-#: every policy name -> kind ("dense" | "eviction" | "lowrank" | "composed")
-KINDS: dict[str, str] = {"dense": "dense", **{p: "eviction" for p in FRONTIER_EVICTION},
-                         **{p: "lowrank" for p in (*FRONTIER_LOWRANK, "svd")},
-                         **{p: "composed" for p in FRONTIER_COMPOSED}}
 DEFAULT_POLICIES = ("dense", *FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED)
+ADAPTERS = ("hf", "engine")
 
 
 def check_policies(names) -> list[str]:
-    """``names`` validated against :data:`KINDS` (dense always first)."""
-    bad = [n for n in names if n not in KINDS]
+    """``names`` validated against the KV registry (dense always first)."""
+    bad = [n for n in names if n not in METHODS]
     if bad:
-        raise ValueError(f"unknown policies {bad}; choose from {sorted(KINDS)}")
+        raise ValueError(f"unknown policies {bad}; choose from {sorted(METHODS)}")
     return ["dense", *dict.fromkeys(n for n in names if n != "dense")]
 
 
@@ -78,27 +78,52 @@ def build_task_samples(tok, tasks=TASKS, lengths=(4096,), n_per: int = 1, seed: 
 
 
 @torch.no_grad()
-def answer(model, cache, question: torch.Tensor, max_new: int, stop: set[int] | None, routed=None) -> list[int]:
-    """Greedy answer tokens after feeding ``question`` [1, n_q] through ``cache`` in one forward (exactly,
-    appended), all inside ``routed(model)`` when the cache needs its own attention."""
+def answer(model, cache, question: torch.Tensor, max_new: int, stop: set[int] | None) -> list[int]:
+    """Greedy answer tokens after feeding ``question`` [1, n_q] through ``cache`` (a KVCache) in one forward
+    (exactly, appended)."""
     if question.shape[-1] == 0:
         raise ValueError("answer: the question has no tokens")
-    with routed(model) if routed is not None else contextlib.nullcontext():
+    with cache.serving(model):
         logits = model(question, **cache_kw(cache)).logits[:, -1].float()
         return greedy_decode(model, cache, logits, max_new, stop)
 
 
-def policy_caches(model, tok, ctx_ids: torch.Tensor, record, policies: list[str], budgets, window: int = 32):
-    """Yield ``(policy, kind, budget, cache, routed)`` for every policy at every budget (dense once, at 1.0),
-    each cache built from ``record`` (the context's prefill) exactly as ``kv_frontier`` builds it
-    (:func:`~lowrank_lib.eval.kv_sweep.frontier_caches`)."""
-    from ..hf.record import dense_from
+@torch.no_grad()
+def engine_answer(model, tok, method, ctx: torch.Tensor, question: torch.Tensor, max_new: int,
+                  stop: set[int] | None) -> tuple[list[int], float]:
+    """(greedy answer tokens, bytes ratio of the fit) with ``method`` served by the runtime engine: the context
+    prefilled and fitted inside the engine, the question fed as decode steps, then greedy decoding."""
+    from ..kv.engine_adapter import MethodStore
+    from ..runtime import Engine, EngineConfig
 
-    if "dense" in policies:
-        yield "dense", "dense", 1.0, dense_from(record, model), None
-    yield from frontier_caches(model, tok, ctx_ids, record, [p for p in policies if KINDS[p] == "lowrank"],
-                               {p: FRONTIER_EVICTION[p] for p in policies if KINDS[p] == "eviction"},
-                               {p: FRONTIER_COMPOSED[p] for p in policies if KINDS[p] == "composed"}, budgets, window)
+    store = MethodStore(method, tok)
+    eng = Engine(model, EngineConfig(max_batch=1, max_seq_len=ctx.shape[1] + question.shape[1] + max_new + 1),
+                 kv=store)
+    logits = eng.prefill(ctx)
+    for t in question[0]:
+        logits = eng.step(t.view(1))
+    out = [int(logits.argmax(-1))]
+    while len(out) < max_new and not (stop and out[-1] in stop):
+        out.append(int(eng.step(torch.tensor([out[-1]])).argmax(-1)))
+    return out, store.fit_info["fit"]["bytes_ratio"]
+
+
+def policy_answers(model, tok, ctx: torch.Tensor, q: torch.Tensor, record, policies: list[str], budgets,
+                   window: int, max_new: int, stop, adapter: str = "hf"):
+    """Yield ``(policy, kind, budget, answer tokens, bytes ratio)`` for every policy at every budget (dense once,
+    at 1.0), through the transformers adapter (every method fitted from ``record``, the context's prefill, as
+    ``kv_frontier`` fits them) or the engine adapter."""
+    if adapter not in ADAPTERS:
+        raise ValueError(f"adapter must be one of {ADAPTERS}, got {adapter!r}")
+    jobs = [("dense", 1.0)] + [(p, b) for p in policies if p != "dense" for b in budgets]
+    if adapter == "engine":
+        for p, b in jobs:
+            toks, ratio = engine_answer(model, tok, frontier_method(p, b, window), ctx, q, max_new, stop)
+            yield p, method_kind(p), b, toks, ratio
+        return
+    for p, b in jobs:
+        for pol, kind, bb, cache in frontier_caches(model, record, [p], [b], window):
+            yield pol, kind, bb, answer(model, cache, q, max_new, stop), cache.describe()["bytes_ratio"]
 
 
 def task_rows(per_sample: list[dict]) -> list[dict]:
@@ -119,14 +144,16 @@ def task_rows(per_sample: list[dict]) -> list[dict]:
 
 @torch.no_grad()
 def evaluate_tasks(model, tok, samples: list[tuple[int, Sample]], budgets=BUDGETS, policies=DEFAULT_POLICIES,
-                   window: int = 32, max_new: int = 24, progress: bool = True, checkpoint=None) -> dict:
-    """Every policy at every budget on every ``(length, sample)`` (see the module docstring).
+                   window: int = 32, max_new: int = 24, progress: bool = True, checkpoint=None,
+                   adapter: str = "hf") -> dict:
+    """Every policy at every budget on every ``(length, sample)`` (see the module docstring), served by the
+    transformers (``adapter="hf"``) or the engine adapter.
 
     Returns ``{"rows": task_rows(...), "per_sample": [...], "timing_s": {...}}``; ``checkpoint(result)`` is
     called after every sample (long runs keep what they finished)."""
     from tqdm.auto import tqdm
 
-    from ..hf.record import record_prefill
+    from ..kv.hf_adapter import record
 
     policies = check_policies(policies)
     dev = next(model.parameters()).device
@@ -138,11 +165,10 @@ def evaluate_tasks(model, tok, samples: list[tuple[int, Sample]], budgets=BUDGET
     for i, (L, s) in enumerate(samples):
         t0 = time.perf_counter()
         ctx, q = sample_ids(tok, s, dev)
-        rec = record_prefill(model, ctx)
+        rec = record(model, ctx, tokenizer=tok) if adapter == "hf" else None
         dense_tokens = None
-        for pol, kind, b, cache, routed in policy_caches(model, tok, ctx, rec, policies, budgets, window):
-            ratio = 1.0 if kind == "dense" else cache.memory().ratio
-            toks = answer(model, cache, q, max_new, stop, routed)
+        for pol, kind, b, toks, ratio in policy_answers(model, tok, ctx, q, rec, policies, budgets, window, max_new,
+                                                        stop, adapter):
             dense_tokens = toks if kind == "dense" else dense_tokens
             text = tok.decode(toks, skip_special_tokens=True)
             ex, pa = score(text, s.answers)
@@ -152,7 +178,6 @@ def evaluate_tasks(model, tok, samples: list[tuple[int, Sample]], budgets=BUDGET
                                    output=text, tokens=toks, answers=s.answers))
             bar.set_postfix_str(f"{s.task}@{L} {pol}@{b:g} exact={ex:.0f}")
             bar.update()
-            del cache
         del rec
         res["timing_s"][f"sample{i}_{s.task}_{L}"] = time.perf_counter() - t0
         res |= {"rows": task_rows(per_sample), "per_sample": per_sample}

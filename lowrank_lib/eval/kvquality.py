@@ -1,8 +1,8 @@
 """KV-cache quality: teacher-forced continuation after a compressed prefill, vs the dense cache.
 
 For each of ``n_windows`` WikiText-2 windows of ``prefill_len + cont_len`` tokens: the prefill is run once
-(exact, recorded with its post-RoPE queries), replayed into every method's cache, and the continuation
-is fed teacher-forced in forwards of ``step`` tokens. Reported per method: perplexity of the continuation
+(exact, recorded with its post-RoPE queries: :func:`lowrank_lib.kv.hf_adapter.record`), every method is fitted
+from it (``KVCache.from_prefill``), and the continuation is fed teacher-forced in forwards of ``step`` tokens. Reported per method: perplexity of the continuation
 and the mean per-token KL(p_dense || p_method), averaged over windows with the spread (std, min, max).
 Judge by KL: one window's perplexity is noisy.
 """
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..compat import cache_kw
-from ..hf.record import dense_from, record_prefill, replay
+from ..kv.hf_adapter import KVCache, dense_cache, record
 
 
 @dataclass
@@ -31,10 +31,10 @@ class QualityResult:
     kl_max: float
     window_kl: list[float]
     window_nll: list[float]
-    memory_ratio: float        # stored / dense KV bytes right after the prefill (mean over windows)
+    memory_ratio: float        # bytes held / dense KV bytes right after the prefill (mean over windows)
     memory_ratio_end: float    # ... and at the end of the continuation (accumulate grows, stream stays bounded)
     tokens: int
-    memory: dict | None = None  # the last window's MemoryReport after prefill (bytes, per-layer/head ranks)
+    memory: dict | None = None  # the last window's fit as the method describes it (bytes, ranks, tiers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,19 +55,24 @@ def wikitext_windows(tok, n_windows: int, length: int, split: str = "test", seed
 
 @torch.no_grad()
 def _continue(model, cache, cont: torch.Tensor, step: int) -> torch.Tensor:
-    """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens."""
+    """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens (a KVCache inside
+    its adapter's routing)."""
+    import contextlib
+
     outs = []
-    for s in range(0, cont.shape[1], step):
-        outs.append(model(cont[:, s:s + step], **cache_kw(cache)).logits[0].float())
+    with cache.serving(model) if isinstance(cache, KVCache) else contextlib.nullcontext():
+        for s in range(0, cont.shape[1], step):
+            outs.append(model(cont[:, s:s + step], **cache_kw(cache)).logits[0].float())
     return torch.cat(outs)
 
 
 @torch.no_grad()
 def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods: dict,
-                         step: int = 32, progress: bool = True) -> dict[str, QualityResult]:
+                         step: int = 32, progress: bool = True, attention: dict | None = None) -> dict[str, QualityResult]:
     """Quality of each method's cache on ``windows`` [N, prefill_len + T].
 
-    methods : name -> callable(model, prompt_len) returning a fresh cache (e.g. ``MethodSpec.make``).
+    methods : name -> a KV method (``lowrank_lib.kv.make_method``); each is fitted from every window's prefill.
+    attention : name -> the tiered attention backend that method's cache decodes with (default ``"portable"``).
     """
     N, L = windows.shape
     T = L - prefill_len
@@ -83,17 +88,15 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
     for w in tqdm(range(N), desc="kv-quality windows", disable=not progress):
         x = windows[w:w + 1].to(dev)
         pre, cont, tgt = x[:, :prefill_len], x[:, prefill_len:-1], x[0, prefill_len + 1:]
-        rec = record_prefill(model, pre)
-        ref = F.log_softmax(_continue(model, dense_from(rec, model), cont, step), -1)   # [T-1, V]
+        rec = record(model, pre)
+        ref = F.log_softmax(_continue(model, dense_cache(rec, model), cont, step), -1)   # [T-1, V]
         dense_nll.append(float(F.nll_loss(ref, tgt)))
-        for name, make in methods.items():
-            cache = replay(rec, make(model, prefill_len))
-            has_mem = hasattr(cache, "memory")
-            if has_mem:
-                report[name] = cache.memory().to_dict()
+        for name, method in methods.items():
+            cache = KVCache.from_prefill(method, rec, model, (attention or {}).get(name, "portable"))
+            report[name] = cache.describe()
             lp = F.log_softmax(_continue(model, cache, cont, step), -1)
-            mem[name].append(report[name]["ratio"] if has_mem else 1.0)
-            mem_end[name].append(cache.memory().ratio if has_mem else 1.0)
+            mem[name].append(report[name]["bytes_ratio"])
+            mem_end[name].append(cache.nbytes / report[name]["dense_bytes"])
             kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
             nll[name].append(float(F.nll_loss(lp, tgt)))
         del rec

@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import cache_kw
-from ..hf.record import record_prefill, replay
+from ..kv.hf_adapter import KVCache, record
 
 TASKS = ("passkey", "needle_single", "needle_multikey", "variable_tracking")
 _WORDS = ["apple", "river", "silver", "garden", "violet", "harbor", "meadow", "copper", "falcon", "maple",
@@ -203,7 +203,8 @@ def stop_ids(tok) -> set[int]:
 @torch.no_grad()
 def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24,
              progress: bool = True) -> dict:
-    """Score every method on every sample. methods: name -> callable(model, prompt_len) -> cache.
+    """Score every method on every sample. methods: name -> a KV method (``lowrank_lib.kv.make_method``), fitted
+    from each sample's recorded prefill.
 
     Returns {"per_sample": [...], "summary": {method: {task: {"exact", "partial", "n"}}}}.
     """
@@ -212,10 +213,12 @@ def evaluate(model, tok, samples: list[Sample], methods: dict, max_new: int = 24
     rows = []
     for s in tqdm(samples, desc="long-context samples", disable=not progress):
         ids = torch.cat(sample_ids(tok, s, dev), 1)       # the same ids as kv_tasks' context + question
-        rec = record_prefill(model, ids)
-        for name, make in methods.items():
-            cache = replay(rec, make(model, ids.shape[1]))
-            text = tok.decode(greedy_decode(model, cache, rec.last_logits, max_new, stop), skip_special_tokens=True)
+        rec = record(model, ids, tokenizer=tok)
+        for name, method in methods.items():
+            cache = KVCache.from_prefill(method, rec, model)
+            with cache.serving(model):
+                toks = greedy_decode(model, cache, rec.last_logits, max_new, stop)
+            text = tok.decode(toks, skip_special_tokens=True)
             ex, pa = score(text, s.answers)
             rows.append({"method": name, "task": s.task, "n_tokens": s.n_tokens, "exact": ex, "partial": pa,
                          "output": text, "answers": s.answers})

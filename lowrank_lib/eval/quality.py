@@ -142,7 +142,7 @@ def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> di
                 if detect_format(p) != fmt:
                     raise RuntimeError(f"{p}: detected {detect_format(p)!r}, wrote {fmt!r}")
                 disk = dir_bytes(p)
-                back = load_checkpoint(p)
+                back = load_checkpoint(p, dtype=torch.float32)     # the evaluations run in fp32
                 with torch.no_grad():
                     ref = cm(probe).logits
                     err = float((back(probe).logits - ref).norm() / ref.norm())

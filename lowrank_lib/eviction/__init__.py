@@ -1,13 +1,15 @@
-"""Eviction baselines at matched memory, kvpress style: one small dataclass per policy (one file each),
-``score(K, V, obs) -> [B, H, S]`` (higher = keep), and one cache that evicts after prefill.
+"""Eviction scorers, kvpress style: one small dataclass per policy (one file each) on the :class:`Scorer` base,
+which declares what the policy needs (queries, RoPE, layer or model scope, a forced recent window);
+``score(K, V, obs) -> [B, H, S]`` (higher = keep), or ``score_prefill(prefill)`` for model scope (KVzip).
+``budget.py`` turns a byte budget into kept tokens per (layer, row, head).
 
-    >>> from lowrank_lib.eviction import POLICIES, EvictionBudget, EvictionCache
-    >>> cache = EvictionCache(model, POLICIES["snapkv"](), EvictionBudget(tokens=512, window=32))
+    >>> from lowrank_lib.kv import make_method
+    >>> method = make_method("snapkv", budget=0.25)        # the eviction method: kept rows + positions, ragged
 
-``POLICIES`` is the registry every test and benchmark iterates: a new policy is one file and one entry.
+``SCORERS`` is the registry every KV method, test and benchmark reads: a new policy is one file and one entry.
 """
-from .cache import EvictionBudget, EvictionCache, EvictionLayer
-from .expected import ExpectedAttention
+from .base import ContextScores, Observation, Scorer
+from .expected import ExpectedAttention, model_rope
 from .h2o import H2O
 from .keydiff import KeyDiff
 from .kvzip import KVzip
@@ -15,13 +17,10 @@ from .observed import ObservedAttention
 from .snapkv import SnapKV
 from .streamingllm import StreamingLLM
 
-#: policies that score one layer's (K, V, queries) after its prefill: they run in ``EvictionCache`` (and rank
-#: tokens for the ragged / composed cache, :mod:`lowrank_lib.composed`)
-POLICIES = {"streamingllm": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "keydiff": KeyDiff,
-            "h2o_norm": ObservedAttention, "expected_attention": ExpectedAttention}
-#: every scorer: POLICIES + the model-scope ones (KVzip needs a second forward of the model, so it scores a
-#: recorded prefill through ``lowrank_lib.composed.importance``, not inside a cache layer)
-SCORERS = {**POLICIES, "kvzip": KVzip}
+#: every scorer by name (layer scope, and the model-scope KVzip, which runs a reconstruction forward)
+SCORERS: dict[str, type[Scorer]] = {"streamingllm": StreamingLLM, "h2o": H2O, "snapkv": SnapKV, "keydiff": KeyDiff,
+                                    "h2o_norm": ObservedAttention, "expected_attention": ExpectedAttention,
+                                    "kvzip": KVzip}
 
-__all__ = ["EvictionBudget", "EvictionCache", "EvictionLayer", "ExpectedAttention", "H2O", "KVzip", "KeyDiff",
-           "ObservedAttention", "POLICIES", "SCORERS", "SnapKV", "StreamingLLM"]
+__all__ = ["ContextScores", "ExpectedAttention", "H2O", "KVzip", "KeyDiff", "Observation", "ObservedAttention",
+           "SCORERS", "Scorer", "SnapKV", "StreamingLLM", "model_rope"]

@@ -14,17 +14,18 @@ normalised over the keys (a softmax of the exponent), averaged over the query he
 as in the paper, multiplied by the value norm ``||v||`` (a key's contribution to the residual stream is
 its attention times its value). The first ``sinks`` keys are always kept.
 
-RoPE comes from the model (:meth:`ExpectedAttention.bind`): the model's own rotary module gives cos/sin
-at any position, scaled variants (llama3, yarn) included.
+RoPE comes from the observation (``needs_rope``): the adapter serving the cache passes the model's own rotary
+module (:func:`model_rope`: cos/sin at any position, scaled variants such as llama3 and yarn included) or the
+engine's RoPE table.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-Rope = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]   # positions [n] -> (cos, sin) [n, d]
+from .base import Rope, Scorer
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,7 @@ def rotation_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class ExpectedAttention:
+class ExpectedAttention(Scorer):
     """Expected attention of the next ``n_future`` queries (closed form, Gaussian queries) x value norm.
 
     n_future : future positions averaged over (the paper's default horizon 512).
@@ -64,7 +65,6 @@ class ExpectedAttention:
     stats_window : only the last ``stats_window`` prefill queries give the statistics (None: all after the sinks).
     use_covariance : include the ``k^T Sigma k`` term (False: the mean query only).
     use_vnorm : multiply by ``||v||``. epsilon : added to the expected attention before the value norm.
-    rope : positions -> (cos, sin); set by :meth:`bind` (a model's rotary module).
     """
 
     n_future: int = 512
@@ -73,20 +73,16 @@ class ExpectedAttention:
     use_covariance: bool = True
     use_vnorm: bool = True
     epsilon: float = 0.0
-    rope: Rope | None = field(default=None, repr=False, compare=False)
-    needs_queries = True
-    forced_window = 0
-    scope = "layer"
-
-    def bind(self, model) -> "ExpectedAttention":
-        """A copy reading RoPE from ``model`` (needed before :meth:`score`)."""
-        return replace(self, rope=model_rope(model))
+    needs_queries: ClassVar[bool] = True
+    needs_rope: ClassVar[bool] = True
+    forced_window: ClassVar[int | None] = 0
 
     @torch.no_grad()
     def score(self, K: torch.Tensor, V: torch.Tensor, obs) -> torch.Tensor:
         """K, V [B, H, S, d]; obs.query [B, Hq, m, d] post-RoPE at positions obs.q_pos -> scores [B, H, S]."""
-        if self.rope is None:
-            raise RuntimeError("ExpectedAttention needs RoPE: use ExpectedAttention().bind(model)")
+        rope: Rope | None = obs.rope
+        if rope is None:
+            raise RuntimeError("ExpectedAttention needs RoPE: the observation carries none (obs.rope)")
         B, H, S, d = K.shape
         q, pos = obs.query.float(), obs.q_pos
         keep = pos >= self.sinks
@@ -95,12 +91,12 @@ class ExpectedAttention:
         if not bool(keep.any()):
             keep = torch.ones_like(keep)
         q, pos = q[:, :, keep], pos[keep]
-        cos, sin = self.rope(pos)                                         # [m, d] (scaled by attention_scaling)
+        cos, sin = rope(pos)                                         # [m, d] (scaled by attention_scaling)
         a2 = (cos[:1] ** 2 + sin[:1] ** 2).mean()                         # attention_scaling^2
         q_pre = (q * cos - rotate_half(q) * sin) / a2                      # undo RoPE: [B, Hq, m, d]
         mu = q_pre.mean(-2)                                               # [B, Hq, d]
         last = int(obs.q_pos.max())
-        cf, sf = self.rope(torch.arange(last + 1, last + 1 + self.n_future, device=pos.device))
+        cf, sf = rope(torch.arange(last + 1, last + 1 + self.n_future, device=pos.device))
         R = rotation_matrix(cf.mean(0), sf.mean(0)).to(q.device)          # the average future rotation
         mu_f = mu @ R.T                                                   # [B, Hq, d]
         s = obs.scaling

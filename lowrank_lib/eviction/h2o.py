@@ -2,20 +2,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..attention_mass import attention_mass
+from .base import Scorer
 
 
 @dataclass
-class H2O:
+class H2O(Scorer):
     """Score = total attention each key receives from all prefill queries of its GQA group."""
 
-    needs_queries = True
+    needs_queries: ClassVar[bool] = True
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs) -> torch.Tensor:
-        """K, V [B, H, S, d]; obs.query [B, Hq, S, d] -> scores [B, H, S]."""
-        Qg = obs.grouped(K.shape[1])
-        k_pos = torch.arange(K.shape[-2], device=K.device)
-        return attention_mass(Qg, K, obs.scaling, obs.q_pos, k_pos)
+        """K, V [B, H, S, d]; obs: the queries [B, Hq, S, d] (their shared attention mass) -> scores [B, H, S]."""
+        return obs.mass()

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .base import Scorer
+
 
 @dataclass
-class KeyDiff:
+class KeyDiff(Scorer):
     """Score = -cos(k_i, mean of the normalised keys); attention-free."""
-
-    needs_queries = False
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs=None) -> torch.Tensor:
         """K, V [B, H, S, d] -> scores [B, H, S]."""

@@ -22,24 +22,11 @@ statistics the composed cache's attention-aware low-rank tier is fitted with.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..compat import cache_kw
-from ..hf.attention import routed_attention
-from ..hf.record import PrefillRecord, dense_from
-
-
-@dataclass
-class ContextScores:
-    """Per layer: ``score`` [B, H, S] (max attention), ``mass`` [B, H, S] (summed attention of the
-    reconstruction queries, over the group's heads), ``gram`` [B, H, d, d] (sum of q^T q of those queries,
-    pre-scaling); ``queries`` the number of reconstruction positions per layer."""
-
-    score: list[torch.Tensor]
-    mass: list[torch.Tensor]
-    gram: list[torch.Tensor]
-    queries: int
+from .base import ContextScores, Scorer
 
 
 def _prompt_ids(tok, text: str) -> list[int]:
@@ -57,7 +44,7 @@ def _prompt_ids(tok, text: str) -> list[int]:
 
 
 @dataclass
-class KVzip:
+class KVzip(Scorer):
     """Context-reconstruction scoring (see the module docstring). Model scope: scores need a forward."""
 
     chunk: int = 2048
@@ -65,13 +52,8 @@ class KVzip:
     cont_prompt: str = "Repeat the previous context starting with"
     tail: int = 8
     q_chunk: int = 256          # query rows per softmax block (memory bound, not a result knob)
-    needs_queries = False
-    forced_window = 0
-    scope = "model"
-
-    def score(self, K, V, obs=None):
-        raise RuntimeError("KVzip scores with a second forward of the model: use KVzip().score_context(model, tok, "
-                           "ids, record) or lowrank_lib.composed.compress")
+    scope: ClassVar[str] = "model"
+    forced_window: ClassVar[int | None] = 0
 
     def inputs(self, tok, ids: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
         """[(start, end, input ids [1, n_in])]: one reconstruction input per context chunk."""
@@ -89,37 +71,30 @@ class KVzip:
         return out
 
     @torch.no_grad()
-    def score_context(self, model, tok, ids: torch.Tensor, record: PrefillRecord) -> ContextScores:
-        """Scores of the recorded prefill of ``ids`` [1, S] (the record holds its K, V)."""
+    def score_prefill(self, prefill) -> ContextScores:
+        """Scores of one unpadded sequence's prefill (:class:`lowrank_lib.kv.Prefill`, batch 1): its ``ids``,
+        ``tokenizer`` and ``probe`` (a forward of the reconstruction input on top of the whole prefill, returning
+        every layer's post-RoPE queries and the input's own keys)."""
+        ids, keys = prefill.ids, prefill.keys
+        if ids is None or prefill.probe is None:
+            raise ValueError("KVzip scores by context reconstruction: the prefill needs its token ids and a probe "
+                             "forward (both adapters give them)")
         if ids.shape[0] != 1:
-            raise NotImplementedError("KVzip scoring runs one context at a time (batch 1)")
-        S = record.length
-        L = len(record.keys)
-        B, H, _, d = record.keys[0].shape
-        score = [torch.zeros(B, H, S, device=ids.device) for _ in range(L)]
-        mass = [torch.zeros(B, H, S, device=ids.device) for _ in range(L)]
-        gram = [torch.zeros(B, H, d, d, device=ids.device) for _ in range(L)]
-        span = {}
+            raise ValueError("KVzip.score_prefill scores one sequence (batch 1); the KV methods fit row by row")
+        S, L = prefill.length, len(keys)
+        B, H, _, d = keys[0].shape
+        dev = keys[0].device
+        score = [torch.zeros(B, H, S, device=dev) for _ in range(L)]
+        mass = [torch.zeros(B, H, S, device=dev) for _ in range(L)]
+        gram = [torch.zeros(B, H, d, d, device=dev) for _ in range(L)]
         n_q = 0
-
-        def make(inner):
-            def reconstruct(module, query, key, value, attention_mask, **kw):
-                out = inner(module, query, key, value, attention_mask, **kw)
-                s, e = span["s"], span["e"]
-                i = module.layer_idx
-                scaling = kw.get("scaling") or getattr(module, "scaling", query.shape[-1] ** -0.5)
-                mx, ms, g = self._chunk_scores(query, key, s, e, S, float(scaling))
+        for s, e, x in self.inputs(prefill.tokenizer, ids):
+            n_q += x.shape[-1]
+            for i, (q, k_own) in enumerate(prefill.probe(x)):
+                mx, ms, g = self._chunk_scores(q, torch.cat([keys[i], k_own], 2), s, e, S, prefill.scaling)
                 score[i][..., s:e] = torch.maximum(score[i][..., s:e], mx)
                 mass[i][..., s:e] += ms
                 gram[i] += g
-                return out
-            return reconstruct
-
-        with routed_attention(model, make):
-            for s, e, x in self.inputs(tok, ids):
-                span.update(s=s, e=e)
-                n_q += x.shape[-1]
-                model(x, **cache_kw(dense_from(record, model)), logits_to_keep=1)
         return ContextScores(score, mass, gram, n_q)
 
     def _chunk_scores(self, query, key, s, e, S, scaling):

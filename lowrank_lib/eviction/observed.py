@@ -11,27 +11,23 @@ H2O's KL on SmolLM2 at 52 % of the KV).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from ..attention_mass import attention_mass
+from .base import Scorer
 
 
 @dataclass
-class ObservedAttention:
+class ObservedAttention(Scorer):
     """Score = mean over the GQA group of (attention received) / (number of prefill queries that see the key)."""
 
-    needs_queries = True
-    forced_window = 0          # no recent window: the normalised score ranks recent keys by itself
-    scope = "layer"
+    needs_queries: ClassVar[bool] = True
+    forced_window: ClassVar[int | None] = 0   # no recent window: the normalised score ranks recent keys itself
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs) -> torch.Tensor:
         """K, V [B, H, S, d]; obs.query [B, Hq, m, d] at positions obs.q_pos -> scores [B, H, S]."""
-        H, S = K.shape[1], K.shape[-2]
-        Qg = obs.grouped(H)
-        k_pos = torch.arange(S, device=K.device)
-        return self.normalise(attention_mass(Qg, K, obs.scaling, obs.q_pos, k_pos, obs.q_valid, obs.k_valid),
-                              obs, Qg.shape[2])
+        return self.normalise(obs.mass(), obs, obs.query.shape[1] // K.shape[1])
 
     @staticmethod
     def normalise(mass: torch.Tensor, obs, group: int) -> torch.Tensor:

@@ -2,28 +2,26 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from ..attention_mass import attention_mass
+from .base import Scorer
 
 
 @dataclass
-class SnapKV:
+class SnapKV(Scorer):
     """Mean attention of the last ``obs_window`` queries (mean over the GQA group), average-pooled
     with ``kernel``; the window itself is kept by the layer."""
 
     obs_window: int = 64
     kernel: int = 5
-    needs_queries = True
+    needs_queries: ClassVar[bool] = True
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs) -> torch.Tensor:
         """K, V [B, H, S, d]; obs.query [B, Hq, S, d] -> scores [B, H, S]."""
-        Qg = obs.grouped(K.shape[1])[..., -self.obs_window:, :]
-        q_pos = obs.q_pos[-self.obs_window:]
-        k_pos = torch.arange(K.shape[-2], device=K.device)
-        a = attention_mass(Qg, K, obs.scaling, q_pos, k_pos) / Qg.shape[2]    # mean over the group
+        a = obs.mass(self.obs_window) / (obs.query.shape[1] // K.shape[1])   # mean over the group
         B, H, S = a.shape
         pooled = F.avg_pool1d(a.view(B * H, 1, S), self.kernel, stride=1, padding=self.kernel // 2,
                               count_include_pad=False)

@@ -5,13 +5,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import Scorer
+
 
 @dataclass
-class StreamingLLM:
+class StreamingLLM(Scorer):
     """Keep the first ``sinks`` tokens and the most recent ones (score = position, sinks = +inf)."""
 
     sinks: int = 4
-    needs_queries = False
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs=None) -> torch.Tensor:
         """K, V [B, H, S, d] -> scores [B, H, S]."""

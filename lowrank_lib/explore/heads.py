@@ -29,8 +29,7 @@ import torch
 
 from ..attsvd.basis import causal_probs, query_metric, sqrt_and_inv_sqrt
 from ..attsvd.interpret import HeadView, head_view
-from ..hf.record import PrefillRecord
-from .ui import in_kernel_with_widgets
+from .ui import SliderPanel, in_kernel_with_widgets, int_slider
 
 BASES = ("aware", "raw")
 CURVES = ("logit_aware", "logit_raw", "output_aware", "output_raw")
@@ -142,7 +141,7 @@ def format_summary(s: dict) -> str:
             f"attention TV to dense aware {s['tv_aware']:.4f} / raw {s['tv_raw']:.4f}")
 
 
-def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: int = 12) -> dict:
+def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: int = 10) -> dict:
     """Two panels at rank ``r``: (a) logit / output error vs rank, aware vs raw, with the values at r;
     (b) the last query's top-``k`` keys under dense, aware and raw rank-r keys. Returns :meth:`HeadRanks.summary`."""
     import numpy as np
@@ -151,7 +150,9 @@ def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: i
     c = hr.curves
     ax = axes[0]
     positive = [v for n in CURVES for v in c[n] if v > 0]
-    floor = 0.5 * min(positive) if positive else 1e-7   # a log axis cannot show the exact 0 at full rank
+    # the axis floor: a log axis cannot show the exact 0 every basis reaches at full rank (r = d), so the
+    # curves end at half the smallest positive error, and the axis label says so
+    floor = 0.5 * min(positive) if positive else 1e-7
     for name, style, label in (("logit_aware", "-", "logit, attention-aware K"), ("logit_raw", "-", "logit, raw-SVD K"),
                                ("output_aware", "--", "output, mass-weighted V"), ("output_raw", "--", "output, raw-SVD V")):
         color = COLORS["aware" if name.endswith("aware") else "raw"]
@@ -159,9 +160,9 @@ def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: i
                     label=f"{label}: {s[name]:.3g}")
         ax.plot([r], [max(s[name], floor)], "o", color=color, ms=5)
     ax.axvline(r, color="k", lw=0.8)
-    ax.set(xlabel="rank r", ylabel="relative error", xlim=(1, hr.d), ylim=(floor, None),
-           title=f"layer {hr.layer}, KV head {hr.head}: errors at r = {r}")
-    ax.legend(fontsize=7, title=f"value at r = {r}", title_fontsize=7)
+    ax.set(xlabel=f"rank r (0 at r = {hr.d} drawn at the floor {floor:.1g})", ylabel="relative error (log)",
+           xlim=(1, hr.d), ylim=(floor, None), title=f"layer {hr.layer}, KV head {hr.head}: errors at r = {r}")
+    ax.legend(fontsize=8, title=f"value at r = {r}", title_fontsize=8)
     top = hr.top_keys(r, k)
     ax = axes[1]
     x = np.arange(len(top["positions"]))
@@ -169,44 +170,42 @@ def draw_head(axes, hr: HeadRanks, r: int, labels: list[str] | None = None, k: i
     for i, (name, label) in enumerate((("dense", "dense"), ("aware", f"attention-aware r={r} (TV {top['tv_aware']:.3f})"),
                                        ("raw", f"raw SVD r={r} (TV {top['tv_raw']:.3f})"))):
         ax.bar(x + (i - 1) * w, top[name], w, color=COLORS[name], label=label)
-    names = [f"{labels[p]!r}\n@{p}" if labels is not None else f"@{p}" for p in top["positions"]]
-    ax.set_xticks(x, names, fontsize=6, rotation=60)
+    names = [f"{labels[p][:10]!r} @{p}" if labels is not None else f"@{p}" for p in top["positions"]]
+    ax.set_xticks(x, names, fontsize=8, rotation=90)
     ax.set(ylabel="attention of the last query",
            title=f"top {len(x)} keys ({top['top_mass_dense']:.0%} of dense attention)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=8)
     return s
 
 
-def head_explorer(record: PrefillRecord, layer: int = 0, head: int = 0, rank: int = 32,
-                  labels: list[str] | None = None, k: int = 12):
-    """An ipywidgets (layer, KV head, r) explorer over :func:`draw_head`; displays it and returns it.
+def head_explorer(record, layer: int = 0, head: int = 0, rank: int = 32,
+                  labels: list[str] | None = None, k: int = 10):
+    """A (layer, KV head, r) :class:`~lowrank_lib.explore.ui.SliderPanel` over :func:`draw_head`; shows it and
+    returns it (its view, the summary line and the two panels, is ordinary output kept in step).
 
-    Every (layer, head) is decomposed once (:class:`HeadRanks`, cached), so moving r only redraws.
-    Returns None without ipywidgets or outside a kernel (headless callers show static figures).
+    Every (layer, head) is decomposed once (:class:`HeadRanks`, cached in ``panel.cache``), so moving r only
+    redraws. Returns None without ipywidgets or outside a kernel (headless callers show static figures).
     """
     if not in_kernel_with_widgets():
         return None
-    import ipywidgets as W
     import matplotlib.pyplot as plt
-    from IPython.display import display
+    from IPython.display import Markdown
+
+    from ..figures import as_image
 
     L, H, d = len(record.keys), record.keys[0].shape[1], record.keys[0].shape[-1]
     cache: dict[tuple[int, int], HeadRanks] = {}
 
-    def draw(layer, head, r):
+    def render(layer, head, r):
         if (layer, head) not in cache:
             cache[(layer, head)] = HeadRanks(head_view(record, layer, head))
-        fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
         s = draw_head(axes, cache[(layer, head)], r, labels, k)
         fig.tight_layout()
-        print(format_summary(s))
-        plt.show()
+        return [Markdown(format_summary(s)), as_image(fig, name="04 rank explorer")]
 
-    sliders = {"layer": W.IntSlider(layer, 0, L - 1, description="layer", continuous_update=False),
-               "head": W.IntSlider(head, 0, H - 1, description="KV head", continuous_update=False),
-               "r": W.IntSlider(rank, 1, d, description="rank r", continuous_update=False)}
-    out = W.interactive_output(draw, sliders)
-    ui = W.VBox([W.HBox(list(sliders.values())), out])
-    ui.cache = cache
-    display(ui)
-    return ui
+    sliders = {"layer": int_slider(layer, 0, L - 1, "layer"), "head": int_slider(head, 0, H - 1, "KV head"),
+               "r": int_slider(rank, 1, d, "rank r")}
+    panel = SliderPanel(sliders, render, 2, describe=lambda layer, head, r: f"layer {layer}, KV head {head}, r = {r}")
+    panel.cache = cache
+    return panel.show()

@@ -1,50 +1,132 @@
-"""Notebook 00's keep slider: SVD-LLM v1 at any keep ratio, one perplexity and one answer per keep, cached.
+"""Notebook 00: a compressed model's answer next to the dense one, and the keep slider over SVD-LLM v1.
 
-The compressed model at a keep comes from :class:`lowrank_lib.compress.whitened.WhitenedSpectra`
-(one whitened SVD per matrix, computed once; each keep is a slice), so a slider step costs one deep
-copy, one perplexity window and one short greedy answer. Every value the slider has shown is kept in
-``KeepExplorer.results``: going back to it is free.
+:class:`AnswerComparison` generates the dense model's greedy answer once, then for any compressed model
+gives its own greedy answer AND how it scores the dense answer, teacher-forced on the same prompt:
+
+    agreement   fraction of the dense answer's tokens that are the compressed model's argmax
+    kl          mean over those positions of KL(p_dense || p_compressed) of the next-token distribution
+
+(both 1 / 0 for the dense model itself), so two answers can be compared even when one degenerates into
+repetition (:func:`readable` cuts such text after its second repeat).
+
+:class:`KeepExplorer` is the slider: the model at a keep comes from
+:class:`lowrank_lib.compress.whitened.WhitenedSpectra` (one whitened SVD per matrix, computed once; each keep
+is a slice), so one step costs a copy, one perplexity window, one short answer and one teacher-forced
+forward (about a second for SmolLM2 on 2 cores). Every keep computed is kept in ``results``: going back
+to it is free. :meth:`KeepExplorer.panel` shows it as a :class:`~lowrank_lib.explore.ui.SliderPanel`.
 """
 from __future__ import annotations
 
 import gc
-import sys
 import time
-import traceback
 
 import torch
 
 from ..compress.whitened import WhitenedSpectra
 from ..eval.perplexity import perplexity
 from ..factorized import account
-from ..generation import answer
-from .ui import in_kernel_with_widgets
+from ..tokentext import decode
+from .ui import SliderPanel, float_slider, in_kernel_with_widgets
+
+
+def chat_ids(tok, question: str) -> torch.Tensor:
+    """[1, T] prompt ids of one user message in the tokenizer's chat template (plain text without one):
+    the prompt :func:`lowrank_lib.generation.answer` builds."""
+    if getattr(tok, "chat_template", None):
+        enc = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)
+        return enc["input_ids"]
+    return tok(question, return_tensors="pt").input_ids
+
+
+def readable(text: str, limit: int = 90, max_unit: int = 6) -> str:
+    """``text`` on one line, cut after the second occurrence of a phrase (1 to ``max_unit`` words) repeated
+    3+ times in a row (a degenerate model's ``France - France - France ...``) and at ``limit`` characters."""
+    words = text.split()
+    cut = None
+    for i in range(len(words)):
+        for n in range(1, max_unit + 1):
+            unit = words[i:i + n]
+            if len(unit) == n and words[i + n:i + 2 * n] == unit and words[i + 2 * n:i + 3 * n] == unit:
+                cut = i + 2 * n
+                break
+        if cut is not None:
+            break
+    out = " ".join(words[:cut]) + (" … (repeats)" if cut is not None else "")
+    if len(out) > limit:
+        out = out[:limit - 1].rstrip() + "…"
+    return out
+
+
+class AnswerComparison:
+    """The dense answer to ``prompt_ids`` [1, T], and any model's answer + agreement + KL against it."""
+
+    def __init__(self, dense_model, prompt_ids: torch.Tensor, tok=None, max_new_tokens: int = 24):
+        if prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1:
+            raise ValueError(f"prompt_ids must be [1, T], got shape {tuple(prompt_ids.shape)}")
+        self.tok, self.prompt, self.max_new_tokens = tok, prompt_ids, max_new_tokens
+        cfg = dense_model.config
+        self.pad = (getattr(tok, "pad_token_id", None) or getattr(tok, "eos_token_id", None)
+                    or getattr(cfg, "pad_token_id", None) or getattr(cfg, "eos_token_id", None) or 0)
+        self.dense_ids = self.generate(dense_model)
+        if self.dense_ids.numel() == 0:
+            raise ValueError("the dense model answers with no token: nothing to compare with")
+        self._dense_logp = self._answer_logprobs(dense_model)
+
+    def text(self, ids: torch.Tensor) -> str:
+        return decode(self.tok, ids.tolist()).strip() if self.tok is not None else " ".join(map(str, ids.tolist()))
+
+    @torch.no_grad()
+    def generate(self, model) -> torch.Tensor:
+        """[n] greedy answer ids of ``model`` (n <= max_new_tokens: generation stops at EOS)."""
+        out = model.generate(self.prompt, attention_mask=torch.ones_like(self.prompt), do_sample=False,
+                             max_new_tokens=self.max_new_tokens, pad_token_id=self.pad)
+        ids = out[0, self.prompt.shape[1]:]
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, list) else [eos]) - {None}
+        cut = next((i for i, t in enumerate(ids.tolist()) if t in eos), len(ids))
+        return ids[:cut]
+
+    @torch.no_grad()
+    def _answer_logprobs(self, model) -> torch.Tensor:
+        """[n, V] log-probabilities ``model`` gives each dense answer token's position, teacher-forced."""
+        T = self.prompt.shape[1]
+        ids = torch.cat([self.prompt, self.dense_ids[None]], 1)
+        logits = model(ids).logits[0, T - 1: T - 1 + self.dense_ids.numel()]
+        return torch.log_softmax(logits.double(), -1)
+
+    def compare(self, model) -> dict:
+        """``{answer, answer_ids, agreement, kl}`` of ``model`` against the dense answer."""
+        ids = self.generate(model)
+        logp = self._answer_logprobs(model)
+        agree = float((logp.argmax(-1) == self.dense_ids).double().mean())
+        kl = float((self._dense_logp.exp() * (self._dense_logp - logp)).sum(-1).mean().clamp_min(0.0))
+        return {"answer": self.text(ids), "answer_ids": ids.tolist(), "agreement": agree, "kl": kl}
+
+    @property
+    def dense(self) -> dict:
+        return {"answer": self.text(self.dense_ids), "answer_ids": self.dense_ids.tolist(), "agreement": 1.0, "kl": 0.0}
 
 
 class KeepExplorer:
-    """Perplexity on ``window`` (1-D token ids, one window) and the answer to ``question`` at each keep."""
+    """Perplexity on ``window`` (1-D token ids, one window) and the answer comparison at each keep."""
 
-    def __init__(self, model, tok, spectra: WhitenedSpectra, window: torch.Tensor, question: str,
-                 max_new_tokens: int = 24):
+    def __init__(self, model, spectra: WhitenedSpectra, window: torch.Tensor, answers: AnswerComparison):
         if window.dim() != 1:
             raise ValueError(f"window must be 1-D token ids, got shape {tuple(window.shape)}")
-        self.model, self.tok, self.spectra = model, tok, spectra
-        self.window, self.question, self.max_new_tokens = window, question, max_new_tokens
+        self.model, self.spectra, self.window, self.answers = model, spectra, window, answers
         self.results: dict[float, dict] = {}
         self._dense: dict | None = None
 
     def _measure(self, m) -> dict:
-        t0 = time.perf_counter()
         ppl = perplexity(m, self.window, seq_len=self.window.numel(), progress=False).ppl
-        text = answer(m, self.tok, self.question, max_new_tokens=self.max_new_tokens)
         acc = account(m)
-        return {"ppl": ppl, "answer": text, "params": acc.total_params, "linear_keep": acc.linear_keep,
-                "seconds": time.perf_counter() - t0}
+        return {"ppl": ppl, "params": acc.total_params, "linear_keep": acc.linear_keep}
 
     def dense(self) -> dict:
         """The dense model's row (computed once)."""
         if self._dense is None:
-            self._dense = {"keep": 1.0, "method": "dense", **self._measure(self.model)}
+            self._dense = {"keep": 1.0, "method": "dense", **self._measure(self.model), **self.answers.dense}
         return self._dense
 
     @staticmethod
@@ -52,76 +134,76 @@ class KeepExplorer:
         return round(float(keep), 4)
 
     def result(self, keep: float) -> dict:
-        """``{keep, method, ppl, answer, params, linear_keep, seconds, cached}`` at ``keep`` (cached per value)."""
+        """``{keep, method, ppl, params, linear_keep, answer, agreement, kl, seconds, cached}`` at ``keep``."""
         k = self.key(keep)
         if k in self.results:
             return {**self.results[k], "cached": True}
         t0 = time.perf_counter()
         m = self.spectra.compress(self.model, k)
-        row = {"keep": k, "method": "svdllm", **self._measure(m)}
+        row = {"keep": k, "method": "svdllm", **self._measure(m), **self.answers.compare(m)}
         row["seconds"] = time.perf_counter() - t0
         del m
         gc.collect()
         self.results[k] = row
         return {**row, "cached": False}
 
+    def table(self, row: dict):
+        """Dense and the current keep side by side: parameters, window perplexity, agreement, KL, answer."""
+        import pandas as pd
+
+        d = self.dense()
+        n = self.window.numel()
+        rows = []
+        for r, name in ((d, "dense"), (row, f"SVD-LLM v1, keep {row['keep']:.2f}")):
+            rows.append({"model": name, "parameters (M)": f"{r['params'] / 1e6:.1f} ({r['params'] / d['params']:.0%})",
+                         f"perplexity (1 × {n} tokens)": f"{r['ppl']:.2f}",
+                         "agreement with dense answer": f"{r['agreement']:.0%}", "KL to dense / token": f"{r['kl']:.3f}",
+                         "greedy answer": readable(r["answer"])})
+        return pd.DataFrame(rows).set_index("model")
+
     def describe(self, row: dict) -> str:
-        """Three lines: the numbers at this keep next to dense, the answer, the keeps computed so far."""
+        """One line: the numbers at this keep next to dense, and how they were obtained."""
         d = self.dense()
         how = "cached" if row.get("cached") else f"computed in {row['seconds']:.1f} s"
-        done = ", ".join(f"{k:.2f}" for k in sorted(self.results))
         return (f"keep {row['keep']:.2f} (SVD-LLM v1): {row['params'] / 1e6:.1f} M parameters "
-                f"({row['params'] / d['params']:.0%} of dense), perplexity {row['ppl']:.2f} on "
-                f"{self.window.numel()} WikiText-2 tokens (dense {d['ppl']:.2f}); {how}\n"
-                f"answer: {row['answer']}\n"
-                f"keeps computed so far: {done}")
+                f"({row['params'] / d['params']:.0%} of dense), perplexity {row['ppl']:.2f} on {self.window.numel()} "
+                f"WikiText-2 tokens (dense {d['ppl']:.2f}), answer agreement {row['agreement']:.0%}, "
+                f"KL {row['kl']:.3f}; {how}")
 
-    def draw(self, ax, current: float | None = None):
-        """Perplexity of every keep computed so far; the current one highlighted; dense as a line."""
+    def draw(self, axes, current: float | None = None):
+        """(a) perplexity and (b) answer agreement of every keep computed so far; the current one highlighted."""
+        d = self.dense()
         rows = sorted(self.results.values(), key=lambda r: r["keep"])
-        ax.plot([r["keep"] for r in rows], [r["ppl"] for r in rows], "o-", color="tab:blue", ms=4,
-                label="SVD-LLM v1 (keeps visited)")
-        if current is not None and self.key(current) in self.results:
-            r = self.results[self.key(current)]
-            ax.plot([r["keep"]], [r["ppl"]], "o", color="tab:orange", ms=9, label=f"keep {r['keep']:.2f}")
-        ax.axhline(self.dense()["ppl"], color="k", ls="--", label="dense")
-        ax.set(xlabel="canonical keep ratio", ylabel="perplexity (one window)", yscale="log")
-        ax.legend(fontsize=8)
+        ks = [r["keep"] for r in rows]
+        cur = self.results.get(self.key(current)) if current is not None else None
+        n = self.window.numel()
+        for ax, key, label, ref in ((axes[0], "ppl", f"perplexity (1 × {n} tokens)", d["ppl"]),
+                                    (axes[1], "agreement", "agreement with dense answer", 1.0)):
+            ax.plot(ks, [r[key] for r in rows], "o-", color="tab:blue", ms=4, label="keeps visited")
+            if cur is not None:
+                ax.plot([cur["keep"]], [cur[key]], "o", color="tab:orange", ms=9, label=f"keep {cur['keep']:.2f}")
+            ax.axhline(ref, color="k", ls="--", lw=1, label=f"dense ({ref:.3g})")
+            ax.set(xlabel="keep ratio (SVD-LLM v1)", ylabel=label)
+            ax.legend(fontsize=9)
+        axes[0].set_yscale("log")
+        axes[1].set_ylim(-0.05, 1.05)
 
-    def widget(self, value: float, lo: float = 0.4, hi: float = 1.0, step: float = 0.05):
-        """Display a keep slider (``continuous_update=False``: a drag computes only where it is released)
-        with the numbers, the answer and the perplexity plot; returns it. None outside a kernel."""
+    def panel(self, value: float, lo: float = 0.4, hi: float = 1.0, step: float = 0.05):
+        """Show the keep slider (a drag computes only where it is released) with, as ordinary output, the
+        plot of every keep visited and the dense-vs-compressed table; returns the panel (None outside a kernel)."""
         if not in_kernel_with_widgets():
             return None
-        import ipywidgets as W
         import matplotlib.pyplot as plt
-        from IPython.display import clear_output, display
+        from IPython.display import Markdown
 
-        slider = W.FloatSlider(value=value, min=lo, max=hi, step=step, description="keep",
-                               continuous_update=False, readout_format=".2f")
-        status = W.Label("")
-        out = W.Output()
+        from ..figures import as_image
 
         def render(keep):
-            status.value = f"computing keep {keep:.2f} ..."
-            try:
-                row = self.result(keep)
-                with out:
-                    clear_output(wait=True)
-                    print(self.describe(row))
-                    fig, ax = plt.subplots(figsize=(6, 3))
-                    self.draw(ax, keep)
-                    plt.show()
-            except Exception:                  # a callback's exception would only reach the browser's log
-                with out:
-                    clear_output(wait=True)
-                    traceback.print_exc(file=sys.stdout)
-            finally:
-                status.value = ""
+            row = self.result(keep)
+            fig, axes = plt.subplots(1, 2, figsize=(9.5, 3.2))
+            self.draw(axes, keep)
+            fig.tight_layout()
+            return [Markdown(self.describe(row)), as_image(fig, name="00 keep slider"), self.table(row)]
 
-        slider.observe(lambda ch: render(ch["new"]), names="value")
-        ui = W.VBox([W.HBox([slider, status]), out])
-        ui.slider = slider
-        display(ui)
-        render(value)
-        return ui
+        return SliderPanel({"keep": float_slider(value, lo, hi, step, "keep")}, render, 3,
+                           describe=lambda keep: f"keep {keep:.2f}").show()

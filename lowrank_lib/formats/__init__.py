@@ -12,7 +12,8 @@ What the readers trust and refuse (the README's "Reliability" section says why):
 are read with :mod:`.safe_pickle` (per-family allow-list; nothing unpickled is executed), torch
 files are seen as ``torch.load`` sees them (:mod:`.torchfile`), safetensors headers are validated
 (:mod:`.safetensors_file`), files are opened only if regular and capped (:mod:`.files`), and the
-model is built only after every size and tensor was checked (:mod:`.build`). Every failure is a
+model is built only after every size was checked (:mod:`.build`), streaming each tensor once from
+a mapping of the file (:mod:`.lazy`: CRC, cast, NaN/Inf scan, per chunk; peak memory = the model). Every failure is a
 :class:`CheckpointError` naming the file (and the tensor).
 """
 from __future__ import annotations
@@ -96,15 +97,23 @@ def detect_format(path: str | Path) -> str:
 
 
 @guarded
-def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dtype | None = torch.float32,
-                    allow_nonfinite: bool = False):
+def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dtype | None = None,
+                    allow_nonfinite: bool = False, progress: bool = True):
     """Read any supported checkpoint into a ``LlamaForCausalLM`` with ``LowRankLinear`` projections.
 
-    ``family``: skip detection (a format or family name; aliases accepted). ``dtype``: cast every
-    tensor (default float32; None keeps the stored dtypes, which may be mixed). ``allow_nonfinite``:
-    load tensors holding NaN/Inf (refused by default) for inspection; they are listed in
-    ``model.lowrank_meta["nonfinite"]``. ``model.lowrank_meta`` says family, keep, ranks, shared
-    groups, source. Every failure is a :class:`CheckpointError` naming the file (and tensor).
+    ``family``: skip detection (a format or family name; aliases accepted). ``dtype``: None (default)
+    keeps the dtypes the file stores (SVD-LLM: fp32 factors, fp16 embeddings / norms / lm_head), a
+    floating dtype casts each tensor while it is streamed (``torch.float32`` for the engine and the
+    evaluations, ``torch.bfloat16`` to halve an fp32 file). ``allow_nonfinite``: load tensors holding
+    NaN/Inf (refused by default) for inspection; they are listed in ``model.lowrank_meta["nonfinite"]``.
+    ``progress``: a tqdm bar on stderr (bytes and tensors) when the load takes more than ~2 s.
+
+    Memory and speed: the file is mapped, checked and streamed one tensor (one chunk) at a time; tensors
+    kept in their stored dtype view the mapping, cast ones are converted chunk by chunk. Peak RSS is
+    the loaded model plus a few chunks (the README's reliability section gives the measured contract).
+    ``model.lowrank_meta`` says family, keep, ranks, shared groups, source, and the bytes per dtype as
+    stored and as loaded (``"dtypes"``). Every failure is a :class:`CheckpointError` naming the file
+    (and tensor).
     """
     path = Path(path)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -112,7 +121,7 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     fmt = _format(family, path) if family is not None else families.get(detect_format(path))
     if fmt.name == "svdllm" and path.is_dir():
         path = single_pt(path)
-    return fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite)
+    return fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite, progress=progress)
 
 
 def save_checkpoint(model, path: str | Path) -> Path:

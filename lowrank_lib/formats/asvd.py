@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from .build import build_model, llama_config
@@ -58,7 +57,8 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
     path = Path(path)
     cfg, ranks = family_config(path, "truncation_ranks", "ASVD")
     cfg_obj = llama_config(cfg, str(path / "config.json"))
@@ -84,4 +84,4 @@ def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     if stray:
         fail(path, f"factor tensors {stray[:3]} are not listed in truncation_ranks", key=stray[0])
     meta = {"family": "asvd", "keep": (keep_from_name(path.name) or 0) / 100 or None, "shared_groups": []}
-    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite, progress=progress)

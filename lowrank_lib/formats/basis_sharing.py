@@ -72,7 +72,8 @@ def _groups(cfg: dict, t: str, n_layers: int, src) -> list[list[int]]:
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
     path = Path(path)
     cfg, _ = family_config(path, "num_basis_q", "Basis Sharing")
     cfg_obj = llama_config(dict(cfg, model_type="llama"), str(path / "config.json"))
@@ -117,4 +118,4 @@ def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
             "shared_groups": shared,
             "groups": {t: cfg.get(f"{t}_groups") for t in TYPES},
             "num_basis": {t: cfg.get(f"num_basis_{t}") for t in TYPES}}
-    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite, progress=progress)

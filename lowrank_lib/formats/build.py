@@ -20,13 +20,19 @@ Readers map their native keys to canonical names and hand over
    non-floating tensors are refused by name with expected vs found;
 4. each factorization has 1 <= rank <= min(out, in) (for a basis shared by G modules: the sum of
    their out features), consistent shapes and bias;
-5. after the cast to ``dtype`` every tensor must be finite (NaN/Inf are refused by name unless
-   ``allow_nonfinite=True``, which records them in ``lowrank_meta["nonfinite"]``);
 
-only then are the tensors put into the model (``load_state_dict(assign=True)``: no copy when the
-stored dtype is the one asked for) and the RoPE buffers computed on the CPU. So a bad file raises
-:class:`CheckpointError` naming the file, the tensor, the expected and the found value, and nothing
-half-built is ever returned.
+all of that from the readers' :class:`~.lazy.LazyTensor` descriptions, before a byte of tensor data
+is read. Then each distinct tensor is STREAMED once, in file order (:func:`~.lazy.stream`): its
+CRC verified, cast to ``dtype`` (None keeps the stored dtype: the default) one chunk at a time with
+the source pages handed back as it goes, and scanned for NaN/Inf after the cast (fp32 -> fp16 can
+overflow to inf; refused by name unless ``allow_nonfinite=True``, which records them in
+``lowrank_meta["nonfinite"]``). So the peak memory of a load is the loaded model plus one chunk,
+never a second copy. Tensors kept in their stored dtype view the file's mapping (zero copy).
+
+Only then are the tensors put into the model (``load_state_dict(assign=True)``: no copy) and the
+RoPE buffers computed on the CPU. So a bad file raises :class:`CheckpointError` naming the file, the
+tensor, the expected and the found value, and nothing half-built is ever returned.
+``lowrank_meta["dtypes"]`` records the bytes per dtype as stored and as loaded.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ from torch import nn
 from ..factorized import LowRankLinear, account, set_module, shared_groups, untie_lm_head
 from .derived import split_derived
 from .errors import CheckpointError, brief, fail
+from .lazy import LazyTensor, count_nonfinite, one_thread, stream
 
 #: Llama-family architecture fields read from a (pickled, 4.x or 5.x) config.
 CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -197,27 +204,68 @@ def _meta_model(cfg, source):
         fail(source, f"transformers cannot build a model from this config ({type(e).__name__}: {str(e)[:300]})")
 
 
-def _nonfinite(t: torch.Tensor) -> tuple[int, int, tuple] | None:
-    if not t.dtype.is_floating_point or t.numel() == 0:
-        return None
-    fin = torch.isfinite(t)
-    if bool(fin.all()):
-        return None
-    nan = int(torch.isnan(t).sum())
-    first = tuple(int(i) for i in (~fin).nonzero()[0].tolist())
-    return nan, int((~fin).sum()) - nan, first
+def _lazy_values(d: dict, seen: dict) -> dict:
+    """Tensors in memory become :class:`LazyTensor` (one per tensor object, so sharing is kept)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, torch.Tensor):
+            v = seen.setdefault(id(v), LazyTensor.of(v))
+        out[k] = v
+    return out
 
 
-def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], meta: dict, source: str | Path,
-                dtype: torch.dtype | None = torch.float32, allow_nonfinite: bool = False,
-                buffers: set[str] | None = None):
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+#: Seconds a load runs before its progress bar appears (tqdm's ``delay``).
+PROGRESS_DELAY = 2.0
+
+
+class _Progress:
+    """tqdm on stderr (bytes and tensors) for a load that takes more than ~2 s; silent otherwise."""
+
+    def __init__(self, total: int, n: int, source: str, enabled: bool):
+        self.bar, self.n, self.done = None, n, 0
+        if enabled and total:
+            import sys
+
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, delay=PROGRESS_DELAY,
+                            file=sys.stderr,
+                            desc=f"loading {Path(source).name}", leave=False, postfix=f"0/{n} tensors")
+
+    def update(self, nbytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(nbytes)
+
+    def tensor_done(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{self.done}/{self.n} tensors", refresh=self.done == self.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source: str | Path,
+                dtype: torch.dtype | None = None, allow_nonfinite: bool = False,
+                buffers: set[str] | None = None, progress: bool = False):
     """Construct ``LlamaForCausalLM(cfg)`` with the factors and dense tensors; everything checked first.
 
-    ``dtype=None`` keeps the stored dtype of each tensor (mixed dtypes cannot run a forward on the
-    CPU; the default casts everything to float32). ``buffers``: which ``dense`` keys were buffers
-    in the file (only those may be derived buffers); None when the file does not say (state dicts).
+    Values are :class:`~.lazy.LazyTensor` (what the readers hand over) or tensors in memory.
+    ``dtype=None`` keeps the stored dtype of each tensor (SVD-LLM: fp32 factors, fp16 rest;
+    ``LowRankLinear`` computes in its factors' dtype); a dtype casts every tensor while streaming.
+    ``buffers``: which ``dense`` keys were buffers in the file (only those may be derived buffers);
+    None when the file does not say (state dicts). ``progress``: a tqdm bar if the load takes > ~2 s.
     """
     source = str(source)
+    seen: dict[int, LazyTensor] = {}
+    dense = _lazy_values(dense, seen)
+    factors = {n: tuple(seen.setdefault(id(x), LazyTensor.of(x)) if isinstance(x, torch.Tensor) else x
+                        for x in f) if isinstance(f, tuple) else f for n, f in factors.items()}
     cfg_obj = llama_config(cfg, source) if isinstance(cfg, dict) else cfg
     if cfg_obj.tie_word_embeddings and "lm_head" in factors:
         cfg_obj.tie_word_embeddings = False      # a factorized head cannot be the embedding
@@ -225,7 +273,7 @@ def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], 
     mods = dict(model.named_modules())
     dense, dropped = split_derived(dict(dense), cfg_obj, source, buffers)
     for k, v in dense.items():
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, LazyTensor):
             fail(source, f"'{k}' is {brief(v)}, expected a tensor", key=k)
 
     # ---- factors: modules, shapes, ranks, dtypes
@@ -242,8 +290,8 @@ def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], 
         for side, t in (("U", U), ("V", V), ("bias", b)):
             if t is None and side == "bias":
                 continue
-            if not isinstance(t, torch.Tensor) or not t.dtype.is_floating_point:
-                fail(source, f"factor '{names[side]}' is {brief(t) if not isinstance(t, torch.Tensor) else t.dtype}, "
+            if not isinstance(t, LazyTensor) or not t.dtype.is_floating_point:
+                fail(source, f"factor '{names[side]}' is {brief(t) if not isinstance(t, LazyTensor) else t.dtype}, "
                              f"expected a floating-point tensor", key=names[side])
         o, i = lin.out_features, lin.in_features
         if U.dim() != 2 or V.dim() != 2 or U.shape[0] != o or V.shape[1] != i or U.shape[1] != V.shape[0]:
@@ -290,43 +338,48 @@ def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], 
         if not t.dtype.is_floating_point:
             fail(source, f"tensor '{k}' has dtype {t.dtype}, expected a floating-point dtype", key=k)
 
-    # ---- cast, then refuse non-finite values (after the cast: fp32 -> fp16 can overflow to inf)
-    cast_cache: dict[int, torch.Tensor] = {}
-
-    def cast(t):
-        if id(t) not in cast_cache:
-            c = t.detach()
-            if dtype is not None and c.dtype != dtype:
-                c = c.to(dtype)
-            cast_cache[id(t)] = c.contiguous()
-        return cast_cache[id(t)]
-
+    # ---- stream: each distinct tensor read once, in file order; cast; NaN/Inf refused after the cast
     named = [(names[s], t) for U, V, b, names in norm.values() for s, t in (("U", U), ("V", V), ("bias", b))
              if t is not None] + list(dense.items())
-    bad, checked = {}, set()
+    distinct: dict[int, tuple[str, LazyTensor]] = {}
     for key, t in named:
-        c = cast(t)
-        if id(c) in checked:
-            continue
-        checked.add(id(c))
-        nf = _nonfinite(c)
-        if nf is None:
-            continue
-        nan, inf, first = nf
-        after = f" after casting to {dtype}" if dtype is not None and t.dtype != dtype and _nonfinite(t) is None else ""
-        if not allow_nonfinite:
-            fail(source, f"tensor '{key}' holds {nan} NaN and {inf} Inf values{after} (first at index {first}); "
-                         f"refusing. load_checkpoint(..., allow_nonfinite=True) loads it for inspection", key=key)
-        bad[key] = {"nan": nan, "inf": inf, "first": list(first)}
+        distinct.setdefault(id(t), (key, t))
+    order = sorted(distinct.values(), key=lambda kt: kt[1].position())
+    bar = _Progress(sum(t.stored_bytes() for _, t in order), len(order), source, progress)
+    loaded: dict[int, torch.Tensor] = {}
+    bad = {}
+    stored_b: dict[str, int] = {}
+    try:
+        with one_thread():
+            for key, t in order:
+                c, ok = stream(t, dtype, bar.update)
+                stored_b[_dtype_name(t.dtype)] = stored_b.get(_dtype_name(t.dtype), 0) + t.nbytes
+                loaded[id(t)] = c
+                bar.tensor_done()
+                if ok:
+                    continue
+                nan, inf, first = count_nonfinite(c)
+                after = ""
+                if dtype is not None and t.dtype != dtype and count_nonfinite(t.load()) is None:
+                    after = f" after casting to {dtype}"
+                if not allow_nonfinite:
+                    fail(source, f"tensor '{key}' holds {nan} NaN and {inf} Inf values{after} (first at index "
+                                 f"{first}); refusing. load_checkpoint(..., allow_nonfinite=True) loads it for "
+                                 f"inspection", key=key)
+                bad[key] = {"nan": nan, "inf": inf, "first": list(first)}
+    finally:
+        bar.close()
 
-    # ---- assemble (nothing above allocated model memory)
+    # ---- assemble (nothing above allocated model memory beyond the streamed tensors)
     params: dict[int, nn.Parameter] = {}
 
+    def cast(t):
+        return loaded[id(t)]
+
     def param(t):
-        c = cast(t)
-        if id(c) not in params:
-            params[id(c)] = nn.Parameter(c, requires_grad=False)
-        return params[id(c)]
+        if id(t) not in params:
+            params[id(t)] = nn.Parameter(cast(t), requires_grad=False)
+        return params[id(t)]
 
     if "lm_head" in norm:
         untie_lm_head(model)
@@ -348,6 +401,11 @@ def build_model(cfg, dense: dict[str, torch.Tensor], factors: dict[str, tuple], 
     info.setdefault("shared_groups", shared_groups(model))
     info["realised_keep"] = account(model).linear_keep
     info["source"] = source
+    loaded_b: dict[str, int] = {}
+    for c in loaded.values():
+        loaded_b[_dtype_name(c.dtype)] = loaded_b.get(_dtype_name(c.dtype), 0) + c.numel() * c.element_size()
+    info["dtypes"] = {"stored": stored_b, "loaded": loaded_b, "requested": None if dtype is None else
+                      _dtype_name(dtype)}
     if dropped:
         info["derived_buffers_dropped"] = dropped
     if bad:
@@ -370,17 +428,25 @@ def _materialize_buffers(model, cfg, source) -> None:
         fail(source, f"internal: tensors {left[:5]} were never loaded")
 
 
-def check_aliases(tensors: list[tuple[str, torch.Tensor]], source: str) -> torch.Tensor:
-    """All named tensors must be equal (they are aliases of one shared basis); return the first."""
+def check_aliases(tensors: list[tuple[str, LazyTensor]], source: str) -> LazyTensor:
+    """All named tensors must be equal (they are aliases of one shared basis); return the first.
+
+    Aliases reading the same bytes of the file (what transformers' ``.bin`` save writes: one storage)
+    are equal without reading them; others are read, compared and the dropped copy handed back."""
     name0, t0 = tensors[0]
     for name, t in tensors[1:]:
         if _shape(t) != _shape(t0) or t.dtype != t0.dtype:
             raise CheckpointError(f"{source}: shared tensor '{name}' has shape {_shape(t)} {t.dtype}, its alias "
                                   f"'{name0}' has {_shape(t0)} {t0.dtype}", path=source, key=name)
-        if t is not t0 and not torch.equal(t, t0):
-            diff = (t.double() - t0.double()).abs()
+        if t is t0 or t.same_bytes(t0):
+            continue
+        a, b = t.load(), t0.load()
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs()
             diff = diff[torch.isfinite(diff)]
             raise CheckpointError(f"{source}: '{name}' and '{name0}' should be the same shared basis but differ "
                                   f"(max abs diff {float(diff.max()) if diff.numel() else float('nan'):.3g}); "
                                   f"refusing", path=source, key=name)
+        del a
+        t.release()
     return t0

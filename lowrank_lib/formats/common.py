@@ -15,6 +15,7 @@ from torch import nn
 from ..factorized import LowRankLinear
 from .errors import CheckpointError, brief, fail, guarded
 from .files import read_json, shard_files
+from .lazy import LazyTensor
 from .safetensors_file import read_safetensors
 
 _FAKE_CLASSES: dict[str, type] = {}
@@ -79,10 +80,11 @@ def as_class(obj: nn.Module, cls: type) -> nn.Module:
 
 
 def linear_from(weight: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    """An ``nn.Linear`` around ``weight`` (and ``bias``) for pickling: the same tensor memory, no copy."""
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
     if bias is not None:
-        lin.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
     return lin
 
 
@@ -125,13 +127,13 @@ def _json_default(o):
     return str(o)
 
 
-def _state_dict(obj, p: Path) -> dict[str, torch.Tensor]:
+def _state_dict(obj, p: Path) -> dict[str, LazyTensor]:
     if not isinstance(obj, dict):
         fail(p, f"expected a state dict {{name: tensor}}, found {brief(obj)}")
     for k, v in obj.items():
         if not isinstance(k, str):
             fail(p, f"state dict key {brief(k)} is not a string")
-        if not isinstance(v, torch.Tensor):
+        if not isinstance(v, LazyTensor):
             fail(p, f"state dict entry '{k}' is {brief(v)}, expected a tensor", key=k)
     return obj
 
@@ -144,23 +146,23 @@ def _merge(out: dict, part: dict, p: Path) -> None:
 
 
 @guarded
-def read_safetensors_dir(d: Path) -> dict[str, torch.Tensor]:
-    """All tensors of ``model.safetensors`` or its shards (index json), each file validated first."""
-    out: dict[str, torch.Tensor] = {}
+def read_safetensors_dir(d: Path) -> dict[str, LazyTensor]:
+    """All tensors of ``model.safetensors`` or its shards (index json), each header validated first; lazy."""
+    out: dict[str, LazyTensor] = {}
     for p in shard_files(d, "model.safetensors.index.json", "model.safetensors"):
         _merge(out, read_safetensors(p), p)
     return out
 
 
 @guarded
-def read_torch_bin_dir(d: Path, name: str = "pytorch_model.bin") -> dict[str, torch.Tensor]:
+def read_torch_bin_dir(d: Path, name: str = "pytorch_model.bin") -> dict[str, LazyTensor]:
     """State dict(s) of ``pytorch_model.bin`` (or shards + index) through the restricted unpickler
-    (tensors only: a state dict needs no classes)."""
-    from .safe_pickle import safe_torch_load
+    (tensors only: a state dict needs no classes); lazy."""
+    from .safe_pickle import load_lazy
 
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, LazyTensor] = {}
     for p in shard_files(d, f"{name}.index.json", name):
-        _merge(out, _state_dict(safe_torch_load(p, "state_dict"), p), p)
+        _merge(out, _state_dict(load_lazy(p, "state_dict"), p), p)
     return out
 
 
@@ -177,42 +179,59 @@ def keep_from_name(name: str) -> float | None:
     return float(m.group(1)) if m else None
 
 
-def retag_storages(path: Path, location: str = "cuda:0") -> None:
-    """Rewrite a torch zip archive so every storage is tagged ``location`` (as saved from a GPU).
+@contextlib.contextmanager
+def storages_tagged(location: str):
+    """During the block, ``torch.save`` records every storage's device as ``location`` (``"cuda:0"``: a file
+    saved from a GPU, as Dobi-SVD's are) while the bytes come from the CPU tensors.
 
-    Protocol-2 pickles have no frames or offsets, so replacing the BINUNICODE ``'cpu'`` opcodes in
-    ``data.pkl`` is exact. The archive is rewritten uncompressed with the same records.
+    ``torch.serialization.location_tag`` is looked up each time a storage is pickled, so replacing it
+    for the block is exact for every pickle protocol and container, and keeps torch's own record
+    layout (64-byte aligned storages), which rewriting the archive afterwards would not. Not
+    thread-safe (the writers are not run concurrently)."""
+    import torch.serialization as ts
+
+    if location == "cpu":
+        yield
+        return
+    orig = ts.location_tag
+    ts.location_tag = lambda storage: location
+    try:
+        yield
+    finally:
+        ts.location_tag = orig
+
+
+def pickle_copy(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A copy of a module tree to re-class and pickle, holding NO second copy of the weights.
+
+    Every module is a new object with its own ``_parameters`` / ``_buffers`` / ``_modules`` dicts and
+    new ``Parameter`` objects around the same tensor memory (converted to ``dtype`` where it differs:
+    then the converted tensor is the only copy); ``LowRankLinear`` modules are not copied (the writers
+    replace them by the family's modules). A tensor shared by several modules (tied embeddings) stays
+    shared. The caller's model is never mutated (a ``deepcopy`` held every weight twice).
     """
-    import pickletools
-    import struct
-    import zipfile
+    memo: dict[int, object] = {}
 
-    with zipfile.ZipFile(path) as zf:
-        records = [(i.filename, zf.read(i.filename)) for i in zf.infolist()]
-    out = []
-    for name, data in records:
-        if name.endswith("data.pkl"):
-            pieces, last = [], 0
-            for op, arg, pos in pickletools.genops(data):
-                if op.name in ("BINUNICODE", "SHORT_BINUNICODE") and arg == "cpu":
-                    n = 5 if op.name == "BINUNICODE" else 2
-                    pieces.append(data[last:pos])
-                    enc = location.encode()
-                    pieces.append((b"X" + struct.pack("<I", len(enc)) if n == 5 else b"\x8c" + bytes([len(enc)])) + enc)
-                    last = pos + n + 3
-            pieces.append(data[last:])
-            data = b"".join(pieces)
-        out.append((name, data))
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
-        for name, data in out:
-            zf.writestr(name, data)
-    tmp.replace(path)
+    def conv(t):
+        if id(t) not in memo:
+            c = t.detach()
+            if dtype is not None and c.is_floating_point() and c.dtype != dtype:
+                c = c.to(dtype)
+            memo[id(t)] = nn.Parameter(c, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else c
+        return memo[id(t)]
 
+    def walk(mod):
+        if isinstance(mod, LowRankLinear):
+            return mod
+        if id(mod) not in memo:
+            new = copy.copy(mod)
+            memo[id(mod)] = new
+            new.__dict__["_parameters"] = {k: None if v is None else conv(v) for k, v in mod._parameters.items()}
+            new.__dict__["_buffers"] = {k: None if v is None else conv(v) for k, v in mod._buffers.items()}
+            new.__dict__["_modules"] = {k: None if v is None else walk(v) for k, v in mod._modules.items()}
+        return memo[id(mod)]
 
-def clone_for_pickle(model):
-    """Deep copy of a model for re-classing before ``torch.save`` (never mutate the caller's)."""
-    return copy.deepcopy(model)
+    return walk(model)
 
 
 def finish_dir(path: Path, cfg: dict, tokenizer=None) -> Path:

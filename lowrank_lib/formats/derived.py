@@ -30,6 +30,12 @@ import re
 import torch
 
 from .errors import fail
+from .lazy import LazyTensor
+
+
+def _value(t):
+    """The values of a (lazy) buffer, read only after its shape and dtype passed."""
+    return t.load() if isinstance(t, LazyTensor) else t
 
 _ROPE = re.compile(r"^(?P<at>model\.(?:layers\.(?P<layer>\d+)\.self_attn\.)?rotary_emb)\."
                    r"(?P<kind>inv_freq|original_inv_freq|_?cos_cached|_?sin_cached)$")
@@ -71,7 +77,7 @@ def split_derived(tensors: dict[str, torch.Tensor], cfg, source, candidates=None
         if not (m or _MASK.match(key) or _POS.match(key)) or (candidates is not None and key not in candidates):
             keep[key] = t
             continue
-        if not isinstance(t, torch.Tensor):
+        if not isinstance(t, (torch.Tensor, LazyTensor)):
             fail(source, f"'{key}' is not a tensor", key=key)
         if m:
             layer = m.group("layer")
@@ -90,6 +96,8 @@ def split_derived(tensors: dict[str, torch.Tensor], cfg, source, candidates=None
             _check_mask(key, t, source)
         else:
             _check_positions(key, t, source)
+        if isinstance(t, LazyTensor):
+            t.release()            # checked and dropped: its pages go back
         dropped.append(key)
     return keep, sorted(dropped)
 
@@ -106,10 +114,13 @@ def _check_inv_freq(key, t, inv, rtype, factor, head_dim, source):
                      f"floating RoPE frequencies for head_dim {head_dim}", key=key)
     if rtype == "dynamic":   # 4.x dynamic NTK rewrote inv_freq at run time: the shape is all we can check
         return
+    t = _value(t)
     rtol = max(1e-3, _tol(t.dtype))     # fp16-rounded frequencies pass; another theta / head_dim does not
-    ok, diff = _close(t, inv, 0.0, rtol)
+    fi = torch.finfo(t.dtype)
+    atol = 2 * fi.tiny * fi.eps         # fp16 subnormals (theta 500000 gives frequencies down to 3e-6)
+    ok, diff = _close(t, inv, atol, rtol)
     if not ok and factor:
-        ok, _ = _close(t, inv * factor, 0.0, rtol)    # 4.x LinearScaling stored the unscaled frequencies
+        ok, _ = _close(t, inv * factor, atol, rtol)    # 4.x LinearScaling stored the unscaled frequencies
     if not ok:
         fail(source, f"derived buffer '{key}' does not match the config's RoPE (rope_type {rtype}, head_dim "
                      f"{head_dim}): max abs diff {diff:.3g} from the expected frequencies {_head(inv)}, found "
@@ -125,6 +136,7 @@ def _check_table(key, t, inv, scale, rtype, head_dim, fn, source, cache):
                      f"[1, 1, L, {head_dim}] floating {fn} table", key=key)
     if rtype == "dynamic":
         return
+    t = _value(t)
     L = shape[0]
     ck = (L, fn)
     if ck not in cache:
@@ -146,6 +158,7 @@ def _check_mask(key, t, source):
         fail(source, f"derived buffer '{key}' has shape {tuple(t.shape)} {t.dtype}, expected a square bool "
                      f"causal mask", key=key)
     L = t.shape[0]
+    t = _value(t)
     if not torch.equal(t, torch.ones(L, L, dtype=torch.bool).triu(1)):
         fail(source, f"derived buffer '{key}' is not the causal mask (True strictly above the diagonal)", key=key)
 
@@ -156,6 +169,7 @@ def _check_positions(key, t, source):
                                                                                       shape[0] == 1)):
         fail(source, f"derived buffer '{key}' has shape {shape} {t.dtype}, expected integer [L] or [1, L] "
                      f"position ids", key=key)
+    t = _value(t)
     if not torch.equal(t.reshape(-1), torch.arange(t.numel(), dtype=t.dtype)):
         fail(source, f"derived buffer '{key}' is not arange({t.numel()})", key=key)
 

@@ -22,13 +22,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..codecs import remap_decode, remap_encode
+from ..codecs import remap_decode, remap_encode, remap_us, remap_vt
 from ..factorized import LLAMA_PROJ
 from .build import build_model, llama_config
-from .common import (as_class, clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from,
-                     plain_config, read_json, read_torch_bin_dir, registered, retag_storages, finish_dir)
+from .common import (as_class, factor_modules, fake_class, keep_from_name, linear_from, pickle_copy, plain_config,
+                     read_json, read_torch_bin_dir, registered, storages_tagged, finish_dir)
 from .errors import CheckpointError, brief, fail, guarded
 from .files import member
+from .lazy import LazyTensor, materialize
 from .pickled import pair_factors, read_pickled_model
 
 SVDT = fake_class("modules.module.SVDTransformLayer")
@@ -48,7 +49,7 @@ def write(model, path: str | Path, tokenizer=None, location: str = "cuda:0") -> 
     if path.suffix != ".pt":
         path.mkdir(parents=True, exist_ok=True)
         path = path / "DobiSVD_Model.pt"
-    m = clone_for_pickle(model).half()
+    m = pickle_copy(model, torch.float16)
     m.__dict__.pop("lowrank_meta", None)
     for name in facs:
         f = m.get_submodule(name)
@@ -60,10 +61,8 @@ def write(model, path: str | Path, tokenizer=None, location: str = "cuda:0") -> 
     for layer in m.model.layers:
         layer.self_attn = as_class(layer.self_attn, SDPA)
         layer.mlp.act_fn = nn.SiLU()
-    with registered([SVDT, SDPA]):
+    with registered([SVDT, SDPA]), storages_tagged(location):
         torch.save({"model": m, "tokenizer": tokenizer}, path)
-    if location != "cpu":
-        retag_storages(path, location)
     return path
 
 
@@ -71,7 +70,8 @@ _AB = re.compile(r"^(?P<base>.*)\.(?P<side>[AB])Linear\.(?P<kind>weight|bias)$")
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
     path = Path(path)
     if path.is_dir():
         path = path / "DobiSVD_Model.pt"
@@ -106,39 +106,55 @@ def write_remap(model, path: str | Path, tokenizer=None, location: str = "cuda:0
     sd = {k: v.detach().half().contiguous() for k, v in model.state_dict().items()
           if "self_attn." not in k and "mlp." not in k and "rotary_emb" not in k}
     torch.save(sd, path / "pytorch_model.bin")
-    torch.save(entries, path / "remapping_weight.pt")
-    if location != "cpu":
-        retag_storages(path / "remapping_weight.pt", location)
+    with storages_tagged(location):
+        torch.save(entries, path / "remapping_weight.pt")
     return finish_dir(path, plain_config(model, architectures=["LlamaForCausalLM"], torch_dtype="float16"), tokenizer)
 
 
 _ENTRY_KEYS = ("us_quan", "vt_quan", "us_absmax", "vt_absmax", "tuple_info")
+_TENSORS = (torch.Tensor, LazyTensor)
 
 
 @guarded
-def read_remap(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
-    from .safe_pickle import safe_torch_load
+def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
+    from .safe_pickle import load_lazy
 
     path = Path(path)
     cfg = read_json(path / "config.json", "config.json")
     cfg_obj = llama_config(cfg, str(path / "config.json"))
     dense = read_torch_bin_dir(path)
     rw = member(path, "remapping_weight.pt", "remap file")
-    entries = safe_torch_load(rw, "state_dict")
+    entries = load_lazy(rw, "state_dict")
     if not isinstance(entries, dict):
         fail(rw, f"expected {{module: entry}}, found {brief(entries)}")
     factors, codes = {}, {}
     for name, e in entries.items():
         if not isinstance(name, str):
             fail(rw, f"entry key {brief(name)} is not a module name")
-        US, VT = remap_decode(check_remap_entry(e, name, rw))
+        US, VT = _decoded(check_remap_entry(e, name, rw))
         factors[name] = (US, VT, None, {"U": f"{name}[us_quan]", "V": f"{name}[vt_quan]"})
         codes[name] = e
     meta = {"family": "dobi-remap", "keep": keep_from_name(path.name), "shared_groups": []}
-    model = build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite)
-    for name, e in codes.items():
-        model.get_submodule(name).dobi_remap = e
+    model = build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite, progress=progress)
+    for name, e in codes.items():       # the codes as stored (views of the file), for a byte-exact rewrite
+        model.get_submodule(name).dobi_remap = materialize(e)
     return model
+
+
+def _decoded(e: dict) -> tuple[LazyTensor, LazyTensor]:
+    """The entry's factors as lazy tensors decoded when streamed: US [m, k] and VT [k, n], fp16."""
+    uq, vq, ua, va, tail = (e[k] for k in _ENTRY_KEYS)
+    k, d = uq.shape
+    kind, t = tail if tail is not None else (None, None)
+    us_in, vt_in = (uq, ua) + ((t,) if kind == "us" else ()), (vq, va) + ((t,) if kind == "vt" else ())
+    US = LazyTensor.derived(torch.float16, (d + (t.shape[0] if kind == "us" else 0), k),
+                            lambda q, a, *x: remap_us({"us_quan": q, "us_absmax": a,
+                                                      "tuple_info": ("us", x[0]) if x else None}), *us_in)
+    VT = LazyTensor.derived(torch.float16, (k, d + (t.shape[1] if kind == "vt" else 0)),
+                            lambda q, a, *x: remap_vt({"vt_quan": q, "vt_absmax": a,
+                                                      "tuple_info": ("vt", x[0]) if x else None}), *vt_in)
+    return US, VT
 
 
 def check_remap_entry(e, name: str, source) -> dict:
@@ -149,8 +165,8 @@ def check_remap_entry(e, name: str, source) -> dict:
     uq, vq, ua, va, tail = (e[k] for k in _ENTRY_KEYS)
     for k, t, dt, nd in (("us_quan", uq, torch.uint8, 2), ("vt_quan", vq, torch.uint8, 2),
                          ("us_absmax", ua, torch.float16, 1), ("vt_absmax", va, torch.float16, 1)):
-        if not isinstance(t, torch.Tensor) or t.dtype != dt or t.dim() != nd:
-            found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else brief(t)
+        if not isinstance(t, _TENSORS) or t.dtype != dt or t.dim() != nd:
+            found = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, _TENSORS) else brief(t)
             fail(source, f"'{name}[{k}]' is {found}, expected a {nd}-D {dt} tensor", key=f"{name}[{k}]")
     k, d = uq.shape
     if vq.shape != (k, d) or ua.shape != (k,) or va.shape != (k,):
@@ -158,7 +174,7 @@ def check_remap_entry(e, name: str, source) -> dict:
                      f"absmax {tuple(ua.shape)}/{tuple(va.shape)}", key=f"{name}[vt_quan]")
     if tail is not None:
         ok = isinstance(tail, tuple) and len(tail) == 2 and tail[0] in ("us", "vt") and \
-            isinstance(tail[1], torch.Tensor) and tail[1].dim() == 2 and tail[1].dtype.is_floating_point
+            isinstance(tail[1], _TENSORS) and tail[1].dim() == 2 and tail[1].dtype.is_floating_point
         if not ok:
             fail(source, f"'{name}[tuple_info]' is {brief(tail)}, expected None or ('us'|'vt', 2-D tensor)",
                  key=f"{name}[tuple_info]")

@@ -10,18 +10,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import torch
-
 from .. import families
 from .errors import guarded
+from .lazy import LazyTensor
 
 FAMILY_NOTES = {f.name: f.notes for f in families.formats()}
 
 
-def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
+def _tensors(path: Path, family: str) -> dict[str, LazyTensor]:
+    """The stored tensors (lazy: shapes and dtypes only, nothing read)."""
     from .common import read_safetensors_dir, read_torch_bin_dir, single_pt
     from .pickled import read_pickled_model
-    from .safe_pickle import safe_torch_load
+    from .safe_pickle import load_lazy
 
     if family in ("svdllm", "dobi"):
         if path.is_file():
@@ -37,12 +37,12 @@ def _tensors(path: Path, family: str) -> dict[str, torch.Tensor]:
 
         out = dict(read_torch_bin_dir(path))
         rw = path / "remapping_weight.pt"
-        entries = safe_torch_load(rw, "state_dict")
+        entries = load_lazy(rw, "state_dict")
         if not isinstance(entries, dict):
             fail(rw, "expected {module: entry}")
         for name, e in entries.items():
             for k, v in check_remap_entry(e, str(name), rw).items():
-                if isinstance(v, torch.Tensor):
+                if isinstance(v, LazyTensor):
                     out[f"{name}[{k}]"] = v
                 elif isinstance(v, tuple):
                     out[f"{name}[{k}:{v[0]}]"] = v[1]

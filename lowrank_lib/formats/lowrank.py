@@ -4,8 +4,9 @@
   manifest maps each state key to its stored entry), so shared groups survive a round trip;
 * the manifest holds the architecture config, family of origin, canonical keep, per-matrix ranks,
   shared groups and the factor map ``{module: {U, V, bias}}``;
-* :func:`read` maps the file into memory (``mmap``, copy-on-write) and builds the model on
-  tensors that view the mapping: nothing is copied when the stored dtype is the one asked for.
+* :func:`read` maps the file into memory (``mmap``, copy-on-write) and streams it into the model:
+  tensors kept in their stored dtype view the mapping (nothing is copied), cast ones are converted
+  one chunk at a time (:mod:`.lazy`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .build import build_model, config_dict
 from .common import write_json
 from .errors import brief, fail, guarded
 from .files import member, read_json
+from .lazy import materialize
 from .safetensors_file import read_safetensors
 
 MANIFEST = "lowrank_manifest.json"
@@ -73,7 +75,7 @@ def write(model, path: str | Path, tokenizer=None) -> Path:
 @guarded
 def mmap_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file as views of a copy-on-write memory map (zero copy), header validated."""
-    return read_safetensors(path, use_mmap=True)
+    return materialize(read_safetensors(path, use_mmap=True))
 
 
 def _manifest(path: Path) -> dict:
@@ -100,7 +102,8 @@ def _manifest(path: Path) -> dict:
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, use_mmap: bool = True, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, use_mmap: bool = True, allow_nonfinite: bool = False,
+         progress: bool = False):
     path = Path(path)
     man = _manifest(path)
     wpath = member(path, WEIGHTS, "weight file")
@@ -128,4 +131,4 @@ def read(path: str | Path, dtype=torch.float32, use_mmap: bool = True, allow_non
     dense = {k: stored[v] for k, v in keymap.items() if k not in fkeys}
     meta = dict(man.get("meta") or {})
     meta.pop("ranks", None)
-    return build_model(man["config"], dense, factors, meta, path, dtype, allow_nonfinite)
+    return build_model(man["config"], dense, factors, meta, path, dtype, allow_nonfinite, progress=progress)

@@ -19,6 +19,7 @@ from ..codecs import block_diag_u, split_block_diag
 from ..geometry import geometry
 from .build import CheckpointError, build_model, llama_config
 from .errors import brief, fail, guarded
+from .lazy import LazyTensor
 from .common import (dense_state, factor_modules, family_config, finish_dir, keep_from_name, plain_config,
                      read_safetensors_dir)
 
@@ -56,7 +57,8 @@ def write(model, path: str | Path, tokenizer=None, original: str = "") -> Path:
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
     path = Path(path)
     cfg, hw = family_config(path, "head_wise_ranks", "Palu")
     cfg_obj = llama_config(dict(cfg, model_type="llama"), str(path / "config.json"))
@@ -99,14 +101,20 @@ def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
         if name.rsplit(".", 1)[-1] not in ("k_proj", "v_proj") or out != g_kv:
             fail(path, f"head_wise_ranks lists '{name}' with {len(blocks)} groups of {blocks[0].shape[0]} rows; Palu "
                        f"factorizes k_proj / v_proj of {g_kv} rows", key=f"{name}.U.0.weight")
-        bias = torch.cat([b.reshape(-1) for b in biases]) if biases else None
-        factors[name] = (block_diag_u(blocks), VT, bias, {"U": f"{name}.U.*.weight", "V": vk,
-                                                          "bias": f"{name}.U.*.bias"})
+        bias = None
+        if biases:
+            if any(b.dtype != biases[0].dtype for b in biases):
+                fail(path, f"'{name}' head-group biases mix dtypes {sorted({str(b.dtype) for b in biases})}",
+                     key=f"{name}.U.0.bias")
+            bias = LazyTensor.derived(biases[0].dtype, (sum(b.numel() for b in biases),),
+                                      lambda *bs: torch.cat([b.reshape(-1) for b in bs]), *biases)
+        U = LazyTensor.derived(VT.dtype, (out, sum(ranks)), lambda *bl: block_diag_u(list(bl)), *blocks)
+        factors[name] = (U, VT, bias, {"U": f"{name}.U.*.weight", "V": vk, "bias": f"{name}.U.*.bias"})
     stray = [k for k in sd if ".VT." in k or ".U." in k]
     if stray:
         fail(path, f"factor tensors {stray[:3]} are not listed in head_wise_ranks", key=stray[0])
     meta = {"family": "palu", "keep": _keep(path.name), "head_wise_ranks": hw, "shared_groups": []}
-    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite)
+    return build_model(cfg_obj, sd, factors, meta, path, dtype, allow_nonfinite, progress=progress)
 
 
 def _keep(name: str):

@@ -2,7 +2,8 @@
 
 The restricted unpickler (with the family's allow-list) turns every module into a
 :class:`~.safe_pickle.Stub` that holds its ``__dict__``; here the stub tree is flattened to
-tensors (each module once, see :func:`~.safe_pickle.module_tree`) and the config VALUES are read;
+lazy tensors (each module once, see :func:`~.safe_pickle.module_tree`; no tensor byte read yet) and
+the config VALUES are read;
 then the family module maps keys to factors and :func:`~.build.build_model` constructs a fresh
 transformers model.
 """
@@ -13,12 +14,12 @@ from pathlib import Path
 from typing import Callable
 
 from .errors import brief, fail
-from .safe_pickle import ModuleTree, Stub, module_tree, plain_data, safe_torch_load
+from .safe_pickle import ModuleTree, Stub, load_lazy, module_tree, plain_data
 
 
 def read_pickled_model(path: Path, family: str) -> tuple[ModuleTree, dict]:
     """-> (the model's module tree, its config as plain values)."""
-    obj = safe_torch_load(path, family)
+    obj = load_lazy(path, family)
     if not (isinstance(obj, dict) and isinstance(obj.get("model"), Stub)):
         found = [brief(k) for k in list(obj)[:5]] if isinstance(obj, dict) else brief(obj)
         fail(path, f"expected a pickled {{'model': nn.Module, 'tokenizer': ...}}, found {found}")

@@ -25,8 +25,12 @@ What a pickle may name (exact ``module.name`` pairs, no prefixes, so ``tokenizer
 Before unpickling, :func:`~.pickle_scan.scan` bounds the opcode stream (op count, memo indices,
 frames). Tensors and storages handed to the unpickler are wrapped (:class:`_TensorRef`,
 :class:`_Storage`) so no pickle opcode can call a tensor method (``BUILD`` would call
-``Tensor.__setstate__``); :func:`safe_torch_load` unwraps them afterwards. Storages land on the CPU
-whatever device the file records.
+``Tensor.__setstate__``). What they wrap is a :class:`~.lazy.LazyTensor`: its dtype, size, stride and
+offset were checked against its storage's size, but no byte of it has been read, so a pickle refused
+halfway (a global not on the list after a hundred tensors) has cost the pickle's bytes only.
+:func:`load_lazy` returns the object with lazy tensors (what the family readers stream);
+:func:`safe_torch_load` reads them into tensors. Storages land on the CPU whatever device the file
+records.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from .errors import CheckpointError, UnsafePickleError, brief, fail, guarded
+from .lazy import LazyStorage, LazyTensor, materialize
 from .pickle_scan import scan
 from .torchfile import MAX_PICKLE_BYTES, open_torch_file
 
@@ -156,12 +161,12 @@ class _Inert:
 
 
 class _Storage(_Inert):
-    """A typed storage from the file (1-D tensor of its elements) as the unpickler sees it."""
+    """A typed storage from the file (:class:`~.lazy.LazyStorage`) as the unpickler sees it."""
 
-    __slots__ = ("tensor", "key")
+    __slots__ = ("lazy", "key")
 
-    def __init__(self, tensor, key):
-        self.tensor, self.key = tensor, key
+    def __init__(self, lazy: LazyStorage, key):
+        self.lazy, self.key = lazy, key
 
 
 class _TensorRef(_Inert):
@@ -211,7 +216,7 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
     if not isinstance(requires_grad, bool) or not hooks_ok:
         raise CheckpointError(f"{key}: tensor rebuild with requires_grad {brief(requires_grad)} and backward "
                               f"hooks {brief(backward_hooks)} (torch.save writes neither)", key=key)
-    n = storage.tensor.numel()
+    n = storage.lazy.numel
     if all(size):
         need = storage_offset + sum((s - 1) * st for s, st in zip(size, stride)) + 1
     else:
@@ -219,7 +224,8 @@ def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, 
     if need > n:
         raise CheckpointError(f"{key}: tensor of size {tuple(size)} stride {tuple(stride)} offset {storage_offset} "
                               f"needs {need} elements but its storage holds {n}", key=key)
-    return _TensorRef(storage.tensor.as_strided(tuple(size), tuple(stride), storage_offset))
+    st = storage.lazy
+    return _TensorRef(LazyTensor(st.dtype, tuple(size), st, st.elem_offset + storage_offset, tuple(stride)))
 
 
 def _rebuild_tensor_v1(storage, storage_offset, size, stride):
@@ -229,7 +235,8 @@ def _rebuild_tensor_v1(storage, storage_offset, size, stride):
 def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
     if not isinstance(data, _TensorRef):
         raise UnsafePickleError(f"parameter rebuild got {brief(data)}, not a tensor of the file")
-    return _TensorRef(torch.nn.Parameter(data.tensor, requires_grad=False))
+    data.tensor.parameter = True
+    return data
 
 
 def _rebuild_from_type(func, new_type, args, state):
@@ -325,7 +332,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         self._classes = classes
         self._source = source
         self.storages: dict[str, _Storage] = {}
-        self.used: dict[str, tuple[torch.Tensor, int]] = {}
+        self.used: dict[str, tuple[object, int]] = {}      # key -> (the container's Record, element size)
 
     def find_class(self, module: str, name: str):
         key = (module, name)
@@ -355,21 +362,21 @@ class RestrictedUnpickler(pickle.Unpickler):
                 not (_is_int(numel) and 0 <= numel <= _MAX_NUMEL):
             raise CheckpointError(f"persistent id has key {brief(key)}, location {brief(location)}, numel "
                                   f"{brief(numel)}")
-        elsize = torch.empty(0, dtype=stype.dtype).element_size()
+        elsize = stype.dtype.itemsize
         st = self.storages.get(key)
         if st is None:
-            raw = self._tf.storage(key, numel * elsize)
-            self.used[key] = (raw, elsize)
-            st = self.storages[key] = _Storage(raw.view(stype.dtype) if raw.numel() else
-                                               torch.empty(0, dtype=stype.dtype), key)
-        elif st.tensor.dtype != stype.dtype or st.tensor.numel() != numel:
-            raise CheckpointError(f"storage {key} is referenced as {st.tensor.numel()} x {st.tensor.dtype} and as "
+            rec = self._tf.storage(key, numel * elsize)
+            self.used[key] = (rec, elsize)
+            st = self.storages[key] = _Storage(LazyStorage(rec, stype.dtype, numel), key)
+        elif st.lazy.dtype != stype.dtype or st.lazy.numel != numel:
+            raise CheckpointError(f"storage {key} is referenced as {st.lazy.numel} x {st.lazy.dtype} and as "
                                   f"{numel} x {stype.dtype}", key=key)
         if view is not None:
             if not (isinstance(view, tuple) and len(view) == 3 and isinstance(view[0], str) and _is_int(view[1])
                     and _is_int(view[2]) and 0 <= view[1] and 0 <= view[2] and view[1] + view[2] <= numel):
                 raise CheckpointError(f"storage {key}: view {brief(view)} outside its {numel} elements", key=key)
-            return _Storage(st.tensor[view[1]:view[1] + view[2]], f"{key}[{view[1]}:+{view[2]}]")
+            return _Storage(LazyStorage(st.lazy.record, stype.dtype, view[2], st.lazy.elem_offset + view[1]),
+                            f"{key}[{view[1]}:+{view[2]}]")
         return st
 
     def load(self):
@@ -407,14 +414,55 @@ def _load_raw(path, family: str | None):
 
 
 @guarded
+def load_lazy(path: str | Path, family: str | None = None):
+    """:func:`safe_torch_load` without reading the tensors: every tensor is a :class:`~.lazy.LazyTensor`
+    (dtype, shape and location checked; read when the caller streams it)."""
+    return unwrap(_load_raw(path, family), path)
+
+
+@guarded
 def safe_torch_load(path: str | Path, family: str | None = None):
     """Load a ``torch.save`` file (zip or legacy, as torch decides) with :class:`RestrictedUnpickler`.
 
     ``family``: whose class allow-list applies ("svdllm", "dobi", "state_dict" for tensors only,
     None for every family's). Storages land on the CPU. Raises :class:`UnsafePickleError` for a
-    refused global and :class:`CheckpointError` for anything malformed.
+    refused global and :class:`CheckpointError` for anything malformed (a corrupt record: when read).
     """
-    return unwrap(_load_raw(path, family), path)
+    obj = unwrap(_load_raw(path, family), path)
+    return _materialize_all(obj)
+
+
+def _materialize_all(obj):
+    """Tensors for the lazy tensors in containers AND in stub state (``materialize`` walks containers)."""
+    seen: set[int] = set()
+
+    def walk(o):
+        if isinstance(o, Stub):
+            if id(o) in seen:
+                return o
+            seen.add(id(o))
+            for k, v in list(o.__dict__.items()):
+                o.__dict__[k] = walk(v)
+            return o
+        if isinstance(o, dict):
+            if id(o) not in seen:
+                seen.add(id(o))
+                for k in list(o):
+                    o[k] = walk(o[k])
+            return o
+        if isinstance(o, list):
+            if id(o) not in seen:
+                seen.add(id(o))
+                for i, v in enumerate(o):
+                    o[i] = walk(v)
+            return o
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        if isinstance(o, (set, frozenset)):
+            return o
+        return materialize(o)
+
+    return walk(obj)
 
 
 @guarded
@@ -494,11 +542,11 @@ MAX_MODULE_DEPTH = 64
 class ModuleTree:
     """A pickled ``nn.Module`` tree flattened: tensors by state-dict key, module class paths."""
 
-    params: dict[str, torch.Tensor] = field(default_factory=dict)
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    params: dict[str, LazyTensor] = field(default_factory=dict)
+    buffers: dict[str, LazyTensor] = field(default_factory=dict)
     classes: set[str] = field(default_factory=set)
 
-    def state(self) -> dict[str, torch.Tensor]:
+    def state(self) -> dict[str, LazyTensor]:
         return {**self.params, **self.buffers}
 
 
@@ -534,7 +582,7 @@ def module_tree(root, source) -> ModuleTree:
                 if v is None:
                     continue
                 t = v.tensor if isinstance(v, _TensorRef) else v
-                if not isinstance(t, torch.Tensor):
+                if not isinstance(t, LazyTensor):
                     fail(source, f"'{prefix}{k}' is {brief(v)}, expected a tensor", key=prefix + k)
                 dest[prefix + k] = t
         for k, sub in (d.get("_modules") or {}).items():
@@ -558,7 +606,7 @@ def plain_data(obj, source, what: str = "config", max_depth: int = 12, max_nodes
     def conv(o, depth):
         if isinstance(o, (str, bool, int, float)) or o is None:
             return o
-        if isinstance(o, _TensorRef) or not isinstance(o, (Stub, dict, list, tuple)):
+        if isinstance(o, (_TensorRef, LazyTensor)) or not isinstance(o, (Stub, dict, list, tuple)):
             return None
         if depth > max_depth:
             fail(source, f"{what} nested deeper than {max_depth} levels")
@@ -589,5 +637,5 @@ def plain_data(obj, source, what: str = "config", max_depth: int = 12, max_nodes
 
 
 __all__ = ["FAMILY_CLASSES", "FAMILY_MARKERS", "ModuleTree", "RestrictedUnpickler", "Stub", "TENSOR_GLOBALS",
-           "TRANSFORMERS_CLASSES", "UnsafePickleError", "allowed_classes", "module_tree", "pickle_globals",
+           "TRANSFORMERS_CLASSES", "UnsafePickleError", "allowed_classes", "load_lazy", "module_tree", "pickle_globals",
            "plain_data", "safe_torch_load", "unwrap", "MAX_PICKLE_BYTES"]

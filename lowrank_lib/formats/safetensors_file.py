@@ -15,9 +15,11 @@ which checks nothing. :func:`check_safetensors` is the one validator both use (a
   begins where the previous ended, the last ends at the end of the file (so a truncated file, a
   file with trailing bytes and two tensors sharing bytes are all refused).
 
-:func:`read_safetensors` then maps the file (copy-on-write) and returns views of exactly the byte
-ranges the validated header declares (one parse of the header, the one we checked), or loads it with
-the safetensors library (``use_mmap=False``).
+:func:`read_safetensors` then maps the file (copy-on-write) and returns lazy tensors over exactly the
+byte ranges the validated header declares (one parse of the header, the one we checked; nothing of
+the data is read until the builder streams it), or loads it with the safetensors library
+(``use_mmap=False``). Why not safetensors' own mmap (``safe_open``): it parses the header a second
+time with its own rules, which let holes and overlapping spans pass.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from pathlib import Path
 import torch
 
 from .errors import fail, guarded
-from .files import map_file, open_regular, regular_file
+from .files import open_regular, regular_file
+from .lazy import LazyStorage, LazyTensor, Mapping, Record
 
 #: The safetensors library refuses larger headers; so do we.
 MAX_HEADER_BYTES = 100_000_000
@@ -151,27 +154,24 @@ def check_safetensors(path) -> SafetensorsHeader:
 
 
 @guarded
-def read_safetensors(path, use_mmap: bool = True) -> dict[str, torch.Tensor]:
-    """Tensors of a validated safetensors file: copy-on-write views of a mapping, or loaded by the library."""
+def read_safetensors(path, use_mmap: bool = True) -> dict[str, LazyTensor]:
+    """Lazy tensors of a validated safetensors file: spans of a copy-on-write mapping, or (``use_mmap=False``)
+    tensors loaded by the safetensors library."""
     h = check_safetensors(path)
     if not use_mmap:
         from safetensors.torch import load_file
 
         try:
-            return load_file(str(h.path))
+            return {k: LazyTensor.of(v) for k, v in load_file(str(h.path)).items()}
         except Exception as e:  # SafetensorError and friends: the file changed under us or the library disagrees
             fail(h.path, f"the safetensors library refused the file ({type(e).__name__}: {e})")
-    mm, size = map_file(h.path, "safetensors file")
+    m = Mapping(h.path, "safetensors file")
+    if m.size != h.data_start + sum(t.end - t.begin for t in h.tensors.values()):
+        fail(h.path, f"the file changed size while being read ({m.size} bytes now)")
     out = {}
     for name, t in h.tensors.items():
-        off = h.data_start + t.begin
-        if t.numel == 0:
-            out[name] = torch.empty(t.shape, dtype=t.dtype)
-        elif off % t.dtype.itemsize:   # legal in the format, but a typed view must be aligned: copy it
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin, offset=off).clone()
-            out[name] = raw.view(t.dtype).view(t.shape)
-        else:
-            out[name] = torch.frombuffer(mm, dtype=t.dtype, count=t.numel, offset=off).view(t.shape)
+        rec = Record(h.path, name, t.end - t.begin, mapping=m, offset=h.data_start + t.begin)
+        out[name] = LazyTensor(t.dtype, t.shape, LazyStorage(rec, t.dtype, t.numel))
     return out
 
 

@@ -19,7 +19,7 @@ from ..factorized import LLAMA_PROJ
 from ..geometry import geometry
 from .build import build_model, llama_config
 from .errors import fail, guarded
-from .common import clone_for_pickle, factor_modules, fake_class, keep_from_name, linear_from, registered
+from .common import factor_modules, fake_class, keep_from_name, linear_from, pickle_copy, registered
 from .pickled import pair_factors, read_pickled_model
 
 ATTN = fake_class("component.svd_llama.SVD_LlamaAttention")
@@ -48,9 +48,7 @@ def write(model, path: str | Path, tokenizer=None, model_name: str = "model", ke
         path = path / native_filename(model_name, keep if keep is not None else meta.get("keep", 1.0),
                                       meta.get("variant", "v1"))
     inv_freq = model.model.rotary_emb.inv_freq.detach().float().clone()   # SVD-LLM's rotary is built in fp32
-    m = clone_for_pickle(model)
-    if base_dtype is not None:
-        m = m.to(base_dtype)
+    m = pickle_copy(model, base_dtype)
     cfg = m.config
     for i, layer in enumerate(m.model.layers):
         mlp = layer.mlp
@@ -87,7 +85,8 @@ _FACTOR = re.compile(r"^(?P<base>.*)\.(?P<p>\w+)_(?P<side>[uv])_proj\.(?P<kind>w
 
 
 @guarded
-def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
+def read(path: str | Path, dtype=None, allow_nonfinite: bool = False,
+         progress: bool = False):
     """SVD-LLM pickle -> the ONE representation (tensors only; nothing unpickled is executed)."""
     path = Path(path)
     tree, cfg = read_pickled_model(path, "svdllm")
@@ -101,7 +100,7 @@ def read(path: str | Path, dtype=torch.float32, allow_nonfinite: bool = False):
     cfg_obj = llama_config(cfg, str(path))
     variant = "v2" if "_v2_" in path.name else "v1"
     meta = {"family": "svdllm", "variant": variant, "keep": keep_from_name(path.name), "shared_groups": []}
-    return build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite, buffers=set(tree.buffers))
+    return build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite, buffers=set(tree.buffers), progress=progress)
 
 
 __all__ = ["native_filename", "read", "write"]

@@ -17,8 +17,12 @@ folder, only torch's own record names occur (a TorchScript archive is refused), 
 stored or deflated with a declared size that is checked while reading (no decompression bomb),
 CRCs are verified, and ``byteorder`` (if present) is ``little``.
 
-Storages come back as 1-D ``uint8`` tensors on the CPU whatever device the file names (Dobi-SVD
-saves ``cuda:0``); a stored (uncompressed) zip record is a copy-on-write view of the mapped file.
+Storages come back as :class:`~.lazy.Record` objects (nothing read yet) on the CPU whatever device
+the file names (Dobi-SVD saves ``cuda:0``): a stored (uncompressed) zip record is a range of the
+copy-on-write mapping of the file, its CRC verified when it is read; a deflated record is inflated
+(bounded by its declared size) when it is read; a legacy storage's offset is known once the data
+section after the pickle was walked (:meth:`LegacyFile.finish`). So unpickling reads the pickle and
+nothing else, and a refused pickle costs its own bytes only.
 
 Why not ``torch.load`` itself: with ``weights_only=True`` it refuses the families' classes and
 accepts no ``pickle_module`` (so no allow-list of ours), and its safe-globals registry would need
@@ -36,10 +40,10 @@ import zipfile
 import zlib
 from pathlib import Path
 
-import torch
 
 from .errors import CheckpointError, fail, guarded
-from .files import map_file, open_regular
+from .files import open_regular
+from .lazy import Mapping, Record
 from .pickle_scan import scan
 
 ZIP_MAGIC = b"PK\x03\x04"
@@ -142,12 +146,13 @@ class TorchFile:
         """A binary file object at the first byte of the object pickle, and the bytes it may read."""
         raise NotImplementedError
 
-    def storage(self, key: str, nbytes: int) -> torch.Tensor:
+    def storage(self, key: str, nbytes: int) -> Record:
+        """The record of storage ``key`` (``nbytes`` long, checked against the container; nothing read)."""
         raise NotImplementedError
 
-    def finish(self, used: dict[str, tuple[torch.Tensor, int]], pickle_end: int) -> None:
-        """Called after unpickling with the storages handed out, ``key -> (uint8 storage, element size)``,
-        and the length of the object pickle (legacy files read their data section now)."""
+    def finish(self, used: dict[str, tuple[Record, int]], pickle_end: int) -> None:
+        """Called after unpickling with the storages handed out, ``key -> (record, element size)``,
+        and the length of the object pickle (legacy files locate their storages now)."""
 
     def close(self):
         pass
@@ -257,7 +262,7 @@ class ZipArchive(TorchFile):
             order = self.read_record("byteorder", 16)
             if order != b"little":
                 fail(path, f"byteorder record is {order!r}: only little-endian checkpoints are supported")
-        self._mm = None
+        self._map: Mapping | None = None
 
     def _check_name(self, rel: str, full: str):
         if rel in ("data.pkl", "version", ".format_version", ".storage_alignment", "byteorder") or \
@@ -288,7 +293,7 @@ class ZipArchive(TorchFile):
         data = self.read_record("data.pkl", MAX_PICKLE_BYTES)
         return io.BytesIO(data), len(data)
 
-    def storage(self, key: str, nbytes: int) -> torch.Tensor:
+    def storage(self, key: str, nbytes: int) -> Record:
         rel = f"data/{key}"
         if rel not in self._records:
             fail(self.path, f"storage record '{self.prefix}{rel}' is missing (truncated file?)", key=rel)
@@ -296,16 +301,13 @@ class ZipArchive(TorchFile):
         if info.file_size != nbytes:
             fail(self.path, f"storage record '{self.prefix}{rel}' holds {info.file_size} bytes, the pickle expects "
                             f"{nbytes}", key=rel)
-        if nbytes == 0:
-            return torch.empty(0, dtype=torch.uint8)
+        name = f"{self.prefix}{rel}"
         if info.compress_type != zipfile.ZIP_STORED:
-            return torch.frombuffer(bytearray(self.read_record(rel, nbytes)), dtype=torch.uint8)
-        if self._mm is None:
-            self._mm, _ = map_file(self.path, "torch.save archive")
-        mv = memoryview(self._mm)[off:off + nbytes]
-        if zlib.crc32(mv) != info.CRC:
-            fail(self.path, f"storage record '{self.prefix}{rel}' fails its CRC check (corrupt data)", key=rel)
-        return torch.frombuffer(self._mm, dtype=torch.uint8, count=nbytes, offset=off)
+            return Record(self.path, name, nbytes, crc=None,
+                          inflate=lambda: _inflate(self.path, name, off, info.compress_size, nbytes, info.CRC))
+        if self._map is None:
+            self._map = Mapping(self.path, "torch.save archive")
+        return Record(self.path, name, nbytes, mapping=self._map, offset=off, crc=info.CRC)
 
     def close(self):
         self._zf.close()
@@ -320,7 +322,8 @@ class LegacyFile(TorchFile):
 
     def __init__(self, path):
         self.path = path = Path(path)
-        mm, self._size = map_file(path, "torch.save file")
+        self._map = Mapping(path, "torch.save file")
+        mm, self._size = self._map.mm, self._map.size
         if mm is None:
             fail(path, "empty file")
         self._mm = mm
@@ -340,14 +343,15 @@ class LegacyFile(TorchFile):
     def pickle_stream(self):
         return _Cursor(self._mm, self._start), self._size - self._start
 
-    def storage(self, key: str, nbytes: int) -> torch.Tensor:
+    def storage(self, key: str, nbytes: int) -> Record:
         self._alloc += nbytes
         if self._alloc > self._size:
             fail(self.path, f"storages claim {self._alloc} bytes, more than the {self._size}-byte file holds", key=key)
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return Record(self.path, f"storage {key}", nbytes, mapping=self._map, offset=None)
 
-    def finish(self, used: dict[str, tuple[torch.Tensor, int]], pickle_end: int) -> None:
-        """Read the data section into the storages handed out; ``used``: key -> (uint8 storage, element size)."""
+    def finish(self, used: dict[str, tuple[Record, int]], pickle_end: int) -> None:
+        """Walk the data section: each storage's ``int64 numel`` header is checked and its offset set;
+        ``used``: key -> (record, element size). No storage byte is read."""
         cur = _Cursor(self._mm, self._start + pickle_end)
         keys = _plain_pickle(cur, self.path, "storage key list")
         if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
@@ -357,23 +361,39 @@ class LegacyFile(TorchFile):
                             f"pickle references")
         pos = cur.tell()
         for k in keys:
-            buf, elsize = used[k]
+            rec, elsize = used[k]
             if pos + 8 > self._size:
                 fail(self.path, f"storage '{k}' is missing (truncated file)", key=k)
             numel = int.from_bytes(self._mm[pos:pos + 8], "little", signed=True)
-            if numel * elsize != buf.numel():
+            if numel * elsize != rec.nbytes:
                 fail(self.path, f"storage '{k}' holds {numel} elements of {elsize} bytes, the pickle expects "
-                                f"{buf.numel() // elsize}", key=k)
+                                f"{rec.nbytes // elsize}", key=k)
             pos += 8
-            if pos + buf.numel() > self._size:
+            if pos + rec.nbytes > self._size:
                 fail(self.path, f"storage '{k}' runs past the end of the file (truncated)", key=k)
-            if buf.numel():
-                buf.copy_(torch.frombuffer(self._mm, dtype=torch.uint8, count=buf.numel(), offset=pos))
-            pos += buf.numel()
+            rec.offset = pos
+            pos += rec.nbytes
         if pos != self._size:
             fail(self.path, f"{self._size - pos} bytes trail the last storage; a torch.save file ends there "
                             f"(refusing a file with two readings)")
 
+
+def _inflate(path, name: str, offset: int, compressed: int, nbytes: int, crc: int) -> bytes:
+    """The bytes of a deflated zip record, re-read from the checked file when first needed: at most
+    ``nbytes`` are produced (no decompression bomb), and the length and CRC must match the directory."""
+    with open_regular(path, "torch.save archive") as f:
+        f.seek(offset)
+        raw = f.read(compressed)
+    try:
+        d = zlib.decompressobj(-15)
+        data = d.decompress(raw, nbytes + 1)
+    except zlib.error as e:
+        fail(path, f"zip record '{name}' is corrupt ({e})", key=name)
+    if len(raw) != compressed or len(data) != nbytes:
+        fail(path, f"zip record '{name}' holds {len(data)} bytes, its header says {nbytes}", key=name)
+    if zlib.crc32(data) != crc:
+        fail(path, f"storage record '{name}' fails its CRC check (corrupt data)", key=name)
+    return data
 
 
 @guarded

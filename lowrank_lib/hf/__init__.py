@@ -1,15 +1,11 @@
-"""transformers integration shared by the KV caches (AttSVD, eviction) and evaluation.
+"""transformers integration shared by the KV adapter and the evaluations.
 
-- :mod:`.attention` is the ONE owner of transformers' attention registry (public API only).
-- :mod:`.capture` hands a prefill's post-RoPE queries to a cache (``capture``) or records q/k/v.
-- :mod:`.cache` the compress-once-after-prefill ``Cache`` layer and cache, the capture record.
-- :mod:`.record` one recorded prefill replayed into many caches.
+- :mod:`.attention` is the ONE owner of transformers' attention registry (public API only);
+- :mod:`.capture` records a forward's post-RoPE q/k/v.
+
+The transformers ``Cache`` that serves every KV method is :class:`lowrank_lib.kv.hf_adapter.KVCache`.
 """
 from .attention import attention_modules, current_attention, routed_attention
-from .cache import CompressedKVCache, MemoryReport, Observation, PrefillCompressedLayer
-from .capture import capture, capture_qkv
-from .record import PrefillRecord, dense_from, record_prefill, replay
+from .capture import capture_qkv
 
-__all__ = ["CompressedKVCache", "MemoryReport", "Observation", "PrefillCompressedLayer", "PrefillRecord",
-           "attention_modules", "capture", "capture_qkv", "current_attention", "dense_from", "record_prefill",
-           "replay", "routed_attention"]
+__all__ = ["attention_modules", "capture_qkv", "current_attention", "routed_attention"]

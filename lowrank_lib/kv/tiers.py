@@ -94,6 +94,7 @@ class TieredLayer:
     k_new: torch.Tensor | None = None     # [B, H, cap, d]
     v_new: torch.Tensor | None = None
     n_new: int = 0                        # appended rows written (host count)
+    info: list[dict] = field(default_factory=list)   # per batch row: what the method reports of its fit (not held)
     #: host copies of the descriptors (the portable path slices with them; the kernel reads the device ones)
     host_e_off: list[int] = field(default_factory=list)
     host_runs: list[list[int]] = field(default_factory=list)
@@ -179,16 +180,24 @@ class TieredLayer:
                 if t is not None]
 
     @property
+    def tier_nbytes(self) -> int:
+        """Bytes of the fitted tiers: every tensor (descriptors, scales, positions included), no appended rows."""
+        return sum(t.numel() * t.element_size() for t in self._stored())
+
+    def appended_nbytes(self, n: int) -> int:
+        """Bytes of ``n`` appended rows (every row and head, K and V)."""
+        return 2 * self.B * self.H * n * self.d * self.k_exact.element_size()
+
+    @property
     def nbytes(self) -> int:
-        """Bytes held: every tier tensor (descriptors, scales, positions included) + the appended rows written."""
-        new = 2 * self.B * self.H * self.n_new * self.d * self.k_exact.element_size()
-        return sum(t.numel() * t.element_size() for t in self._stored()) + new
+        """Bytes held: the tiers + the appended rows written."""
+        return self.tier_nbytes + self.appended_nbytes(self.n_new)
 
     @property
     def allocated_nbytes(self) -> int:
         """:attr:`nbytes` with the appended rows' whole capacity instead of the rows written."""
-        new = sum(t.numel() * t.element_size() for t in (self.k_new, self.v_new) if t is not None)
-        return sum(t.numel() * t.element_size() for t in self._stored()) + new
+        cap = 0 if self.k_new is None else self.k_new.shape[2]
+        return self.tier_nbytes + self.appended_nbytes(cap)
 
     def counts(self) -> dict:
         """Tokens per tier summed over segments (exact, low-rank) and the appended rows."""
@@ -229,19 +238,49 @@ class TieredLayer:
         lo, hi = self.host_e_off[s], self.host_e_off[s + 1]
         return self.k_exact[lo:hi], self.v_exact[lo:hi], list(range(self.host_r_off[s], self.host_r_off[s + 1]))
 
-    def dense(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row segment ``s`` holds, rebuilt (exact, then runs, then appended rows) [n, d]."""
+    def dense(self, s: int, n_new: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row segment ``s`` holds, rebuilt (exact, then runs, then the first ``n_new`` appended rows, default
+        all written) [n, d]."""
+        n_new = self.n_new if n_new is None else n_new
         k, v, js = self.segment(s)
         ks, vs = [k], [v]
         for j in js:
             a_k, b_k, a_v, b_v = self.run_factors(j)
             ks.append(a_k @ b_k)
             vs.append(a_v @ b_v)
-        if self.n_new:
+        if n_new:
             b, h = divmod(s, self.H)
-            ks.append(self.k_new[b, h, :self.n_new])
-            vs.append(self.v_new[b, h, :self.n_new])
+            ks.append(self.k_new[b, h, :n_new])
+            vs.append(self.v_new[b, h, :n_new])
         return torch.cat(ks), torch.cat(vs)
+
+    def to_segments(self) -> list[list[Segment]]:
+        """The layer as segments again: exact rows followed by the appended rows (oldest first), runs with float
+        factors (int8 dequantised), positions as held. A method that reshapes its state (AttSVD's stream mode)
+        edits these and :meth:`replace_with` a new build."""
+        if self.n_new and self.pos_exact is not None:
+            raise ValueError("TieredLayer.to_segments: the appended rows have no stored positions to fold in")
+        out = []
+        for b in range(self.B):
+            row = []
+            for h in range(self.H):
+                s = b * self.H + h
+                k, v, js = self.segment(s)
+                if self.n_new:
+                    k, v = torch.cat([k, self.k_new[b, h, :self.n_new]]), torch.cat([v, self.v_new[b, h, :self.n_new]])
+                lo, hi = self.host_e_off[s], self.host_e_off[s + 1]
+                pos = None if self.pos_exact is None else self.pos_exact[lo:hi]
+                runs = []
+                for j in js:
+                    n, otok = self.host_runs[j][N], self.host_runs[j][TOK_OFF]
+                    runs.append(Run(*self.run_factors(j), None if self.pos_mid is None else self.pos_mid[otok:otok + n]))
+                row.append(Segment(k, v, pos, runs))
+            out.append(row)
+        return out
+
+    def replace_with(self, other: "TieredLayer") -> None:
+        """Become ``other`` in place (adapters hold this object), its appended rows included."""
+        self.__dict__.update(other.__dict__)
 
     # ------------------------------------------------------------------ appended rows
     def reserve(self, cap: int) -> None:
@@ -255,18 +294,20 @@ class TieredLayer:
 
     def append(self, k: torch.Tensor, v: torch.Tensor, slot: torch.Tensor | None = None) -> None:
         """k, v [B, H, t, d] -> appended rows n_new .. n_new + t (grown by doubling when full). ``slot``: the
-        device index of the first row (a captured decode step writes at a device-side slot; t = 1)."""
+        device index [t] of the rows in the reserved buffers (a captured decode step writes at device-side slots);
+        the host count is then not advanced (it would be baked into the capture): the caller's position counter is
+        the count, passed to :func:`attend` as a device ``n_new``."""
         t = k.shape[-2]
         cap = 0 if self.k_new is None else self.k_new.shape[2]
         if slot is not None:
             self.k_new.index_copy_(2, slot, k)
             self.v_new.index_copy_(2, slot, v)
-            self.n_new += t
             return
         if self.n_new + t > cap:
             self.reserve(max(2 * cap, self.n_new + t, 16))
-        self.k_new[:, :, self.n_new:self.n_new + t] = k
-        self.v_new[:, :, self.n_new:self.n_new + t] = v
+        rows = torch.arange(self.n_new, self.n_new + t, device=self.k_new.device)
+        self.k_new.index_copy_(2, rows, k)                # the one kind of write, eager or captured
+        self.v_new.index_copy_(2, rows, v)
         self.n_new += t
 
 
@@ -350,8 +391,32 @@ def attend_portable(layer: TieredLayer, q: torch.Tensor, scale: float | None = N
     return out
 
 
-#: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, 1, d], scale, n_new) -> [B, Hq, 1, d]
-BACKENDS = {"portable": attend_portable}
+def attend_rebuild(layer: TieredLayer, q: torch.Tensor, scale: float | None = None,
+                   n_new: int | None = None) -> torch.Tensor:
+    """The paper's decode path (Algorithm 1, line 25): rebuild every segment's rows (exact, ``A B`` of each run,
+    appended) and attend densely; the same function as :func:`attend_portable` up to round-off, O(n r d) per step.
+    Host counts only (eager)."""
+    B, Hq, ql, d = q.shape
+    H, G = layer.H, Hq // layer.H
+    scale = d ** -0.5 if scale is None else scale
+    t = layer.n_new if n_new is None else n_new
+    if isinstance(t, torch.Tensor):
+        raise ValueError("the rebuild path reads host counts (eager decode only)")
+    m = _causal(ql, t, q.device)
+    sdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.empty_like(q)
+    for b in range(B):
+        for h in range(H):
+            K, V = layer.dense(b * H + h, t)
+            s = (q[b, h * G:(h + 1) * G] * scale) @ K.T                         # [G, q, n]
+            if m is not None:
+                s[..., K.shape[0] - t:] = s[..., K.shape[0] - t:].masked_fill(~m, NEG)
+            out[b, h * G:(h + 1) * G] = torch.softmax(s, -1, dtype=sdt).to(q.dtype) @ V
+    return out
+
+
+#: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape
+BACKENDS = {"portable": attend_portable, "rebuild": attend_rebuild}
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:

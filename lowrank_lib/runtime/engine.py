@@ -1,7 +1,7 @@
 """The decode engine: packed projections, RoPE, MLP and sampling over a pluggable KV store.
 
     >>> eng = Engine(model, EngineConfig(max_batch=1, max_seq_len=640))            # dense static KV
-    >>> eng = Engine(model, EngineConfig(max_seq_len=640), kv=AttSVDStore(cfg))     # any KVStore
+    >>> eng = Engine(model, EngineConfig(max_seq_len=640), kv=MethodStore(method))  # any KVStore (lowrank_lib.kv)
     >>> out = eng.generate(input_ids, max_new_tokens=64)      # greedy
     >>> out.tokens, out.timings, eng.report()
 
@@ -30,7 +30,7 @@ from .kernels.gemv import select_gemv
 from .kv import CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask, make_store
 from .lm_head import head_report, make_lm_head
 from .packing import ProjectionGroup
-from .rope import apply_rope, rope_table
+from .rope import apply_rope, rope_table, rotary_rows
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -116,13 +116,15 @@ class Engine:
                 ProjectionGroup({"down_proj": m.down_proj}, True, dt, dev, **lay)))
         S = cfg.max_seq_len
         self.cs_table = rope_table(model, S, dt, dev)              # [Smax, 2, D] (cos, sin) per position
+        self._rotary = model.model.rotary_emb                      # RoPE past Smax (the probe forward)
         self._slots = torch.arange(S, device=dev)
         self.cursor = Cursor(cfg.max_batch, S, dev)
         self.kv.allocate(KVSpec(
             self.n_layers, self.n_heads, self.n_kv, self.head_dim, cfg.max_batch, S, dt, dev, self.cursor,
             graphs=cfg.graph != "none", attention=cfg.attention, fused_compile=cfg.fused_compile, kernels=cfg.kernels,
             latent_dims=[(l.qkv.latent_dim(1), l.qkv.latent_dim(2)) for l in self.layers],
-            expand=lambda i, j, h: self.layers[i].qkv.stage2(j, h), rope_table=self.cs_table))
+            expand=lambda i, j, h: self.layers[i].qkv.stage2(j, h), rope_table=self.cs_table,
+            rope_at=self.rope_at, probe=self.probe))
         self.backend = self.kv.backend
         self._B = None
         from .graphs import GraphRunner
@@ -224,6 +226,44 @@ class Engine:
             x = self._mlp_block(i, x)
         return self._head(x)
 
+    def rope_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [n, D] fp32 at any ``positions`` [n] (the model's rotary module)."""
+        cs = rotary_rows(self._rotary, positions, torch.float32, self.device)
+        return cs[:, 0], cs[:, 1]
+
+    @torch.no_grad()
+    def probe(self, ids: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, ...]]:
+        """A forward of ``ids`` [b, n] after ``past`` (per layer post-RoPE k, v [b, Hkv, P, D]; the new tokens at
+        positions P .. P + n - 1, attending to all of ``past`` and causally to each other) -> per layer the
+        post-RoPE queries [b, Hq, n, D] and the tokens' own keys [b, Hkv, n, D]. Nothing is stored and the
+        cursor does not move: the reconstruction forward a model-scope KV scorer (KVzip) runs on the prompt."""
+        ids = ids.to(self.device)
+        b, n = ids.shape
+        P = past[0][0].shape[2]
+        Hq, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        pos = torch.arange(P, P + n, device=self.device)
+        cs = (self.cs_table[pos] if P + n <= self.cs_table.shape[0] else
+              rotary_rows(self._rotary, pos, self.dtype, self.device))
+        cs = cs[None].expand(b, n, 2, D).reshape(b * n, 2, 1, 1, D)
+        ok = torch.ones(n, P + n, dtype=torch.bool, device=self.device)
+        ok[:, P:] = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+        mask = additive_mask(ok, self.dtype)[None, None]
+        x = F.embedding(ids.reshape(-1), self.embed)                              # [b*n, H]
+        out = []
+        for i, L in enumerate(self.layers):
+            yq, yk, v = L.qkv(self._norm(x, L.ln1))
+            q = self._rope(yq, cs, Hkv, Hq // Hkv).view(b, n, Hq, D).transpose(1, 2)     # [b, Hq, n, D]
+            k = self._rope(yk, cs, Hkv, 1).view(b, n, Hkv, D).transpose(1, 2)             # [b, Hkv, n, D]
+            v = v.view(b, n, Hkv, D).transpose(1, 2)
+            out.append((q, k))
+            if i == self.n_layers - 1:
+                break
+            pk, pv = past[i]
+            o = prefill_attention(q, torch.cat([pk, k], 2), torch.cat([pv, v], 2), mask)
+            x = x + L.o(o.transpose(1, 2).reshape(b * n, Hq * D))[0]
+            x = self._mlp_block(i, x)
+        return out
+
     # ------------------------------------------------------------------ runner interface
     def prepare(self, B: int) -> float:
         """Capture graphs / compile the step for batch B (no-op without graphs). Returns seconds."""
@@ -240,7 +280,7 @@ class Engine:
         self.cursor.check_room(T)
         pad = left_pad_counts(None if attention_mask is None else attention_mask.to(self.device), input_ids)
         self.cursor.reset(pad)
-        self.kv.reset(B, T)
+        self.kv.reset(B, T, input_ids)
         self._B = B
         slots = self._slots[:T]
         posn = (slots[None, :] - pad[:, None]).clamp_min(0)                    # [B, T]

@@ -18,9 +18,13 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rope_table(model, n_slots: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[n_slots, 2, D] (cos, sin) per position from ``model.model.rotary_emb``."""
-    p0 = next(model.parameters())
-    pos = torch.arange(n_slots, device=p0.device)[None]
-    cos, sin = model.model.rotary_emb(torch.zeros(1, dtype=dtype, device=p0.device), pos)
+    return rotary_rows(model.model.rotary_emb, torch.arange(n_slots), dtype, device)
+
+
+def rotary_rows(rotary, positions: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """[n, 2, D] (cos, sin) at ``positions`` [n] from a transformers rotary module (its scaling included)."""
+    dev = rotary.inv_freq.device
+    cos, sin = rotary(torch.zeros(1, dtype=dtype, device=dev), positions.to(dev)[None])
     return torch.stack([cos[0], sin[0]], 1).to(device=device, dtype=dtype).contiguous()
 
 

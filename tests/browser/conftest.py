@@ -1,12 +1,17 @@
-"""JupyterLab in a real browser: a server on 127.0.0.1 over a temporary copy of notebooks, Debian's Chromium.
+"""JupyterLab in a real browser: ONE server on 127.0.0.1 over a temporary copy of every notebook, Debian's Chromium.
 
 The copies are prepared with papermill's parameter injection (``lowrank_lib.notebooks.prepare``, the CI
 parameters of ``notebooks/params/ci.yaml``), which is how a person gets the CI-sized notebook:
-``python -m lowrank_lib.notebooks prepare NAME DIR``, then open it in JupyterLab. Playwright's Python
-package drives ``/usr/bin/chromium`` (never ``playwright install``); without either the tests skip and say why.
+``python -m lowrank_lib.notebooks prepare NAME DIR``, then open it in JupyterLab. With
+``LOWRANK_LIB_BROWSER_PARAMS=defaults`` the copies keep the notebooks' own (report) parameters instead: the
+idle-machine timing run (``tests/browser/README.md``). Playwright's Python package drives ``/usr/bin/chromium``
+(never ``playwright install``); without either the tests skip and say why.
 
 Everything runs with fresh state: Jupyter config/data/runtime/settings/workspace dirs, IPython dir and the
-Chromium profile all live in the test's temporary directory. The server gets a random token and a free port.
+Chromium profile all live in the test's temporary directory; the JupyterLab *app* settings are the
+environment's (``python -m lowrank_lib.notebooks lab-settings``: widget state saved with the notebook, what
+``make setup`` installs). The server gets a random token and a free port; figures that fail
+``lowrank_lib.figures.check`` raise in the kernels (``LOWRANK_LIB_FIGURE_CHECK=error``).
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 #: every wait for a notebook's output scales with this (a loaded 2-core machine is slow; the default is generous)
 SLOW = float(os.environ.get("LOWRANK_LIB_BROWSER_SLOW", "1"))
+#: "ci" (default): the CI parameters; "defaults": the notebooks' own parameters (the report-size timing run)
+PARAMS = os.environ.get("LOWRANK_LIB_BROWSER_PARAMS", "ci")
 
 
 def _missing() -> str | None:
@@ -61,7 +68,7 @@ class Timings:
 
 @pytest.fixture(scope="session")
 def lab_server(tmp_path_factory):
-    """``(base_url, token, notebook_dir)`` of a JupyterLab serving prepared copies of notebooks 00 and 04."""
+    """``(base_url, token, notebook_dir)`` of a JupyterLab serving prepared copies of every notebook."""
     why = _missing()
     if why:
         pytest.skip(why)
@@ -69,14 +76,23 @@ def lab_server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("lab")
     nbdir = tmp / "work"
-    for name in ("04_attsvd_interpretability", "00_quickstart"):
-        notebooks.prepare(name, nbdir, ci=True)
+    settings_file = notebooks.install_lab_settings()     # what `make setup` installs; idempotent
+    assert json.loads(settings_file.read_text()) == notebooks.LAB_SETTINGS
+    for name in notebooks.on_disk():
+        if PARAMS == "defaults":
+            nbdir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(notebooks.notebooks_dir() / f"{name}.ipynb", nbdir / f"{name}.ipynb")
+        else:
+            notebooks.prepare(name, nbdir, ci=True)
     settings = tmp / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     # a fresh user who said "no" to news and update checks (nothing may reach the network)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false",
                                                                            "checkForUpdates": False}))
+    from lowrank_lib.figures import CHECK_ENV
+
     env = {k: v for k, v in os.environ.items() if k not in ("MPLBACKEND", "JUPYTER_PATH", "JUPYTER_CONFIG_PATH")}
+    env[CHECK_ENV] = "error"
     env.update(JUPYTER_CONFIG_DIR=str(tmp / "config"), JUPYTER_DATA_DIR=str(tmp / "data"),
                JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
                JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"), IPYTHONDIR=str(tmp / "ipython"),
@@ -116,10 +132,24 @@ class Lab:
     """One Chromium page on the JupyterLab server, with the few gestures the tests need."""
 
     def __init__(self, page, base: str, token: str, nbdir: Path):
-        self.page, self.base, self.token, self.nbdir = page, base, token, nbdir
+        self.base, self.token, self.nbdir = base, token, nbdir
         self.console: list[str] = []
+        self._watch(page)
+
+    def _watch(self, page):
+        self.page = page
         page.on("console", lambda m: self.console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
+
+    def new_page(self):
+        """Close this page, stop every kernel, and continue on a fresh page with no saved workspace: a person
+        opening the saved notebook again later."""
+        context = self.page.context
+        self.page.close()
+        self.shutdown_kernels()
+        self.console.clear()
+        self._watch(context.new_page())
+        self.reset_workspaces()
 
     def open(self, name: str):
         """Open ``name`` as the only document of the page. JupyterLab restores its saved workspace beside a
@@ -224,6 +254,61 @@ class Lab:
             urllib.request.urlopen(urllib.request.Request(f"{self.base}/api/kernels/{k['id']}", method="DELETE",
                                                           headers=hdr), timeout=60)
 
+    def save(self):
+        """Save the notebook (Ctrl+S) and wait until JupyterLab reports it saved (the tab loses its dirty mark)."""
+        self.page.locator(".jp-NotebookPanel .jp-Cell").first.click()
+        self.page.keyboard.press("Escape")
+        self.page.keyboard.press("Control+s")
+        dirty = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current.jp-mod-dirty")
+        deadline = time.time() + 60 * SLOW
+        time.sleep(0.5)
+        while dirty.count():
+            assert time.time() < deadline, "the notebook did not save"
+            time.sleep(0.25)
+        time.sleep(1.0)
+
+    def wait_all_done(self, timeout_s: float):
+        """Wait until no cell is queued or running ('[*]') and the kernel is idle; fails at once on a traceback."""
+        busy = self.page.locator(".jp-InputPrompt", has_text=re.compile(r"\[\*\]"))
+        tb = self.page.locator(".jp-OutputArea-output", has_text="Traceback (most recent call last)")
+        deadline = time.time() + timeout_s * SLOW
+        idle_since = None
+        while True:
+            if tb.count():
+                pytest.fail(f"a cell failed:\n{self.text(tb.first)[-3000:]}")
+            if not busy.count() and self.page.locator("#jp-main-statusbar", has_text=re.compile(r"\| Idle")).count():
+                idle_since = idle_since or time.time()
+                if time.time() - idle_since > 1.0:      # idle for a second: not between two cells
+                    return
+            else:
+                idle_since = None
+            if time.time() > deadline:
+                shot = self.nbdir.parent / f"timeout-{int(time.time())}.png"
+                self.page.screenshot(path=str(shot), full_page=True)
+                pytest.fail(f"Run All did not finish in {timeout_s * SLOW:.0f} s; screenshot {shot}")
+            time.sleep(0.25)
+
+    def panels(self):
+        """The slider panels on the page: each a VBox of sliders and its status line (an HTML widget)."""
+        return self.page.locator(".widget-vbox", has=self.page.locator(".widget-slider"))
+
+    def status(self, panel) -> str:
+        return (panel.locator(".widget-html").last.text_content() or "").strip()
+
+    def wait_status(self, panel, pattern: str, timeout_s: float) -> str:
+        """The panel's status line once it matches ``pattern`` (a traceback in the view fails at once)."""
+        deadline = time.time() + timeout_s * SLOW
+        while True:
+            text = self.status(panel)
+            if re.search(pattern, text):
+                return text
+            if "failed" in text:
+                outs = self.page.locator(".jp-OutputArea-output").all_text_contents()
+                pytest.fail(f"the slider panel failed: {text}\n" + "\n---\n".join(o[-1500:] for o in outs[-3:]))
+            if time.time() > deadline:
+                pytest.fail(f"the slider panel's status is {text!r}, not {pattern!r}, after {timeout_s * SLOW:.0f} s")
+            time.sleep(0.2)
+
     def assert_clean(self):
         errors = self.page.locator("text=Error displaying widget").count()
         assert errors == 0, f"{errors} widget(s) show 'Error displaying widget'"
@@ -259,5 +344,5 @@ def lab(lab_server, browser_context):
     try:
         yield lab
     finally:
-        page.close()
+        lab.page.close()
         lab.shutdown_kernels()

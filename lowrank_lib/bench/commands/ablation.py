@@ -3,13 +3,15 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    from ..options import add_list
+
     p.add_argument("--model", default="smollm2")
     p.add_argument("--keep", type=float, default=0.5)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--baselines", default="hf_static", help="comma list of runtime.baselines systems first")
+    add_list(p, "--baselines", str, ["hf_static"], "runtime.baselines systems, first in the table")
     p.add_argument("--no-compiled", action="store_true", help="skip the whole-step graph rows (compile time)")
 
 
@@ -23,7 +25,7 @@ def run(a) -> int:
 
     dense, comp, _ = load_bench_models(a.model, "svd", a.keep)
     rows = [k for k in MECHANISMS if not (a.no_compiled and "graph" in k)]
-    base = tuple(s for s in a.baselines.split(",") if s)
+    base = tuple(a.baselines)
     table = mechanism_table(comp, dense, a.prompt_len, a.gen_len, a.repeats, parse_dtype(a.dtype), rows, base)
     key = "speedup_vs_" + (base[0] if base else rows[0])
     lines = ["system | decode ms/tok | prefill ms | ops/tok | speedup", "---|---|---|---|---"]

@@ -8,18 +8,28 @@ from __future__ import annotations
 import sys
 
 
+#: the AttSVD variants and the layer-scope eviction scorers (the composed cache has its own frontier, kv-frontier)
+DEFAULT_METHODS = ("attsvd", "attsvd-stream", "svd", "attsvd-km", "attsvd-ext", "streamingllm", "h2o", "snapkv",
+                   "keydiff", "h2o_norm", "expected_attention")
+
+
 def add_arguments(p) -> None:
-    from ...eval.methods import METHODS
+    import argparse
+
+    from ..options import Deprecated
     from ...executor import add_arguments as add_executor_arguments
+    from ...kv import METHODS
 
     p.add_argument("--model", default="smollm2")
     p.add_argument("--report", action="store_true", help="the report parameters (SmolLM2 up to 8k tokens)")
-    p.add_argument("--prefill", type=int, nargs="+")
+    p.add_argument("--prompt-len", type=int, nargs="+", help="prefill lengths of the quality windows (space-separated)")
+    p.add_argument("--prefill", type=int, nargs="+", dest="prompt_len", action=Deprecated, new="--prompt-len",
+                   help=argparse.SUPPRESS)
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int)
     p.add_argument("--budgets", type=float, nargs="+")
-    p.add_argument("--methods", nargs="+", default=[m for m in METHODS if m != "dense"], choices=METHODS)
-    p.add_argument("--window", type=int, default=32, help="AttSVD exact window w (also kept by eviction)")
+    p.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=sorted(METHODS))
+    p.add_argument("--window", type=int, default=32, help="exact recent window w (AttSVD; eviction scorers without their own rule)")
     p.add_argument("--chunk", type=int, default=128, help="stream chunk l")
     p.add_argument("--step", type=int, default=32, help="teacher-forced continuation tokens per forward")
     p.add_argument("--lengths", type=int, nargs="*", help="long-context prompt lengths (empty: skip)")
@@ -33,22 +43,22 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     import torch
 
-    from ...eval.kv_sweep import QUICK, REPORT, table
+    from ...eval.kv_sweep import QUICK, REPORT, SweepConfig, table
     from ...executor import SweepError, Task, from_args, run_sweep
     from ..results import ResultFiles, slug
 
     preset = REPORT if a.report else QUICK
-    args = dict(model_name=a.model, prefill=a.prefill or preset["prefill"], windows=a.windows or preset["windows"],
-                cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
-                window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
-                n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
-                longctx_budgets=a.longctx_budgets)
-    files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, args["prefill"])), f"n{args['windows']}"))
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+    cfg = SweepConfig(model=a.model, prompt_len=a.prompt_len or preset["prefill"], windows=a.windows or preset["windows"],
+                      cont=a.cont or preset["cont"], budgets=a.budgets or preset["budgets"], methods=a.methods,
+                      window=a.window, chunk=a.chunk, lengths=preset["lengths"] if a.lengths is None else a.lengths,
+                      n_per=a.n_per or preset["n_per"], tasks=a.tasks, step=a.step, seed=a.seed,
+                      longctx_budgets=a.longctx_budgets)
+    files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, cfg.prompt_len)), f"n{cfg.windows}"))
+    meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor}
-    tasks = [Task(f"quality_{P}", stage, (args, [P], [])) for P in args["prefill"]]
-    if args["lengths"] and args["tasks"]:
-        tasks.append(Task("longctx", stage, (args, [], args["lengths"])))
+    tasks = [Task(f"quality_{P}", stage, (cfg, [P], [])) for P in cfg.prompt_len]
+    if cfg.lengths and cfg.tasks:
+        tasks.append(Task("longctx", stage, (cfg, [], cfg.lengths)))
     done: dict = {}
 
     def finished(name, part):       # the result so far, rewritten after every task
@@ -68,11 +78,13 @@ def run(a) -> int:
     return 0
 
 
-def stage(args: dict, prefill: list[int], lengths: list[int]) -> dict:
-    """One sweep task: :func:`budget_sweep` on some prefill lengths and/or the long-context lengths."""
+def stage(cfg, prompt_len: list[int], lengths: list[int]) -> dict:
+    """One sweep task: :func:`budget_sweep` on some prompt lengths and/or the long-context lengths."""
+    from dataclasses import replace
+
     from ...eval.kv_sweep import budget_sweep
 
-    return budget_sweep(**(args | {"prefill": prefill, "lengths": lengths}))
+    return budget_sweep(replace(cfg, prompt_len=prompt_len, lengths=lengths))
 
 
 def merge(parts: dict, order: list[str]) -> dict:

@@ -5,6 +5,8 @@ import torch
 
 
 def add_arguments(p) -> None:
+    from ..options import add_list
+
     from ...runtime.baselines import SYSTEMS
     from ..decode import DecodeBenchConfig
 
@@ -17,7 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--gen-len", type=int, default=d.gen_len)
     p.add_argument("--batch", type=int, default=d.batch)
     p.add_argument("--dtype", default=d.dtype, help="fp32 | bf16 | fp16")
-    p.add_argument("--systems", default=",".join(d.systems), help=f"comma list of {SYSTEMS}")
+    add_list(p, "--systems", str, d.systems, f"systems, of {SYSTEMS}")
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--count-tokens", type=int, default=d.count_tokens)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -29,7 +31,7 @@ def run(a) -> int:
     from ..decode import DecodeBenchConfig, format_table, run_decode_bench
     from ..results import write_result
 
-    systems = tuple(s.strip() for s in a.systems.split(",") if s.strip())
+    systems = tuple(a.systems)
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"{a._prog}: unknown systems {unknown}; choose from {SYSTEMS}")

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    from ..options import add_gen_len, add_list
+
     p.add_argument("--model", default="smollm2")
     p.add_argument("--method", default="svd")
     p.add_argument("--keep", type=float, default=0.5)
     p.add_argument("--checkpoint", default=None)
     p.add_argument("--prompts", type=int, default=20)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--dtypes", default="fp32,bf16")
-    p.add_argument("--systems", default="hf_dynamic,hf_static,dense_kv,engine")
+    add_gen_len(p, 64, "greedy tokens per prompt", old="--tokens")
+    add_list(p, "--dtypes", str, ["fp32", "bf16"], "dtypes audited")
+    add_list(p, "--systems", str, ["hf_dynamic", "hf_static", "dense_kv", "engine"], "systems audited")
     p.add_argument("--ppl-seq-len", type=int, default=256)
     p.add_argument("--ppl-windows", type=int, default=2, help="0 = skip perplexity")
 
@@ -26,11 +28,11 @@ def run(a) -> int:
     dense, comp, tok = load_bench_models(a.model, a.method, a.keep, a.checkpoint)
     if tok is None:
         raise SystemExit(f"model {a.model!r} has no tokenizer: the fidelity audit needs real prompts")
-    systems = tuple(s for s in a.systems.split(",") if s)
-    res = {"model": a.model, "method": a.method, "keep": a.keep, "prompts": a.prompts, "tokens": a.tokens,
+    systems = tuple(a.systems)
+    res = {"model": a.model, "method": a.method, "keep": a.keep, "prompts": a.prompts, "tokens": a.gen_len,
            "reference": "fp32, no cache (full recompute each step), same factors", "audit": {}, "ppl": {}}
-    for d in a.dtypes.split(","):
-        r = audit(comp, tok, systems, parse_dtype(d), a.prompts, a.tokens, dense)
+    for d in a.dtypes:
+        r = audit(comp, tok, systems, parse_dtype(d), a.prompts, a.gen_len, dense)
         res["audit"][d] = r["systems"]
         print(d, {s: {k: v for k, v in x.items() if k != "per_prompt_match"} for s, x in r["systems"].items()}, flush=True)
         if a.ppl_windows:
@@ -43,6 +45,6 @@ def run(a) -> int:
             lines.append(f"{s} | {d} | {x['exact']}/{a.prompts} | {x['first']}/{a.prompts} | {x['mean_match']:.3f} | "
                          f"{pp.get('prefill', float('nan')):.3f} | {pp.get('decode', float('nan')):.3f}")
     print("\n".join(lines))
-    tag = slug(Path(a.model).name, a.method, f"k{a.keep}", f"n{a.prompts}x{a.tokens}")
+    tag = slug(Path(a.model).name, a.method, f"k{a.keep}", f"n{a.prompts}x{a.gen_len}")
     print(f"wrote {write_result(a.out, 'fidelity', tag, {**res, 'table': lines, 'command': a.command_line})}")
     return 0

@@ -1,45 +1,51 @@
-"""KV decode speed: the composed cache against the dense cache, ms/token at long context, in the runtime engine.
+"""KV decode speed: KV methods served by the engine adapter against the engine's dense store, ms/token at long context.
 
-    python -m lowrank_lib.bench kv-decode                        # SmolLM2, contexts 2048 4096 8000, 1 and 2 threads
-    python -m lowrank_lib.bench kv-decode --contexts 8000 --threads 1
-    python -m lowrank_lib.bench kv-decode --quick                # tiny random model, seconds (the test)
+    python -m lowrank_lib.bench kv-decode --contexts 8000 --threads 1          # SmolLM2, composed-kvzip-q8 at 0.5/0.25/0.125
+    python -m lowrank_lib.bench kv-decode --methods composed-kvzip-q8 kvzip attsvd --budgets 0.25
+    python -m lowrank_lib.bench kv-decode --quick                              # tiny random model, seconds (the test)
 
-Per context: ONE engine prefill of a WikiText-2 window (seeded random ids for a tokenizer-less tiny model)
-into the dense store, whose recorded post-RoPE q/k/v then build every composed store (the same tiers an
-engine prefill into that store builds: ``ComposedStore.store_prefill`` / ``end_prefill``), so all stores
-decode the same context. Composed stores: ``ComposedConfig(scorer=--scorer)`` (``h2o_norm`` by default:
-KVzip scores with a forward of the transformers model and is not an engine store) at each budget, fp and
-``quant8``, with the attention ``auto`` (the packed layout, ``composed.kv.attend_layer``) and ``ragged`` (the
-per-head reference loop: what the store ran before the packed layout). Decode: ``--new`` teacher-forced
-tokens (the window's continuation) per run, every store rewound to the same context; runs interleaved
-over ``--repeats`` rounds (stores and thread counts in turn), median ms/token over every step of every round.
-Attention only: every layer's ``store.attend`` on the same query and step context, after the run, timed apart.
+Every system is its own engine that prefills the same WikiText-2 window (seeded random ids for a tokenizer-less
+tiny model): the dense store, and a ``MethodStore`` of each registry method at each byte budget (the method fits
+inside its engine: KVzip's reconstruction forward is the engine's). Every engine runs the same step mode
+(``--graph``, default the compiled whole step) and its decode steps are interleaved over ``--repeats`` rounds; the
+median ms/token over every step of every round. Attention alone: one decode attention of every layer, timed apart.
 
-Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{store, attention, budget, quant8, context, threads,
-decode_ms_per_token, attn_ms_per_token, kv_bytes, prompt_kv_bytes, ratio_vs_dense, attn_ratio_vs_dense}],
-the command and the load average before / after (what else was running shows there). Library:
-``lowrank_lib.bench.kv_decode``.
+Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, graph, attention_kernel,
+decode_ms_per_token, decode_iqr_ms, attn_ms_per_token, ratio_vs_dense, speedup_vs_dense, attn_ratio_vs_dense,
+kv_bytes_held, bytes_ratio, compiles_s}], the config, the copy bandwidth and the load average before / after.
+Library: ``lowrank_lib.bench.kv_decode``.
 """
 from __future__ import annotations
 
 OWN_THREADS = True
+QUICK = dict(model="tiny-gqa", contexts=[96, 192], gen_len=4, repeats=2)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick)")
-    p.add_argument("--quick", action="store_true", help="tiny random model, short context, few steps")
-    p.add_argument("--contexts", type=int, nargs="+", help="prefill lengths (default 8000 2048 4096)")
-    p.add_argument("--new", type=int, help="decode steps per run (default 32)")
-    p.add_argument("--repeats", type=int, help="interleaved rounds (default 3)")
-    p.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25, 0.125])
-    p.add_argument("--scorer", default="h2o_norm", help="layer-scope eviction scorer ranking the tokens")
-    p.add_argument("--attention", nargs="+", default=["auto", "ragged"], help="composed attention modes to time")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch thread counts, interleaved")
-    p.add_argument("--seed", type=int, default=0)
+    from ..kv_decode import KVDecodeConfig
+    from ..options import add_gen_len, add_list
+
+    d = KVDecodeConfig()
+    p.add_argument("--model", default=None, help=f"default {d.model} (tiny-gqa with --quick)")
+    p.add_argument("--quick", action="store_true", help="tiny random model, short contexts, 2 rounds")
+    add_list(p, "--contexts", int, d.contexts, "context lengths (prompt tokens)")
+    add_list(p, "--methods", str, d.methods, "KV registry methods (lowrank_lib.kv.METHODS)")
+    add_list(p, "--budgets", float, d.budgets, "byte budgets (fraction of the dense KV bytes held)")
+    add_gen_len(p, d.gen_len, "decode steps timed per round and system", old="--new")
+    p.add_argument("--repeats", type=int, default=None, help=f"interleaved rounds (default {d.repeats})")
+    add_list(p, "--threads", int, d.threads, "torch thread counts (each measured side by side)")
+    p.add_argument("--graph", default=d.graph, choices=["whole-step", "none"], help="step mode of every engine")
+    p.add_argument("--attention", default=d.attention, help="MethodStore attention backend (auto | portable | ...)")
+    p.add_argument("--seed", type=int, default=d.seed)
 
 
 def run(a) -> int:
-    from ..kv_decode import kv_decode
+    from ..kv_decode import KVDecodeConfig, kv_decode
 
-    kv_decode(a)
+    q = QUICK if a.quick else {}
+    cfg = KVDecodeConfig(model=a.model or q.get("model", "smollm2"), contexts=q.get("contexts", a.contexts),
+                         methods=a.methods, budgets=a.budgets, gen_len=q.get("gen_len", a.gen_len),
+                         repeats=a.repeats or q.get("repeats", KVDecodeConfig.repeats), threads=a.threads,
+                         graph=a.graph, attention=a.attention, seed=a.seed)
+    kv_decode(cfg, a.out, a.command_line)
     return 0

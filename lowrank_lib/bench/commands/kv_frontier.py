@@ -1,7 +1,7 @@
 """KV-memory frontier: every eviction, low-rank and composed cache at byte budgets 0.5 / 0.375 / 0.25 / 0.125.
 
     python -m lowrank_lib.bench kv-frontier                         # SmolLM2, prefill 2048, 8 windows, seed 0
-    python -m lowrank_lib.bench kv-frontier --prefill 2048 4096
+    python -m lowrank_lib.bench kv-frontier --prompt-len 2048 4096
     python -m lowrank_lib.bench kv-frontier --quick                 # tiny random model, seconds (the test)
     python -m lowrank_lib.bench kv-frontier --shard 0/2 & ... --shard 1/2; then --merge A.json B.json
     python -m lowrank_lib.bench kv-frontier --tasks 8 --executor ray [--address auto]   # one task per window set
@@ -18,17 +18,25 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    import argparse
+
+    from ..options import Deprecated
     from ...eval.kv_sweep import FRONTIER_BUDGETS, FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
 
     p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prefill, 2 windows")
-    p.add_argument("--prefill", type=int, nargs="+")
+    p.add_argument("--prompt-len", type=int, nargs="+", help="prefill lengths (space-separated; default 2048)")
+    p.add_argument("--prefill", type=int, nargs="+", dest="prompt_len", action=Deprecated, new="--prompt-len",
+                   help=argparse.SUPPRESS)
     p.add_argument("--windows", type=int)
     p.add_argument("--cont", type=int, help="teacher-forced continuation tokens (default 64)")
     p.add_argument("--budgets", type=float, nargs="+", default=list(FRONTIER_BUDGETS))
-    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=list(FRONTIER_EVICTION))
-    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK))
-    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=list(FRONTIER_COMPOSED))
+    from ...kv import METHODS, method_kind
+
+    by_kind = lambda k: sorted(n for n in METHODS if method_kind(n) == k)
+    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=by_kind("eviction"))
+    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK), choices=by_kind("lowrank"))
+    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=by_kind("composed"))
     p.add_argument("--window", type=int, default=32, help="exact recent window (AttSVD; policies without their own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard", default=None, help="K/N: only windows w with w %% N == K (merge the shards after)")
@@ -45,8 +53,8 @@ def run(a) -> int:
 
     import torch
 
-    from ...eval.kv_sweep import (FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_QUICK, FRONTIER_REPORT,
-                                  frontier_table, kv_frontier, merge_frontier)
+    from ...eval.kv_sweep import FRONTIER_QUICK, FRONTIER_REPORT, FrontierConfig, frontier_table, kv_frontier, \
+        merge_frontier
     from ..results import ResultFiles, slug
 
     if a.merge:
@@ -64,21 +72,20 @@ def run(a) -> int:
     if a.shard:
         k, n = (int(x) for x in a.shard.split("/"))
         ids = [w for w in range(windows) if w % n == k]
-    args = dict(model_name=model, prefill=a.prefill or preset["prefill"], windows=windows,
-                cont=a.cont or preset["cont"], budgets=a.budgets,
-                eviction={e: FRONTIER_EVICTION[e] for e in a.eviction}, lowrank=a.lowrank,
-                composed={c: FRONTIER_COMPOSED[c] for c in a.composed}, window=a.window, seed=a.seed, window_ids=ids)
+    cfg = FrontierConfig(model=model, prompt_len=a.prompt_len or preset["prefill"], windows=windows,
+                         cont=a.cont or preset["cont"], budgets=a.budgets,
+                         policies=[*a.eviction, *a.lowrank, *a.composed], window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
-    meta = {"args": args, "torch_threads": torch.get_num_threads(), "command": a.command_line,
+    meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor, "tasks": a.tasks}
     if a.tasks <= 1 and a.executor == "serial":
-        res = kv_frontier(**args, checkpoint=lambda partial: files.write(partial | meta)) | meta
+        res = kv_frontier(cfg, checkpoint=lambda partial: files.write(partial | meta)) | meta
     else:
         from ...executor import SweepError, Task, from_args, run_sweep
 
         mine = ids if ids is not None else list(range(windows))
         groups = [g for g in (mine[i::a.tasks] for i in range(max(a.tasks, 1))) if g]
-        tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, kwargs=args | {"window_ids": g}) for g in groups]
+        tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, (cfg.with_windows(g),)) for g in groups]
         parts = []
 
         def merged_so_far(name, part):

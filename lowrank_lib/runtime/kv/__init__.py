@@ -2,7 +2,7 @@
 
 ``Engine(model, config, kv=store)``; without ``kv`` the engine builds ``make_store(config.kv)``:
 :class:`DenseKV` (``"dense"``) or :class:`RebuildKV` (``"rebuild"``). Other packages plug their stores
-in through this protocol (the AttSVD factor store: :class:`lowrank_lib.attsvd.store.AttSVDStore`);
+in through this protocol (every KV method, through :class:`lowrank_lib.kv.engine_adapter.MethodStore`);
 nothing in ``runtime/`` imports them.
 """
 from .base import (BackendChoice, CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask,

@@ -4,7 +4,7 @@ the one position counter.
 The engine owns the model math (projections, RoPE, MLP, sampling loop) and ONE :class:`Cursor`; a store
 owns what is kept of past tokens and how the current token attends to it. Per request::
 
-    store.reset(B, T)                          # new request (the cursor was reset by the engine)
+    store.reset(B, T, ids)                     # new request [B, T] (the cursor was reset by the engine)
     store.store_prefill(i, q, k, v)            # every layer i, the prompt's post-RoPE q/k/v (exact)
     store.end_prefill()                        # e.g. compress, fill static buffers (shape_key may change)
     per decode step:
@@ -103,6 +103,11 @@ class KVSpec:
     expand: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
     # ^ (layer, 1 = k | 2 = v, latents [..., r]) -> [..., Hkv * D]: the U factor of that projection
     rope_table: torch.Tensor | None = None   # [max_seq_len, 2, D] (cos, sin) per position
+    rope_at: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # ^ positions [n] -> (cos, sin) [n, D] fp32 at ANY position (the model's rotary module, its scaling included)
+    probe: Callable[[torch.Tensor, list], list] | None = None
+    # ^ (ids [b, n], past [(k, v) [b, Hkv, P, D] per layer]) -> per layer (q [b, Hq, n, D], k [b, Hkv, n, D]):
+    #   a forward of ``ids`` after ``past`` (positions P ..), nothing stored (Engine.probe; model-scope scorers)
 
 
 @dataclass
@@ -138,7 +143,7 @@ class KVStore(Protocol):
 
     def allocate(self, spec: KVSpec) -> None: ...
 
-    def reset(self, B: int, T: int) -> None: ...
+    def reset(self, B: int, T: int, ids: torch.Tensor | None = None) -> None: ...
 
     def store_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 

@@ -62,7 +62,7 @@ class DenseKV:
         return {"store": self.name, "layout": self.layout, "buffer_bytes": self.nbytes}
 
     # ------------------------------------------------------------------ prefill
-    def reset(self, B: int, T: int) -> None:
+    def reset(self, B: int, T: int, ids=None) -> None:
         pass
 
     def store_prefill(self, layer: int, q, k: torch.Tensor, v: torch.Tensor) -> None:

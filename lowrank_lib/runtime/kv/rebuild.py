@@ -46,7 +46,7 @@ class RebuildKV:
         return {"store": self.name, "buffer_bytes": self.nbytes,
                 "latent_dims": [list(d) for d in self.spec.latent_dims]}
 
-    def reset(self, B: int, T: int) -> None:
+    def reset(self, B: int, T: int, ids=None) -> None:
         pass
 
     def store_prefill(self, layer: int, q, hk: torch.Tensor, hv: torch.Tensor) -> None:

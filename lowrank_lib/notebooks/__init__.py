@@ -12,14 +12,18 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
     python -m lowrank_lib.notebooks list
 
     python -m lowrank_lib.notebooks prepare 04_attsvd_interpretability DIR   # CI-sized copy to open
-    python -m lowrank_lib.notebooks list
+    python -m lowrank_lib.notebooks html                # reports/<nb>.html + reports/index.html (offline)
+    python -m lowrank_lib.notebooks lab-settings        # JupyterLab saves widget state (make setup runs it)
 
 Inside a notebook::
 
     from lowrank_lib.notebooks import NotebookContext
     ctx = NotebookContext(OUT_DIR, FIG_DIR)   # relative paths resolve against the working directory
-    ctx.savefig(fig, "00_ppl_vs_keep")        # FIG_DIR/00_ppl_vs_keep.png
-    ctx.write_metrics({...})                  # OUT_DIR/metrics.json
+    ctx.show(fig, "00_ppl_vs_keep")           # FIG_DIR/00_ppl_vs_keep.png, checked, displayed (lowrank_lib.figures)
+    with ctx.working():                       # live progress bars / log lines, gone from the saved output
+        rows = heavy_sweep()
+    ctx.banner("timings at CI size are not meaningful")   # a visible note box
+    ctx.write_metrics({...}, headline={...})  # OUT_DIR/metrics.json (headline: reports/index.html)
 
 Outputs stay where the notebook runs: relative ``OUT_DIR`` / ``FIG_DIR`` resolve against the
 kernel's working directory (in JupyterLab, the notebook's folder), so a copied notebook writes next
@@ -44,7 +48,7 @@ import yaml
 
 
 def root() -> Path:
-    from .models import repo_root
+    from ..models import repo_root
 
     r = repo_root()
     if r is None:
@@ -142,6 +146,7 @@ class NotebookContext:
         self.figures: list[str] = []
         self.metrics_path: Path | None = None
         self.started = time.time()
+        plain_text_views()
 
     def _writable(self, path: Path) -> Path:
         if not self.overwrite_tracked and _git_tracked(path):
@@ -151,33 +156,169 @@ class NotebookContext:
                 f"reports with `python -m lowrank_lib.notebooks run`, or pass overwrite_tracked=True.")
         return path
 
-    def savefig(self, fig, name: str, dpi: int = 110) -> None:
-        """Save a matplotlib figure as ``FIG_DIR/<name>.png`` and list it in the metrics (``self.figures``)."""
+    def savefig(self, fig, name: str) -> None:
+        """Check ``fig`` (:mod:`lowrank_lib.figures`) and save it as ``FIG_DIR/<name>.png``, listed in the metrics."""
+        from .. import figures
+
         path = self._writable(self.fig_dir / f"{name}.png")
-        fig.savefig(path, dpi=dpi, bbox_inches="tight")
+        figures.save(fig, path, name)
         self.figures.append(_shown(path))
 
-    def write_metrics(self, metrics: dict) -> None:
-        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time); path in ``self.metrics_path``."""
+    def show(self, fig, name: str) -> None:
+        """:meth:`savefig`, then display that same PNG at its true size and close ``fig`` (matplotlib's inline
+        copy, drawn at another resolution, is never shown): the figure checked is the figure seen."""
+        from .. import figures
+
+        path = self._writable(self.fig_dir / f"{name}.png")
+        figures.show(fig, path, name)
+        self.figures.append(_shown(path))
+
+    def write_metrics(self, metrics: dict, headline: dict | None = None) -> None:
+        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time); path in ``self.metrics_path``.
+
+        ``headline``: a few ``{label: formatted value}`` pairs, the numbers ``reports/index.html`` lists for
+        this notebook."""
         data = dict(_json_safe(metrics))
         data.setdefault("figures", self.figures)
         data.setdefault("wall_s", round(time.time() - self.started, 2))
+        if headline is not None:
+            data["headline"] = {str(k): str(v) for k, v in headline.items()}
         path = self._writable(self.out_dir / "metrics.json")
         path.write_text(json.dumps(data, indent=2, sort_keys=True))
         self.metrics_path = path
 
+    @staticmethod
+    def working():
+        """A block whose live progress (tqdm bars, log lines on stdout/stderr) is shown while it runs and
+        removed from the cell's output when it ends: see :func:`working`."""
+        return working()
+
+    @staticmethod
+    def banner(text: str, kind: str = "warning") -> None:
+        """A visible note box in the cell's output (``kind``: warning or info): see :func:`banner`."""
+        banner(text, kind)
+
+
+def plain_text_views() -> None:
+    """In a kernel: give tables (pandas ``Styler``), Markdown and images a plain-text form worth reading (the
+    table itself, the Markdown source, ``[figure W px wide]``) instead of ``<... object at 0x7f...>``, the text
+    a plain-text viewer, a diff or a test sees of the output. Idempotent; nothing outside a kernel."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, Markdown
+    except ImportError:
+        return
+    ip = get_ipython()
+    if ip is None:
+        return
+    fmt = ip.display_formatter.formatters["text/plain"]
+    try:
+        from pandas.io.formats.style import Styler
+
+        fmt.for_type(Styler, lambda obj, p, cycle: p.text(obj.data.to_string()))
+    except ImportError:
+        pass
+    fmt.for_type(Markdown, lambda obj, p, cycle: p.text(obj.data or ""))
+    fmt.for_type(Image, lambda obj, p, cycle: p.text(f"[figure {obj.width or '?'} px wide]"))
+
+
+@contextlib.contextmanager
+def working():
+    """Run a block with its progress shown live in a transient area, and none of it left in the output.
+
+    Inside a kernel with ipywidgets, the block's outputs (tqdm's notebook bars, ``[quality] ... done`` lines
+    on stderr, anything printed) go to an ``ipywidgets.Output`` shown under the cell; when the block ends
+    normally that area is replaced by an empty output and the widgets created inside are closed, so the
+    saved notebook holds neither progress text nor widget models that a reopened notebook could not find.
+    If the block raises, the area stays as it was (the progress up to the failure) and the error propagates.
+    Outside a kernel it does nothing: progress goes to stderr as usual. Print results AFTER the block.
+    """
+    from ..explore.ui import in_kernel_with_widgets
+
+    if not in_kernel_with_widgets():
+        yield
+        return
+    import ipywidgets as W
+    from ipywidgets.widgets import widget as widget_module
+    from IPython.display import display
+
+    # ipywidgets keeps every live model in this module-level dict; no public listing exists
+    instances = getattr(widget_module, "_instances", {})
+    before = set(instances)
+    area = W.Output()
+    handle = display(area, display_id=True)
+    failed = None
+    with area:          # Output.__exit__ would swallow an exception inside a kernel: catch it, raise it below
+        try:
+            yield
+        except BaseException as e:
+            failed = e
+    if failed is not None:
+        raise failed
+    handle.update({"text/plain": ""}, raw=True)
+    area.clear_output()             # a saved state of the closed area (papermill keeps one) holds no progress
+    for mid in [m for m in list(instances) if m not in before]:
+        w = instances.get(mid)
+        if w is not None:
+            w.close()
+
+
+BANNER_STYLE = {"warning": "background:#fff3cd;border:1px solid #d39e00;color:#533f03",
+                "info": "background:#e7f1ff;border:1px solid #3d7fd6;color:#0b2e59"}
+
+
+def banner(text: str, kind: str = "warning") -> None:
+    """Display ``text`` as a coloured box (HTML; plain text ``NOTE: ...`` where HTML is not rendered)."""
+    import html
+
+    from IPython.display import display
+
+    style = BANNER_STYLE[kind]
+    display({"text/html": f'<div style="{style};padding:8px 12px;border-radius:4px;font-size:14px;'
+                          f'margin:4px 0"><b>{"Note" if kind == "info" else "Read with care"}:</b> {html.escape(text)}</div>',
+             "text/plain": f"{'NOTE' if kind == 'info' else 'READ WITH CARE'}: {text}"}, raw=True)
+
+
+def timing_banner(ci: bool, repeats: int | None = None) -> str | None:
+    """The warning a notebook shows above its timings when they are not meaningful: at CI size, with fewer
+    than 3 repeats, or on a loaded machine (1-minute load average above half the cores); None otherwise.
+    Displays it (:func:`banner`) and returns its text."""
+    from ..bench.results import load_average
+
+    why = []
+    if ci:
+        why.append("this is the CI-sized run (tiny inputs, few repeats)")
+    if repeats is not None and repeats < 3:
+        why.append(f"each timing has only {repeats} repeat(s)")
+    load = load_average()
+    cores = os.cpu_count() or 1
+    if load and load[0] > 0.5 * cores:
+        why.append(f"the machine was busy (load average {load[0]:.1f} on {cores} cores)")
+    if not why:
+        return None
+    text = ("The timings below are NOT meaningful: " + "; ".join(why) + ". Compare systems only by ratios "
+            "measured side by side; the committed full-size report, run on an idle machine, has the real numbers.")
+    banner(text)
+    return text
+
 
 @contextlib.contextmanager
 def _report_run():
-    old = os.environ.get(REPORT_RUN_ENV)
-    os.environ[REPORT_RUN_ENV] = "1"
+    """While the runner executes: committed report files may be rewritten, and an unreadable figure is an
+    error (:mod:`lowrank_lib.figures`), in the kernels it starts too (they inherit the environment)."""
+    from ..figures import CHECK_ENV
+
+    set_to = {REPORT_RUN_ENV: "1", CHECK_ENV: "error"}
+    old = {k: os.environ.get(k) for k in set_to}
+    os.environ.update(set_to)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(REPORT_RUN_ENV, None)
-        else:
-            os.environ[REPORT_RUN_ENV] = old
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
@@ -218,12 +359,25 @@ def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool
         pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
                             kernel_name=kernel, cwd=str(base), progress_bar=progress,
                             request_save_on_cell_execute=False)
+    _prune(out_nb)
     metrics_path = base / params["OUT_DIR"] / "metrics.json"
     if not metrics_path.exists():
         raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
     print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
           file=sys.stderr, flush=True)
     return json.loads(metrics_path.read_text())
+
+
+def _prune(path: Path) -> None:
+    """Rewrite the executed notebook without the saved state of widgets no output shows
+    (:func:`lowrank_lib.notebooks.html.prune_widget_state`: closed progress bars and areas)."""
+    import nbformat
+
+    from .html import prune_widget_state
+
+    nb = nbformat.read(path, as_version=4)
+    if prune_widget_state(nb):
+        nbformat.write(nb, path)
 
 
 def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3", progress: bool = True,
@@ -235,7 +389,7 @@ def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3
     ray`` runs them in parallel): a failing notebook is retried once, then reported by name
     (:class:`~lowrank_lib.executor.SweepError`) after the others ran; papermill keeps its partial copy.
     """
-    from .executor import Task, run_sweep
+    from ..executor import Task, run_sweep
 
     if not names:
         names = read_params()["notebooks"] if ci else on_disk()
@@ -243,7 +397,38 @@ def run(names: list[str] | None = None, ci: bool = False, kernel: str = "python3
     if missing:
         raise FileNotFoundError(f"no notebook named {missing} in {notebooks_dir()}")
     tasks = [Task(n, execute, (n, ci, kernel, progress, params_file)) for n in names]
-    return run_sweep(tasks, executor, progress=progress, desc="notebooks")
+    done = run_sweep(tasks, executor, progress=progress, desc="notebooks")
+    if not ci:
+        write_html(names)
+    return done
+
+
+def write_html(names: list[str] | None = None) -> list[Path]:
+    """``reports/<name>.html`` (offline, :func:`lowrank_lib.notebooks.html.to_html`) for each executed report
+    among ``names`` (default: every notebook on disk), then ``reports/index.html`` over all of them."""
+    from .html import to_html, write_index
+
+    reports = root() / "reports"
+    out = [to_html(reports / f"{n}.ipynb") for n in (names or on_disk()) if (reports / f"{n}.ipynb").exists()]
+    out.append(write_index(reports, on_disk()))
+    return out
+
+
+#: JupyterLab setting overrides this package installs (``{sys.prefix}/share/jupyter/lab/settings/overrides.d``,
+#: the folder JupyterLab reads packages' defaults from): save widget state with the notebook, so a reopened
+#: notebook shows its sliders and their last view instead of "Error displaying widget: model not found"
+LAB_SETTINGS = {"@jupyter-widgets/jupyterlab-manager:plugin": {"saveState": True}}
+
+
+def install_lab_settings(prefix: str | Path | None = None) -> Path:
+    """Write :data:`LAB_SETTINGS` as ``<prefix>/share/jupyter/lab/settings/overrides.d/lowrank_lib.json``
+    (default prefix: this interpreter's, the venv ``make setup`` builds); returns the path. Idempotent."""
+    path = Path(prefix or sys.prefix) / "share" / "jupyter" / "lab" / "settings" / "overrides.d" / "lowrank_lib.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(LAB_SETTINGS, indent=2) + "\n"
+    if not path.exists() or path.read_text() != text:
+        path.write_text(text)
+    return path
 
 
 def prepare(name: str, dest: str | Path, ci: bool = True, params_file: str | Path | None = None) -> Path:
@@ -278,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--params", default=None, help="report run: a YAML of parameters/overrides on top of the "
                    "defaults (e.g. notebooks/params/paper.yaml)")
     r.add_argument("--no-progress", action="store_true")
-    from .executor import add_arguments as add_executor_arguments
+    from ..executor import add_arguments as add_executor_arguments
 
     add_executor_arguments(r)           # each notebook a task: --executor ray [--address ...]
     pp = sub.add_parser("prepare", help="copy notebooks with parameters injected (not executed), to open in JupyterLab")
@@ -286,7 +471,17 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("dest", help="folder to write the copies into (outputs then go below it)")
     pp.add_argument("--params", default=None, help="a parameter YAML instead of notebooks/params/ci.yaml")
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
+    h = sub.add_parser("html", help="render reports/<nb>.ipynb to offline reports/<nb>.html, and reports/index.html")
+    h.add_argument("names", nargs="*", help="notebook stems (default: every executed report)")
+    sub.add_parser("lab-settings", help="make this environment's JupyterLab save widget state with notebooks")
     args = ap.parse_args(argv)
+    if args.cmd == "html":
+        for p in write_html(args.names or None):
+            print(p)
+        return 0
+    if args.cmd == "lab-settings":
+        print(install_lab_settings())
+        return 0
     if args.cmd == "list":
         ci = set(read_params()["notebooks"])
         for n in on_disk():
@@ -296,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.names:
             print(prepare(n, args.dest, ci=args.params is None, params_file=args.params))
         return 0
-    from .executor import SweepError, from_args
+    from ..executor import SweepError, from_args
 
     try:
         run(args.names or None, ci=args.ci, progress=not args.no_progress, params_file=args.params,
@@ -305,7 +500,3 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 1
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""The engine adapter: ONE ``KVStore`` (:mod:`lowrank_lib.runtime.kv`) that serves every KV method in the engine.
+
+    >>> eng = Engine(model, EngineConfig(max_seq_len=8200, graph="compiled"), kv=MethodStore(make_method(
+    ...     "composed-kvzip-q8", budget=0.25), tok))
+    >>> out = eng.generate(ids, max_new_tokens=64)
+
+- prefill: the engine's exact prefill (exact logits); every layer's post-RoPE q/k/v arrive through
+  ``store_prefill`` (q kept only where the method reads queries) and are held until ``end_prefill``, which builds
+  the :class:`~lowrank_lib.kv.method.Prefill` (the prompt ids, the engine's probe forward for model-scope scorers
+  such as KVzip, RoPE at any position from the model's rotary module) and fits the method; the prompt's dense K/V
+  are then freed and each layer preallocates room for the appended rows (``max_seq_len - T``);
+- decode: ``append`` is the method's (accumulate: the token's k/v at a device-side slot), ``attend`` the ONE tiered
+  attention over exact rows, low-rank runs (factor space) and appended rows, by the backend
+  :func:`~lowrank_lib.kv.tiers.select_backend` picks (our fused CPU kernel where it runs, else the portable path);
+  under graphs / the compiled step every length is read from device memory (``cursor.length - T``), so one capture
+  per request (``shape_key``: the fitted layers' shapes) replays for every step.
+
+``capturable`` is the method's (AttSVD's stream mode reshapes its state every ``chunk`` tokens: eager).
+``nbytes`` = the fitted tiers + the appended rows written; ``report()`` adds the allocation and the method's
+description of its fit (bytes over the dense prompt bytes: the budget's meaning).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..runtime.kv import KVSpec, StepContext
+from .method import KVMethod, Prefill
+from .tiers import TieredLayer, select_backend
+
+
+@dataclass
+class TierStep(StepContext):
+    """Decode context: appended rows attention reads (host int eager; [1] device tensor under graphs) and the
+    device slot this token is written to."""
+
+    n_new: int | torch.Tensor | None = None
+    slot: torch.Tensor | None = None
+
+
+class MethodStore:
+    """The runtime engine's store for any KV method (see the module docstring)."""
+
+    stores_latents = False
+
+    def __init__(self, method: KVMethod, tokenizer=None, attention: str = "auto"):
+        self.method, self.tokenizer, self.attention = method, tokenizer, attention
+        self.name = method.name or type(method).__name__
+        self.capturable = method.capturable
+        self.backend = None
+        self.layers: list[TieredLayer] = []
+        self.fit_info: dict = {}
+
+    # ------------------------------------------------------------------ allocation
+    def allocate(self, spec: KVSpec) -> None:
+        self.spec, self.cursor = spec, spec.cursor
+        self.backend = select_backend(self.attention, spec.device, spec.head_dim, spec.dtype)
+        self._slots = torch.arange(spec.max_seq_len, device=spec.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the fitted tiers + the appended rows written (under graphs counted from the cursor)."""
+        if not self.layers:
+            return 0
+        if not self.spec.graphs:
+            return sum(l.nbytes for l in self.layers)
+        n = max(0, self.cursor.host - self._T)
+        return sum(l.tier_nbytes + l.appended_nbytes(n) for l in self.layers)
+
+    @property
+    def allocated_nbytes(self) -> int:
+        return sum(l.allocated_nbytes for l in self.layers)
+
+    def shape_key(self):
+        return tuple(l.shape_key() for l in self.layers)
+
+    def report(self) -> dict:
+        return {"store": "method", "method": self.name, "options": self.method.options(),
+                "attention": self.backend.name if self.backend else None, **self.fit_info,
+                "buffer_bytes": self.nbytes, "allocated_bytes": self.allocated_nbytes}
+
+    # ------------------------------------------------------------------ prefill
+    def reset(self, B: int, T: int, ids: torch.Tensor | None = None) -> None:
+        self._B, self._T, self._ids = B, T, ids
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._q: list[torch.Tensor] = []
+        self.layers = []
+
+    def store_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q [B, Hq, T, D], k/v [B, Hkv, T, D] post-RoPE: held until every layer has arrived."""
+        self._k.append(k)
+        self._v.append(v)
+        if self.method.needs_queries:
+            self._q.append(q)
+
+    def _probe(self, b: int, x: torch.Tensor):
+        p = int(self.cursor.pad[b])
+        return self.spec.probe(x, [(k[b:b + 1, :, p:], v[b:b + 1, :, p:]) for k, v in zip(self._k, self._v)])
+
+    def end_prefill(self) -> None:
+        spec, B, T = self.spec, self._B, self._T
+        if len(self._k) != spec.n_layers:
+            raise RuntimeError(f"MethodStore: expected {spec.n_layers} layers in prefill, got {len(self._k)}")
+        c = self.cursor
+        valid = (self._slots[None, :T] >= c.pad[:B, None]) if c.any_pad else None
+        prefill = Prefill(self._k, self._v, self._q if self.method.needs_queries else None, spec.head_dim ** -0.5,
+                          valid, self._ids, self._probe, spec.rope_at, self.tokenizer)
+        self.layers = self.method.fit(prefill)
+        for l in self.layers:
+            l.reserve(spec.max_seq_len - T)
+        self.fit_info = {"fit": self.method.describe(self.layers, prefill)}
+        self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
+
+    # ------------------------------------------------------------------ decode
+    def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> TierStep:
+        pos = self.cursor.length
+        if live is None:                                   # graphs: device-side counts
+            return TierStep(B, 1, False, rope, None, pos, None, pos - self._T + 1, pos - self._T)
+        return TierStep(B, 1, False, rope, None, pos, live, None, None)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor, ctx: TierStep) -> None:
+        """The current token's k/v [B, Hkv, 1, D] through the method (at the device slot under graphs)."""
+        self.method.append(self.layers[layer], k, v, ctx.slot)
+
+    def attend(self, layer: int, q: torch.Tensor, ctx: TierStep) -> torch.Tensor:
+        """q [B, Hkv, G, D] -> [B, Hq * D]: every tier and the appended rows, one softmax."""
+        B, Hkv, G, D = q.shape
+        o = self.method.attend(self.layers[layer], q.reshape(B, Hkv * G, 1, D), D ** -0.5, ctx.n_new,
+                               self.backend.name)
+        return o.reshape(B, Hkv * G * D)

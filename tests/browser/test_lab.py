@@ -1,0 +1,178 @@
+"""Every notebook in JupyterLab, as a person uses it: Run All, every slider moved, saved, reopened.
+
+One JupyterLab server and one Chromium serve the whole session (``conftest.py``). Per notebook: Run All from
+the menu, wait until no cell is queued or running, then move every slider of every panel one step by
+keyboard and wait for its answer (the panel's status line says what it shows; the view under it is
+ordinary output updated in place). The saved notebook must be clean (``lowrank_lib.notebooks.html.
+output_problems``: no stderr, warning, stray return value), and it is recorded for ``executed_notebook``
+(``tests/nbruns.py``): the metrics tests of ``test_nb_*.py`` then reuse this run instead of a second
+papermill execution. Notebooks with sliders are then reopened with no kernel state (no "Error displaying
+widget", the last view shown) and rendered to offline HTML (the last view is in it).
+
+``LOWRANK_LIB_BROWSER_TIMINGS=PATH.json`` writes, per notebook, the wall time from Run All to the last
+output and to the first slider answer, and every slider answer's time (see ``tests/browser/README.md``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from lowrank_lib import notebooks
+
+pytestmark = [pytest.mark.notebook, pytest.mark.smollm2, pytest.mark.slow]
+
+NB_RUN_S = 900                  # Run All of a CI-sized notebook on a busy 2-core machine
+STEP_S = 240                    # one slider answer on a busy machine (the idle target is 3 s: the timing run)
+MIN_PX_PER_STEP = 8             # a slider track this wide per step: a small drag moves one step
+TIMINGS: dict[str, dict] = {}
+
+
+def _metrics(lab, name: str, timeout_s: float = 120) -> dict:
+    path = lab.nbdir / "reports" / name / "metrics.json"
+    deadline = time.time() + timeout_s
+    while not path.exists():
+        assert time.time() < deadline, f"{path} was not written (outputs must land next to the notebook copy)"
+        time.sleep(0.5)
+    time.sleep(0.5)
+    return json.loads(path.read_text())
+
+
+def _views(lab, panel) -> list[str]:
+    """Texts of the outputs of the cell holding ``panel`` (the controls, then the views)."""
+    cell = lab.page.locator(".jp-Cell", has=panel).first
+    return [t.strip() for t in cell.locator(".jp-OutputArea-output").all_text_contents()]
+
+
+def _value(slider) -> tuple[float, float, float]:
+    """(value, min, max) of a slider, from its noUiSlider handle's ARIA attributes."""
+    h = slider.locator(".noUi-handle")
+    return tuple(float(h.get_attribute(a)) for a in ("aria-valuenow", "aria-valuemin", "aria-valuemax"))
+
+
+def _move(lab, panel, slider) -> tuple[str, float, float]:
+    """One keyboard step of ``slider`` (right, or left at its maximum); waits for the panel's answer.
+    Returns (the status line, seconds from the key press to the answer, CSS px of track per slider step)."""
+    now, lo, hi = _value(slider)
+    before = lab.status(panel)
+    t = time.time()
+    lab.key(slider, "ArrowLeft" if now >= hi else "ArrowRight")
+    deadline = time.time() + STEP_S * float(os.environ.get("LOWRANK_LIB_BROWSER_SLOW", "1"))
+    while True:
+        text = lab.status(panel)
+        if text.startswith("showing") and text != before:
+            break
+        if "failed" in text:
+            pytest.fail(f"slider answer failed: {text}\n" + "\n---\n".join(v[-1500:] for v in _views(lab, panel)))
+        assert time.time() < deadline, f"no answer after {STEP_S} s: status {text!r}"
+        time.sleep(0.1)
+    dt = time.time() - t
+    step = abs(_value(slider)[0] - now)
+    track = slider.locator(".noUi-target").first.bounding_box()["width"]
+    return text, dt, track / max(1.0, round((hi - lo) / step)) if step else 0.0
+
+
+# --------------------------------------------------------------------------- per-notebook checks of the values
+def _check_04(lab, panel, m: dict):
+    """Typed values work, and the printed errors at r are the notebook's error curves at r (4 decimals)."""
+    curves = m["error_curves"]
+    lab.type_value(lab.slider("layer"), str(m["layer"]))
+    lab.wait_status(panel, rf"^showing layer {m['layer']}, ", STEP_S)
+    lab.type_value(lab.slider("KV head"), str(m["head"]))
+    lab.wait_status(panel, rf"^showing layer {m['layer']}, KV head {m['head']}, ", STEP_S)
+    lab.type_value(lab.slider("rank r"), "17")
+    lab.wait_status(panel, rf"^showing layer {m['layer']}, KV head {m['head']}, r = 17 ", STEP_S)
+    line = next(v for v in _views(lab, panel) if "logit error aware" in v)
+    got = re.search(r"r = (\d+): logit error aware ([\d.]+) / raw ([\d.]+); output error aware ([\d.]+) / raw ([\d.]+)",
+                    line)
+    assert got and int(got.group(1)) == 17, line
+    want = [curves[k][16] for k in ("logit_aware", "logit_raw", "output_aware", "output_raw")]
+    assert [float(g) for g in got.groups()[1:]] == pytest.approx(want, abs=6e-5), line
+
+
+def _check_00(lab, panel, m: dict):
+    """A long drag computes only where it is released; a keep seen before comes from the cache."""
+    keep = lab.slider("keep")
+    before = lab.status(panel)
+    lab.drag(keep, -150)             # 3-4 steps below the keeps seen so far (0.90, 0.95)
+    v = lab.readout(keep)
+    text = lab.wait_status(panel, rf"^showing keep {re.escape(v)} ", STEP_S)
+    assert text != before
+    view = "\n".join(_views(lab, panel))
+    assert f"keep {v} (SVD-LLM v1)" in view and "computed in" in view
+    lab.type_value(keep, f"{m['keep_ratio']:.2f}")
+    lab.wait_status(panel, rf"^showing keep {m['keep_ratio']:.2f} ", STEP_S)
+    view = "\n".join(_views(lab, panel))
+    first = m["slider_rows"][0]
+    assert "cached" in view and f"perplexity {first['ppl']:.2f}" in view, view[:500]
+
+
+EXTRA = {"00_quickstart": _check_00, "04_attsvd_interpretability": _check_04}
+
+
+@pytest.mark.parametrize("name", notebooks.on_disk())
+def test_run_all_then_every_slider(lab, timings, name):
+    import nbformat
+    import nbruns
+
+    from lowrank_lib.notebooks.html import PANEL_NOTE, output_problems, to_html
+
+    t0 = time.time()
+    lab.open(name)
+    lab.run_all()
+    lab.wait_all_done(NB_RUN_S)
+    last_output_s = time.time() - t0
+    timings.add(f"{name} Run All to the last output", last_output_s)
+    m = _metrics(lab, name)
+    answers, first_answer_s, statuses = [], None, []
+    for i in range(lab.panels().count()):
+        panel = lab.panels().nth(i)
+        lab.wait_status(panel, r"^showing ", STEP_S)
+        sliders = panel.locator(".widget-slider")
+        for j in range(sliders.count()):
+            text, dt, px = _move(lab, panel, sliders.nth(j))
+            assert px >= MIN_PX_PER_STEP, f"slider {j} of panel {i}: {px:.1f} px of track per step"
+            answers.append(dt)
+            first_answer_s = first_answer_s or time.time() - t0
+            timings.add(f"{name} slider answer ({text[:40]})", dt)
+        if name in EXTRA:
+            EXTRA[name](lab, panel, m)
+        statuses.append(lab.status(panel))
+    lab.assert_clean()
+    lab.save()
+    saved = lab.nbdir / f"{name}.ipynb"
+    nb = nbformat.read(saved, as_version=4)
+    assert not output_problems(nb), f"{name}: the saved notebook is not clean:\n" + "\n".join(output_problems(nb))
+    nbruns.record(name, m, saved, "browser")
+    TIMINGS[name] = {"params": os.environ.get("LOWRANK_LIB_BROWSER_PARAMS", "ci"), "last_output_s": last_output_s,
+                     "first_slider_answer_s": first_answer_s, "slider_answers_s": answers,
+                     "load_average_at_end": list(os.getloadavg())}
+    if not statuses:
+        return
+    # reopened with no kernel state: the saved widget state draws the panels at their last values
+    lab.new_page()
+    lab.open(name)
+    lab.wait_text(".widget-html", re.escape(statuses[-1][:30]), 120)
+    assert lab.page.locator("text=Error displaying widget").count() == 0, f"{name} reopened: a widget did not load"
+    assert lab.panels().count() == len(statuses)
+    # rendered offline to HTML: the note in place of the controls, the last view as plain output
+    html = to_html(saved, lab.nbdir / f"{name}.html").read_text()
+    assert html.count(PANEL_NOTE.split(":")[0]) >= len(statuses)
+    last_value = re.search(r"showing (.+?) \(answered", statuses[-1]).group(1)
+    assert last_value.split(",")[0] in html, f"{name}: the last view ({last_value}) is not in the HTML"
+
+
+def test_write_timings():
+    """Last: the timing JSON of this session's notebook runs, when LOWRANK_LIB_BROWSER_TIMINGS asks for it."""
+    path = os.environ.get("LOWRANK_LIB_BROWSER_TIMINGS")
+    if not path:
+        pytest.skip("LOWRANK_LIB_BROWSER_TIMINGS not set")
+    from lowrank_lib.bench.results import load_average
+
+    out = {"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load_average(),
+           "cores": os.cpu_count(), "notebooks": TIMINGS}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)

@@ -1,0 +1,26 @@
+"""``python -m lowrank_lib.bench kv-decode --quick``: every system its own engine on the same context, the rows the
+issue asks for (step mode, attention kernel and why, ms/token and attention ms against dense, bytes held)."""
+from __future__ import annotations
+
+import json
+
+from lowrank_lib.bench.cli import COMMANDS, main
+
+
+def test_quick_run_writes_every_system_row(tmp_path):
+    assert "kv-decode" in COMMANDS
+    assert main(["kv-decode", "--quick", "--methods", "composed-kvzip-q8", "attsvd", "--budgets", "0.5",
+                 "--graph", "none", "--out", str(tmp_path), "--threads", "1"]) == 0
+    res = json.loads((tmp_path / "kv_decode.json").read_text())
+    rows = res["rows"]
+    assert {(r["system"], r["budget"], r["context"]) for r in rows} == {
+        (s, b, c) for c in (96, 192) for s, b in (("dense", None), ("composed-kvzip-q8", 0.5), ("attsvd", 0.5))}
+    for r in rows:
+        assert r["graph"] == "none" and r["threads"] == 1 and r["attention_kernel"] and r["attention_reason"]
+        assert r["decode_ms_per_token"] > 0 and r["attn_ms_per_token"] > 0
+        assert r["decode_iqr_ms"][0] <= r["decode_ms_per_token"] <= r["decode_iqr_ms"][1]
+        if r["system"] == "dense":
+            assert r["ratio_vs_dense"] == 1.0 and r["bytes_ratio"] == 1.0
+        else:
+            assert 0 < r["bytes_ratio"] <= 0.5 * 1.05 or r["system"] == "attsvd"   # AttSVD keeps its window exact
+    assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and (tmp_path / "kv_decode.txt").exists()
