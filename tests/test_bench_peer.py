@@ -202,13 +202,17 @@ def test_cli_parses_lists_and_refuses_unknown_values():
     assert s.dtypes == ("bf16", "fp32") and s.keeps == (0.5, 0.8) and s.threads == (1, 2) and s.llama_flash_attn == "on"
 
 
-def test_cli_comma_lists_are_a_deprecated_alias():
+def test_cli_lists_take_the_bench_vocabulary():
+    """Space-separated lists; a comma value still splits (bench/options.py); the same through the bench CLI."""
+    from lowrank_lib.bench.cli import parser
+
     ap = _parser()
-    with pytest.warns(FutureWarning, match="deprecated.*--threads 1 2"):
-        a = ap.parse_args(["--threads", "1,2"])
-    with pytest.warns(FutureWarning, match="--dtypes fp32 bf16"):
-        a2 = ap.parse_args(["--dtypes", "fp32,bf16", "--systems", "llamacpp_dense"])
-    assert a.threads == (1, 2) and a2.dtypes == ("fp32", "bf16") and a2.systems == ("llamacpp_dense",)
+    a, a2 = ap.parse_args(["--threads", "1,2"]), ap.parse_args(["--dtypes", "fp32,bf16", "--systems", "llamacpp_dense"])
+    assert a.threads == [1, 2] and a2.dtypes == ["fp32", "bf16"] and a2.systems == ["llamacpp_dense"]
+    b = parser().parse_args(["peer", "--shape", "llama3.2-1b", "--threads", "1", "2", "--gen-len", "8",
+                             "--prompt-len", "16", "--keep", "0.5", "--layers", "1"])
+    s = peer.scale_config_from_args(b)
+    assert s.threads == (1, 2) and s.gen_len == 8 and s.prompt_len == 16 and s.keeps == (0.5,) and s.layers == 1
 
 
 def _committed():

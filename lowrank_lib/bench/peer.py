@@ -35,8 +35,8 @@ Writes ``<out>/peer_cpu.json`` (``peer_cpu_2.json``, ... if it exists: never ove
 :class:`~lowrank_lib.bench.results.ResultFiles`, with the table as ``.txt``) and prints the table.
 
 ``--shape llama3.2-1b|llama2-7b`` runs the same comparison at those geometries, one system per process
-(:mod:`lowrank_lib.bench.peer_scale`). List options take space-separated values (``--threads 1 2``); the
-old comma lists (``--threads 1,2``) still work and warn.
+(:mod:`lowrank_lib.bench.peer_scale`). The options are the bench vocabulary (:mod:`lowrank_lib.bench.options`):
+``--prompt-len``, ``--gen-len``, lists space-separated (``--threads 1 2``; a comma value still splits).
 """
 from __future__ import annotations
 
@@ -46,7 +46,6 @@ import platform
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -159,6 +158,17 @@ def median_ms(xs) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
+def decode_stats(step_s: list[float]) -> dict:
+    """A row's decode fields from every timed step (seconds): the median (``decode_ms_per_token``) and quartiles
+    (``decode_iqr_ms``) by :func:`lowrank_lib.bench.timing.summary`, p10 / p90, the step count."""
+    from .timing import summary
+
+    st = summary(step_s)
+    return {"decode_ms_per_token": st["median_ms"], "decode_iqr_ms": [st["q1_ms"], st["q3_ms"]],
+            "decode_ms_p10": 1e3 * quantile(step_s, 0.1), "decode_ms_p90": 1e3 * quantile(step_s, 0.9),
+            "decode_steps": st["n"]}
+
+
 def _engine(model, dtype, cfg: PeerConfig, lm_head: str = "exact"):
     from ..runtime import Engine, EngineConfig
 
@@ -194,6 +204,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     from .llamacpp import available, version
     from .models import load_bench_models
     from .results import load_average
+    from .timing import interleaved
 
     want_llama = "llamacpp_dense" in cfg.systems
     ok, why = available()
@@ -276,18 +287,19 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         pre = {k: [] for k in runners}
         evals = {k: [] for k in runners}
         perf = {k: [] for k in runners}
-        keys = list(runners)
-        bar = tqdm(total=cfg.repeats * len(keys), desc=f"peer bench, {th} thread(s)", disable=not progress)
-        for rep in range(cfg.repeats):
-            for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:      # rotated order per repeat
-                r = runners[k]
-                o = run_generation(r, ids, cfg.gen_len)
-                steps[k] += o.step_s
-                pre[k].append(o.prefill_s)
-                if k[0] == "llamacpp_dense":
-                    evals[k] += r.eval_s
-                    perf[k].append(r.perf())
-                bar.update(1)
+
+        def generation(k, r):
+            """One whole generation of system ``k``; its per-step times are the samples (not the call's time)."""
+            o = run_generation(r, ids, cfg.gen_len)
+            steps[k] += o.step_s
+            pre[k].append(o.prefill_s)
+            if k[0] == "llamacpp_dense":
+                evals[k] += r.eval_s
+                perf[k].append(r.perf())
+
+        bar = tqdm(total=cfg.repeats, desc=f"peer bench, {th} thread(s), rounds", disable=not progress)
+        interleaved({k: (lambda k=k, r=r: generation(k, r)) for k, r in runners.items()}, rounds=cfg.repeats,
+                    progress=lambda _: bar.update(1))           # rotated order per round (bench/timing.py)
         bar.close()
         bws.append(copy_bandwidth(torch.device("cpu")))
         res["load_average"][f"after_{th}_threads"] = load_average()    # what else ran shows here
@@ -295,12 +307,11 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
         for (s, dt, head), r in runners.items():
             k = (s, dt, head)
-            ms = median_ms(steps[k])
+            dec = decode_stats(steps[k])
+            ms = dec["decode_ms_per_token"]
             wb = gguf_bytes_per_token(ggufs[dt]) if s == "llamacpp_dense" else r.weight_bytes_per_token()
-            row = {"system": s, "dtype": dt, "threads": th, "lm_head": head, "decode_ms_per_token": ms,
-                   "prefill_ms": median_ms(pre[k]), "weight_bytes_per_token": wb,
-                   "decode_ms_p10": 1e3 * quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * quantile(steps[k], 0.9),
-                   "decode_steps": len(steps[k]), "achieved_GBps": wb / (ms / 1e3) / 1e9,
+            row = {"system": s, "dtype": dt, "threads": th, "lm_head": head, **dec,
+                   "prefill_ms": median_ms(pre[k]), "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
                    "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
                    "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None}
             if s == "llamacpp_dense":
@@ -545,44 +556,26 @@ def save(res: dict, out_dir, table: str | None = None) -> Path:
 
 
 # --------------------------------------------------------------------------- CLI
-class ListArg(argparse.Action):
-    """``nargs="+"`` values; the old comma-separated spelling (``--threads 1,2``) is a deprecated alias that warns."""
-
-    def __init__(self, *a, cast=str, **kw):
-        self.cast = cast
-        super().__init__(*a, nargs="+", **kw)
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if any("," in v for v in values):
-            warnings.warn(f"{option_string} {' '.join(values)}: comma-separated lists are deprecated, give "
-                          f"space-separated values ({option_string} {' '.join(v for x in values for v in x.split(',') if v)})",
-                          FutureWarning, stacklevel=2)
-        try:
-            setattr(namespace, self.dest, tuple(self.cast(v) for x in values for v in x.split(",") if v))
-        except ValueError as e:
-            parser.error(f"{option_string}: {e}")
-
-
 def add_arguments(p: argparse.ArgumentParser, out: bool = True) -> None:
-    """The peer's options; ``out=False`` when the bench CLI already gives ``--out``."""
+    """The peer's options (the bench vocabulary, :mod:`lowrank_lib.bench.options`); ``out=False`` when the bench
+    CLI already gives ``--out``."""
     from .models import SHAPES
+    from .options import add_gen_len, add_list, add_prompt_len
 
     d = PeerConfig()
     p.add_argument("--shape", default=None, choices=sorted(SHAPES),
                    help="random weights at this geometry, one system per process (bench/peer_scale.py)")
     p.add_argument("--model", default=d.model, help="smollm2 (default) or a tiny preset / local HF dir")
-    p.add_argument("--keep", action=ListArg, cast=float, default=None,
-                   help="keep ratio(s) of the low-rank system (SmolLM2: one, plain SVD, default 0.5; "
-                        "--shape: random factors, default 0.5 0.8)")
-    p.add_argument("--dtypes", action=ListArg, default=None, help="fp32 bf16 (--shape: default by shape)")
-    p.add_argument("--threads", action=ListArg, cast=int, default=d.threads, help="thread counts, e.g. 1 2")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--gen-len", type=int, default=d.gen_len)
+    add_list(p, "--keep", float, None, "keep ratio(s) of the low-rank system (SmolLM2: one, plain SVD, default "
+             "0.5; --shape: random factors, default 0.5 0.8)")
+    add_list(p, "--dtypes", str, None, "fp32 bf16 (SmolLM2 default fp32 bf16; --shape: default by shape)")
+    add_list(p, "--threads", int, d.threads, "thread counts, each measured in the same run")
+    add_prompt_len(p, d.prompt_len)
+    add_gen_len(p, d.gen_len, "new greedy tokens per generation")
     p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--systems", action=ListArg, default=d.systems, help=f"of {SYSTEMS}")
-    p.add_argument("--lm-heads", action=ListArg, default=d.lm_heads,
-                   help="LM heads of our systems (SmolLM2): exact certified")
-    p.add_argument("--quants", action=ListArg, default=None, help="--shape: llama.cpp quantizations (q8_0 q4_k_m)")
+    add_list(p, "--systems", str, d.systems, f"of {SYSTEMS}")
+    add_list(p, "--lm-heads", str, d.lm_heads, "LM heads of our systems (SmolLM2), of exact certified")
+    add_list(p, "--quants", str, None, "--shape: llama.cpp quantizations (default q8_0 q4_k_m)")
     p.add_argument("--layers", type=int, default=None, help="--shape: a reduced layer count (dry runs)")
     p.add_argument("--cleanup", action="store_true", help="--shape: delete the generated weights and GGUFs after")
     p.add_argument("--graph", default=d.graph, choices=("whole-step", "none"), help="our engine's decode step")
@@ -624,7 +617,8 @@ def config_from_args(a) -> PeerConfig:
 def scale_config_from_args(a):
     from .peer_scale import QUANTS, ScaleConfig
 
-    return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)), dtypes=a.dtypes, threads=tuple(a.threads),
+    return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)),
+                       dtypes=tuple(a.dtypes) if a.dtypes else None, threads=tuple(a.threads),
                        quants=tuple(a.quants or QUANTS), systems=tuple(a.systems), prompt_len=a.prompt_len,
                        gen_len=a.gen_len, repeats=a.repeats, layers=a.layers, graph=a.graph,
                        llama_flash_attn=a.llama_flash_attn or "on", seed=a.seed, out=a.out, cleanup=a.cleanup,

@@ -21,8 +21,13 @@ Every (system, dtype, keep) runs in its OWN child process (``python -m lowrank_l
 runs every thread count (copy bandwidth measured by the child before and after each, the median is the
 row's ``copy_gbs``): a warm-up generation (our engine compiles its step there, timed apart), then
 ``repeats`` generations of ``gen_len`` greedy tokens after a ``prompt_len`` prompt of seeded random ids;
-decode ms/token = median over every step. The children run one after another, in a fixed order; the
-load average before and after each is recorded (what else ran shows there). The parent compares the
+decode ms/token = median over every step, with its quartiles (``peer.decode_stats``, through
+``bench.timing.summary``). The children run one after another, in a fixed order; the load average before
+and after each is recorded (what else ran shows there). The systems are NOT interleaved round by round
+(``bench.timing.interleaved``, as the SmolLM2 peer does): that needs every system alive in one process, which
+is what this design rules out at 7B, and interleaving thread counts inside a child would recompile the step
+(inductor fixes its thread count) every round. So ratios across children carry the drift of a shared
+machine between them: run it on an idle machine, and read ``load_average`` and ``copy_gbs`` per row. The parent compares the
 children's prefill logits and greedy tokens at the same dtype (``equivalence``: random weights have tiny
 logit margins, so bf16 tokens may part early; the logit difference is the check).
 
@@ -219,7 +224,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
     from ..runtime.config import parse_dtype
     from .decode import copy_bandwidth
     from .models import load_shape_model, shape_config
-    from .peer import CpuClocked, median_ms, quantile, gguf_bytes_per_token
+    from .peer import CpuClocked, decode_stats, gguf_bytes_per_token, median_ms
     from .results import load_average
 
     system, dtype, keep = unit["system"], unit["dtype"], unit["keep"]
@@ -273,14 +278,14 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
             pre.append(o.prefill_s)
         bws.append(copy_bandwidth(torch.device("cpu")))
         bw = statistics.median(bws)
-        ms = median_ms(steps)
+        dec = decode_stats(steps)
+        ms = dec["decode_ms_per_token"]
         w = wb if system == "llamacpp_dense" else runner.weight_bytes_per_token()
         row = {"shape": cfg.shape, "layers": c.num_hidden_layers, "system": system, "dtype": dtype, "threads": th,
-               "keep": keep, "decode_ms_per_token": ms, "weight_bytes_per_token": w, "copy_gbs": bw,
+               "keep": keep, **dec, "weight_bytes_per_token": w, "copy_gbs": bw,
                "copy_gbs_before_after": bws, "roofline_ms": w / (bw * 1e9) * 1e3,
                "roofline_x": ms / 1e3 / (w / (bw * 1e9)), "achieved_GBps": w / (ms / 1e3) / 1e9,
-               "prefill_ms": median_ms(pre), "decode_ms_p10": 1e3 * quantile(steps, 0.1),
-               "decode_ms_p90": 1e3 * quantile(steps, 0.9), "decode_steps": len(steps),
+               "prefill_ms": median_ms(pre),
                "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None,
                "warmup_s": warm_s, "load_average": {"before": la0, "after": load_average()}}
         if system == "llamacpp_dense":
