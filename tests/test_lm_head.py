@@ -238,12 +238,14 @@ def test_certified_head_refuses_what_it_cannot_serve():
 @pytest.mark.smollm2
 @needs_kernel
 def test_smollm2_certified_head_reads_a_fraction_of_the_head(smollm2):
-    """The real head: greedy tokens equal, the bound admits few rows, a little over half the bf16 head read."""
+    """The real head: greedy tokens equal, the bound admits few rows, a little over half the bf16 head read.
+
+    On the dense model: the head is the same tensor at every keep (low rank never touches it), and the SVD of
+    the layers would only add test time (the keep-0.5 model with this head is the peer benchmark's audit)."""
     model, tok = smollm2
-    comp = compress_svd(model, 0.5)
     ids = tok("The capital of France is", return_tensors="pt").input_ids
-    ref = run_generation(Engine(comp, EngineConfig(max_seq_len=64, dtype="bf16")), ids, 24)
-    eng = Engine(comp, EngineConfig(max_seq_len=64, dtype="bf16", lm_head="certified"))
+    ref = run_generation(Engine(model, EngineConfig(max_seq_len=64, dtype="bf16")), ids, 24)
+    eng = Engine(model, EngineConfig(max_seq_len=64, dtype="bf16", lm_head="certified"))
     out = run_generation(eng, ids, 24)
     assert torch.equal(out.tokens, ref.tokens)
     rep = eng.report()["lm_head"]
