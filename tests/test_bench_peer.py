@@ -15,6 +15,7 @@ from lowrank_lib import models
 from lowrank_lib.bench import gguf_export as ge
 from lowrank_lib.bench import peer
 from lowrank_lib.bench.llamacpp import available
+from lowrank_lib.runtime.kernels import build
 
 LLAMA_OK, LLAMA_WHY = available()
 needs_llama = pytest.mark.skipif(not LLAMA_OK, reason=LLAMA_WHY)
@@ -130,19 +131,27 @@ def _row(system, dtype, threads, ms, wb, pre=100.0, bw=25.0):
 def test_comparisons_and_targets():
     rows = [_row("llamacpp_dense", "bf16", 1, 14.0, 270e6), _row("lowrank_lib_dense", "bf16", 1, 15.0, 270e6),
             _row("lowrank_lib_lowrank", "bf16", 1, 9.0, 168e6), _row("llamacpp_dense", "bf16", 2, 10.0, 270e6),
-            _row("lowrank_lib_lowrank", "bf16", 2, 8.0, 168e6)]
+            _row("lowrank_lib_lowrank", "bf16", 2, 8.0, 168e6),
+            {**_row("lowrank_lib_lowrank", "bf16", 1, 6.0, 140e6), "lm_head": "certified",
+             "lm_head_report": {"head_bytes_fraction": 0.53}}]
     comps = peer.comparisons(rows)
     c1 = next(c for c in comps if c["threads"] == 1)
     assert c1["lowrank_speedup_vs_llamacpp"] == pytest.approx(14 / 9)
     assert c1["dense_ratio_vs_llamacpp"] == pytest.approx(15 / 14)
     assert c1["lowrank_bytes_vs_dense"] == pytest.approx(168 / 270)
+    assert c1["certified_speedup_vs_llamacpp"] == pytest.approx(14 / 6)
+    assert c1["certified_speedup_vs_exact_head"] == pytest.approx(9 / 6)
+    assert c1["certified_head_bytes_fraction"] == 0.53
     c2 = next(c for c in comps if c["threads"] == 2)
-    assert "dense_ratio_vs_llamacpp" not in c2                   # no dense row at 2 threads
+    assert "dense_ratio_vs_llamacpp" not in c2 and "certified_speedup_vs_llamacpp" not in c2
     t = {x["target"]: x for x in peer.targets(comps)}
     assert all(x["threads"] == 1 for x in peer.targets(comps))
-    assert t["lowrank_speedup_vs_llamacpp"]["met"] and t["dense_ratio_vs_llamacpp"]["met"]
+    assert t["lowrank_speedup_vs_llamacpp"]["met"] and not t["dense_ratio_vs_llamacpp"]["met"]   # 1.07 > 1.0
+    assert t["certified_speedup_vs_llamacpp"]["met"] and t["certified_speedup_vs_llamacpp"]["issue"] == 22
     assert t["lowrank_roofline_x"]["measured"] == pytest.approx(9e-3 / (168e6 / 25e9))
-    assert not t["lowrank_roofline_x"]["met"]
+    assert not t["lowrank_roofline_x"]["met"] and t["lowrank_roofline_x"]["bound"] == 1.2
+    fp = peer.targets(peer.comparisons([{**r, "dtype": "fp32"} for r in rows]))
+    assert "certified_speedup_vs_llamacpp" not in {x["target"] for x in fp}       # a bf16 target only
 
 
 def test_compare_greedy_reports_first_divergence():
@@ -161,24 +170,49 @@ def test_compare_greedy_reports_first_divergence():
     assert peer.compare_greedy(a, a)["tokens_equal"]
 
 
-def test_result_path_never_overwrites(tmp_path):
-    p1 = peer.save({"rows": []}, tmp_path)
+def test_result_files_never_overwrite(tmp_path):
+    p1 = peer.save({"rows": []}, tmp_path, "a | b")
     p2 = peer.save({"rows": [1]}, tmp_path)
     assert p1.name == "peer_cpu.json" and p2.name == "peer_cpu_2.json"
-    assert json.loads(p1.read_text()) == {"rows": []}
+    assert json.loads(p1.read_text())["rows"] == [] and (tmp_path / "peer_cpu.txt").read_text() == "a | b\n"
 
 
-def test_cli_parses_and_refuses_unknown_systems():
+def _parser():
     import argparse
 
     ap = argparse.ArgumentParser()
     peer.add_arguments(ap)
-    cfg = peer.config_from_args(ap.parse_args(["--threads", "1", "--dtypes", "bf16", "--out", "x"]))
-    assert cfg.threads == (1,) and cfg.dtypes == ("bf16",) and cfg.out == "x" and cfg.prompt_len == 512
+    return ap
+
+
+def test_cli_parses_lists_and_refuses_unknown_values():
+    ap = _parser()
+    cfg = peer.config_from_args(ap.parse_args(["--threads", "1", "2", "--dtypes", "bf16", "--out", "x"]))
+    assert cfg.threads == (1, 2) and cfg.dtypes == ("bf16",) and cfg.out == "x" and cfg.prompt_len == 512
+    assert cfg.lm_heads == ("exact", "certified") and cfg.keep == 0.5
+    for bad in (["--systems", "llamacpp_dense", "vllm"], ["--dtypes", "fp16"], ["--lm-heads", "approx"],
+                ["--keep", "0.5", "0.8"]):
+        with pytest.raises(SystemExit):
+            peer.config_from_args(ap.parse_args(bad))
     with pytest.raises(SystemExit):
-        peer.config_from_args(ap.parse_args(["--systems", "llamacpp_dense,vllm"]))
-    with pytest.raises(SystemExit):
-        peer.config_from_args(ap.parse_args(["--dtypes", "fp16"]))
+        ap.parse_args(["--threads", "one"])
+    s = peer.scale_config_from_args(ap.parse_args(["--shape", "llama2-7b", "--keep", "0.5", "--threads", "1"]))
+    assert s.shape == "llama2-7b" and s.keeps == (0.5,) and s.dtypes == ("bf16",) and s.quants == ("q8_0", "q4_k_m")
+    s = peer.scale_config_from_args(ap.parse_args(["--shape", "llama3.2-1b"]))
+    assert s.dtypes == ("bf16", "fp32") and s.keeps == (0.5, 0.8) and s.threads == (1, 2) and s.llama_flash_attn == "on"
+
+
+def test_cli_lists_take_the_bench_vocabulary():
+    """Space-separated lists; a comma value still splits (bench/options.py); the same through the bench CLI."""
+    from lowrank_lib.bench.cli import parser
+
+    ap = _parser()
+    a, a2 = ap.parse_args(["--threads", "1,2"]), ap.parse_args(["--dtypes", "fp32,bf16", "--systems", "llamacpp_dense"])
+    assert a.threads == [1, 2] and a2.dtypes == ["fp32", "bf16"] and a2.systems == ["llamacpp_dense"]
+    b = parser().parse_args(["peer", "--shape", "llama3.2-1b", "--threads", "1", "2", "--gen-len", "8",
+                             "--prompt-len", "16", "--keep", "0.5", "--layers", "1"])
+    s = peer.scale_config_from_args(b)
+    assert s.threads == (1, 2) and s.gen_len == 8 and s.prompt_len == 16 and s.keeps == (0.5,) and s.layers == 1
 
 
 def _committed():
@@ -193,7 +227,7 @@ def test_committed_result_has_the_schema(p):
     res = json.loads(p.read_text())
     assert res["rows"] and isinstance(res["copy_bandwidth_GBps"], float) and res["command"].startswith("python -m")
     for r in res["rows"]:
-        assert set(peer.ROW_KEYS) <= set(r)
+        assert set(peer.ROW_KEYS) <= set(r) and r.get("lm_head", "exact") in peer.LM_HEADS
         assert r["system"] in peer.SYSTEMS and r["dtype"] in ("fp32", "bf16") and r["threads"] >= 1
         assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
     assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
@@ -247,11 +281,17 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                                         gen_len=8, repeats=1, graph="none", llama_flash_attn="off",
                                         prompt="random", out=str(tmp_path)), progress=False, log=lambda *_: None)
     assert res["equivalence"]["tokens_equal"]
-    assert {(r["system"], r["dtype"]) for r in res["rows"]} == {(s, d) for s in peer.SYSTEMS for d in ("fp32", "bf16")}
+    want = {("llamacpp_dense", d, "exact") for d in ("fp32", "bf16")}
+    want |= {(s, d, h) for s in peer.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer.LM_HEADS}
+    assert {(r["system"], r["dtype"], r["lm_head"]) for r in res["rows"]} == want
     for r in res["rows"]:
         assert r["decode_steps"] == 7 and r["decode_ms_per_token"] > 0
         assert 0 < r["decode_cpu_ms_per_token"] <= 1.5 * r["decode_ms_per_token"]   # 1 thread: CPU ~ wall
-    assert peer.format_table(res).count("\n") >= 8
+        if r["lm_head"] == "certified":
+            rep = r["lm_head_report"]
+            assert rep["mode"] == "certified" and rep["calls"] == rep["rows"] == 8   # the timed run: prefill + 7 steps
+    table = peer.format_table(res)
+    assert table.count("\n") >= 12 and "certified head" in table
     p = peer.save(res, tmp_path)
     assert json.loads(p.read_text())["rows"]
 
@@ -268,3 +308,136 @@ def test_figures_are_redrawn_from_a_result(tmp_path):
     assert main(["peer", "--replot", str(src), "--figures", str(tmp_path / "fig")]) == 0
     for name in ("peer_decode_vs_bytes", "peer_thread_scaling"):
         assert (tmp_path / "fig" / f"{name}.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- the real geometries (bench peer --shape)
+#: the 1B geometry with one layer and a smaller vocabulary: every projection at its real shape, small files
+ONE_LAYER_1B = dict(layers=1, overrides={"vocab_size": 8192})
+
+
+@pytest.fixture(scope="module")
+def shape_1b(tmp_path_factory):
+    from lowrank_lib.bench.models import load_shape_model
+
+    d = tmp_path_factory.mktemp("shapes")
+    return d, load_shape_model("llama3.2-1b", cache_dir=d, progress=False, **ONE_LAYER_1B)
+
+
+def test_shape_models_are_memory_mapped_reproducible_and_factored(shape_1b, tmp_path):
+    from lowrank_lib.bench.models import SHAPES, load_shape_model, shape_config
+    from lowrank_lib.factorized import LowRankLinear
+    from lowrank_lib.ranks import keep_rank
+
+    d, m = shape_1b
+    c = shape_config("llama3.2-1b", **ONE_LAYER_1B)
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == \
+        (2048, 8192, 32, 8, 64) and c.tie_word_embeddings and SHAPES["llama2-7b"]["num_key_value_heads"] == 32
+    assert m.lm_head.weight is m.model.embed_tokens.weight and m.dtype == torch.bfloat16
+    q = m.model.layers[0].self_attn.q_proj.weight
+    assert q.shape == (2048, 2048) and 0.015 < float(q.float().std()) < 0.025
+    again = load_shape_model("llama3.2-1b", cache_dir=tmp_path, progress=False, **ONE_LAYER_1B)   # written afresh
+    assert torch.equal(again.model.layers[0].mlp.down_proj.weight, m.model.layers[0].mlp.down_proj.weight)
+    lr = load_shape_model("llama3.2-1b", keep=0.5, cache_dir=d, progress=False, **ONE_LAYER_1B)
+    g = lr.model.layers[0].mlp.gate_proj
+    assert isinstance(g, LowRankLinear) and g.rank == keep_rank(8192, 2048, 0.5)
+    assert torch.equal(lr.model.embed_tokens.weight, m.model.embed_tokens.weight)   # only the projections differ
+
+
+def test_1b_shape_gguf_export_reads_back_to_the_same_logits(shape_1b):
+    """Our exporter at the 1B geometry (one layer): the GGUF read back is the same model, logit for logit
+    (fp32: bit-equal weights; bf16: the bf16 weights themselves); llama.cpp, where installed, agrees."""
+    from transformers import LlamaForCausalLM
+
+    d, m = shape_1b
+    ids = torch.randint(0, 8192, (1, 24), generator=torch.Generator().manual_seed(0))
+    ref = m.float()(ids).logits
+    for qtype, dt in (("F32", "fp32"), ("BF16", "bf16")):
+        p = ge.write_hf_gguf(m, d / f"m.{qtype}.gguf", qtype)
+        assert ge.verify_gguf(p, m.state_dict(), dt)["exact"]
+        back = LlamaForCausalLM(m.config).float().eval()
+        missing, unexpected = back.load_state_dict(ge.gguf_state_dict(p), strict=False)
+        assert set(missing) <= {"lm_head.weight"} and not unexpected
+        back.tie_weights()
+        assert torch.equal(back(ids).logits, ref)
+    assert peer.gguf_bytes_per_token(d / "m.BF16.gguf") == (2 * 1 * (2048 * 2048 * 2 + 2048 * 512 * 2 + 8192 * 2048 * 3)
+                                                          + 2048 * 8192 * 2 + 4 * (3 * 2048))
+    if LLAMA_OK:
+        from lowrank_lib.bench.llamacpp import LlamaCppRunner
+        from lowrank_lib.runtime import Engine, EngineConfig, run_generation
+
+        r = LlamaCppRunner(d / "m.F32.gguf", n_ctx=48, threads=1, kv_type="f32", flash_attn=False)
+        a = run_generation(r, ids, 8, return_logits=True)
+        b = run_generation(Engine(m, EngineConfig(max_seq_len=48, dtype="fp32")), ids, 8, return_logits=True)
+        r.close()
+        cmp = peer.compare_greedy(a, b)
+        assert cmp["prefill_abs_logit_diff"] < 1e-3 * max(1.0, cmp["logit_scale"]), cmp
+
+
+def test_scale_units_disk_and_config():
+    from lowrank_lib.bench import peer_scale as ps
+
+    cfg = ps.ScaleConfig(shape="llama3.2-1b")
+    u = ps.units(cfg)
+    assert [x for x in u if x["system"] == "llamacpp_dense"] == [
+        {"system": "llamacpp_dense", "dtype": d, "keep": None} for d in ("bf16", "fp32", "q8_0", "q4_k_m")]
+    assert {(x["dtype"], x["keep"]) for x in u if x["system"] == "lowrank_lib_lowrank"} == \
+        {(d, k) for d in ("bf16", "fp32") for k in (0.5, 0.8)}
+    assert 10e9 < ps.disk_needed(cfg) < 20e9                     # 1.24B parameters: weights, factors, 4 GGUFs
+    seven = ps.ScaleConfig(shape="llama2-7b")
+    assert seven.dtypes == ("bf16",) and 50e9 < ps.disk_needed(seven) < 70e9
+    with pytest.raises(SystemExit, match="unknown shape"):
+        ps.ScaleConfig(shape="llama-70b")
+    with pytest.raises(SystemExit, match="quantizations"):
+        ps.ScaleConfig(quants=("q2_k",))
+
+
+@needs_llama
+def test_peer_scale_end_to_end_one_process_per_system(tmp_path):
+    """The whole --shape pipeline on a small geometry: files prepared in a child, every system in its own
+    child, rows, equivalence, targets, table, figure and cleanup."""
+    from lowrank_lib.bench import peer_scale as ps
+
+    small = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 1024}
+    cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("bf16",),
+                         quants=("q8_0",), threads=(1,), prompt_len=16, gen_len=4, repeats=1, graph="none",
+                         gemv_classes=False, cache_dir=str(tmp_path / "cache"), out=str(tmp_path), cleanup=True)
+    res = ps.run_scale(cfg, log=lambda *_: None)
+    got = {(r["system"], r["dtype"], r["keep"]) for r in res["rows"]}
+    assert got == {("llamacpp_dense", "bf16", None), ("lowrank_lib_dense", "bf16", None),
+                   ("lowrank_lib_lowrank", "bf16", 0.5), ("llamacpp_dense", "q8_0", None)}
+    for r in res["rows"]:
+        assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["copy_gbs"] > 0
+        assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 / (r["weight_bytes_per_token"] /
+                                                                                 (r["copy_gbs"] * 1e9)))
+        assert r["peak_rss_gb"] > 0 and r["child_maxrss_gb"] > 0
+    by = {(r["system"], r["dtype"]): r for r in res["rows"]}
+    assert by[("llamacpp_dense", "q8_0")]["weight_bytes_per_token"] < 0.6 * by[("llamacpp_dense", "bf16")][
+        "weight_bytes_per_token"]
+    eq = res["equivalence"][0]
+    assert eq["dtype"] == "bf16" and eq["prefill_max_abs_logit_diff"] < 0.05 * max(1.0, eq["logit_scale"])
+    assert {t["target"] for t in res["targets"]} == {"roofline_x", "dense_speedup_vs_llamacpp_dense"}
+    assert ps.format_table(res).count("\n") >= 6
+    assert ps.save_figure([res], tmp_path / "fig").stat().st_size > 10_000
+    assert res["cleaned_up"] and not any((tmp_path / "cache").glob("**/*.safetensors"))
+
+
+def test_gemv_classes_follow_the_engine_packing():
+    from lowrank_lib.bench.gemv_classes import gemv_classes, measure
+    from lowrank_lib.bench.models import shape_config
+    from lowrank_lib.ranks import keep_rank
+
+    c = shape_config("llama2-7b")
+    dense = {x["name"]: x["mats"] for x in gemv_classes(c, None)}
+    assert dense["qkv"] == [(3 * 4096, 4096, 0)] and dense["down"] == [(4096, 11008, 0)]
+    assert dense["lm_head"] == [(32000, 4096, 0)]
+    lr = {x["name"]: x for x in gemv_classes(c, 0.5)}
+    rq, rg = keep_rank(4096, 4096, 0.5), keep_rank(11008, 4096, 0.5)
+    assert lr["qkv.U"]["mats"][0] == (8192, rq, 0) and lr["qkv.U"]["x"] == 3 * rq    # RoPE-folded q: 2x rows
+    assert lr["gate_up.U"]["mats"] == [(11008, rg, 0), (11008, rg, rg)]
+    small = shape_config("llama3.2-1b", 1, {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                                            "num_attention_heads": 2, "num_key_value_heads": 1})
+    if build.load().available:
+        res = measure(small, 0.5, torch.float32, stream_bytes=2e6, repeats=1)
+        assert {r["class"] for r in res["classes"]} == {x["name"] for x in gemv_classes(small, 0.5)}
+        assert all(r["GBps"] > 0 and r["x_copy_bandwidth"] > 0 for r in res["classes"]) and res["copy_gbs"] > 0

@@ -39,14 +39,15 @@ def _gen(seed):
 
 # --------------------------------------------------------------------------- ops
 @needs_lrk
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.int8])
 @pytest.mark.parametrize("out,inp", [(1, 1), (15, 3), (17, 33), (63, 64), (64, 17), (65, 1), (130, 77), (209, 576)])
 def test_pack_unpack_round_trip_and_padding(dtype, out, inp):
     ops = _ops()
-    W = torch.randn(out, inp, generator=_gen(out * 1000 + inp)).to(dtype)
+    W = torch.randn(out, inp, generator=_gen(out * 1000 + inp))
+    W = (W * 40).round().clamp(-127, 127).to(dtype) if dtype == torch.int8 else W.to(dtype)
     P = ops.pack(W)
     rows = (out // 64) * 64 + -(-(out % 64) // 16) * 16                 # blocks of 64, tail rounded to 16
-    cols = 2 * -(-inp // 2) if dtype == torch.bfloat16 else inp            # bf16 pairs
+    cols = 2 * -(-inp // 2) if dtype != torch.float32 else inp             # bf16 / int8 pairs
     assert P.shape == (rows * cols,) and P.dtype == dtype
     assert torch.equal(ops.unpack(P, out, inp), W)                         # exact: a permutation + zeros
     assert int((P != 0).sum()) == int((W != 0).sum())                      # padding is zeros, nothing lost
@@ -123,7 +124,7 @@ def test_gemv_rejects_hostile_arguments():
         ops.gemv(x, [P], [20], [10], [1])                          # slice beyond x
     with pytest.raises(RuntimeError, match="not a packed"):
         ops.gemv(x.bfloat16(), [P], [20], [10], [0])               # dtype mismatch
-    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+    with pytest.raises(RuntimeError, match="fp32, bf16 or int8"):
         ops.pack(W.double())
     with pytest.raises(RuntimeError, match="unit column stride"):
         ops.gemv(torch.randn(10, 2).t(), [P], [20], [10], [0])
@@ -391,3 +392,51 @@ def test_portable_presets_never_take_the_kernels():
     eng = Engine(_lowrank("tiny-gqa", seed=1), EngineConfig(max_seq_len=16, kernels="portable"))
     assert eng.report()["gemv"] == "aten" and eng.report()["backend"] == "sdpa"
     assert all(not L.qkv.gemv.packed and hasattr(L.qkv, "S_t") for L in eng.layers)
+
+
+# --------------------------------------------------------------------------- the real geometries (1B, 7B)
+@needs_lrk
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_at_7b_and_1b_class_shapes(dtype):
+    """One matrix of each size class the 1B / 7B decode streams (bench.gemv_classes), against float64: every
+    output within the rigorous fp32 accumulation bound (K + 2) u sum|w x| (+ one bf16 rounding)."""
+    ops = _ops()
+    g = _gen(22)
+    for out, inp in [(11008, 1365), (4096, 2730), (1638, 2048), (2048, 819), (2048, 8192)]:
+        W = (torch.randn(out, inp, generator=g) * 0.02).to(dtype)
+        x = torch.randn(2, inp, generator=g).to(dtype)
+        y = ops.gemv(x, [ops.pack(W)], [out], [inp], [0]).double()
+        ref = _ref_gemv(x, [W], [0])
+        bound = (inp + 2) * 2.0 ** -24 * (x.double().abs() @ W.double().abs().t())
+        if dtype == torch.bfloat16:
+            bound = bound + 2.0 ** -8 * ref.abs()
+        assert ((y - ref).abs() <= bound + 1e-30).all()
+
+
+@pytest.fixture(scope="module")
+def one_layer_1b(tmp_path_factory):
+    from lowrank_lib.bench.models import load_shape_model
+
+    d = tmp_path_factory.mktemp("shape")
+    kw = dict(layers=1, overrides={"vocab_size": 4096}, cache_dir=d, progress=False)
+    return load_shape_model("llama3.2-1b", **kw), load_shape_model("llama3.2-1b", keep=0.5, **kw)
+
+
+@needs_lrk
+@pytest.mark.parametrize("which", ["dense", "keep0.5"])
+@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=needs_bf16)])
+def test_engine_lrk_equals_portable_at_the_1b_geometry(one_layer_1b, which, dtype):
+    """Llama-3.2-1B's projections (hidden 2048, ffn 8192, 32/8 heads, head_dim 64) with one layer: the kernel
+    engine against the portable one, dense and keep-0.5 random factors."""
+    model = one_layer_1b[0 if which == "dense" else 1]
+    ids = torch.randint(0, 4096, (1, 12), generator=_gen(8))
+    ref32 = _gen_out(model, dict(max_seq_len=24, dtype="fp32", kernels="portable"), ids, 6)
+    a = _gen_out(model, dict(max_seq_len=24, dtype=dtype, kernels="lrk"), ids, 6)
+    b = _gen_out(model, dict(max_seq_len=24, dtype=dtype, kernels="portable"), ids, 6)
+    scale = float(ref32.logits[0].abs().max())
+    if dtype == "fp32":
+        assert torch.equal(a.tokens, b.tokens) and _max_err(a, b) < 1e-4 * scale
+    else:
+        e_lrk = float((a.logits[0].float() - ref32.logits[0]).abs().max()) / scale
+        e_aten = float((b.logits[0].float() - ref32.logits[0]).abs().max()) / scale
+        assert e_lrk < 0.05 and e_lrk < 2 * e_aten + 0.01, (e_lrk, e_aten)

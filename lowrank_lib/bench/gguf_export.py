@@ -30,6 +30,8 @@ import torch
 
 #: our dtype name -> GGUF tensor type name of 2-D weights and ``general.file_type`` (LlamaFileType)
 GGUF_TYPES = {"fp32": ("F32", 0), "bf16": ("BF16", 32)}
+#: GGML type name of the 2-D weights -> ``general.file_type`` (llama.cpp's LlamaFileType)
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 #: source GGUF keys that the writer sets itself (or that describe the file, not the model)
 _WRITER_KEYS = ("general.architecture", "general.file_type")
 MARKER = "lowrank_lib_gguf.json"
@@ -116,34 +118,57 @@ def _head_counts(fields: dict) -> tuple[int, int, int]:
     return n_layers, n_head, n_kv
 
 
-def gguf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """A llama GGUF -> HF Llama state dict (float32; q/k rows unpermuted; no lm_head when tied)."""
-    fields, tensors, _ = read_gguf(path)
+def iter_gguf_state(path: str | Path):
+    """Yield ``(hf_name, float32 tensor)`` of a llama GGUF one tensor at a time (q/k rows unpermuted): a 7B
+    file is read without holding it whole (the file is memory-mapped, each tensor dequantised alone)."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    fields = {k: (f.contents(), list(f.types)) for k, f in r.fields.items() if not k.startswith("GGUF.")}
     n_layers, n_head, n_kv = _head_counts(fields)
     inv = {g: h for h, g in hf_to_gguf_names(n_layers).items()}
-    sd = {}
-    for g, a in tensors.items():
-        if g not in inv:
-            raise GGUFExportError(f"{path}: tensor {g!r} has no HF Llama counterpart")
-        heads = _qk_heads(g, n_head, n_kv)
-        sd[inv[g]] = torch.from_numpy(unpermute_qk(a, heads) if heads else a)
-    return sd
+    for t in r.tensors:
+        if t.name not in inv:
+            raise GGUFExportError(f"{path}: tensor {t.name!r} has no HF Llama counterpart")
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))      # ggml's ne is [in, out]
+        a = np.array(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(shape), dtype=np.float32)
+        heads = _qk_heads(t.name, n_head, n_kv)
+        yield inv[t.name], torch.from_numpy(unpermute_qk(a, heads) if heads else a)
+
+
+def gguf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A llama GGUF -> HF Llama state dict (float32; q/k rows unpermuted; no lm_head when tied)."""
+    return dict(iter_gguf_state(path))
 
 
 # --------------------------------------------------------------------------- writing
-def _encode(a: np.ndarray, qtype_name: str) -> tuple[np.ndarray, object]:
+def _encode(a: np.ndarray | torch.Tensor, qtype_name: str) -> tuple[np.ndarray, object]:
+    """float32 (or bf16 torch) array -> (the GGUF bytes of ``qtype_name``, raw dtype or None for F32).
+
+    A bf16 tensor written as BF16 is its own bits (what rounding it to bf16 again gives), without the
+    float32 detour; everything else is ``gguf.quants.quantize`` of the float32 values."""
     import gguf
 
     qt = gguf.GGMLQuantizationType[qtype_name]
+    if isinstance(a, torch.Tensor):
+        if a.dtype == torch.bfloat16 and qt == gguf.GGMLQuantizationType.BF16:
+            return a.contiguous().view(torch.int16).numpy().view(np.uint8), qt
+        a = a.float().numpy()
     if qt == gguf.GGMLQuantizationType.F32:
         return np.ascontiguousarray(a, dtype=np.float32), None
     return gguf.quants.quantize(np.ascontiguousarray(a, dtype=np.float32), qt), qt
 
 
-def _write(path: Path, arch: str, fields: dict, tensors: list[tuple[str, np.ndarray]], qtype_name: str,
-           file_type: int) -> None:
-    """Write tensors (float32 [out, in]) as ``qtype_name`` (1-D ones as F32) with the given metadata."""
+def _write(path: Path, arch: str, fields: dict, tensors, qtype_name: str, file_type: int,
+           progress: bool = False) -> None:
+    """Write tensors as ``qtype_name`` (1-D ones as F32) with the given metadata, ONE tensor in memory at a time.
+
+    ``tensors``: ``[(name, shape [out, in] or [n], get)]`` in file order, ``get()`` -> the float32 array
+    (called once, while writing; a 7B model is never held whole). The tensor table is written first
+    from the shapes (``gguf.quant_shape_to_byte_shape`` gives each encoded size), then the data.
+    """
     import gguf
+    from tqdm.auto import tqdm
 
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), arch)
@@ -154,13 +179,23 @@ def _write(path: Path, arch: str, fields: dict, tensors: list[tuple[str, np.ndar
         sub = gguf.GGUFValueType(types[-1]) if vt == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(key, val, vt, sub_type=sub)
     w.add_file_type(file_type)
-    for name, a in tensors:
-        data, raw = _encode(a, "F32" if a.ndim == 1 else qtype_name)
-        w.add_tensor(name, data, raw_dtype=raw)
+    plan = []
+    for name, shape, get in tensors:
+        qname = "F32" if len(shape) == 1 else qtype_name
+        qt = gguf.GGMLQuantizationType[qname]
+        if qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor_info(name, tuple(shape), np.dtype(np.float32), int(np.prod(shape)) * 4)
+        else:
+            byte_shape = gguf.quant_shape_to_byte_shape(tuple(shape), qt)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=qt)
+        plan.append((name, qname, get))
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
-        w.write_tensors_to_file()
+        w.write_ti_data_to_file()
+        for name, qname, get in tqdm(plan, desc=f"write {path.name}", disable=not progress, leave=False):
+            data, _ = _encode(get(), qname)
+            w.write_tensor_data(data)
     finally:
         w.close()
     os.replace(tmp, path)
@@ -178,7 +213,8 @@ def export_gguf(src: str | Path, dst: str | Path, dtype: str) -> Path:
     qname, ftype = GGUF_TYPES[dtype]
     dst = Path(dst)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _write(dst, fields["general.architecture"][0], fields, list(tensors.items()), qname, ftype)
+    _write(dst, fields["general.architecture"][0], fields,
+           [(k, a.shape, (lambda a=a: a)) for k, a in tensors.items()], qname, ftype)
     return dst
 
 
@@ -211,13 +247,14 @@ def placeholder_vocab(n: int) -> dict:
 
 
 def write_hf_gguf(model, path: str | Path, qtype: str = "F32", name: str = "lowrank_lib export",
-                  tokenizer_fields: dict | None = None) -> Path:
+                  tokenizer_fields: dict | None = None, progress: bool = False) -> Path:
     """Write an HF ``LlamaForCausalLM`` as a llama GGUF (llama.cpp's names and q/k row order).
 
     ``qtype``: a GGML type name for the 2-D weights (``F32``, ``BF16``, ``Q8_0``, ``Q4_1``, ...); 1-D
     tensors are F32. Holds the model metadata llama.cpp's loader reads and ``tokenizer_fields``
     (``{key: (value, [GGUFValueType, ...])}``, default :func:`placeholder_vocab`): used to build
-    test files and to serve any Llama model to the peer runtime.
+    test files and to serve any Llama model to the peer runtime. Tensors are converted and written one at
+    a time (a memory-mapped 7B model is exported without a second copy in memory).
     """
     import gguf
 
@@ -240,19 +277,26 @@ def write_hf_gguf(model, path: str | Path, qtype: str = "F32", name: str = "lowr
     names = hf_to_gguf_names(n_layers)
     sd = model.state_dict()
     tied = bool(getattr(c, "tie_word_embeddings", False))
+
+    def getter(hf_name, g):
+        def get():
+            a = sd[hf_name].detach().cpu()
+            a = a if a.dtype == torch.bfloat16 else a.float()
+            heads = _qk_heads(g, n_head, n_kv)
+            return permute_qk(a, heads) if heads else a
+        return get
+
     tensors = []
     for hf_name, g in names.items():
         if hf_name == "lm_head.weight" and tied:
             continue
         if hf_name not in sd:
             raise GGUFExportError(f"model has no parameter {hf_name} (expected a LlamaForCausalLM)")
-        a = sd[hf_name].detach().float().cpu().numpy()
-        heads = _qk_heads(g, n_head, n_kv)
-        tensors.append((g, permute_qk(a, heads) if heads else a))
-    ftype = {"F32": 0, "BF16": 32, "Q8_0": 7, "Q4_1": 3, "Q4_0": 2, "F16": 1}.get(qtype, 0)
+        tensors.append((g, tuple(sd[hf_name].shape), getter(hf_name, g)))
+    ftype = FILE_TYPES.get(qtype, 0)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write(path, "llama", fields, tensors, qtype, ftype)
+    _write(path, "llama", fields, tensors, qtype, ftype, progress)
     return path
 
 
@@ -264,15 +308,12 @@ def verify_gguf(path: str | Path, state_dict: dict[str, torch.Tensor], dtype: st
     fp32 tensor (what the engine computes with), 1-D tensors bit-equal in fp32. Raises
     :class:`GGUFExportError` naming the first tensor that differs; returns a summary otherwise.
     """
-    sd = gguf_state_dict(path)
-    ref = {k: v for k, v in state_dict.items() if k in sd or k != "lm_head.weight"}
-    missing = sorted(set(ref) - set(sd))
-    extra = sorted(set(sd) - set(ref))
-    if missing or extra:
-        raise GGUFExportError(f"{path}: tensors missing {missing[:5]}, unexpected {extra[:5]}")
-    n_el = 0
-    for k, got in sd.items():
-        want = ref[k].detach().float().cpu()
+    seen, n_el = set(), 0
+    for k, got in iter_gguf_state(path):                 # one tensor at a time (a 7B file is not held whole)
+        seen.add(k)
+        if k not in state_dict:
+            raise GGUFExportError(f"{path}: tensors missing [], unexpected [{k!r}]")
+        want = state_dict[k].detach().float().cpu()
         if tuple(got.shape) != tuple(want.shape):
             raise GGUFExportError(f"{path}: {k} has shape {tuple(got.shape)}, expected {tuple(want.shape)}")
         if dtype == "bf16" and got.dim() == 2:
@@ -281,7 +322,10 @@ def verify_gguf(path: str | Path, state_dict: dict[str, torch.Tensor], dtype: st
             d = (got - want).abs().max()
             raise GGUFExportError(f"{path}: tensor {k} differs from the reference ({dtype}); max |diff| {float(d):.3g}")
         n_el += got.numel()
-    return {"tensors": len(sd), "elements": n_el, "exact": True, "dtype": dtype}
+    missing = sorted(k for k in set(state_dict) - seen if k != "lm_head.weight")      # a tied head is not stored
+    if missing:
+        raise GGUFExportError(f"{path}: tensors missing {missing[:5]}, unexpected []")
+    return {"tensors": len(seen), "elements": n_el, "exact": True, "dtype": dtype}
 
 
 # --------------------------------------------------------------------------- the SmolLM2 peer files

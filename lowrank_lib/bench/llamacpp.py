@@ -122,3 +122,37 @@ class LlamaCppRunner:
 
     def close(self) -> None:
         self.llm.close()
+
+
+#: llama.cpp's quantized file types a user picks instead of low rank (``llama-quantize`` names)
+QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
+def quantize(src, dst, qtype: str, threads: int = 0):
+    """``llama-quantize src dst Q8_0|Q4_K_M``: llama.cpp's own quantizer (``llama_model_quantize``, the
+    function the ``llama-quantize`` tool calls) on a F32 / BF16 GGUF, written through a temporary name.
+
+    ``qtype``: a key of :data:`QUANT_TYPES`; ``threads``: 0 = llama.cpp's default. Returns ``dst``.
+    """
+    import os
+    from pathlib import Path
+
+    ok, why = available()
+    if not ok:
+        raise RuntimeError(why)
+    import llama_cpp
+
+    if qtype not in QUANT_TYPES:
+        raise ValueError(f"qtype={qtype!r}: use one of {sorted(QUANT_TYPES)}")
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    llama_cpp.llama_backend_init()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, QUANT_TYPES[qtype])
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
+    if rc != 0 or not tmp.exists():
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
+    os.replace(tmp, dst)
+    return dst

@@ -25,15 +25,22 @@ class Deprecated(argparse.Action):
 
 
 def add_list(p, flag: str, type_, default, help_: str, old: str | None = None) -> None:
-    """A list option, space-separated (``nargs="+"``); a comma-separated value is split too (the old style)."""
+    """A list option, space-separated (``nargs="+"``); a comma-separated value is split too (the old style).
+
+    ``default=None`` leaves the option ``None`` when not given (the command picks, and ``help_`` says how); a
+    value ``type_`` refuses is a usage error naming the flag."""
     class Split(argparse.Action):
         def __call__(self, parser, namespace, values, option_string=None):
             vals = [v for x in values for v in str(x).split(",") if v]
-            setattr(namespace, self.dest, [type_(v) for v in vals])
+            try:
+                setattr(namespace, self.dest, [type_(v) for v in vals])
+            except ValueError as e:
+                parser.error(f"{option_string}: {e}")
 
     dest = flag.lstrip("-").replace("-", "_")
-    p.add_argument(flag, nargs="+", action=Split, default=list(default), dest=dest,
-                   help=f"{help_} (space-separated; default {' '.join(map(str, default))})")
+    shown = "" if default is None else f"; default {' '.join(map(str, default))}"
+    p.add_argument(flag, nargs="+", action=Split, default=None if default is None else list(default), dest=dest,
+                   help=f"{help_} (space-separated{shown})")
     if old:
         p.add_argument(old, nargs="+", dest=dest, action=Deprecated, new=flag, split_commas=True, type=type_,
                        help=argparse.SUPPRESS)

@@ -1,6 +1,7 @@
 """Peer benchmark: llama.cpp on the dense model vs lowrank_lib (dense and low-rank), side by side.
 
-    python -m lowrank_lib.bench.peer --threads 1,2 --dtypes fp32,bf16 --repeats 3
+    python -m lowrank_lib.bench peer --threads 1 2 --dtypes fp32 bf16 --repeats 3      # SmolLM2, in one process
+    python -m lowrank_lib.bench peer --shape llama3.2-1b                               # see bench/peer_scale.py
 
 One process, one prompt, interleaved repeats: per thread count, every system runs one whole
 generation (prompt 512, 64 new greedy tokens) in turn, ``repeats`` times, with the order rotated
@@ -14,6 +15,11 @@ each repeat, so drift on a shared machine hits all alike. Systems (``rows[].syst
 ``lowrank_lib_lowrank``  our Engine on the plain-SVD keep-``keep`` factors (as ``bench decode`` builds them)
 =======================  ================================================================================
 
+Each of our two systems runs once per LM head of ``lm_heads`` (``rows[].lm_head``: ``exact``, and
+``certified``: ``EngineConfig(lm_head="certified")``, the same greedy tokens from a fraction of the head's
+bytes; its row holds the head's path counts and ``weight_bytes_per_token`` counts the bytes it read on
+average).
+
 All three run through ``runtime.run_generation`` (the one decode loop): decode ms/token is the
 median over every decode step of every repeat (the step that feeds one token and returns its
 logits); prefill ms the median prompt time. For llama.cpp the bare ``Llama.eval`` of each token
@@ -25,8 +31,12 @@ margins there if not). Copy bandwidth (``decode.copy_bandwidth``) is measured at
 in the same run; ``roofline_x`` = decode time / (weight bytes / copy bandwidth). Compile time of
 the engine (inductor) is reported apart (``compile_s``), never in decode or prefill time.
 
-Writes ``<out>/peer_cpu.json`` (``peer_cpu_2.json``, ... if it exists: never overwritten) and
-prints the table.
+Writes ``<out>/peer_cpu.json`` (``peer_cpu_2.json``, ... if it exists: never overwritten; through
+:class:`~lowrank_lib.bench.results.ResultFiles`, with the table as ``.txt``) and prints the table.
+
+``--shape llama3.2-1b|llama2-7b`` runs the same comparison at those geometries, one system per process
+(:mod:`lowrank_lib.bench.peer_scale`). The options are the bench vocabulary (:mod:`lowrank_lib.bench.options`):
+``--prompt-len``, ``--gen-len``, lists space-separated (``--threads 1 2``; a comma value still splits).
 """
 from __future__ import annotations
 
@@ -46,8 +56,12 @@ SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
 #: llama.cpp KV cache type for each model dtype: the same bytes our engine's cache holds
 KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
 ROW_KEYS = ("system", "dtype", "threads", "decode_ms_per_token", "prefill_ms", "weight_bytes_per_token")
-#: issue 12's targets, all at 1 thread and the same dtype
-TARGETS = {"lowrank_speedup_vs_llamacpp": 1.4, "dense_ratio_vs_llamacpp": 1.1, "lowrank_roofline_x": 1.3}
+LM_HEADS = ("exact", "certified")
+#: the targets (1 thread, same dtype): key -> (bound, ">=" or "<=", dtypes it applies to, issue)
+TARGETS = {"lowrank_speedup_vs_llamacpp": (1.4, ">=", ("fp32", "bf16"), 12),
+           "dense_ratio_vs_llamacpp": (1.0, "<=", ("fp32", "bf16"), 22),
+           "lowrank_roofline_x": (1.2, "<=", ("fp32", "bf16"), 22),
+           "certified_speedup_vs_llamacpp": (2.3, ">=", ("bf16",), 22)}
 
 
 @dataclass
@@ -60,9 +74,12 @@ class PeerConfig:
     gen_len: int = 64
     repeats: int = 3
     systems: tuple[str, ...] = SYSTEMS
+    lm_heads: tuple[str, ...] = LM_HEADS  # our systems run once per LM head (EngineConfig.lm_head)
     graph: str = "whole-step"            # our engine's decode step: compiled (CPU "graph") or "none"
     llama_flash_attn: str = "auto"       # "on" | "off" | "auto" (the faster of the two in a short probe)
     prompt: str = "wikitext"             # "wikitext" (a test-split window) or "random" token ids
+    audit_prompts: int = 20              # the certified head's audit: fidelity prompts x greedy tokens (0 = none)
+    audit_tokens: int = 64
     seed: int = 0
     out: str = "benchmarks/results"
     note: str = ""
@@ -137,15 +154,26 @@ class CpuClocked:
         return y
 
 
-def _median_ms(xs) -> float:
+def median_ms(xs) -> float:
     return 1e3 * statistics.median(xs) if xs else float("nan")
 
 
-def _engine(model, dtype, cfg: PeerConfig):
+def decode_stats(step_s: list[float]) -> dict:
+    """A row's decode fields from every timed step (seconds): the median (``decode_ms_per_token``) and quartiles
+    (``decode_iqr_ms``) by :func:`lowrank_lib.bench.timing.summary`, p10 / p90, the step count."""
+    from .timing import summary
+
+    st = summary(step_s)
+    return {"decode_ms_per_token": st["median_ms"], "decode_iqr_ms": [st["q1_ms"], st["q3_ms"]],
+            "decode_ms_p10": 1e3 * quantile(step_s, 0.1), "decode_ms_p90": 1e3 * quantile(step_s, 0.9),
+            "decode_steps": st["n"]}
+
+
+def _engine(model, dtype, cfg: PeerConfig, lm_head: str = "exact"):
     from ..runtime import Engine, EngineConfig
 
     return Engine(model, EngineConfig(max_batch=1, max_seq_len=cfg.prompt_len + cfg.gen_len, dtype=dtype,
-                                      graph=cfg.graph))
+                                      graph=cfg.graph, lm_head=lm_head))
 
 
 def _llama(path, dtype: str, threads: int, cfg: PeerConfig, fa: bool):
@@ -176,6 +204,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     from .llamacpp import available, version
     from .models import load_bench_models
     from .results import load_average
+    from .timing import interleaved
 
     want_llama = "llamacpp_dense" in cfg.systems
     ok, why = available()
@@ -196,7 +225,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             ggufs = {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", {"fp32": "F32", "bf16": "BF16"}[dt])
                      for dt in cfg.dtypes}
     res = {"config": asdict(cfg), "command": None,
-           "machine": {"cpu": _cpu_name(), "cores": _nproc(),
+           "machine": {"cpu": cpu_name(), "cores": nproc(),
                        "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
            "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
            "load_average": {"start": load_average()},
@@ -221,6 +250,16 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             + f" ({eq['n_tokens']} tokens; max |logit diff| {eq['max_abs_logit_diff']:.3g})")
         torch._dynamo.reset()
 
+    # 1b. the certified head's audit: the exact head's greedy tokens on the fidelity prompts, every dtype
+    if "certified" in cfg.lm_heads and tok is not None and cfg.audit_prompts:
+        torch.set_num_threads(cfg.threads[0])
+        res["certified_audit"] = {dt: certified_audit(comp, tok, parse_dtype(dt), cfg.audit_prompts, cfg.audit_tokens,
+                                                      progress) for dt in cfg.dtypes}
+        for dt, a in res["certified_audit"].items():
+            log(f"[peer] certified head audit, keep {cfg.keep} {dt}: {a['identical_prompts']}/{a['prompts']} prompts "
+                f"x {a['tokens']} tokens identical to the exact head; {a['lm_head']['head_bytes_fraction']:.3f} of the "
+                f"head's bytes read, {a['lm_head']['fallback_calls']} fallbacks in {a['lm_head']['calls']} calls")
+
     # 2. timing, one thread count at a time (the two runtimes never run at once)
     for th in cfg.threads:
         torch.set_num_threads(th)
@@ -231,48 +270,52 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             for s in cfg.systems:
                 if s == "llamacpp_dense":
                     fa = _resolve_fa(cfg, ggufs[dt], dt, th, ids, fa_choice)
-                    runners[(s, dt)] = CpuClocked(_llama(ggufs[dt], dt, th, cfg, fa))
-                else:
-                    runners[(s, dt)] = CpuClocked(_engine(dense if s == "lowrank_lib_dense" else comp, tdt, cfg))
+                    runners[(s, dt, "exact")] = CpuClocked(_llama(ggufs[dt], dt, th, cfg, fa))
+                    continue
+                for head in cfg.lm_heads:
+                    runners[(s, dt, head)] = CpuClocked(_engine(dense if s == "lowrank_lib_dense" else comp, tdt, cfg,
+                                                                head))
         compile_s = {}
         for k, r in runners.items():          # warm-up; our engine compiles its step here (timed apart)
             t0 = time.perf_counter()
             run_generation(r, ids, min(4, cfg.gen_len))
             compile_s[k] = (getattr(r.runner, "capture_s", 0.0), time.perf_counter() - t0)
             r.cpu_s.clear()
+            if k[2] == "certified":
+                r.runner.lm_head.reset_stats()    # count the timed generations only
         steps = {k: [] for k in runners}
         pre = {k: [] for k in runners}
         evals = {k: [] for k in runners}
         perf = {k: [] for k in runners}
-        keys = list(runners)
-        bar = tqdm(total=cfg.repeats * len(keys), desc=f"peer bench, {th} thread(s)", disable=not progress)
-        for rep in range(cfg.repeats):
-            for k in keys[rep % len(keys):] + keys[:rep % len(keys)]:      # rotated order per repeat
-                r = runners[k]
-                o = run_generation(r, ids, cfg.gen_len)
-                steps[k] += o.step_s
-                pre[k].append(o.prefill_s)
-                if k[0] == "llamacpp_dense":
-                    evals[k] += r.eval_s
-                    perf[k].append(r.perf())
-                bar.update(1)
+
+        def generation(k, r):
+            """One whole generation of system ``k``; its per-step times are the samples (not the call's time)."""
+            o = run_generation(r, ids, cfg.gen_len)
+            steps[k] += o.step_s
+            pre[k].append(o.prefill_s)
+            if k[0] == "llamacpp_dense":
+                evals[k] += r.eval_s
+                perf[k].append(r.perf())
+
+        bar = tqdm(total=cfg.repeats, desc=f"peer bench, {th} thread(s), rounds", disable=not progress)
+        interleaved({k: (lambda k=k, r=r: generation(k, r)) for k, r in runners.items()}, rounds=cfg.repeats,
+                    progress=lambda _: bar.update(1))           # rotated order per round (bench/timing.py)
         bar.close()
         bws.append(copy_bandwidth(torch.device("cpu")))
         res["load_average"][f"after_{th}_threads"] = load_average()    # what else ran shows here
         bw = statistics.median(bws)
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
-        for (s, dt), r in runners.items():
-            k = (s, dt)
-            ms = _median_ms(steps[k])
+        for (s, dt, head), r in runners.items():
+            k = (s, dt, head)
+            dec = decode_stats(steps[k])
+            ms = dec["decode_ms_per_token"]
             wb = gguf_bytes_per_token(ggufs[dt]) if s == "llamacpp_dense" else r.weight_bytes_per_token()
-            row = {"system": s, "dtype": dt, "threads": th, "decode_ms_per_token": ms,
-                   "prefill_ms": _median_ms(pre[k]), "weight_bytes_per_token": wb,
-                   "decode_ms_p10": 1e3 * _quantile(steps[k], 0.1), "decode_ms_p90": 1e3 * _quantile(steps[k], 0.9),
-                   "decode_steps": len(steps[k]), "achieved_GBps": wb / (ms / 1e3) / 1e9,
+            row = {"system": s, "dtype": dt, "threads": th, "lm_head": head, **dec,
+                   "prefill_ms": median_ms(pre[k]), "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
                    "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
-                   "decode_cpu_ms_per_token": _median_ms(r.cpu_s) if th == 1 else None}
+                   "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None}
             if s == "llamacpp_dense":
-                row.update(eval_ms_per_token=_median_ms(evals[k]),
+                row.update(eval_ms_per_token=median_ms(evals[k]),
                            perf_eval_ms_per_token=statistics.median(p["eval_ms_per_token"] for p in perf[k]),
                            perf_prefill_ms=statistics.median(p["t_p_eval_ms"] for p in perf[k]),
                            info={**r.report(), "flash_attn_probe": fa_choice.get((dt, th), {}).get("probe")})
@@ -281,7 +324,8 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                 info = r.report()         # which kernels ran and why (the engine's backend registries)
                 row.update(compile_s=compile_s[k][0], warmup_s=compile_s[k][1], gemv=info["gemv"],
                            gemv_reason=info["gemv_reason"], attention=info["backend"],
-                           attention_reason=info["backend_reason"], compiles=info["compiles"], info=info)
+                           attention_reason=info["backend_reason"], compiles=info["compiles"],
+                           lm_head_report=info["lm_head"], info=info)
             res["rows"].append(row)
         del runners
         torch._dynamo.reset()           # the next thread count compiles afresh (inductor fixes its thread count)
@@ -290,6 +334,27 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     res["comparisons"] = comparisons(res["rows"])
     res["targets"] = targets(res["comparisons"])
     return res
+
+
+def certified_audit(model, tok, dtype, n_prompts: int = 20, n_tokens: int = 64, progress: bool = True) -> dict:
+    """Greedy tokens of the certified head against the exact head (same engine otherwise, eager) on the
+    fidelity audit's prompts (``eval.fidelity.PROMPTS``): prompts whose ``n_tokens`` tokens are identical,
+    the first difference if any, and the certified head's path counts over the whole audit."""
+    from ..eval.fidelity import PROMPTS
+    from ..runtime import Engine, EngineConfig, run_generation
+
+    enc = [tok(p, return_tensors="pt").input_ids for p in PROMPTS[:n_prompts]]
+    S = max(e.shape[1] for e in enc) + n_tokens
+    exact = Engine(model, EngineConfig(max_seq_len=S, dtype=dtype))
+    cert = Engine(model, EngineConfig(max_seq_len=S, dtype=dtype, lm_head="certified"))
+    same, first = 0, []
+    for i, ids in enumerate(tqdm(enc, desc=f"certified head audit {dtype}", disable=not progress)):
+        a, b = run_generation(exact, ids, n_tokens).tokens[0], run_generation(cert, ids, n_tokens).tokens[0]
+        same += bool(torch.equal(a, b))
+        if not torch.equal(a, b):
+            first.append({"prompt": i, "position": int((a != b).nonzero()[0])})
+    return {"prompts": len(enc), "tokens": n_tokens, "identical_prompts": same, "differences": first,
+            "lm_head": cert.report()["lm_head"]}
 
 
 def _resolve_fa(cfg, path, dt, th, ids, cache: dict) -> bool:
@@ -301,20 +366,20 @@ def _resolve_fa(cfg, path, dt, th, ids, cache: dict) -> bool:
     return cache[(dt, th)]["fa"]
 
 
-def _quantile(xs, q: float) -> float:
+def quantile(xs, q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def _nproc() -> int:
+def nproc() -> int:
     import os
 
     return os.cpu_count() or 0
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -326,11 +391,12 @@ def _cpu_name() -> str:
 
 # --------------------------------------------------------------------------- summaries
 def comparisons(rows: list[dict]) -> list[dict]:
-    """Per (dtype, threads): our two systems against llama.cpp dense and against their rooflines."""
-    by = {(r["dtype"], r["threads"], r["system"]): r for r in rows}
+    """Per (dtype, threads): our systems (exact head; certified where run) against llama.cpp dense and their rooflines."""
+    by = {(r["dtype"], r["threads"], r["system"], r.get("lm_head", "exact")): r for r in rows}
     out = []
     for dt, th in sorted({(r["dtype"], r["threads"]) for r in rows}, key=lambda k: (k[1], k[0])):
-        ll, de, lr = (by.get((dt, th, s)) for s in SYSTEMS)
+        ll, de, lr = (by.get((dt, th, s, "exact")) for s in SYSTEMS)
+        cde, clr = (by.get((dt, th, s, "certified")) for s in SYSTEMS[1:])
         c = {"dtype": dt, "threads": th}
         if ll and lr:
             c["lowrank_speedup_vs_llamacpp"] = ll["decode_ms_per_token"] / lr["decode_ms_per_token"]
@@ -341,6 +407,15 @@ def comparisons(rows: list[dict]) -> list[dict]:
         if lr:
             c["lowrank_roofline_x"] = lr["roofline_x"]
             c["lowrank_bytes_vs_dense"] = (lr["weight_bytes_per_token"] / de["weight_bytes_per_token"]) if de else None
+        if ll and clr:
+            c["certified_speedup_vs_llamacpp"] = ll["decode_ms_per_token"] / clr["decode_ms_per_token"]
+        if clr:
+            c["certified_roofline_x"] = clr["roofline_x"]
+            c["certified_head_bytes_fraction"] = clr.get("lm_head_report", {}).get("head_bytes_fraction")
+            if lr:
+                c["certified_speedup_vs_exact_head"] = lr["decode_ms_per_token"] / clr["decode_ms_per_token"]
+        if ll and cde:
+            c["dense_certified_ratio_vs_llamacpp"] = cde["decode_ms_per_token"] / ll["decode_ms_per_token"]
         if ll:
             c["llamacpp_roofline_x"] = ll["roofline_x"]
         out.append(c)
@@ -348,40 +423,52 @@ def comparisons(rows: list[dict]) -> list[dict]:
 
 
 def targets(comps: list[dict]) -> list[dict]:
-    """Issue 12's targets at 1 thread: measured ratio, bound and whether it is met."""
+    """The targets of :data:`TARGETS` at 1 thread: measured ratio, bound, the issue, and whether it is met."""
     out = []
     for c in comps:
         if c["threads"] != 1:
             continue
-        for key, bound in TARGETS.items():
-            if key not in c:
+        for key, (bound, op, dtypes, issue) in TARGETS.items():
+            if key not in c or c["dtype"] not in dtypes:
                 continue
             v = c[key]
-            met = v >= bound if key == "lowrank_speedup_vs_llamacpp" else v <= bound
-            out.append({"dtype": c["dtype"], "threads": 1, "target": key, "bound": bound, "measured": v, "met": met})
+            out.append({"dtype": c["dtype"], "threads": 1, "target": key, "bound": bound, "op": op, "issue": issue,
+                        "measured": v, "met": v >= bound if op == ">=" else v <= bound})
     return out
 
 
 def format_table(res: dict) -> str:
-    lines = ["system | dtype | threads | decode ms/tok | cpu ms/tok | prefill ms | MB/tok | GB/s | x roofline",
-             "---|---|---|---|---|---|---|---|---"]
-    for r in sorted(res["rows"], key=lambda r: (r["threads"], r["dtype"], SYSTEMS.index(r["system"]))):
+    lines = ["system | lm head | dtype | threads | decode ms/tok | cpu ms/tok | prefill ms | MB/tok | GB/s | x roofline",
+             "---|---|---|---|---|---|---|---|---|---"]
+    for r in sorted(res["rows"], key=lambda r: (r["threads"], r["dtype"], SYSTEMS.index(r["system"]),
+                                                r.get("lm_head", "exact"))):
         cpu = r.get("decode_cpu_ms_per_token")
-        lines.append(f"{r['system']} | {r['dtype']} | {r['threads']} | {r['decode_ms_per_token']:.2f} | "
+        lines.append(f"{r['system']} | {r.get('lm_head', 'exact')} | {r['dtype']} | {r['threads']} | "
+                     f"{r['decode_ms_per_token']:.2f} | "
                      f"{'-' if cpu is None else f'{cpu:.2f}'} | "
                      f"{r['prefill_ms']:.1f} | {r['weight_bytes_per_token'] / 1e6:.1f} | {r['achieved_GBps']:.1f} | "
                      f"{r['roofline_x']:.2f}")
     bw = ", ".join(f"{t} thread(s) {v:.1f}" for t, v in res["copy_bandwidth_GBps_by_threads"].items())
     lines.append(f"\ncopy bandwidth GB/s: {bw}; {res['machine']['cpu']}, {res['machine']['cores']} cores")
+    for dt, a in res.get("certified_audit", {}).items():
+        lines.append(f"certified head audit ({dt}): {a['identical_prompts']}/{a['prompts']} prompts x {a['tokens']} "
+                     f"greedy tokens identical to the exact head; {a['lm_head']['head_bytes_fraction']:.3f} of the head's "
+                     f"bytes read per token, {a['lm_head']['fallback_calls']} fallbacks in {a['lm_head']['calls']} calls")
     eq = res.get("equivalence")
     if eq:
         lines.append("fp32 greedy tokens llama.cpp vs lowrank_lib dense: "
                      + ("equal" if eq["tokens_equal"] else f"diverge at {eq['first_divergence']}")
                      + f" over {eq['n_tokens']} (max |logit diff| {eq['max_abs_logit_diff']:.3g})")
+    for r in res["rows"]:
+        h = r.get("lm_head_report") or {}
+        if h.get("mode") == "certified":
+            lines.append(f"certified head, {r['system']} {r['dtype']} {r['threads']} thread(s): {h['calls']} calls, "
+                         f"{h['fallback_calls']} fallbacks, {h['candidates_per_row']:.1f} candidate rows, "
+                         f"{h['exact_rows_per_call']:.0f} exact rows per call, {h['head_bytes_fraction']:.3f} of the "
+                         f"head's bytes read")
     for t in res.get("targets", []):
-        lines.append(f"target {t['target']} ({t['dtype']}, 1 thread): {t['measured']:.2f} vs "
-                     f"{'>=' if t['target'] == 'lowrank_speedup_vs_llamacpp' else '<='} {t['bound']}: "
-                     + ("met" if t["met"] else "NOT met"))
+        lines.append(f"target {t['target']} ({t['dtype']}, 1 thread, issue {t.get('issue', 12)}): {t['measured']:.2f} "
+                     f"vs {t.get('op', '<=')} {t['bound']}: " + ("met" if t["met"] else "NOT met"))
     return "\n".join(lines)
 
 
@@ -400,9 +487,10 @@ def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))
     for r in rows:
-        ax.plot(r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], _MARKER[r["system"]],
+        cert = r.get("lm_head") == "certified"
+        ax.plot(r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], "P" if cert else _MARKER[r["system"]],
                 color=_COLOR.get(r["dtype"], "gray"), ms=11 if r["system"] == "lowrank_lib_lowrank" else 8,
-                label=f"{r['system']} {r['dtype']}")
+                label=f"{r['system']} {r['dtype']}" + (" + certified head" if cert else ""))
         if r["system"] == "llamacpp_dense":
             ax.axhline(r["decode_ms_per_token"], color=_COLOR.get(r["dtype"], "gray"), ls="--", lw=1)
     bw = res["copy_bandwidth_GBps_by_threads"].get(str(threads))
@@ -425,8 +513,8 @@ def plot_thread_scaling(res: dict, ax=None):
         _, ax = plt.subplots(figsize=(6.5, 4.2))
     threads = sorted({r["threads"] for r in res["rows"]})
     for (system, dtype) in sorted({(r["system"], r["dtype"]) for r in res["rows"]}):
-        rows = sorted((r for r in res["rows"] if r["system"] == system and r["dtype"] == dtype),
-                      key=lambda r: r["threads"])
+        rows = sorted((r for r in res["rows"] if r["system"] == system and r["dtype"] == dtype
+                       and r.get("lm_head", "exact") == "exact"), key=lambda r: r["threads"])
         ax.plot([r["threads"] for r in rows], [r["decode_ms_per_token"] for r in rows], marker=_MARKER[system],
                 ls="--" if system == "llamacpp_dense" else "-", color=_COLOR.get(dtype, "gray"),
                 label=f"{system} {dtype}")
@@ -460,75 +548,131 @@ def save_figures(res: dict, fig_dir) -> list[Path]:
     return out
 
 
-def result_path(out_dir, stem: str = "peer_cpu") -> Path:
-    """``<out_dir>/<stem>.json``, or ``<stem>_2.json``, ... : an existing result is never overwritten."""
-    import itertools
+def save(res: dict, out_dir, table: str | None = None) -> Path:
+    """Write ``<out_dir>/peer_cpu.json`` (``peer_cpu_2.json``, ... : never overwritten) through the one writer."""
+    from .results import ResultFiles
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    names = itertools.chain([f"{stem}.json"], (f"{stem}_{i}.json" for i in itertools.count(2)))
-    return next(out / n for n in names if not (out / n).exists())
-
-
-def save(res: dict, out_dir) -> Path:
-    p = result_path(out_dir)
-    p.write_text(json.dumps(res, indent=1, default=str))
-    return p
+    return ResultFiles(out_dir, "peer_cpu").write(res, **({"txt": table} if table else {}))
 
 
 # --------------------------------------------------------------------------- CLI
 def add_arguments(p: argparse.ArgumentParser, out: bool = True) -> None:
-    """The peer's options; ``out=False`` when the bench CLI already gives ``--out``."""
+    """The peer's options (the bench vocabulary, :mod:`lowrank_lib.bench.options`); ``out=False`` when the bench
+    CLI already gives ``--out``."""
+    from .models import SHAPES
+    from .options import add_gen_len, add_list, add_prompt_len
+
     d = PeerConfig()
+    p.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                   help="random weights at this geometry, one system per process (bench/peer_scale.py)")
     p.add_argument("--model", default=d.model, help="smollm2 (default) or a tiny preset / local HF dir")
-    p.add_argument("--keep", type=float, default=d.keep, help="plain-SVD keep ratio of the low-rank system")
-    p.add_argument("--dtypes", default=",".join(d.dtypes), help="comma list of fp32, bf16")
-    p.add_argument("--threads", default=",".join(map(str, d.threads)), help="comma list of thread counts")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--gen-len", type=int, default=d.gen_len)
+    add_list(p, "--keep", float, None, "keep ratio(s) of the low-rank system (SmolLM2: one, plain SVD, default "
+             "0.5; --shape: random factors, default 0.5 0.8)")
+    add_list(p, "--dtypes", str, None, "fp32 bf16 (SmolLM2 default fp32 bf16; --shape: default by shape)")
+    add_list(p, "--threads", int, d.threads, "thread counts, each measured in the same run")
+    add_prompt_len(p, d.prompt_len)
+    add_gen_len(p, d.gen_len, "new greedy tokens per generation")
     p.add_argument("--repeats", type=int, default=d.repeats)
-    p.add_argument("--systems", default=",".join(d.systems), help=f"comma list of {SYSTEMS}")
+    add_list(p, "--systems", str, d.systems, f"of {SYSTEMS}")
+    add_list(p, "--lm-heads", str, d.lm_heads, "LM heads of our systems (SmolLM2), of exact certified")
+    add_list(p, "--quants", str, None, "--shape: llama.cpp quantizations (default q8_0 q4_k_m)")
+    p.add_argument("--layers", type=int, default=None, help="--shape: a reduced layer count (dry runs)")
+    p.add_argument("--cleanup", action="store_true", help="--shape: delete the generated weights and GGUFs after")
     p.add_argument("--graph", default=d.graph, choices=("whole-step", "none"), help="our engine's decode step")
-    p.add_argument("--llama-flash-attn", default=d.llama_flash_attn, choices=("auto", "on", "off"))
+    p.add_argument("--llama-flash-attn", default=None, choices=("auto", "on", "off"),
+                   help="SmolLM2 default auto (the faster in a probe); --shape default on")
     p.add_argument("--prompt", default=d.prompt, choices=("wikitext", "random"))
+    p.add_argument("--audit-prompts", type=int, default=d.audit_prompts,
+                   help="SmolLM2: certified head vs exact head on this many fidelity prompts (0 = no audit)")
+    p.add_argument("--audit-tokens", type=int, default=d.audit_tokens)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--note", default="", help="free text stored in the JSON (e.g. what else was running)")
     if out:
         p.add_argument("--out", default=d.out, help="output FOLDER (peer_cpu.json, never overwritten)")
-    p.add_argument("--figures", default="figures", help="folder for peer_decode_vs_bytes.png and "
-                   "peer_thread_scaling.png ('' = none)")
-    p.add_argument("--replot", default=None, metavar="JSON", help="only redraw the figures of a committed result")
+    p.add_argument("--figures", default="figures", help="folder for the figures ('' = none)")
+    p.add_argument("--replot", default=None, nargs="+", metavar="JSON",
+                   help="only redraw the figures of committed results (peer_cpu*.json, or peer_scale*.json)")
+
+
+def _check(values, allowed, what):
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what} {bad}; choose from {tuple(allowed)}")
+    return tuple(values)
 
 
 def config_from_args(a) -> PeerConfig:
-    systems = tuple(s for s in a.systems.split(",") if s)
-    bad = [s for s in systems if s not in SYSTEMS]
-    if bad:
-        raise SystemExit(f"unknown systems {bad}; choose from {SYSTEMS}")
-    dtypes = tuple(s for s in a.dtypes.split(",") if s)
-    bad = [d for d in dtypes if d not in KV_FOR_DTYPE]
-    if bad:
-        raise SystemExit(f"unknown dtypes {bad}; choose from {sorted(KV_FOR_DTYPE)}")
-    return PeerConfig(a.model, a.keep, dtypes, tuple(int(t) for t in a.threads.split(",") if t), a.prompt_len,
-                      a.gen_len, a.repeats, systems, a.graph, a.llama_flash_attn, a.prompt, a.seed, a.out, a.note)
+    systems = _check(a.systems, SYSTEMS, "systems")
+    dtypes = _check(a.dtypes or PeerConfig.dtypes, KV_FOR_DTYPE, "dtypes")
+    heads = _check(a.lm_heads, LM_HEADS, "LM heads")
+    keep = a.keep or (PeerConfig.keep,)
+    if len(keep) != 1:
+        raise SystemExit(f"--keep {' '.join(map(str, keep))}: the SmolLM2 peer runs one keep (several need --shape)")
+    return PeerConfig(model=a.model, keep=keep[0], dtypes=dtypes, threads=tuple(a.threads), prompt_len=a.prompt_len,
+                      gen_len=a.gen_len, repeats=a.repeats, systems=systems, lm_heads=heads, graph=a.graph,
+                      llama_flash_attn=a.llama_flash_attn or "auto", prompt=a.prompt, audit_prompts=a.audit_prompts,
+                      audit_tokens=a.audit_tokens, seed=a.seed, out=a.out, note=a.note)
+
+
+def scale_config_from_args(a):
+    from .peer_scale import QUANTS, ScaleConfig
+
+    return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)),
+                       dtypes=tuple(a.dtypes) if a.dtypes else None, threads=tuple(a.threads),
+                       quants=tuple(a.quants or QUANTS), systems=tuple(a.systems), prompt_len=a.prompt_len,
+                       gen_len=a.gen_len, repeats=a.repeats, layers=a.layers, graph=a.graph,
+                       llama_flash_attn=a.llama_flash_attn or "on", seed=a.seed, out=a.out, cleanup=a.cleanup,
+                       note=a.note)
+
+
+def _command(a) -> str:
+    import shlex
+
+    return getattr(a, "command_line", None) or (
+        "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:]))
 
 
 def run(a) -> int:
     if getattr(a, "replot", None):
-        for path in save_figures(json.loads(Path(a.replot).read_text()), a.figures or "figures"):
-            print(f"wrote {path}")
+        results = [json.loads(Path(p).read_text()) for p in a.replot]
+        scale = [r for r in results if r.get("rows") and "shape" in r["rows"][0]]
+        if scale:
+            from .peer_scale import save_figure
+
+            print(f"wrote {save_figure(scale, a.figures or 'figures')}")
+        for res in (r for r in results if r not in scale):
+            for path in save_figures(res, a.figures or "figures"):
+                print(f"wrote {path}")
         return 0
+    if a.shape:
+        return run_shape(a)
     cfg = config_from_args(a)
     res = run_peer(cfg)
-    import shlex
-
-    res["command"] = getattr(a, "command_line", None) or (
-        "python -m lowrank_lib.bench.peer " + shlex.join(getattr(a, "_argv", None) or sys.argv[1:]))
-    print(format_table(res))
-    print(f"\nwrote {save(res, cfg.out)}")
+    res["command"] = _command(a)
+    table = format_table(res)
+    print(table)
+    print(f"\nwrote {save(res, cfg.out, table)}")
     if getattr(a, "figures", ""):
         for path in save_figures(res, a.figures):
             print(f"wrote {path}")
+    return 0
+
+
+def run_shape(a) -> int:
+    """``--shape``: :func:`lowrank_lib.bench.peer_scale.run_scale`, written as ``peer_scale_<shape>.json``."""
+    from . import peer_scale
+    from .results import ResultFiles
+
+    cfg = scale_config_from_args(a)
+    files = ResultFiles(cfg.out, "peer_scale", cfg.slug())
+    res = peer_scale.run_scale(cfg)
+    res["command"] = _command(a)
+    table = peer_scale.format_table(res)
+    print(table)
+    print(f"\nwrote {files.write(res, txt=table)}")
+    if getattr(a, "figures", "") and cfg.layers is None:
+        others = [r for r in peer_scale.committed_results(cfg.out) if r["config"]["shape"] != cfg.shape]
+        print(f"wrote {peer_scale.save_figure(others + [res], a.figures)}")
     return 0
 
 

@@ -7,6 +7,7 @@ import torch
 
 from .kernels.gemv import KERNEL_MODES
 from .kv import STORES
+from .lm_head import LM_HEADS
 from .packing import LAYOUTS
 
 GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
@@ -78,6 +79,13 @@ class EngineConfig:
         otherwise). Saves the per-step guard evaluation (hundreds of tensor checks).
     cpp_wrapper : CPU compiled step only: inductor's C++ wrapper instead of its Python wrapper (no
         Python between the kernels of a step; a longer cold compile).
+    lm_head : ``"exact"`` (default) or ``"certified"``: decode logits from an int8 copy of the head with
+        per-row error bounds, the exact head multiplied only on the 64-row blocks whose rows can still be
+        the argmax (all of them when more than a quarter would be). Greedy decoding gives exactly the
+        exact head's tokens (provably, ties included); the returned logits are exact on the evaluated
+        rows and the approximate scores (within their bound) elsewhere, so SAMPLING draws from those
+        logits, not the exact distribution: use ``"exact"`` to sample. Prefill logits stay exact. See
+        ``runtime/lm_head.py``; ``Engine.report()["lm_head"]`` counts each path.
     """
 
     max_batch: int = 1
@@ -97,6 +105,7 @@ class EngineConfig:
     kernels: str = "auto"
     skip_guards: bool = True
     cpp_wrapper: bool = False
+    lm_head: str = "exact"
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype)
@@ -108,6 +117,8 @@ class EngineConfig:
             raise ValueError(f"weight_layout={self.weight_layout!r}: use one of {LAYOUTS}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels={self.kernels!r}: use one of {KERNEL_MODES}")
+        if self.lm_head not in LM_HEADS:
+            raise ValueError(f"lm_head={self.lm_head!r}: use one of {LM_HEADS}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={self.attention!r}: use one of {ATTENTION_BACKENDS}")
         if self.kv == "rebuild" and self.graph != "none":

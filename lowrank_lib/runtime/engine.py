@@ -28,6 +28,7 @@ from .attention import prefill_attention
 from .config import EngineConfig
 from .kernels.gemv import select_gemv
 from .kv import CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask, make_store
+from .lm_head import head_report, make_lm_head
 from .packing import ProjectionGroup
 from .rope import apply_rope, rope_table, rotary_rows
 
@@ -97,8 +98,8 @@ class Engine:
         compiled = cfg.graph != "none" and self.device.type == "cpu"
         self.gemv = select_gemv(cfg.kernels, self.device, dt, compiled, cfg.fused_compile)
         lay = dict(layout=cfg.weight_layout, fuse_gemv=cfg.fused_compile, gemv=self.gemv)
-        self.lm_head = ProjectionGroup({"lm_head": model.get_output_embeddings()}, True, dt, dev,
-                                       in_scale=nw(model.model.norm.weight), **lay)
+        self.lm_head = make_lm_head(cfg.lm_head, ProjectionGroup(
+            {"lm_head": model.get_output_embeddings()}, True, dt, dev, in_scale=nw(model.model.norm.weight), **lay))
         rope = {"q_proj": (self.n_heads, self.head_dim), "k_proj": (self.n_kv, self.head_dim)} if fold else {}
         self.layers: list[_Layer] = []
         for L in model.model.layers:
@@ -148,6 +149,7 @@ class Engine:
 
         return {"backend": self.backend.name, "backend_reason": self.backend.reason, "rope_folded": self.fold,
                 "gemv": self.gemv.name, "gemv_reason": self.gemv.reason, "kernels": status(),
+                "lm_head": head_report(self.lm_head),
                 "graph": self.config.graph, "graph_impl": self.graphs.impl if self.graphs else "eager",
                 "capture_s_total": self.capture_s, "compiles": list(self.graphs.compiles) if self.graphs else [],
                 "kv": self.kv.name, "kv_cache_bytes": self.kv.nbytes,

@@ -40,7 +40,7 @@ NAMESPACE = "lowrank_lrk"
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 #: isa_flags() bits
-ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8}
+ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8, "avx512_vnni": 16}
 
 
 def source_tag() -> str:
@@ -158,6 +158,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{NAMESPACE}::tier_attend")
     def _(q, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, k_new, v_new, n_new, scale):
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2] * q.shape[3])
+
+    @torch.library.register_fake(f"{NAMESPACE}::certified_head")
+    def _(x, Q, meta, P, V, max_fraction, stats):
+        return x.new_empty(x.shape[0], V)
 
 
 def load(jit: bool = True, log=None) -> KernelLibrary:

@@ -7,7 +7,7 @@
 // loads on any x86-64 (and on other CPUs, where every kernel refuses and the portable path runs).
 //
 // Ops (namespace lowrank_lrk, called through torch.ops so torch.compile traces them as extern calls):
-//   isa_flags() -> int                       bit 0 avx512f, 1 avx512bw, 2 avx512vl, 3 avx512_bf16
+//   isa_flags() -> int                       bit 0 avx512f, 1 avx512bw, 2 avx512vl, 3 avx512_bf16, 4 avx512_vnni
 //   pack(W [out, in]) -> P [n]               the packed layout below (fp32 or bf16)
 //   unpack(P, out, in) -> W [out, in]        the inverse (prefill and batched GEMMs run aten on it)
 //   gemv(x [N, X], Ps[], outs[], ins[], xoffs[]) -> y [N, sum outs]
@@ -17,14 +17,23 @@
 //   attend(q [B, Hkv, G, D], K, V [>=B, Hkv, S, D], length [1], pad [>=B], scale) -> o [B, Hkv*G*D]
 //        decode attention of the token at slot `length` over the slots pad[b] <= s <= length.
 //   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp
+//   certified_head(x [N, d], Q, meta [V, 3], P, V, max_fraction, stats [5]) -> logits [N, V]
+//        the LM head whose argmax is provably the exact head's (runtime/lm_head.py): an int8 copy Q of
+//        the head scores every row (integer dot products with x quantised to int16), per-row bounds
+//        (meta) give the rows that can still win, and only their 64-row blocks of the exact packed head
+//        P run (the same block kernels as gemv, so those logits are gemv's bit for bit); all blocks
+//        when more than max_fraction of them would. stats (int64, updated in place): calls, rows,
+//        fallback calls, candidate rows, exact rows evaluated.
 //
 // Packed layout of W [out, in]: output rows in blocks of 64 (the last block rounded up to a multiple
 // of 16, zero rows), each block ONE contiguous stream of its weights in the order the kernel reads:
 //   fp32: block[k][j]     = W[64 b + j][k]               (k < in, j < block width)
 //   bf16: block[p][j][e]  = W[64 b + j][2 p + e]         (p < ceil(in / 2); a zero column pads odd in)
+//   int8: as bf16 (pairs), one byte per weight (the certified head's approximate copy)
 // so one row of x is read once per block from L1 and the weights stream once from memory. bf16 uses
 // vdpbf16ps (two products per lane, fp32 accumulation), fp32 one FMA per weight; the accumulators
-// are rounded to the output dtype once (round to nearest even), as aten's GEMV does.
+// are rounded to the output dtype once (round to nearest even), as aten's GEMV does. int8 weights
+// multiply int16 pairs of x with vpdpwssd (exact int32 accumulation).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -34,6 +43,10 @@
 #include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LRK_X86 1
@@ -47,13 +60,21 @@ namespace lrk {
 constexpr int64_t BW = 64;    // outputs per block
 constexpr int64_t TAIL = 16;  // the last block is rounded up to a multiple of this many outputs
 constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: more passes)
+// Software prefetch distance in bytes ahead of the weight stream (0: none). 2 KB measured side by side
+// (bench: /tmp variant libraries in one process, calls interleaved, 7 repeats, 1 thread, bf16, the 2-core
+// SHARED machine at load 5-7): faster than no prefetch on every decode GEMV class of SmolLM2 / 1B / 7B,
+// +2 % to +75 % (median +40 %); 4 KB and 8 KB in between; fp32 unchanged within noise. The hardware streamers
+// alone leave the core with too few misses in flight when other processes compete for memory.
 #ifndef LRK_PREFETCH
-#define LRK_PREFETCH 0            // software prefetch distance in bytes (0: none; the hardware's streams win)
+#define LRK_PREFETCH 2048
 #endif
 #if LRK_PREFETCH > 0
 #define LRK_PF(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
 #else
 #define LRK_PF(p) ((void)0)
+#endif
+#ifndef LRK_THP
+#define LRK_THP 0                 // 1: ask for transparent huge pages on packed matrices (madvise)
 #endif
 #ifndef LRK_UNROLL
 #define LRK_UNROLL 1              // independent accumulator sets per block (hides FMA latency)
@@ -75,6 +96,7 @@ int64_t isa_flags() {
   if (__builtin_cpu_supports("avx512bw")) f |= 2;
   if (__builtin_cpu_supports("avx512vl")) f |= 4;
   if (__builtin_cpu_supports("avx512bf16")) f |= 8;
+  if (__builtin_cpu_supports("avx512vnni")) f |= 16;
   return f;
 #else
   return 0;
@@ -83,16 +105,22 @@ int64_t isa_flags() {
 
 static bool has_f32() { static const bool ok = (isa_flags() & 7) == 7; return ok; }
 static bool has_bf16() { static const bool ok = (isa_flags() & 15) == 15; return ok; }
+static bool has_vnni() { static const bool ok = (isa_flags() & 23) == 23; return ok; }
 
 static void check_isa(bool bf) {
   TORCH_CHECK(bf ? has_bf16() : has_f32(), "lowrank_lrk: this CPU lacks ",
               bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa_flags(), ")");
 }
 
-// inner length of a packed matrix (bf16: pairs, so an even number of columns)
-static inline int64_t inner(int64_t in, bool bf) { return bf ? 2 * cdiv(in, 2) : in; }
+// element kinds of a packed matrix: fp32, bf16, int8 (bf16 and int8 store column pairs)
+enum Kind { KF32 = 0, KBF16 = 1, KQ8 = 2 };
+static inline bool paired(Kind k) { return k != KF32; }
+static inline int64_t esize(Kind k) { return k == KF32 ? 4 : (k == KBF16 ? 2 : 1); }
+
+// inner length of a packed matrix (pairs: an even number of columns)
+static inline int64_t inner(int64_t in, bool pairs) { return pairs ? 2 * cdiv(in, 2) : in; }
 static inline int64_t padded_rows(int64_t out) { return (out / BW) * BW + cdiv(out % BW, TAIL) * TAIL; }
-static inline int64_t packed_numel(int64_t out, int64_t in, bool bf) { return padded_rows(out) * inner(in, bf); }
+static inline int64_t packed_numel(int64_t out, int64_t in, bool pairs) { return padded_rows(out) * inner(in, pairs); }
 
 static bool is_bf(const at::Tensor& t) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16,
@@ -100,11 +128,17 @@ static bool is_bf(const at::Tensor& t) {
   return t.scalar_type() == at::kBFloat16;
 }
 
+static Kind kind_of(const at::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kChar,
+              "lowrank_lrk: fp32, bf16 or int8 only, got ", t.scalar_type());
+  return t.scalar_type() == at::kFloat ? KF32 : (t.scalar_type() == at::kBFloat16 ? KBF16 : KQ8);
+}
+
 // ------------------------------------------------------------------------------------ pack / unpack
 // to_packed: W [out, in] -> P; else P -> W
 template <typename T>
-static void pack_impl(T* W, int64_t out, int64_t in, T* P, bool bf, bool to_packed) {
-  const int64_t K = inner(in, bf), rows = padded_rows(out), nblk = cdiv(rows, BW);
+static void pack_impl(T* W, int64_t out, int64_t in, T* P, bool pairs, bool to_packed) {
+  const int64_t K = inner(in, pairs), rows = padded_rows(out), nblk = cdiv(rows, BW);
   at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; b++) {
       const int64_t bw = imin(BW, rows - b * BW);
@@ -113,7 +147,7 @@ static void pack_impl(T* W, int64_t out, int64_t in, T* P, bool bf, bool to_pack
         const int64_t o = b * BW + j;
         if (o >= out) break;
         for (int64_t i = 0; i < in; i++) {
-          const int64_t at = bf ? ((i / 2) * bw + j) * 2 + (i % 2) : i * bw + j;
+          const int64_t at = pairs ? ((i / 2) * bw + j) * 2 + (i % 2) : i * bw + j;
           if (to_packed) blk[at] = W[o * in + i]; else W[o * in + i] = blk[at];
         }
       }
@@ -121,28 +155,44 @@ static void pack_impl(T* W, int64_t out, int64_t in, T* P, bool bf, bool to_pack
   });
 }
 
+static void pack_any(Kind k, void* W, int64_t out, int64_t in, void* P, bool to_packed) {
+  if (k == KF32)
+    pack_impl<float>((float*)W, out, in, (float*)P, false, to_packed);
+  else if (k == KBF16)
+    pack_impl<uint16_t>((uint16_t*)W, out, in, (uint16_t*)P, true, to_packed);
+  else
+    pack_impl<int8_t>((int8_t*)W, out, in, (int8_t*)P, true, to_packed);
+}
+
+// the 2 MB pages inside [p, p + n) as transparent huge pages, before they are first touched (Linux, LRK_THP)
+static void advise_huge(void* p, int64_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE) && LRK_THP
+  const uintptr_t H = uintptr_t(2) << 20, a = ((uintptr_t)p + H - 1) & ~(H - 1), e = ((uintptr_t)p + n) & ~(H - 1);
+  if (e > a) madvise((void*)a, e - a, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)n;
+#endif
+}
+
 at::Tensor pack(const at::Tensor& W) {
   TORCH_CHECK(W.dim() == 2, "lowrank_lrk::pack: W must be [out, in], got ", W.sizes());
-  const bool bf = is_bf(W);
+  const Kind k = kind_of(W);
   auto Wc = W.contiguous();
   const int64_t out = W.size(0), in = W.size(1);
-  auto P = at::zeros({packed_numel(out, in, bf)}, W.options());
-  if (bf)
-    pack_impl<uint16_t>((uint16_t*)Wc.data_ptr(), out, in, (uint16_t*)P.data_ptr(), true, true);
-  else
-    pack_impl<float>(Wc.data_ptr<float>(), out, in, P.data_ptr<float>(), false, true);
+  auto P = at::empty({packed_numel(out, in, paired(k))}, W.options());
+  advise_huge(P.data_ptr(), P.nbytes());
+  P.zero_();
+  pack_any(k, Wc.data_ptr(), out, in, P.data_ptr(), true);
   return P;
 }
 
 at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
-  const bool bf = is_bf(P);
-  TORCH_CHECK(P.dim() == 1 && P.is_contiguous() && P.numel() == packed_numel(out, in, bf),
+  const Kind k = kind_of(P);
+  TORCH_CHECK(P.dim() == 1 && P.is_contiguous() && P.numel() == packed_numel(out, in, paired(k)),
               "lowrank_lrk::unpack: P is not a packed [", out, ", ", in, "] matrix");
   auto W = at::empty({out, in}, P.options());
-  if (bf)
-    pack_impl<uint16_t>((uint16_t*)W.data_ptr(), out, in, (uint16_t*)P.data_ptr(), true, false);
-  else
-    pack_impl<float>(W.data_ptr<float>(), out, in, P.data_ptr<float>(), false, false);
+  pack_any(k, W.data_ptr(), out, in, P.data_ptr(), false);
   return W;
 }
 
@@ -152,9 +202,9 @@ at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
 // system header gets AVX-512 code).
 #if LRK_X86
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,avx2")
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2"))), \
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma,avx2"))), \
                              apply_to = function)
 #endif
 
@@ -237,15 +287,74 @@ static void blk_bf16(const uint16_t* w, const uint32_t* const* xp, int64_t K2, u
     }
 }
 
+// int8 weights (pairs) against int16 pairs of R rows of x: exact int32 sums, written as float (the
+// caller keeps |sum| < 2^31: |x| <= (2^31 - 1) / (127 * K)).
+template <int R, int NZ>
+static void blk_q8(const int8_t* w, const uint32_t* const* xp, int64_t K2, float* const* ys, int64_t n) {
+  __m512i acc[R][NZ];
+  for (int r = 0; r < R; r++)
+    for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < K2; p++) {
+    const int8_t* wp = w + p * (NZ * 32);
+    __m512i wv[NZ];
+    for (int z = 0; z < NZ; z++) {
+      LRK_PF(wp + LRK_PREFETCH + 32 * z);
+      wv[z] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wp + 32 * z)));
+    }
+    for (int r = 0; r < R; r++) {
+      const __m512i xv = _mm512_set1_epi32((int)xp[r][p]);
+      for (int z = 0; z < NZ; z++) acc[r][z] = _mm512_dpwssd_epi32(acc[r][z], wv[z], xv);
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int z = 0; z < NZ && z * 16 < n; z++)
+      _mm512_mask_storeu_ps(ys[r] + z * 16, lanes(n - z * 16), _mm512_cvtepi32_ps(acc[r][z]));
+}
+
 typedef void (*f32_fn)(const float*, const float* const*, int64_t, float* const*, int64_t);
 typedef void (*bf16_fn)(const uint16_t*, const uint32_t* const*, int64_t, uint16_t* const*, int64_t);
+typedef void (*q8_fn)(const int8_t*, const uint32_t* const*, int64_t, float* const*, int64_t);
 
-#define LRK_ROW(T, f, R) {f<R, 1>, f<R, 2>, f<R, 3>, f<R, 4>}
-static const f32_fn F32_KERNELS[4][4] = {LRK_ROW(f32, blk_f32, 1), LRK_ROW(f32, blk_f32, 2),
-                                         LRK_ROW(f32, blk_f32, 3), LRK_ROW(f32, blk_f32, 4)};
-static const bf16_fn BF16_KERNELS[4][4] = {LRK_ROW(bf16, blk_bf16, 1), LRK_ROW(bf16, blk_bf16, 2),
-                                           LRK_ROW(bf16, blk_bf16, 3), LRK_ROW(bf16, blk_bf16, 4)};
+#define LRK_ROW(f, R) {f<R, 1>, f<R, 2>, f<R, 3>, f<R, 4>}
+static const f32_fn F32_KERNELS[4][4] = {LRK_ROW(blk_f32, 1), LRK_ROW(blk_f32, 2), LRK_ROW(blk_f32, 3),
+                                         LRK_ROW(blk_f32, 4)};
+static const bf16_fn BF16_KERNELS[4][4] = {LRK_ROW(blk_bf16, 1), LRK_ROW(blk_bf16, 2), LRK_ROW(blk_bf16, 3),
+                                           LRK_ROW(blk_bf16, 4)};
+static const q8_fn Q8_KERNELS[4][4] = {LRK_ROW(blk_q8, 1), LRK_ROW(blk_q8, 2), LRK_ROW(blk_q8, 3),
+                                       LRK_ROW(blk_q8, 4)};
 #undef LRK_ROW
+
+// One block job: R rows of x (pointers xr: float rows, or uint32 pairs) against block width bw (n real
+// outputs) of a packed matrix of inner length K; outputs to the R row pointers yr.
+static void run_block(Kind k, const char* blk, const void* const* xr, int64_t K, void* const* yr, int64_t R,
+                      int64_t bw, int64_t n) {
+  if (k == KF32)
+    F32_KERNELS[R - 1][bw / 16 - 1]((const float*)blk, (const float* const*)xr, K, (float* const*)yr, n);
+  else if (k == KBF16)
+    BF16_KERNELS[R - 1][bw / 16 - 1]((const uint16_t*)blk, (const uint32_t* const*)xr, K / 2, (uint16_t* const*)yr, n);
+  else
+    Q8_KERNELS[R - 1][bw / 16 - 1]((const int8_t*)blk, (const uint32_t* const*)xr, K / 2, (float* const*)yr, n);
+}
+
+// The certified head's per-row pass over the approximate scores (auto-vectorised for AVX-512 here):
+// zh = sum * (s * s_h), bound d = ((a * hn + b * rn) + 8 u |zh|) (+ the output rounding rho (|zh| + d))
+// times (1 + 2^-12) + 1e-25; lower = zh - d, upper = zh + d. Returns max(lower).
+static float bound_pass(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho,
+                        float* zh, float* up) {
+  const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;
+  float L = -INFINITY;
+  for (int64_t i = 0; i < V; i++) {
+    const float z = sums[i] * (meta[3 * i] * s_h);
+    const float az = fabsf(z);
+    float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;
+    d = (d + rho * (az + d)) * safety + 1e-25f;
+    zh[i] = z;
+    up[i] = z + d;
+    const float lo = z - d;
+    L = lo > L ? lo : L;
+  }
+  return L;
+}
 
 // ---- decode attention, one (batch row, kv head): G queries of dim D = DC * 16 over slots [lo, hi]
 // q [G, D] (row stride D), K/V rows at stride sk / sv; sc: scratch >= GB * ceil16(n) floats
@@ -365,11 +474,61 @@ static void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& b
   });
 }
 
+// x [N, X] (row stride ldx) -> per row, the int16/bf16 pairs (x[2p], x[2p+1]) of columns [off, off + in), a
+// zero completing an odd width: dst[r * cdiv(in, 2) + p]
+static void bf16_pairs(const uint16_t* xs, int64_t ldx, int64_t N, int64_t off, int64_t in, uint32_t* dst) {
+  const int64_t P2 = cdiv(in, 2);
+  for (int64_t r = 0; r < N; r++) {
+    const uint16_t* row = xs + r * ldx + off;
+    for (int64_t p = 0; p < P2; p++) {
+      const uint32_t lo = row[2 * p], hi = 2 * p + 1 < in ? row[2 * p + 1] : 0;
+      dst[r * P2 + p] = lo | (hi << 16);
+    }
+  }
+}
+
+// The block jobs of one call: for job (m, b, r0), rows r0 .. r0 + R - 1 (R <= MAX_ROWS) of x against
+// block b of packed matrix m. xrow(m, r) / yrow(m, r, b): where row r's input / block b's outputs are.
+struct Mat {
+  const char* data;
+  int64_t out, K;   // outputs, packed inner length
+};
+
+template <typename XRow, typename YRow>
+static void exec_jobs(Kind k, const std::vector<Mat>& mats, const std::vector<Job>& jobs, int64_t N, XRow xrow,
+                      YRow yrow) {
+  const int64_t es = esize(k);
+  std::vector<int64_t> bytes(jobs.size());
+  for (size_t j = 0; j < jobs.size(); j++) {
+    const Mat& M = mats[jobs[j].m];
+    bytes[j] = imin(BW, padded_rows(M.out) - jobs[j].b * BW) * M.K * es;
+  }
+#if LRK_X86
+  run_jobs(jobs, bytes, [&](const Job& J) {
+    const Mat& M = mats[J.m];
+    const int64_t bw = imin(BW, padded_rows(M.out) - J.b * BW), n = imin(bw, M.out - J.b * BW);
+    const int64_t R = imin(MAX_ROWS, N - J.r0);
+    const void* xr[MAX_ROWS];
+    void* yr[MAX_ROWS];
+    for (int64_t r = 0; r < R; r++) {
+      xr[r] = xrow(J.m, J.r0 + r);
+      yr[r] = yrow(J.m, J.r0 + r, J.b);
+    }
+    run_block(k, M.data + J.b * BW * M.K * es, xr, M.K, yr, R, bw, n);
+  });
+#endif
+}
+
+static void push_block_jobs(std::vector<Job>& jobs, int64_t m, int64_t b, int64_t N) {
+  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) jobs.push_back({m, b, r0});
+}
+
 at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at::IntArrayRef ins,
                 at::IntArrayRef xoffs) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::gemv: x must be [N, X] with unit column stride");
   const bool bf = is_bf(x);
   check_isa(bf);
+  const Kind k = bf ? KBF16 : KF32;
   const int64_t M = (int64_t)Ps.size(), N = x.size(0), ldx = x.stride(0);
   TORCH_CHECK((int64_t)outs.size() == M && (int64_t)ins.size() == M && (int64_t)xoffs.size() == M,
               "lowrank_lrk::gemv: one out, in and x offset per matrix");
@@ -385,53 +544,159 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at
   }
   auto y = at::empty({N, yoff[M]}, x.options());
   if (N == 0 || M == 0) return y;
-  const int64_t ldy = yoff[M], es = bf ? 2 : 4;
-  // bf16: x as pairs (x[2p], x[2p+1]) per matrix and row, a zero completing an odd width
-  std::vector<int64_t> xpo(M + 1, 0);
+  const int64_t ldy = yoff[M], es = esize(k);
+  std::vector<int64_t> xpo(M + 1, 0);       // bf16: each matrix's pairs of every row
   for (int64_t m = 0; m < M; m++) xpo[m + 1] = xpo[m] + N * cdiv(ins[m], 2);
   std::vector<uint32_t> xp(bf ? xpo[M] : 0);
-  if (bf) {
-    const uint16_t* xs = (const uint16_t*)x.data_ptr();
+  if (bf)
     for (int64_t m = 0; m < M; m++)
-      for (int64_t r = 0; r < N; r++) {
-        const uint16_t* row = xs + r * ldx + xoffs[m];
-        uint32_t* dst = xp.data() + xpo[m] + r * cdiv(ins[m], 2);
-        for (int64_t p = 0; p < cdiv(ins[m], 2); p++) {
-          const uint32_t lo = row[2 * p], hi = 2 * p + 1 < ins[m] ? row[2 * p + 1] : 0;
-          dst[p] = lo | (hi << 16);
-        }
-      }
-  }
+      bf16_pairs((const uint16_t*)x.data_ptr(), ldx, N, xoffs[m], ins[m], xp.data() + xpo[m]);
+  std::vector<Mat> mats;
   std::vector<Job> jobs;
-  std::vector<int64_t> bytes;
   for (int64_t m = 0; m < M; m++) {
-    const int64_t rows = padded_rows(outs[m]), K = inner(ins[m], bf);
-    for (int64_t b = 0; b * BW < rows; b++)
-      for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) {
-        jobs.push_back({m, b, r0});
-        bytes.push_back(imin(BW, rows - b * BW) * K * es);
-      }
+    mats.push_back({(const char*)Ps[m].data_ptr(), outs[m], inner(ins[m], bf)});
+    for (int64_t b = 0; b * BW < padded_rows(outs[m]); b++) push_block_jobs(jobs, m, b, N);
   }
-#if LRK_X86
   const char* xb = (const char*)x.data_ptr();
   char* yb = (char*)y.data_ptr();
-  run_jobs(jobs, bytes, [&](const Job& J) {
-    const int64_t m = J.m, rows = padded_rows(outs[m]), K = inner(ins[m], bf);
-    const int64_t bw = imin(BW, rows - J.b * BW), n = imin(bw, outs[m] - J.b * BW), R = imin(MAX_ROWS, N - J.r0);
-    const char* blk = (const char*)Ps[m].data_ptr() + J.b * BW * K * es;
-    void* yr[MAX_ROWS];
-    for (int64_t r = 0; r < R; r++) yr[r] = yb + ((J.r0 + r) * ldy + yoff[m] + J.b * BW) * es;
-    if (bf) {
-      const uint32_t* xr[MAX_ROWS];
-      for (int64_t r = 0; r < R; r++) xr[r] = xp.data() + xpo[m] + (J.r0 + r) * cdiv(ins[m], 2);
-      BF16_KERNELS[R - 1][bw / 16 - 1]((const uint16_t*)blk, xr, K / 2, (uint16_t* const*)yr, n);
-    } else {
-      const float* xr[MAX_ROWS];
-      for (int64_t r = 0; r < R; r++) xr[r] = (const float*)(xb + ((J.r0 + r) * ldx + xoffs[m]) * es);
-      F32_KERNELS[R - 1][bw / 16 - 1]((const float*)blk, xr, K, (float* const*)yr, n);
+  exec_jobs(
+      k, mats, jobs, N,
+      [&](int64_t m, int64_t r) -> const void* {
+        return bf ? (const void*)(xp.data() + xpo[m] + r * cdiv(ins[m], 2)) : (const void*)(xb + (r * ldx + xoffs[m]) * es);
+      },
+      [&](int64_t m, int64_t r, int64_t b) -> void* { return yb + (r * ldy + yoff[m] + b * BW) * es; });
+  return y;
+}
+
+// ------------------------------------------------------------------------------------ certified LM head
+static inline float round_up_f(double v) {       // the smallest float >= v (v finite, >= 0)
+  float f = (float)v;
+  return (double)f >= v ? f : std::nextafter(f, INFINITY);
+}
+
+static inline uint16_t bf16_round_down(float v) { // the largest bf16 <= v
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  uint16_t t = (uint16_t)(b >> 16);
+  if ((b & 0xFFFFu) != 0 && (b >> 31)) t += 1;    // a negative value truncated towards zero: one step down
+  return t;
+}
+
+at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Tensor& meta, const at::Tensor& P,
+                          int64_t V, double max_fraction, at::Tensor& stats) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::certified_head: x must be [N, d] with unit column stride");
+  const bool bf = is_bf(x);
+  check_isa(bf);
+  TORCH_CHECK(has_vnni(), "lowrank_lrk::certified_head: this CPU lacks AVX512_VNNI (isa_flags=", isa_flags(), ")");
+  const int64_t N = x.size(0), d = x.size(1), ldx = x.stride(0);
+  TORCH_CHECK(Q.scalar_type() == at::kChar && Q.dim() == 1 && Q.is_contiguous() && Q.numel() == packed_numel(V, d, true),
+              "lowrank_lrk::certified_head: Q is not a packed int8 [", V, ", ", d, "] matrix");
+  TORCH_CHECK(P.scalar_type() == x.scalar_type() && P.dim() == 1 && P.is_contiguous() &&
+                  P.numel() == packed_numel(V, d, bf),
+              "lowrank_lrk::certified_head: P is not a packed [", V, ", ", d, "] ", x.scalar_type(), " matrix");
+  TORCH_CHECK(meta.scalar_type() == at::kFloat && meta.is_contiguous() && meta.numel() == 3 * V,
+              "lowrank_lrk::certified_head: meta must be float32 [V, 3] (scale, a, b)");
+  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.is_contiguous() && stats.numel() == 5,
+              "lowrank_lrk::certified_head: stats must be int64 [5]");
+  auto y = at::empty({N, V}, x.options());
+  if (N == 0) return y;
+  const int64_t K = inner(d, true), K2 = K / 2, rows = padded_rows(V), nblk = cdiv(rows, BW), es = bf ? 2 : 4;
+  // 1. x as int16 pairs: |q| <= m with 127 * m * K < 2^31 (exact int32 sums); hn = |x|, rn = |x - s_h q|
+  const int64_t mq = imin(32767, ((int64_t(1) << 31) - 1) / (127 * K));
+  std::vector<uint32_t> xq(N * K2, 0);
+  std::vector<float> sh(N), hn(N), rn(N);
+  bool finite = true;                               // a non-finite x: no bound holds, the exact head runs
+  for (int64_t r = 0; r < N; r++) {
+    std::vector<double> h(d);
+    double mx = 0, h2 = 0, r2 = 0;
+    for (int64_t i = 0; i < d; i++) {
+      if (bf) {
+        const uint32_t bits = (uint32_t)((const uint16_t*)x.data_ptr())[r * ldx + i] << 16;
+        float f;
+        std::memcpy(&f, &bits, 4);
+        h[i] = f;
+      } else {
+        h[i] = x.data_ptr<float>()[r * ldx + i];
+      }
+      mx = std::fmax(mx, std::fabs(h[i]));
+      h2 += h[i] * h[i];
     }
-  });
+    if (!std::isfinite(h2)) {
+      finite = false;
+      continue;
+    }
+    const float s = mx > 0 ? (float)(mx / (double)mq) : 1.0f;
+    for (int64_t i = 0; i < d; i++) {
+      double q = std::nearbyint(h[i] / (double)s);
+      q = std::fmin(std::fmax(q, (double)-mq), (double)mq);
+      const double e = h[i] - (double)s * q;
+      r2 += e * e;
+      const uint32_t u = (uint32_t)(uint16_t)(int16_t)q;
+      xq[r * K2 + i / 2] |= (i % 2) ? (u << 16) : u;
+    }
+    sh[r] = s;
+    hn[r] = round_up_f(std::sqrt(h2) * (1 + 1e-12));
+    rn[r] = round_up_f(std::sqrt(r2) * (1 + 1e-12));
+  }
+  // 2. approximate scores (int8 head): sums[r][i]
+  std::vector<float> sums(N * rows);
+  std::vector<Mat> qmat{{(const char*)Q.data_ptr(), V, K}};
+  std::vector<Job> jobs;
+  for (int64_t b = 0; b < nblk; b++) push_block_jobs(jobs, 0, b, N);
+  exec_jobs(
+      KQ8, qmat, jobs, N, [&](int64_t, int64_t r) -> const void* { return xq.data() + r * K2; },
+      [&](int64_t, int64_t r, int64_t b) -> void* { return sums.data() + r * rows + b * BW; });
+  // 3. bounds, candidates, the union of their blocks
+  const float rho = bf ? 0.00390625f : 0.0f;       // bf16 output: one rounding, unit roundoff 2^-8
+  std::vector<float> zh(V), up(V);
+  std::vector<char> sel(nblk, 0);
+  int64_t cands = 0;
+#if LRK_X86
+  for (int64_t r = 0; r < N && finite; r++) {
+    const float L = bound_pass(sums.data() + r * rows, meta.data_ptr<float>(), V, sh[r], hn[r], rn[r], rho, zh.data(),
+                               up.data());
+    char* yr = (char*)y.data_ptr() + r * V * es;
+    for (int64_t i = 0; i < V; i++) {
+      if (up[i] >= L) {
+        cands++;
+        sel[i / BW] = 1;
+      }
+      if (bf)
+        ((uint16_t*)yr)[i] = bf16_round_down(zh[i]);   // below every candidate's exact logit
+      else
+        ((float*)yr)[i] = zh[i];
+    }
+  }
 #endif
+  int64_t nsel = 0;
+  for (auto c : sel) nsel += c;
+  const bool fallback = !finite || (double)nsel > max_fraction * (double)nblk;
+  // 4. the exact head on the selected blocks (all of them on fallback): gemv's kernels and row grouping
+  std::vector<uint32_t> xp(bf ? N * K2 : 0);
+  if (bf) bf16_pairs((const uint16_t*)x.data_ptr(), ldx, N, 0, d, xp.data());
+  std::vector<Mat> pmat{{(const char*)P.data_ptr(), V, inner(d, bf)}};
+  jobs.clear();
+  int64_t exact_rows = 0;
+  for (int64_t b = 0; b < nblk; b++)
+    if (fallback || sel[b]) {
+      push_block_jobs(jobs, 0, b, N);
+      exact_rows += imin(BW, V - b * BW);
+    }
+  // y rows are V wide; a block's outputs go straight into them (the kernels store n <= V - b * BW values)
+  const char* xb = (const char*)x.data_ptr();
+  char* yb = (char*)y.data_ptr();
+  exec_jobs(
+      bf ? KBF16 : KF32, pmat, jobs, N,
+      [&](int64_t, int64_t r) -> const void* {
+        return bf ? (const void*)(xp.data() + r * K2) : (const void*)(xb + r * ldx * es);
+      },
+      [&](int64_t, int64_t r, int64_t b) -> void* { return yb + (r * V + b * BW) * es; });
+  int64_t* st = stats.data_ptr<int64_t>();
+  st[0] += 1;
+  st[1] += N;
+  st[2] += fallback ? 1 : 0;
+  st[3] += cands;
+  st[4] += exact_rows;
   return y;
 }
 
@@ -494,6 +759,7 @@ TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("unpack(Tensor P, int out, int inp) -> Tensor");
   m.def("gemv(Tensor x, Tensor[] Ps, int[] outs, int[] ins, int[] xoffs) -> Tensor");
   m.def("attend(Tensor q, Tensor K, Tensor V, Tensor length, Tensor pad, float scale) -> Tensor");
+  m.def("certified_head(Tensor x, Tensor Q, Tensor meta, Tensor P, int V, float max_fraction, Tensor(a!) stats) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {
@@ -501,4 +767,5 @@ TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {
   m.impl("unpack", &lrk::unpack);
   m.impl("gemv", &lrk::gemv);
   m.impl("attend", &lrk::attend);
+  m.impl("certified_head", &lrk::certified_head);
 }

@@ -16,7 +16,7 @@ def _ops():
 
 
 def pack(W: torch.Tensor) -> torch.Tensor:
-    """W [out, in] (fp32 / bf16) -> the packed 1-D layout of ``lrk.cpp``."""
+    """W [out, in] (fp32 / bf16 / int8) -> the packed 1-D layout of ``lrk.cpp``."""
     return _ops().pack(W)
 
 
@@ -47,3 +47,9 @@ def tier_attend(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tensor, e
     overload directly: the packet's overload resolution costs a few microseconds per layer in an eager step.)"""
     return _ops().tier_attend.default(q, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale,
                               k_new, v_new, n_new, scale)
+
+
+def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torch.Tensor, V: int, max_fraction: float,
+                   stats: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] of the certified LM head (``runtime/lm_head.py``); ``stats`` int64 [5] is updated in place."""
+    return _ops().certified_head(x, Q, meta, P, V, max_fraction, stats)
