@@ -15,6 +15,7 @@ from lowrank_lib.composed import TierBytes, allocate, importance, plan_bytes, se
 from lowrank_lib.eviction import SCORERS
 from lowrank_lib.kv import make_method
 from lowrank_lib.kv.hf_adapter import KVCache, dense_cache, record, tiered_attention
+from lowrank_lib.kv.tiers import descriptor_nbytes
 
 S, D, L, H = 64, 16, 2, 2
 
@@ -47,8 +48,9 @@ def _tier_bytes(cache):
 @pytest.mark.parametrize("mid_share", [0.0, 0.3])
 def test_full_budget_is_dense(setup, mid_share):
     tiny, ids, nxt, rec, ref = setup
-    cache = KVCache.from_prefill(make_method("composed-h2o_norm-q8", 1.02, mid_share=mid_share), rec, tiny)
-    d = cache.describe()                                     # int16 positions: +1.6 % over the dense bytes
+    cache = KVCache.from_prefill(make_method("composed-h2o_norm-q8", 1.03, mid_share=mid_share), rec, tiny)
+    d = cache.describe()                                     # int16 positions (+1.6 %) and the descriptors
+    assert d["bytes_ratio"] <= 1.03
     assert (d["tokens_exact"], d["tokens_lowrank"]) == (L * H * S, 0)
     torch.testing.assert_close(_logits(tiny, cache, nxt), ref, rtol=1e-5, atol=1e-5)
 
@@ -62,15 +64,17 @@ def test_bytes_held_are_the_plan_and_fit_the_budget(setup, budget, quant8):
     held = _tier_bytes(cache)
     imp = importance(SCORERS["h2o_norm"](), rec, None, 512)
     cost = TierBytes(D, 4, S, 4, quant8)
-    plans = allocate(imp.score, budget * _dense_bytes(rec), cost, 0.3)
-    assert held == plan_bytes(plans, cost) <= budget * _dense_bytes(rec)
+    avail = budget * _dense_bytes(rec) - L * descriptor_nbytes(H, H)     # the descriptors count against the budget
+    plans = allocate(imp.score, avail, cost, 0.3)
+    assert held == plan_bytes(plans, cost) <= avail
+    assert cache.describe()["bytes_ratio"] <= budget
     d = cache.describe()
     assert d["tokens_lowrank"] > 0 and d["tokens_exact"] > 0
     if d["tokens_exact"] + d["tokens_lowrank"] < L * H * S:   # tight: one more low-rank token (+ a basis) would not fit
-        assert budget * _dense_bytes(rec) - held < cost.mid_token() + cost.basis()
+        assert avail - held < cost.mid_token() + cost.basis()
     else:                                        # only int8 factors at half the bytes keep every token; the
         assert budget == 0.5 and quant8          # slack turned low-rank tokens exact until one more would not fit
-        assert budget * _dense_bytes(rec) - held < cost.exact
+        assert avail - held < cost.exact
     assert all(l.a_k.dtype == (torch.int8 if quant8 else torch.float32) for l in cache.states)
     before = cache.nbytes
     _logits(tiny, cache, nxt)
@@ -80,7 +84,7 @@ def test_bytes_held_are_the_plan_and_fit_the_budget(setup, budget, quant8):
 def test_head_wise_eviction_keeps_the_scorers_top_tokens_and_the_window(setup):
     tiny, ids, nxt, rec, ref = setup
     n = 20
-    budget = n * TierBytes(D, 4, S).exact * L * H / _dense_bytes(rec)
+    budget = (n * TierBytes(D, 4, S).exact * H + descriptor_nbytes(H, 0)) * L / _dense_bytes(rec)   # + descriptors
     cache = KVCache.from_prefill(make_method("snapkv", budget, window=6), rec, tiny)
     raw = SCORERS["snapkv"]().score(rec.keys[0], rec.values[0], rec.observation(0))[0]     # [H, S]
     layer = cache.states[0]
@@ -118,7 +122,8 @@ def test_kvzip_global_allocation_is_non_uniform(setup):
     tiny, ids, nxt, rec, ref = setup
     cache = KVCache.from_prefill(make_method("kvzip", 0.25), rec, tiny)
     counts = [c for l in cache.states for c in l.segment_counts()[0]]
-    assert len(set(counts)) > 1 and sum(counts) == int(0.25 * _dense_bytes(rec) // TierBytes(D, 4, S).exact)
+    avail = 0.25 * _dense_bytes(rec) - L * descriptor_nbytes(H, 0)          # the descriptors count against the budget
+    assert len(set(counts)) > 1 and sum(counts) == int(avail // TierBytes(D, 4, S).exact)
     imp = importance(SCORERS["kvzip"](), rec)
     assert imp.mass and imp.gram[0].shape == (1, H, D, D)        # the reconstruction queries' statistics
 

@@ -10,6 +10,7 @@ from lowrank_lib import models
 from lowrank_lib.compat import cache_kw
 from lowrank_lib.eviction import H2O, SCORERS, ExpectedAttention, KVzip, Observation, ObservedAttention
 from lowrank_lib.eviction.budget import index_dtype, keep_counts, select, token_bytes
+from lowrank_lib.kv.tiers import descriptor_nbytes
 from lowrank_lib.eviction.expected import model_rope, rotate_half, rotation_matrix
 from lowrank_lib.kv import make_method
 from lowrank_lib.kv.hf_adapter import KVCache, dense_cache, record
@@ -29,8 +30,9 @@ def _obs(B=1, H=2, G=2, S=24, d=8, seed=0):
 
 
 def _budget(n: int, S: int, L: int = 2, H: int = 2, d: int = 16) -> float:
-    """The byte budget at which every (layer, head) of a tiny-gqa prefill of S tokens keeps n tokens."""
-    return n * token_bytes(d, 4, S) * L * H / (2 * L * H * S * d * 4)
+    """The byte budget at which every (layer, head) of a tiny-gqa prefill of S tokens keeps n tokens (their rows and
+    positions, and each layer's descriptors: held bytes too)."""
+    return (n * token_bytes(d, 4, S) * H + descriptor_nbytes(H, 0)) * L / (2 * L * H * S * d * 4)
 
 
 def test_observed_attention_is_mean_attention_per_observing_query():

@@ -12,11 +12,13 @@ from lowrank_lib import models
 from lowrank_lib.compat import cache_kw
 from lowrank_lib.eviction import H2O, SCORERS, KeyDiff, Observation, SnapKV, StreamingLLM
 from lowrank_lib.eviction.budget import token_bytes
+from lowrank_lib.kv.tiers import descriptor_nbytes
 from lowrank_lib.kv import METHODS, make_method, method_kind
 from lowrank_lib.kv.hf_adapter import KVCache, dense_cache, record, tiered_attention
 
 S, N_KEEP, L, H, D = 64, 20, 2, 2, 16
-BUDGET = N_KEEP * token_bytes(D, 4, S) / (2 * S * D * 4)       # every (layer, head) keeps N_KEEP tokens
+# every (layer, head) keeps N_KEEP tokens: their rows and positions, and the layout's descriptors (held bytes too)
+BUDGET = (H * N_KEEP * token_bytes(D, 4, S) + descriptor_nbytes(H, 0)) / (H * 2 * S * D * 4)
 
 
 @pytest.fixture(scope="module")

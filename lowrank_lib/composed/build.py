@@ -23,7 +23,7 @@ import torch
 from ..attsvd.basis import attention_svd, ridge_metric
 from ..eviction.base import Scorer
 from ..eviction.budget import index_dtype, with_window
-from ..kv.tiers import Run, Segment
+from ..kv.tiers import Run, Segment, descriptor_nbytes
 from .plan import HeadPlan, TierBytes, allocate
 
 DEFAULT_WINDOW = 32     # recent tokens forced exact for scorers without their own rule
@@ -120,7 +120,9 @@ def segments(prefill, imp: Importance, budget: float, mode: str = "global", mid_
     cost = TierBytes(d, elt, S, rank if mid_share > 0 else 0, quant8)
     if mid_share > 0 and not imp.mass:
         raise ValueError("composed.segments: a low-rank tier needs the queries' statistics: importance(..., stats=True)")
-    plans = allocate(imp.score, budget * 2 * L * B * H * S * d * elt, cost, mid_share, mode)
+    # the budget counts every byte held, the layout's descriptors too (this row's share, at most one run per head)
+    desc = L * descriptor_nbytes(H, H if cost.rank > 0 else 0)
+    plans = allocate(imp.score, max(0.0, budget * 2 * L * B * H * S * d * elt - desc), cost, mid_share, mode)
     idt = index_dtype(S)
     out = []
     for li, (K, V, layer_plan) in enumerate(zip(prefill.keys, prefill.values, plans)):

@@ -35,6 +35,11 @@ from ..runtime.kv import BackendChoice
 
 #: columns of ``TieredLayer.runs``
 SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF = range(9)
+
+
+def descriptor_nbytes(segments: int, runs: int) -> int:
+    """Bytes of a layer's descriptors (e_off and r_off [segments + 1], runs [runs, 9], int64): held bytes too."""
+    return 8 * (2 * (segments + 1) + 9 * runs)
 NEG = float("-inf")
 
 

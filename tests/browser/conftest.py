@@ -321,17 +321,24 @@ def timings():
 
 
 @pytest.fixture(scope="session")
-def browser_context(lab_server, tmp_path_factory):
+def playwright_sync():
+    """ONE Playwright (sync API) for the session: a second ``sync_playwright()`` while one is running fails
+    ("using Playwright Sync API inside the asyncio loop"), so every browser fixture launches from this one."""
     from playwright.sync_api import sync_playwright
 
-    profile = tmp_path_factory.mktemp("chromium-profile")     # a fresh user-data-dir
     with sync_playwright() as p:
-        ctx = p.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
-                                                   args=CHROMIUM_ARGS, viewport={"width": 1500, "height": 1000})
-        try:
-            yield ctx
-        finally:
-            ctx.close()
+        yield p
+
+
+@pytest.fixture(scope="session")
+def browser_context(lab_server, tmp_path_factory, playwright_sync):
+    profile = tmp_path_factory.mktemp("chromium-profile")     # a fresh user-data-dir
+    ctx = playwright_sync.chromium.launch_persistent_context(str(profile), executable_path=CHROMIUM, headless=True,
+                                                             args=CHROMIUM_ARGS, viewport={"width": 1500, "height": 1000})
+    try:
+        yield ctx
+    finally:
+        ctx.close()
     shutil.rmtree(profile, ignore_errors=True)
 
 

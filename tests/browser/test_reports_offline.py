@@ -9,33 +9,31 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def offline_page(tmp_path_factory):
+def offline_page(request):
     from conftest import CHROMIUM, CHROMIUM_ARGS, _missing
 
     why = _missing()
     if why:
         pytest.skip(why)
-    from playwright.sync_api import sync_playwright
+    p = request.getfixturevalue("playwright_sync")          # the session's one Playwright (the lab tests' too)
+    browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+    ctx = browser.new_context(offline=True)
+    asked: list[str] = []
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
-        ctx = browser.new_context(offline=True)
-        asked: list[str] = []
+    def route(r):                          # every request that is not a local file is refused, and noted
+        if r.request.url.startswith("file://"):
+            r.continue_()
+        else:
+            asked.append(r.request.url)
+            r.abort()
 
-        def route(r):                      # every request that is not a local file is refused, and noted
-            if r.request.url.startswith("file://"):
-                r.continue_()
-            else:
-                asked.append(r.request.url)
-                r.abort()
-
-        ctx.route("**/*", route)
-        page = ctx.new_page()
-        page.asked = asked
-        try:
-            yield page
-        finally:
-            browser.close()
+    ctx.route("**/*", route)
+    page = ctx.new_page()
+    page.asked = asked
+    try:
+        yield page
+    finally:
+        browser.close()
 
 
 @pytest.mark.parametrize("name", notebooks.on_disk())

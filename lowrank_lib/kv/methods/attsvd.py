@@ -23,7 +23,7 @@ from ...attsvd.basis import compress_prefill, trunc_svd
 from ...attsvd.config import MODES, AttSVDConfig
 from ...attsvd.ranks import aggregate, energy_rank
 from ..method import KVMethod, Prefill, RowFit
-from ..tiers import Run, Segment, TieredLayer
+from ..tiers import Run, Segment, TieredLayer, descriptor_nbytes
 
 
 def stored_tokens(S: int, d: int, rank_k: int, rank_v: int, window: int) -> float:
@@ -34,9 +34,10 @@ def stored_tokens(S: int, d: int, rank_k: int, rank_v: int, window: int) -> floa
     return (factor + 2 * w * d) / (2 * d)
 
 
-def rank_for_budget(budget: float, S: int, d: int, window: int) -> int:
-    """The largest r in [1, d] whose stored bytes (Eq. 6) are at most ``budget`` of the dense bytes (else 1)."""
-    return max([r for r in range(1, d + 1) if stored_tokens(S, d, r, r, window) <= budget * S] or [1])
+def rank_for_budget(budget: float, S: int, d: int, window: int, overhead: float = 0.0) -> int:
+    """The largest r in [1, d] whose stored bytes (Eq. 6, plus ``overhead`` token-equivalents per head: the layout's
+    descriptors) are at most ``budget`` of the dense bytes (else 1)."""
+    return max([r for r in range(1, d + 1) if stored_tokens(S, d, r, r, window) + overhead <= budget * S] or [1])
 
 
 @dataclass
@@ -68,17 +69,21 @@ class AttSVD(KVMethod):
         self.needs_queries = self.attention_aware
         self.capturable = self.mode == "accumulate"      # stream mode reshapes its state every chunk tokens
 
-    def config(self, S: int, d: int) -> AttSVDConfig:
-        """The AttSVD options for a prompt of S tokens and head dim d (the rank from the budget, see above)."""
+    def config(self, S: int, d: int, overhead: float = 0.0) -> AttSVDConfig:
+        """The AttSVD options for a prompt of S tokens and head dim d (the rank from the budget, see above;
+        ``overhead``: descriptor bytes per head in tokens, counted against the budget)."""
         r = self.rank if self.rank is not None else (
-            rank_for_budget(self.budget, S, d, self.window) if self.budget is not None else 1)
+            rank_for_budget(self.budget, S, d, self.window, overhead) if self.budget is not None else 1)
         return AttSVDConfig(rank=min(r, d), tau=self.tau, aggregator=self.aggregator, rank_max=self.rank_max,
                             window=self.window, mode=self.mode, chunk=self.chunk, attention_aware=self.attention_aware,
                             eps=self.eps, mass_floor=self.mass_floor, obs_window=self.obs_window,
                             key_mass=self.key_mass)
 
     def fit_row(self, prefill: Prefill) -> RowFit:
-        cfg = self.config(prefill.length, prefill.head_dim)
+        K0 = prefill.keys[0]
+        H, d = K0.shape[1], prefill.head_dim
+        # the budget counts every byte held: this row's share of the layout's descriptors (one run per head)
+        cfg = self.config(prefill.length, d, descriptor_nbytes(H, H) / (H * 2 * d * K0.element_size()))
         segs, info = [], []
         for i, (K, V) in enumerate(zip(prefill.keys, prefill.values)):
             Q = prefill.queries[i] if self.attention_aware else None
