@@ -176,11 +176,7 @@ def test_executed_outputs_are_clean(name):
 _REWRITTEN = ("rewritten for issue 21 (slider panels, checked figures, IQR timings, computed conclusions); its "
               "report was not regenerated on the shared machine (load ~12 on 2 cores): `make report` on an idle "
               "machine regenerates it")
-_KV_PORT = "its KV calls move to the new KV-method API (issue 19) first; the lead regenerates it after the port"
-STALE: dict[str, str] = {"00_quickstart": _REWRITTEN, "01_checkpoint_normalization": _REWRITTEN,
-                         "02_launch_count_profiling": _REWRITTEN, "03_graph_replay_ablation": _REWRITTEN,
-                         "04_attsvd_interpretability": _KV_PORT, "05_attsvd_quality_memory": _KV_PORT,
-                         "06_factor_space_attention": _KV_PORT}
+STALE: dict[str, str] = {"01_checkpoint_normalization": _REWRITTEN}
 
 
 @pytest.mark.parametrize("name", notebooks.on_disk())
