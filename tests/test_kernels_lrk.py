@@ -5,7 +5,8 @@ against float64 references, odd shapes that are no multiple of the vector width,
 threads, hostile arguments); ``ProjectionGroup`` with the packed backend against aten; whole engines
 (``kernels="lrk"``) against the portable eager engine on tiny random Llamas, fp32 tight and bf16 within a
 fidelity bound, batch > 1 with left padding, compiled step. The fallback (no library, no ISA, not a
-CPU) is simulated and must run the portable path and say why.
+CPU) is simulated and must run the portable path and say why. Every kernel test runs under each ISA level
+the CPU has (``tests/kernel_isa.py``: the AVX-512 kernels, and the AVX2 ones forced on the same CPU).
 """
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ from lowrank_lib.runtime import Engine, EngineConfig
 from lowrank_lib.runtime.kernels import build, select_gemv
 from lowrank_lib.runtime.kernels.gemv import lrk_unavailable
 
-LIB = build.load()
-needs_lrk = pytest.mark.skipif(not (LIB.has("avx512f", "avx512bw", "avx512vl")),
-                               reason=f"kernel library cannot run here: {LIB.reason}, isa={LIB.isa}")
-needs_bf16 = pytest.mark.skipif(not LIB.has("avx512_bf16"), reason="no AVX512_BF16 on this CPU")
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)]
+from kernel_isa import LIB, gemv_backend, kernel_isa, needs_lrk  # noqa: F401  (kernel_isa: the fixture)
+
+# bf16 runs everywhere the kernels run: AVX512_BF16, else the AVX2 kernels (needs_lrk runs each level here)
+DTYPES = [torch.float32, torch.bfloat16]
 
 
 def _ops():
@@ -235,7 +235,7 @@ def test_engine_lrk_equals_portable_fp32(preset, extra):
     eng = Engine(model, EngineConfig(**base, kernels="lrk"))
     out = eng.generate(ids, 8, return_logits=True)
     rep = eng.report()
-    assert rep["gemv"] == "lrk_avx512" and "requested" in rep["gemv_reason"]
+    assert rep["gemv"] == gemv_backend(torch.float32) and "requested" in rep["gemv_reason"]
     assert rep["backend"] == "cpu_lrk" and rep["kernels"]["available"]
     assert torch.equal(out.tokens, ref.tokens)
     assert _max_err(out, ref) < 1e-4
@@ -256,7 +256,7 @@ def test_engine_lrk_dense_model_mixed_and_odd_shapes():
         ref = _gen_out(model, dict(max_seq_len=24, kernels="portable"), ids)
         eng = Engine(model, EngineConfig(max_seq_len=24))             # auto: the kernel where it can run
         out = eng.generate(ids, 8, return_logits=True)
-        assert eng.report()["gemv"] == "lrk_avx512"
+        assert eng.report()["gemv"] == gemv_backend(torch.float32)
         assert torch.equal(out.tokens, ref.tokens) and _max_err(out, ref) < 1e-4
     rep = eng.report()
     assert rep["backend"] == "sdpa" and "head_dim 24" in rep["backend_reason"]
@@ -299,7 +299,6 @@ def test_engine_lrk_compiled_step_calls_our_kernels():
 
 
 @needs_lrk
-@needs_bf16
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-smol"])
 def test_engine_lrk_bf16_fidelity(preset):
     """bf16: the kernel accumulates in fp32 and rounds once (aten rounds differently): both bf16 engines
@@ -308,7 +307,8 @@ def test_engine_lrk_bf16_fidelity(preset):
     ids = torch.randint(0, 256, (1, 12), generator=_gen(2))
     fp32 = _gen_out(model, dict(max_seq_len=32, kernels="portable"), ids)
     lrk = Engine(model, EngineConfig(max_seq_len=32, dtype="bf16", kernels="lrk"))
-    assert lrk.report()["gemv"] == "lrk_avx512" and "AVX512_BF16" in lrk.report()["gemv_reason"]
+    assert lrk.report()["gemv"] == gemv_backend(torch.bfloat16)
+    assert ("AVX512_BF16" if gemv_backend(torch.bfloat16) == "lrk_avx512" else "AVX2") in lrk.report()["gemv_reason"]
     a = lrk.generate(ids, 8, return_logits=True)
     b = _gen_out(model, dict(max_seq_len=32, dtype="bf16", kernels="portable"), ids)
     # teacher-free comparison: the prefill logits (same input for all three), relative to the logit scale
@@ -370,19 +370,42 @@ def test_fallback_build_failures_are_reported(monkeypatch, tmp_path):
 
 
 def test_fallback_missing_isa_dtype_and_device(monkeypatch):
-    """A CPU without AVX512_BF16 runs bf16 on the portable path and fp32 on the kernel; fp16 and
-    non-CPU devices never take the kernel."""
-    isa = {"avx512f": True, "avx512bw": True, "avx512vl": True, "avx512_bf16": False}
+    """A CPU with AVX-512 but without AVX512_BF16 runs bf16 on the AVX2 kernels and fp32 on the AVX-512 ones; one
+    without AVX2 either runs bf16 on the portable path; fp16 and non-CPU devices never take the kernel."""
+    isa = {"avx512f": True, "avx512bw": True, "avx512vl": True, "avx512_bf16": False, "avx2": True, "fma": True}
     monkeypatch.setattr(build, "_LIB", build.KernelLibrary(True, "loaded (simulated)", "jit", None, "x", 0.0, isa))
     cpu = torch.device("cpu")
     ch = select_gemv("auto", cpu, torch.bfloat16)
-    assert ch.name == "aten" and "lacks avx512_bf16" in ch.reason
+    assert ch.name == "lrk_avx2" and ch.packed and "AVX2" in ch.reason
+    assert select_gemv("auto", cpu, torch.float32).name == "lrk_avx512"
+    assert "lacks avx512_bf16 (the AVX2 kernels do not cover this op)" in lrk_unavailable(cpu, torch.bfloat16,
+                                                                                           avx512=True)
+    monkeypatch.setattr(build, "_LIB", build.KernelLibrary(True, "loaded (simulated)", "jit", None, "x", 0.0,
+                                                           {**isa, "avx2": False}))
+    ch = select_gemv("auto", cpu, torch.bfloat16)
+    assert ch.name == "aten" and "lacks avx512_bf16 and AVX2 + FMA" in ch.reason
     assert select_gemv("auto", cpu, torch.float32).name == "lrk_avx512"
     assert "fp32 and bf16" in lrk_unavailable(cpu, torch.float16)
     assert "CPU-only" in lrk_unavailable(torch.device("meta"), torch.float32)
     assert select_gemv("portable", cpu, torch.float32).reason == "requested: kernels='portable'"
     with pytest.raises(ValueError, match="kernels="):
         EngineConfig(kernels="fast")
+
+
+@pytest.mark.skipif(not LIB.available, reason="no kernel library")
+def test_limit_isa_lowers_and_restores_the_kernels_features():
+    """``limit_isa("none")``: every kernel refuses and engines built inside take the portable path; on exit the
+    CPU's features are back; ``$LOWRANK_LIB_ISA`` names only known levels."""
+    before = dict(LIB.isa)
+    with build.limit_isa("none"):
+        assert not any(LIB.isa.values())
+        assert select_gemv("auto", torch.device("cpu"), torch.float32, compiled=True).name == "inductor_reduce"
+        with pytest.raises(RuntimeError, match="lacks AVX2"):
+            _ops().gemv(torch.ones(1, 4), [_ops().pack(torch.ones(3, 4))], [3], [4], [0])
+    assert LIB.isa == before
+    with pytest.raises(ValueError, match="limit_isa"):
+        with build.limit_isa("sse2"):
+            pass
 
 
 def test_portable_presets_never_take_the_kernels():
@@ -424,7 +447,7 @@ def one_layer_1b(tmp_path_factory):
 
 @needs_lrk
 @pytest.mark.parametrize("which", ["dense", "keep0.5"])
-@pytest.mark.parametrize("dtype", ["fp32", pytest.param("bf16", marks=needs_bf16)])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_engine_lrk_equals_portable_at_the_1b_geometry(one_layer_1b, which, dtype):
     """Llama-3.2-1B's projections (hidden 2048, ffn 8192, 32/8 heads, head_dim 64) with one layer: the kernel
     engine against the portable one, dense and keep-0.5 random factors."""

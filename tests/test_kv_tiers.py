@@ -152,3 +152,14 @@ def test_rebuild_path_is_the_same_function():
     q = torch.randn(B, H * G, 2, d, dtype=torch.float64)
     torch.testing.assert_close(attend_rebuild(layer, q), attend_portable(layer, q), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(attend_rebuild(layer, q), reference(q, dense, kn, vn, H), rtol=1e-12, atol=1e-12)
+
+
+def test_every_backend_declares_how_it_reads_the_layout():
+    """The engine adapter keys compiled steps by the layout unless the backend reads it from device tensors: that
+    fact comes from the registry (an unknown backend is refused, not silently keyed by the host layout)."""
+    from lowrank_lib.kv.tiers import BACKENDS, DEVICE_LAYOUT_BACKENDS, reads_device_layout
+
+    assert DEVICE_LAYOUT_BACKENDS <= set(BACKENDS)
+    assert [reads_device_layout(b) for b in ("portable", "rebuild", "cpu_lrk")] == [False, False, True]
+    with pytest.raises(ValueError, match="unknown tiered attention"):
+        reads_device_layout("triton")

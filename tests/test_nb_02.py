@@ -13,7 +13,7 @@ def test_launch_count_notebook(executed_notebook):
     # + lm_head on the portable path; with our kernels (runtime/kernels) each of the 4 groups is one stage-1
     # call and ONE segmented stage-2 call; the dense model through the engine = 4 per layer + lm_head;
     # unpacked low-rank = 14 per layer
-    per_layer = {"lrk_avx512": 4 * 2}.get(m["gemv"]["engine"], 11)
+    per_layer = {"lrk_avx512": 4 * 2, "lrk_avx2": 4 * 2}.get(m["gemv"]["engine"], 11)
     assert cls["engine"]["gemm"] == per_layer * L + 1, m["gemv"]
     assert cls["dense_engine"]["gemm"] == 4 * L + 1
     assert cls["dense_kv"]["gemm"] == cls["naive"]["gemm"] == 14 * L + 1

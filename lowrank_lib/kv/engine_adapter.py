@@ -31,7 +31,7 @@ import torch
 
 from ..runtime.kv import KVSpec, StepContext
 from .method import KVMethod, Prefill
-from .tiers import TieredLayer, select_backend
+from .tiers import TieredLayer, reads_device_layout, select_backend
 
 
 @dataclass
@@ -82,8 +82,9 @@ class MethodStore:
 
     @property
     def _device_layout(self) -> bool:
-        """The backend reads the layout from device tensors (the fused kernel); others slice with host ints."""
-        return self.backend is not None and self.backend.name == "cpu_lrk"
+        """The backend reads the layout from device tensors (``kv.tiers.reads_device_layout``: the fused kernel);
+        others slice with host ints."""
+        return self.backend is not None and reads_device_layout(self.backend.name)
 
     def shape_key(self):
         """The layers' shapes (bucketed under the fused kernel); with a host-slicing backend the layout too, so a

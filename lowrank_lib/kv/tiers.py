@@ -482,14 +482,27 @@ def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
 #: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape
 #: (cpu_lrk: decode only, q_len 1)
 BACKENDS = {"portable": attend_portable, "rebuild": attend_rebuild, "cpu_lrk": attend_cpu_lrk}
+#: the backends of BACKENDS that read the layout (e_off, runs, r_off, the appended count) from device tensors at run
+#: time, so one compiled / captured step serves every layout whose buffers share a bucket; the others slice with host
+#: ints, which a compiled step bakes in (their captures must be keyed by the layout). A new backend declares itself.
+DEVICE_LAYOUT_BACKENDS = frozenset({"cpu_lrk"})
+assert DEVICE_LAYOUT_BACKENDS <= set(BACKENDS)
+
+
+def reads_device_layout(backend: str) -> bool:
+    """Whether the tiered attention ``backend`` reads its layout from device tensors (see DEVICE_LAYOUT_BACKENDS)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown tiered attention {backend!r}; choose from {tuple(BACKENDS)}")
+    return backend in DEVICE_LAYOUT_BACKENDS
 
 
 def cpu_lrk_unavailable(device, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused kernel cannot run (None: it can): a CPU device, fp32 / bf16, head_dim a multiple of 16 up to
-    128, the kernel library loaded (built on first use) and AVX512F/BW/VL (+ AVX512_BF16 for bf16)."""
+    128, the kernel library loaded (built on first use) and AVX512F/BW/VL (+ AVX512_BF16 for bf16): the fused
+    kernel has no AVX2 code (the GEMV and dense decode attention do)."""
     if head_dim % 16 or not 16 <= head_dim <= 128:
         return f"head_dim {head_dim}: the fused kernel serves multiples of 16 up to 128"
-    return lrk_unavailable(device, dtype)
+    return lrk_unavailable(device, dtype, avx512=True)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:

@@ -40,8 +40,8 @@ bytes) still leaves every row a candidate (its rows keep 31 % of their norm as e
 copies of every rank. Random weights (the 1B / 7B shape benchmarks) give logits with tiny margins:
 there the bound admits many rows and the fallback runs; only real heads show the saving.
 
-Paths: the packed AVX-512 kernel (``lowrank_lrk::certified_head``, needs AVX512_VNNI) when the
-engine's GEMV backend is ``lrk_avx512``; otherwise the portable op (``lowrank_lib::certified_head``,
+Paths: the packed kernel (``lowrank_lrk::certified_head``: AVX512_VNNI, or AVX2's vpmaddwd, the same integer
+sums) when the engine's GEMV backend is a packed one (``lrk_avx512`` / ``lrk_avx2``); otherwise the portable op (``lowrank_lib::certified_head``,
 torch ops, the exact rows by ``torch.mm`` on their columns: the guarantee is then with respect to
 aten's exact head). Both are custom ops, so a ``torch.compile``-d step calls them as one opaque call.
 :meth:`CertifiedHead.report` counts calls, rows, fallbacks, candidate rows and exact rows read.
@@ -219,9 +219,10 @@ class CertifiedHead:
         self.V, self.d = W.shape
         self.dtype = W.dtype
         Q, self.meta = quantize_head(W.cpu())
-        self.kernel = exact.gemv.packed and load().has("avx512_vnni")
+        # the kernel scores with AVX512_VNNI where the CPU has it, else AVX2 (vpmaddwd): same integers
+        self.kernel = exact.gemv.packed and (load().has("avx512_vnni") or load().has("avx2", "fma"))
         if exact.gemv.packed and not self.kernel:
-            raise RuntimeError("the certified head's kernel needs AVX512_VNNI beside the packed GEMV kernel")
+            raise RuntimeError("the certified head's kernel needs AVX512_VNNI or AVX2 beside the packed GEMV kernel")
         if self.kernel:
             from .kernels.ops import pack
 
@@ -229,8 +230,9 @@ class CertifiedHead:
         else:
             self.Q = Q.to(W.device)
             self.meta = self.meta.to(W.device)
-        self.path = ("lrk_avx512: int8 approximate head (vpdpwssd) + exact packed blocks" if self.kernel else
-                     "portable: torch ops (exact rows by torch.mm on their columns)")
+        vnni = load().has("avx512f", "avx512bw", "avx512vl", "avx512_vnni") if self.kernel else False
+        self.path = (f"{exact.gemv.name}: int8 approximate head ({'vpdpwssd' if vnni else 'vpmaddwd, AVX2'}) + exact "
+                     "packed blocks" if self.kernel else "portable: torch ops (exact rows by torch.mm on their columns)")
         self.stats = torch.zeros(len(_STATS), dtype=torch.long, device="cpu" if self.kernel else W.device)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -131,7 +131,7 @@ class ProjectionGroup:
     fuse_gemv : under ``torch.compile``, one-row GEMMs over out_major operands become fused
         reductions (see ``_mm``); no effect eagerly; portable path only.
     gemv : the decode GEMV backend (:func:`lowrank_lib.runtime.kernels.select_gemv`); None = aten.
-        ``lrk_avx512`` stores every matrix ONCE in the packed kernel's layout (the portable operands
+        a packed backend (``lrk_avx512`` / ``lrk_avx2``) stores every matrix ONCE in the packed kernel's layout (the portable operands
         are not kept): decode runs one kernel call for the stage-1 matrix and ONE segmented call for
         all stage-2 factors of the group (each member reads its slice of the stage-1 output).
 

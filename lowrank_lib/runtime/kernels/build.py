@@ -11,14 +11,20 @@ as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
 - **just in time**: otherwise, on first use, ``torch.utils.cpp_extension.load`` compiles it into
   :func:`jit_dir` (the model cache's ``kernels/`` when ``$LOWRANK_LIB_CACHE`` is set, else torch's
   extension folder; once per torch version and source; needs a C++ compiler and ninja);
-- **absent**: no compiler, a failed build, or a CPU without AVX-512: :func:`load` returns a
-  :class:`KernelLibrary` with ``available=False`` and the reason, and the engine runs the portable path.
+- **absent**: no compiler or a failed build: :func:`load` returns a :class:`KernelLibrary` with
+  ``available=False`` and the reason, and the engine runs the portable path. A loaded library on a CPU
+  without AVX-512 runs its AVX2 + FMA kernels (GEMV, dense decode attention, certified head; not the fused
+  tier attention); with neither, every kernel refuses and the portable path runs.
+
+Which features the kernels may use: all the CPU has, unless ``$LOWRANK_LIB_ISA=avx2`` (read by :func:`load`)
+or :func:`limit_isa` lowers them, so the AVX2 kernels can be tested and measured on an AVX-512 CPU.
 
 This module imports only the standard library at import time (``setup.py`` reads :func:`source_tag`
 and :func:`extension_kwargs` from it before the package is installed).
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import importlib.machinery
@@ -40,7 +46,9 @@ NAMESPACE = "lowrank_lrk"
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 #: isa_flags() bits
-ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8, "avx512_vnni": 16}
+ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8, "avx512_vnni": 16, "avx2": 32, "fma": 64}
+#: the feature levels :func:`limit_isa` and ``$LOWRANK_LIB_ISA`` accept
+ISA_LEVELS = {"all": -1, "avx2": ISA_BITS["avx2"] | ISA_BITS["fma"], "none": 0}
 
 
 def source_tag() -> str:
@@ -190,10 +198,38 @@ def load(jit: bool = True, log=None) -> KernelLibrary:
         return _LIB
     build_s = time.perf_counter() - t0 if route == "jit" else 0.0
     _register_fakes()
-    flags = int(getattr(torch.ops, NAMESPACE).isa_flags())
-    isa = {k: bool(flags & b) for k, b in ISA_BITS.items()}
-    _LIB = KernelLibrary(True, f"loaded ({route})", route, path, tag, build_s, isa)
+    _LIB = KernelLibrary(True, f"loaded ({route})", route, path, tag, build_s, {})
+    level = os.environ.get("LOWRANK_LIB_ISA", "all")
+    if level not in ISA_LEVELS:
+        raise ValueError(f"LOWRANK_LIB_ISA={level!r}: use one of {sorted(ISA_LEVELS)}")
+    _set_level(level)
     return _LIB
+
+
+def _set_level(level: str) -> str:
+    """Apply a feature level to the loaded library and refresh ``_LIB.isa``; returns the previous level."""
+    import torch
+
+    ops = getattr(torch.ops, NAMESPACE)
+    prev = int(ops.set_isa_mask(ISA_LEVELS[level]))
+    _LIB.isa = {k: bool(int(ops.isa_flags()) & b) for k, b in ISA_BITS.items()}
+    return next((k for k, v in ISA_LEVELS.items() if v == prev), "all")
+
+
+@contextlib.contextmanager
+def limit_isa(level: str):
+    """``with limit_isa("avx2"):`` the kernels (and the backend choice of engines built inside) use only AVX2 + FMA,
+    as on a CPU without AVX-512; ``"none"``: no kernel runs. Restores the previous level on exit."""
+    if level not in ISA_LEVELS:
+        raise ValueError(f"limit_isa({level!r}): use one of {sorted(ISA_LEVELS)}")
+    lib = load()
+    if not lib.available:
+        raise RuntimeError(f"limit_isa: {lib.reason}")
+    prev = _set_level(level)
+    try:
+        yield lib
+    finally:
+        _set_level(prev)
 
 
 def status() -> dict:

@@ -9,6 +9,10 @@ backend                what runs a decode GEMV (a few rows of x against one stor
                        group. Needs the kernel library, a CPU device, fp32 (AVX512F/BW/VL) or bf16
                        (+ AVX512_BF16). Rows beyond :data:`LRK_MAX_ROWS` (prefill) unpack the matrix
                        into a temporary and run aten (the weights are stored once, packed).
+``lrk_avx2``           the same op, layout and accumulation order on a CPU with AVX2 + FMA but not
+                       the AVX-512 subset of the dtype (AMD Zen 1-3, Intel client cores): 8-wide
+                       FMAs, bf16 widened to fp32 by shifts (the two products of a pair in
+                       ``vdpbf16ps``'s order), one row of x per pass over a block.
 ``inductor_reduce``    portable, inside a ``torch.compile``-d CPU step: a one-row GEMM over an
                        out_major operand traced as a fused multiply-reduce (``packing._mm``)
 ``aten``               portable: ``torch.mm`` / ``addmm`` on the stored operand (layout by
@@ -32,7 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-GEMV_BACKENDS = ("lrk_avx512", "inductor_reduce", "aten")
+GEMV_BACKENDS = ("lrk_avx512", "lrk_avx2", "inductor_reduce", "aten")
+#: the backends that store every matrix once in the packed layout and call ``lowrank_lrk::gemv``
+PACKED_BACKENDS = ("lrk_avx512", "lrk_avx2")
 KERNEL_MODES = ("auto", "portable", "lrk")
 #: rows of x up to which a GEMM runs the packed kernel (each 4 rows re-stream the matrix); above:
 #: unpack + aten (prefill)
@@ -48,11 +54,30 @@ class GemvChoice:
 
     @property
     def packed(self) -> bool:
-        return self.name == "lrk_avx512"
+        return self.name in PACKED_BACKENDS
 
 
-def lrk_unavailable(device, dtype) -> str | None:
-    """Why the packed kernel cannot run here (None: it can). Loads (or builds) the library once."""
+#: the AVX-512 features the packed kernels need per dtype (else AVX2 + FMA)
+AVX512_NEEDS = {torch.float32: ("avx512f", "avx512bw", "avx512vl"),
+                torch.bfloat16: ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")}
+
+
+def lrk_isa(dtype) -> str | None:
+    """Which code of the kernel library runs ``dtype`` on this CPU: ``"avx512"``, ``"avx2"`` or None (the
+    library is not loaded, or the CPU has neither). Follows ``build.limit_isa`` / ``$LOWRANK_LIB_ISA``."""
+    from .build import load
+
+    lib = load()
+    if not lib.available or dtype not in AVX512_NEEDS:
+        return None
+    if lib.has(*AVX512_NEEDS[dtype]):
+        return "avx512"
+    return "avx2" if lib.has("avx2", "fma") else None
+
+
+def lrk_unavailable(device, dtype, avx512: bool = False) -> str | None:
+    """Why the packed kernels cannot run here (None: they can). Loads (or builds) the library once.
+    ``avx512``: the op has no AVX2 code (the fused tier attention), so the AVX-512 subset is required."""
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the packed kernel is CPU-only"
     if dtype not in (torch.float32, torch.bfloat16):
@@ -62,11 +87,13 @@ def lrk_unavailable(device, dtype) -> str | None:
     lib = load()
     if not lib.available:
         return lib.reason
-    need = ("avx512f", "avx512bw", "avx512vl") + (("avx512_bf16",) if dtype == torch.bfloat16 else ())
-    missing = [f for f in need if not lib.isa.get(f)]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
-    return None
+    isa = lrk_isa(dtype)
+    if isa == "avx512" or (isa == "avx2" and not avx512):
+        return None
+    missing = [f for f in AVX512_NEEDS[dtype] if not lib.isa.get(f)]
+    if avx512:
+        return f"this CPU lacks {', '.join(missing)}" + (" (the AVX2 kernels do not cover this op)" if isa else "")
+    return f"this CPU lacks {', '.join(missing)} and AVX2 + FMA"
 
 
 def select_gemv(mode: str, device, dtype, compiled: bool = False, fused_compile: bool = True) -> GemvChoice:
@@ -78,9 +105,12 @@ def select_gemv(mode: str, device, dtype, compiled: bool = False, fused_compile:
         return GemvChoice(portable, "requested: kernels='portable'")
     why = lrk_unavailable(device, dtype)
     if why is None:
-        isa = "AVX512_BF16" if dtype == torch.bfloat16 else "AVX512F"
-        return GemvChoice("lrk_avx512", f"{'requested' if mode == 'lrk' else 'auto'}: kernel library loaded, "
-                                        f"{isa} present, {str(dtype).replace('torch.', '')} on CPU")
+        if lrk_isa(dtype) == "avx512":
+            name, isa = "lrk_avx512", "AVX512_BF16" if dtype == torch.bfloat16 else "AVX512F"
+        else:
+            name, isa = "lrk_avx2", "AVX2 + FMA (no AVX-512 for this dtype)"
+        return GemvChoice(name, f"{'requested' if mode == 'lrk' else 'auto'}: kernel library loaded, "
+                                f"{isa} present, {str(dtype).replace('torch.', '')} on CPU")
     if mode == "lrk":
         raise RuntimeError(f"kernels='lrk' cannot run: {why}")
     return GemvChoice(portable, f"auto: portable path ({why})")

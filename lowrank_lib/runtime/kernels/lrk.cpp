@@ -2,12 +2,16 @@
 //
 // Built ahead of time by `pip install` (setup.py, when torch is importable in the build environment)
 // or just in time by lowrank_lib/runtime/kernels/build.py (torch.utils.cpp_extension.load): the SAME
-// source and flags on both routes. No -march flag: the AVX-512 code is compiled for its ISA with
-// target pragmas and only runs after a run-time CPUID check (isa_flags), so the library builds and
-// loads on any x86-64 (and on other CPUs, where every kernel refuses and the portable path runs).
+// source and flags on both routes. No -march flag: the AVX-512 and the AVX2 code are each compiled for
+// their ISA with target pragmas and only run after a run-time CPUID check (isa_flags): a kind (fp32,
+// bf16, int8) runs its AVX-512 kernel where the CPU has that kind's AVX-512 subset, else its AVX2 + FMA
+// kernel (same packed layout, same accumulation order, one row of x per pass), else refuses and the
+// portable path runs. The library builds and loads on any x86-64 (and on other CPUs).
 //
 // Ops (namespace lowrank_lrk, called through torch.ops so torch.compile traces them as extern calls):
-//   isa_flags() -> int                       bit 0 avx512f, 1 avx512bw, 2 avx512vl, 3 avx512_bf16, 4 avx512_vnni
+//   isa_flags() -> int                       bit 0 avx512f, 1 avx512bw, 2 avx512vl, 3 avx512_bf16, 4 avx512_vnni,
+//                                            5 avx2, 6 fma (the CPU's, under the mask of set_isa_mask)
+//   set_isa_mask(mask) -> int                lowers the features the kernels use (-1: all); returns the old mask
 //   pack(W [out, in]) -> P [n]               the packed layout below (fp32 or bf16)
 //   unpack(P, out, in) -> W [out, in]        the inverse (prefill and batched GEMMs run aten on it)
 //   gemv(x [N, X], Ps[], outs[], ins[], xoffs[]) -> y [N, sum outs]
@@ -16,7 +20,7 @@
 //        (block-diagonal: each member reads its slice of the stage-1 output, shared bases included).
 //   attend(q [B, Hkv, G, D], K, V [>=B, Hkv, S, D], length [1], pad [>=B], scale) -> o [B, Hkv*G*D]
 //        decode attention of the token at slot `length` over the slots pad[b] <= s <= length.
-//   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp
+//   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp (AVX-512 only)
 //   certified_head(x [N, d], Q, meta [V, 3], P, V, max_fraction, stats [5]) -> logits [N, V]
 //        the LM head whose argmax is provably the exact head's (runtime/lm_head.py): an int8 copy Q of
 //        the head scores every row (integer dot products with x quantised to int16), per-row bounds
@@ -38,6 +42,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -88,34 +93,58 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: 
 static inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 static inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-int64_t isa_flags() {
+// The CPU's features (bits below), detected once; isa_flags() reports them under a mask that
+// set_isa_mask() lowers (tests and benchmarks run the AVX2 kernels on an AVX-512 CPU that way).
+static int64_t hw_flags() {
 #if LRK_X86
-  __builtin_cpu_init();
-  int64_t f = 0;
-  if (__builtin_cpu_supports("avx512f")) f |= 1;
-  if (__builtin_cpu_supports("avx512bw")) f |= 2;
-  if (__builtin_cpu_supports("avx512vl")) f |= 4;
-  if (__builtin_cpu_supports("avx512bf16")) f |= 8;
-  if (__builtin_cpu_supports("avx512vnni")) f |= 16;
+  static const int64_t f = [] {
+    __builtin_cpu_init();
+    int64_t v = 0;
+    if (__builtin_cpu_supports("avx512f")) v |= 1;
+    if (__builtin_cpu_supports("avx512bw")) v |= 2;
+    if (__builtin_cpu_supports("avx512vl")) v |= 4;
+    if (__builtin_cpu_supports("avx512bf16")) v |= 8;
+    if (__builtin_cpu_supports("avx512vnni")) v |= 16;
+    if (__builtin_cpu_supports("avx2")) v |= 32;
+    if (__builtin_cpu_supports("fma")) v |= 64;
+    return v;
+  }();
   return f;
 #else
   return 0;
 #endif
 }
 
-static bool has_f32() { static const bool ok = (isa_flags() & 7) == 7; return ok; }
-static bool has_bf16() { static const bool ok = (isa_flags() & 15) == 15; return ok; }
-static bool has_vnni() { static const bool ok = (isa_flags() & 23) == 23; return ok; }
+static std::atomic<int64_t> g_isa_mask{-1};
 
-static void check_isa(bool bf) {
-  TORCH_CHECK(bf ? has_bf16() : has_f32(), "lowrank_lrk: this CPU lacks ",
-              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa_flags(), ")");
-}
+// bit 0 avx512f, 1 avx512bw, 2 avx512vl, 3 avx512_bf16, 4 avx512_vnni, 5 avx2, 6 fma
+int64_t isa_flags() { return hw_flags() & g_isa_mask.load(); }
+
+// Lowers the features the kernels may use to hw & mask (-1: all); returns the previous mask.
+int64_t set_isa_mask(int64_t mask) { return g_isa_mask.exchange(mask); }
 
 // element kinds of a packed matrix: fp32, bf16, int8 (bf16 and int8 store column pairs)
 enum Kind { KF32 = 0, KBF16 = 1, KQ8 = 2 };
 static inline bool paired(Kind k) { return k != KF32; }
 static inline int64_t esize(Kind k) { return k == KF32 ? 4 : (k == KBF16 ? 2 : 1); }
+
+// Which code runs a kind: the AVX-512 kernels (fp32: AVX512F/BW/VL; bf16: + AVX512_BF16; int8: + AVX512_VNNI),
+// else the AVX2 kernels (AVX2 + FMA: every kind, bf16 widened to fp32 by shifts, int8 by vpmaddwd), else none.
+static bool use512(Kind k) {
+  const int64_t f = isa_flags(), need = k == KF32 ? 7 : (k == KBF16 ? 15 : 23);
+  return (f & need) == need;
+}
+static bool has_avx2() { return (isa_flags() & 96) == 96; }
+static bool runs(Kind k) { return use512(k) || has_avx2(); }
+// rows of x per block job: the AVX-512 kernels hold up to MAX_ROWS rows' accumulators in 32 registers, the AVX2
+// kernels one row's in 16 (a second row re-streams the block)
+static int64_t rows_per_job(Kind k) { return use512(k) ? MAX_ROWS : 1; }
+
+static void check_isa(Kind k) {
+  TORCH_CHECK(runs(k), "lowrank_lrk: this CPU lacks AVX2 + FMA and ",
+              k == KF32 ? "AVX512F/BW/VL" : (k == KBF16 ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL + AVX512_VNNI"),
+              " (isa_flags=", isa_flags(), ")");
+}
 
 // inner length of a packed matrix (pairs: an even number of columns)
 static inline int64_t inner(int64_t in, bool pairs) { return pairs ? 2 * cdiv(in, 2) : in; }
@@ -326,8 +355,8 @@ static const q8_fn Q8_KERNELS[4][4] = {LRK_ROW(blk_q8, 1), LRK_ROW(blk_q8, 2), L
 
 // One block job: R rows of x (pointers xr: float rows, or uint32 pairs) against block width bw (n real
 // outputs) of a packed matrix of inner length K; outputs to the R row pointers yr.
-static void run_block(Kind k, const char* blk, const void* const* xr, int64_t K, void* const* yr, int64_t R,
-                      int64_t bw, int64_t n) {
+static void run_block512(Kind k, const char* blk, const void* const* xr, int64_t K, void* const* yr, int64_t R,
+                         int64_t bw, int64_t n) {
   if (k == KF32)
     F32_KERNELS[R - 1][bw / 16 - 1]((const float*)blk, (const float* const*)xr, K, (float* const*)yr, n);
   else if (k == KBF16)
@@ -336,25 +365,27 @@ static void run_block(Kind k, const char* blk, const void* const* xr, int64_t K,
     Q8_KERNELS[R - 1][bw / 16 - 1]((const int8_t*)blk, (const uint32_t* const*)xr, K / 2, (float* const*)yr, n);
 }
 
-// The certified head's per-row pass over the approximate scores (auto-vectorised for AVX-512 here):
+// The certified head's per-row pass over the approximate scores (auto-vectorised for each ISA region):
 // zh = sum * (s * s_h), bound d = ((a * hn + b * rn) + 8 u |zh|) (+ the output rounding rho (|zh| + d))
 // times (1 + 2^-12) + 1e-25; lower = zh - d, upper = zh + d. Returns max(lower).
-static float bound_pass(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho,
-                        float* zh, float* up) {
-  const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;
-  float L = -INFINITY;
-  for (int64_t i = 0; i < V; i++) {
-    const float z = sums[i] * (meta[3 * i] * s_h);
-    const float az = fabsf(z);
-    float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;
-    d = (d + rho * (az + d)) * safety + 1e-25f;
-    zh[i] = z;
-    up[i] = z + d;
-    const float lo = z - d;
-    L = lo > L ? lo : L;
+#define LRK_BOUND_PASS(NAME)                                                                                   \
+  static float NAME(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho, \
+                    float* zh, float* up) {                                                                    \
+    const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;                                   \
+    float L = -INFINITY;                                                                                       \
+    for (int64_t i = 0; i < V; i++) {                                                                          \
+      const float z = sums[i] * (meta[3 * i] * s_h);                                                           \
+      const float az = fabsf(z);                                                                               \
+      float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                         \
+      d = (d + rho * (az + d)) * safety + 1e-25f;                                                              \
+      zh[i] = z;                                                                                               \
+      up[i] = z + d;                                                                                           \
+      const float lo = z - d;                                                                                  \
+      L = lo > L ? lo : L;                                                                                     \
+    }                                                                                                          \
+    return L;                                                                                                  \
   }
-  return L;
-}
+LRK_BOUND_PASS(bound_pass512)
 
 // ---- decode attention, one (batch row, kv head): G queries of dim D = DC * 16 over slots [lo, hi]
 // q [G, D] (row stride D), K/V rows at stride sk / sv; sc: scratch >= GB * ceil16(n) floats
@@ -439,6 +470,212 @@ static const attn_bf16_fn ATTN_BF16[8] = {attend_head<uint16_t, 1>, attend_head<
 #pragma clang attribute pop
 #endif
 #pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------ AVX2 code
+// The same kernels for CPUs with AVX2 + FMA but not the AVX-512 subset a kind needs (AMD Zen 1-3, Intel
+// client cores, or an AVX-512 CPU limited by set_isa_mask): same packed layouts, same accumulation order
+// (one FMA per weight in k order; a bf16 pair as vdpbf16ps does it, the odd product first, each product
+// exact in fp32), one row of x per pass (16 ymm registers hold one row's 64 accumulators).
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#endif
+
+static inline __m256i lanes8(int64_t m) {      // lane i set when i < m (m <= 8)
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(m < 8 ? m : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline float bits_f(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+// fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), 8 lanes -> 8 uint16 in the low 128 bits
+static inline __m128i to_bf16x8(__m256 a) {
+  const __m256i b = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+  r = _mm256_packus_epi32(r, r);                                   // [r0..r3 r0..r3 | r4..r7 r4..r7]
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));  // qwords 0, 2
+}
+static inline void store_f32(float* y, __m256 a, int64_t m) {
+  if (m >= 8)
+    _mm256_storeu_ps(y, a);
+  else if (m > 0)
+    _mm256_maskstore_ps(y, lanes8(m), a);
+}
+static inline void store_bf16(uint16_t* y, __m256 a, int64_t m) {
+  const __m128i h = to_bf16x8(a);
+  if (m >= 8) {
+    _mm_storeu_si128((__m128i*)y, h);
+  } else if (m > 0) {
+    uint16_t t[8];
+    _mm_storeu_si128((__m128i*)t, h);
+    std::memcpy(y, t, m * 2);
+  }
+}
+
+// one block (width NZ * 16) of a packed fp32 matrix against one row of x
+template <int NZ>
+static void blk2_f32(const float* w, const float* x, int64_t K, float* y, int64_t n) {
+  __m256 acc[2 * NZ];
+  for (int i = 0; i < 2 * NZ; i++) acc[i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const float* wk = w + k * (NZ * 16);
+    for (int z = 0; z < NZ; z++) LRK_PF(wk + LRK_PREFETCH / 4 + 16 * z);
+    const __m256 xv = _mm256_set1_ps(x[k]);
+    for (int i = 0; i < 2 * NZ; i++) acc[i] = _mm256_fmadd_ps(_mm256_loadu_ps(wk + 8 * i), xv, acc[i]);
+  }
+  for (int i = 0; i < 2 * NZ; i++) store_f32(y + 8 * i, acc[i], n - 8 * i);
+}
+
+// bf16 pairs: each 32-bit lane holds (W[j][2p], W[j][2p+1]); xp[p] the pair (x[2p], x[2p+1])
+template <int NZ>
+static void blk2_bf16(const uint16_t* w, const uint32_t* xp, int64_t K2, uint16_t* y, int64_t n) {
+  __m256 acc[2 * NZ];
+  for (int i = 0; i < 2 * NZ; i++) acc[i] = _mm256_setzero_ps();
+  const __m256i hi_mask = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t p = 0; p < K2; p++) {
+    const uint16_t* wp = w + p * (NZ * 32);
+    for (int z = 0; z < NZ; z++) LRK_PF(wp + LRK_PREFETCH / 2 + 32 * z);
+    const __m256 xlo = _mm256_set1_ps(bits_f(xp[p] << 16)), xhi = _mm256_set1_ps(bits_f(xp[p] & 0xFFFF0000u));
+    for (int i = 0; i < 2 * NZ; i++) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wp + 16 * i));
+      acc[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(v, hi_mask)), xhi, acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(v, 16)), xlo, acc[i]);
+    }
+  }
+  for (int i = 0; i < 2 * NZ; i++) store_bf16(y + 8 * i, acc[i], n - 8 * i);
+}
+
+// int8 pairs against int16 pairs of x: vpmaddwd + vpaddd, exact int32 sums (as vpdpwssd)
+template <int NZ>
+static void blk2_q8(const int8_t* w, const uint32_t* xp, int64_t K2, float* y, int64_t n) {
+  __m256i acc[2 * NZ];
+  for (int i = 0; i < 2 * NZ; i++) acc[i] = _mm256_setzero_si256();
+  for (int64_t p = 0; p < K2; p++) {
+    const int8_t* wp = w + p * (NZ * 32);
+    for (int z = 0; z < NZ; z++) LRK_PF(wp + LRK_PREFETCH + 32 * z);
+    const __m256i xv = _mm256_set1_epi32((int)xp[p]);
+    for (int i = 0; i < 2 * NZ; i++) {
+      const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16 * i)));
+      acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(w16, xv));
+    }
+  }
+  for (int i = 0; i < 2 * NZ; i++) store_f32(y + 8 * i, _mm256_cvtepi32_ps(acc[i]), n - 8 * i);
+}
+
+typedef void (*f32_fn2)(const float*, const float*, int64_t, float*, int64_t);
+typedef void (*bf16_fn2)(const uint16_t*, const uint32_t*, int64_t, uint16_t*, int64_t);
+typedef void (*q8_fn2)(const int8_t*, const uint32_t*, int64_t, float*, int64_t);
+static const f32_fn2 F32_KERNELS2[4] = {blk2_f32<1>, blk2_f32<2>, blk2_f32<3>, blk2_f32<4>};
+static const bf16_fn2 BF16_KERNELS2[4] = {blk2_bf16<1>, blk2_bf16<2>, blk2_bf16<3>, blk2_bf16<4>};
+static const q8_fn2 Q8_KERNELS2[4] = {blk2_q8<1>, blk2_q8<2>, blk2_q8<3>, blk2_q8<4>};
+
+// run_block512's contract with R = 1
+static void run_block2(Kind k, const char* blk, const void* const* xr, int64_t K, void* const* yr, int64_t bw,
+                       int64_t n) {
+  if (k == KF32)
+    F32_KERNELS2[bw / 16 - 1]((const float*)blk, (const float*)xr[0], K, (float*)yr[0], n);
+  else if (k == KBF16)
+    BF16_KERNELS2[bw / 16 - 1]((const uint16_t*)blk, (const uint32_t*)xr[0], K / 2, (uint16_t*)yr[0], n);
+  else
+    Q8_KERNELS2[bw / 16 - 1]((const int8_t*)blk, (const uint32_t*)xr[0], K / 2, (float*)yr[0], n);
+}
+
+LRK_BOUND_PASS(bound_pass2)
+
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+// e^x for x <= 0 (exp512's Cody-Waite + degree-6 Taylor; 2^n built in the exponent bits, n >= -126)
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void st8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
+
+// decode attention of one (batch row, kv head), attend_head's contract: G queries of dim D (a multiple of 16,
+// <= 128) over slots [lo, hi]; sc: scratch >= ceil8(n) floats. One query at a time (its K/V rows come from L2).
+template <typename T>
+static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t lo, int64_t hi,
+                         int64_t G, int64_t D, float scale, T* o, float* sc) {
+  const int64_t n = hi - lo + 1, np = cdiv(n, 8) * 8, DC = D / 8;
+  for (int64_t g = 0; g < G; g++) {
+    __m256 qv[16];
+    for (int64_t c = 0; c < DC; c++) qv[c] = _mm256_mul_ps(ld8(q + g * D + c * 8), _mm256_set1_ps(scale));
+    float mx = -INFINITY;
+    for (int64_t t = 0; t < n; t++) {
+      const T* k = K + (lo + t) * sk;
+      __m256 a = _mm256_mul_ps(qv[0], ld8(k));
+      for (int64_t c = 1; c < DC; c++) a = _mm256_fmadd_ps(qv[c], ld8(k + c * 8), a);
+      sc[t] = hsum8(a);
+      mx = sc[t] > mx ? sc[t] : mx;
+    }
+    for (int64_t t = n; t < np; t++) sc[t] = -INFINITY;
+    const __m256 mb = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t = 0; t < np; t += 8) {
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
+      e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes8(n - t)));
+      _mm256_storeu_ps(sc + t, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
+    for (int64_t c0 = 0; c0 < DC; c0 += 8) {          // 8 accumulators (64 outputs) per pass over V
+      const int64_t cn = imin(8, DC - c0);
+      __m256 acc[8];
+      for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_setzero_ps();
+      for (int64_t t = 0; t < n; t++) {
+        const T* v = V + (lo + t) * sv + c0 * 8;
+        const __m256 pt = _mm256_set1_ps(sc[t]);
+        for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_fmadd_ps(pt, ld8(v + c * 8), acc[c]);
+      }
+      for (int64_t c = 0; c < cn; c++) st8(o + g * D + (c0 + c) * 8, _mm256_mul_ps(acc[c], inv));
+    }
+  }
+}
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+// the block kernel of this kind's ISA (R <= rows_per_job(k))
+static void run_block(Kind k, const char* blk, const void* const* xr, int64_t K, void* const* yr, int64_t R,
+                      int64_t bw, int64_t n) {
+  if (use512(k))
+    run_block512(k, blk, xr, K, yr, R, bw, n);
+  else
+    run_block2(k, blk, xr, K, yr, bw, n);
+}
+static float bound_pass(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho,
+                        float* zh, float* up) {
+  return use512(KQ8) ? bound_pass512(sums, meta, V, s_h, hn, rn, rho, zh, up)
+                     : bound_pass2(sums, meta, V, s_h, hn, rn, rho, zh, up);
+}
 #endif  // LRK_X86
 
 // ------------------------------------------------------------------------------------ gemv driver
@@ -487,7 +724,7 @@ static void bf16_pairs(const uint16_t* xs, int64_t ldx, int64_t N, int64_t off, 
   }
 }
 
-// The block jobs of one call: for job (m, b, r0), rows r0 .. r0 + R - 1 (R <= MAX_ROWS) of x against
+// The block jobs of one call: for job (m, b, r0), rows r0 .. r0 + R - 1 (R <= rows_per_job) of x against
 // block b of packed matrix m. xrow(m, r) / yrow(m, r, b): where row r's input / block b's outputs are.
 struct Mat {
   const char* data;
@@ -507,7 +744,7 @@ static void exec_jobs(Kind k, const std::vector<Mat>& mats, const std::vector<Jo
   run_jobs(jobs, bytes, [&](const Job& J) {
     const Mat& M = mats[J.m];
     const int64_t bw = imin(BW, padded_rows(M.out) - J.b * BW), n = imin(bw, M.out - J.b * BW);
-    const int64_t R = imin(MAX_ROWS, N - J.r0);
+    const int64_t R = imin(rows_per_job(k), N - J.r0);
     const void* xr[MAX_ROWS];
     void* yr[MAX_ROWS];
     for (int64_t r = 0; r < R; r++) {
@@ -519,16 +756,16 @@ static void exec_jobs(Kind k, const std::vector<Mat>& mats, const std::vector<Jo
 #endif
 }
 
-static void push_block_jobs(std::vector<Job>& jobs, int64_t m, int64_t b, int64_t N) {
-  for (int64_t r0 = 0; r0 < N; r0 += MAX_ROWS) jobs.push_back({m, b, r0});
+static void push_block_jobs(std::vector<Job>& jobs, Kind k, int64_t m, int64_t b, int64_t N) {
+  for (int64_t r0 = 0; r0 < N; r0 += rows_per_job(k)) jobs.push_back({m, b, r0});
 }
 
 at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at::IntArrayRef ins,
                 at::IntArrayRef xoffs) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::gemv: x must be [N, X] with unit column stride");
   const bool bf = is_bf(x);
-  check_isa(bf);
   const Kind k = bf ? KBF16 : KF32;
+  check_isa(k);
   const int64_t M = (int64_t)Ps.size(), N = x.size(0), ldx = x.stride(0);
   TORCH_CHECK((int64_t)outs.size() == M && (int64_t)ins.size() == M && (int64_t)xoffs.size() == M,
               "lowrank_lrk::gemv: one out, in and x offset per matrix");
@@ -555,7 +792,7 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at
   std::vector<Job> jobs;
   for (int64_t m = 0; m < M; m++) {
     mats.push_back({(const char*)Ps[m].data_ptr(), outs[m], inner(ins[m], bf)});
-    for (int64_t b = 0; b * BW < padded_rows(outs[m]); b++) push_block_jobs(jobs, m, b, N);
+    for (int64_t b = 0; b * BW < padded_rows(outs[m]); b++) push_block_jobs(jobs, k, m, b, N);
   }
   const char* xb = (const char*)x.data_ptr();
   char* yb = (char*)y.data_ptr();
@@ -586,8 +823,8 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
                           int64_t V, double max_fraction, at::Tensor& stats) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::certified_head: x must be [N, d] with unit column stride");
   const bool bf = is_bf(x);
-  check_isa(bf);
-  TORCH_CHECK(has_vnni(), "lowrank_lrk::certified_head: this CPU lacks AVX512_VNNI (isa_flags=", isa_flags(), ")");
+  check_isa(bf ? KBF16 : KF32);
+  check_isa(KQ8);
   const int64_t N = x.size(0), d = x.size(1), ldx = x.stride(0);
   TORCH_CHECK(Q.scalar_type() == at::kChar && Q.dim() == 1 && Q.is_contiguous() && Q.numel() == packed_numel(V, d, true),
               "lowrank_lrk::certified_head: Q is not a packed int8 [", V, ", ", d, "] matrix");
@@ -642,7 +879,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
   std::vector<float> sums(N * rows);
   std::vector<Mat> qmat{{(const char*)Q.data_ptr(), V, K}};
   std::vector<Job> jobs;
-  for (int64_t b = 0; b < nblk; b++) push_block_jobs(jobs, 0, b, N);
+  for (int64_t b = 0; b < nblk; b++) push_block_jobs(jobs, KQ8, 0, b, N);
   exec_jobs(
       KQ8, qmat, jobs, N, [&](int64_t, int64_t r) -> const void* { return xq.data() + r * K2; },
       [&](int64_t, int64_t r, int64_t b) -> void* { return sums.data() + r * rows + b * BW; });
@@ -679,7 +916,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
   int64_t exact_rows = 0;
   for (int64_t b = 0; b < nblk; b++)
     if (fallback || sel[b]) {
-      push_block_jobs(jobs, 0, b, N);
+      push_block_jobs(jobs, bf ? KBF16 : KF32, 0, b, N);
       exact_rows += imin(BW, V - b * BW);
     }
   // y rows are V wide; a block's outputs go straight into them (the kernels store n <= V - b * BW values)
@@ -705,7 +942,9 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
                   const at::Tensor& pad, double scale) {
   TORCH_CHECK(q.dim() == 4 && K.dim() == 4 && V.dim() == 4, "lowrank_lrk::attend: q [B, Hkv, G, D], K/V [B, Hkv, S, D]");
   const bool bf = is_bf(q);
-  check_isa(bf);
+  const Kind kk = bf ? KBF16 : KF32;
+  check_isa(kk);
+  const bool w512 = use512(kk);
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = K.size(2);
   TORCH_CHECK(K.scalar_type() == q.scalar_type() && V.scalar_type() == q.scalar_type(), "lowrank_lrk::attend: dtypes");
   TORCH_CHECK(D % 16 == 0 && D <= 128, "lowrank_lrk::attend: head_dim must be a multiple of 16 up to 128, got ", D);
@@ -725,7 +964,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
   const int64_t grain = work > (128 << 10) ? 1 : B * H;
 #if LRK_X86
   at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(16 * (cdiv(hi + 1, 16) * 16));
+    std::vector<float> sc(16 * (cdiv(hi + 1, 16) * 16));   // >= AVX2's ceil8(n)
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
       const char* qp = (const char*)qc.data_ptr() + (i * G * D) * es;
@@ -736,7 +975,14 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
         std::memset(op, 0, G * D * es);
         continue;
       }
-      if (bf)
+      if (!w512) {
+        if (bf)
+          attend_head2<uint16_t>((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, K.stride(2), V.stride(2),
+                                 lo, hi, G, D, (float)scale, (uint16_t*)op, sc.data());
+        else
+          attend_head2<float>((const float*)qp, (const float*)kp, (const float*)vp, K.stride(2), V.stride(2), lo, hi, G, D,
+                              (float)scale, (float*)op, sc.data());
+      } else if (bf)
         ATTN_BF16[D / 16 - 1]((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, K.stride(2), V.stride(2),
                               lo, hi, G, (float)scale, (uint16_t*)op, sc.data());
       else
@@ -754,6 +1000,7 @@ std::string source_tag() { return LRK_STR(LRK_SOURCE_TAG); }
 
 TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("isa_flags() -> int", &lrk::isa_flags);
+  m.def("set_isa_mask(int mask) -> int", &lrk::set_isa_mask);
   m.def("source_tag() -> str", &lrk::source_tag);
   m.def("pack(Tensor W) -> Tensor");
   m.def("unpack(Tensor P, int out, int inp) -> Tensor");
