@@ -31,8 +31,14 @@ def kernel_isa(request):
 
 
 def needs_lrk(f):
-    """Skip without any kernel ISA; otherwise run the test under each level of :data:`LEVELS`."""
+    """Skip without any kernel ISA; otherwise run the test under each level of :data:`LEVELS` (the ops' tests)."""
     f = pytest.mark.usefixtures("kernel_isa")(f)
+    return pytest.mark.skipif(not LEVELS, reason=f"the kernel library cannot run here: {LIB.reason}, isa={LIB.isa}")(f)
+
+
+def needs_lrk_native(f):
+    """Skip without any kernel ISA; otherwise run the test once, at the CPU's own level (whole engines: the code that
+    differs between levels is the ops', which :func:`needs_lrk` tests at every level)."""
     return pytest.mark.skipif(not LEVELS, reason=f"the kernel library cannot run here: {LIB.reason}, isa={LIB.isa}")(f)
 
 

@@ -21,7 +21,7 @@ from lowrank_lib.runtime import Engine, EngineConfig
 from lowrank_lib.runtime.kernels import build, select_gemv
 from lowrank_lib.runtime.kernels.gemv import lrk_unavailable
 
-from kernel_isa import LIB, gemv_backend, kernel_isa, needs_lrk  # noqa: F401  (kernel_isa: the fixture)
+from kernel_isa import LIB, gemv_backend, kernel_isa, needs_lrk, needs_lrk_native  # noqa: F401  (the fixture)
 
 # bf16 runs everywhere the kernels run: AVX512_BF16, else the AVX2 kernels (needs_lrk runs each level here)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -224,7 +224,7 @@ def _max_err(a, b):
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.logits, b.logits))
 
 
-@needs_lrk
+@needs_lrk_native
 @pytest.mark.parametrize("preset", ["tiny-mha", "tiny-gqa", "tiny-smol"])
 @pytest.mark.parametrize("extra", [{}, dict(pack_qkv=False, pack_mlp=False), dict(fold_rope=False, fold_norm=False)])
 def test_engine_lrk_equals_portable_fp32(preset, extra):
@@ -241,7 +241,7 @@ def test_engine_lrk_equals_portable_fp32(preset, extra):
     assert _max_err(out, ref) < 1e-4
 
 
-@needs_lrk
+@needs_lrk_native
 def test_engine_lrk_dense_model_mixed_and_odd_shapes():
     """A dense model; a mixed dense / low-rank one; hidden 72, ffn 100, head_dim 24 (no multiple of 16:
     the GEMVs run the kernel, attention falls back to sdpa and says why)."""
@@ -264,7 +264,7 @@ def test_engine_lrk_dense_model_mixed_and_odd_shapes():
         Engine(odd, EngineConfig(max_seq_len=24, attention="cpu_lrk"))
 
 
-@needs_lrk
+@needs_lrk_native
 @pytest.mark.parametrize("graph", ["none", "whole-step"])
 def test_engine_lrk_batch_left_padding_and_compiled(graph):
     """Batch 3 with left padding (the attention kernel reads the pad counts), eager and torch.compile-d."""
@@ -282,7 +282,7 @@ def test_engine_lrk_batch_left_padding_and_compiled(graph):
         assert rep["compiles"] and rep["compiles"][0]["seconds"] > 0 and rep["compiles"][0]["batch"] == 3
 
 
-@needs_lrk
+@needs_lrk_native
 def test_engine_lrk_compiled_step_calls_our_kernels():
     """The compiled step calls our ops (counted as gemm / attention), one stage-1 and one stage-2 call per
     packed group; the portable fused lowering leaves no GEMM call."""
@@ -298,7 +298,7 @@ def test_engine_lrk_compiled_step_calls_our_kernels():
     assert counts["attention"] == n_layers, counts
 
 
-@needs_lrk
+@needs_lrk_native
 @pytest.mark.parametrize("preset", ["tiny-gqa", "tiny-smol"])
 def test_engine_lrk_bf16_fidelity(preset):
     """bf16: the kernel accumulates in fp32 and rounds once (aten rounds differently): both bf16 engines
@@ -445,7 +445,7 @@ def one_layer_1b(tmp_path_factory):
     return load_shape_model("llama3.2-1b", **kw), load_shape_model("llama3.2-1b", keep=0.5, **kw)
 
 
-@needs_lrk
+@needs_lrk_native
 @pytest.mark.parametrize("which", ["dense", "keep0.5"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_engine_lrk_equals_portable_at_the_1b_geometry(one_layer_1b, which, dtype):

@@ -20,7 +20,7 @@ from lowrank_lib.runtime import Engine, EngineConfig, run_generation
 from lowrank_lib.runtime.lm_head import (BLOCK, bounds, certified_head_portable, certify, quantize_head,
                                          quantize_rows, round_down)
 
-from kernel_isa import kernel_isa, lrk_runs  # noqa: F401  (kernel_isa: the fixture)
+from kernel_isa import kernel_isa, lrk_runs, needs_lrk_native  # noqa: F401  (kernel_isa: the fixture)
 from kernel_isa import needs_lrk as needs_kernel
 U = 2.0 ** -24
 
@@ -232,7 +232,7 @@ def test_certified_head_refuses_what_it_cannot_serve():
 
 
 @pytest.mark.smollm2
-@needs_kernel
+@needs_lrk_native
 def test_smollm2_certified_head_reads_a_fraction_of_the_head(smollm2):
     """The real head: greedy tokens equal, the bound admits few rows, a little over half the bf16 head read.
 

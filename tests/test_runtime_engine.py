@@ -315,12 +315,14 @@ def test_graph_regions_compose_to_one_step(mode):
 def test_smollm2_engine_matches_hf_dynamic(smollm2):
     """The real model (GQA 9:3, tied head, in_major operands at this size): dense and plain SVD keep 0.5.
 
-    Measured on 6 prompts x 64 tokens: dense max |logit err| 9.3e-5, SVD keep 0.5 6.6e-4 on logits
-    up to ~36 (1.8e-5 relative); the full 20 x 64 audit is ``python -m lowrank_lib.bench fidelity``."""
+    Measured on 6 prompts x 64 tokens: dense max |logit err| 9.3e-5 (AVX-512 kernels; 1.2e-4 with the AVX2 ones,
+    whose decode attention sums in another order), SVD keep 0.5 6.6e-4 on logits up to ~36 (1.8e-5 relative); the
+    bounds are relative to the logit scale: dense 5e-6 (about 50 fp32 ulps at 36), SVD 1e-4. The full 20 x 64 audit
+    is ``python -m lowrank_lib.bench fidelity``."""
     from lowrank_lib.eval.fidelity import PROMPTS
 
     dense, tok = smollm2
-    for model, rel in ((dense, False), (compress_svd(dense, 0.5), True)):
+    for model, tol in ((dense, 5e-6), (compress_svd(dense, 0.5), 1e-4)):
         eng = Engine(model, EngineConfig(max_seq_len=64))
         g = eng.lm_head                    # the vocab projection: our packed kernel, else aten on in_major
         if g.gemv.packed:
@@ -329,4 +331,4 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
             assert g.S_t.is_contiguous()
         for p in PROMPTS[:2]:
             ids = tok(p, return_tensors="pt").input_ids
-            _cmp(eng.generate(ids, 16, return_logits=True), _ref(model, ids, 16), tol=1e-4, rel=rel)
+            _cmp(eng.generate(ids, 16, return_logits=True), _ref(model, ids, 16), tol=tol, rel=True)

@@ -61,6 +61,17 @@ def copy_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
     return 2 * n * 4 / (summary(ts)["median_ms"] / 1e3) / 1e9
 
 
+def read_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Read-only stream bandwidth in GB/s: nbytes / median time of ``src.sum()`` over fp32 (one warm-up first): what a
+    decode GEMV, which only reads its weights, can reach. On some hosts it sits well below :func:`copy_bandwidth`
+    (one AMD EPYC VM: 9.5 vs 12 GB/s), so a copy roofline of 1.0 is out of reach there."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    ts = timed(lambda s=src: s.sum(), repeats + 1, sync)[1:]
+    del src
+    return nbytes / (summary(ts)["median_ms"] / 1e3) / 1e9
+
+
 def model_weight_bytes_per_token(model) -> int:
     """Bytes of parameters one decode step reads: all unique parameters except the input embedding
     table (one row is read), plus the lm_head matrix even when tied to that table."""

@@ -200,7 +200,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     """Run the whole benchmark (see the module docstring); returns the result dict."""
     from ..runtime import run_generation
     from ..runtime.config import parse_dtype
-    from .decode import copy_bandwidth
+    from .decode import copy_bandwidth, read_bandwidth
     from .llamacpp import available, version
     from .models import load_bench_models
     from .results import load_average
@@ -228,6 +228,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
            "machine": {"cpu": cpu_name(), "cores": nproc(),
                        "torch": torch.__version__, "llama_cpp_python": version(), "python": platform.python_version()},
            "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
+           "read_bandwidth_GBps_by_threads": {},
            "load_average": {"start": load_average()},
            "note": cfg.note, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -264,6 +265,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     for th in cfg.threads:
         torch.set_num_threads(th)
         bws = [copy_bandwidth(torch.device("cpu"))]
+        rbws = [read_bandwidth(torch.device("cpu"))]
         runners = {}
         for dt in cfg.dtypes:
             tdt = parse_dtype(dt)
@@ -302,9 +304,11 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                     progress=lambda _: bar.update(1))           # rotated order per round (bench/timing.py)
         bar.close()
         bws.append(copy_bandwidth(torch.device("cpu")))
+        rbws.append(read_bandwidth(torch.device("cpu")))
         res["load_average"][f"after_{th}_threads"] = load_average()    # what else ran shows here
-        bw = statistics.median(bws)
+        bw, rbw = statistics.median(bws), statistics.median(rbws)
         res["copy_bandwidth_GBps_by_threads"][str(th)] = bw
+        res["read_bandwidth_GBps_by_threads"][str(th)] = rbw
         for (s, dt, head), r in runners.items():
             k = (s, dt, head)
             dec = decode_stats(steps[k])
@@ -313,6 +317,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             row = {"system": s, "dtype": dt, "threads": th, "lm_head": head, **dec,
                    "prefill_ms": median_ms(pre[k]), "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
                    "roofline_ms": wb / (bw * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
+                   "read_gbs": rbw, "read_roofline_x": ms / 1e3 / (wb / (rbw * 1e9)),
                    "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None}
             if s == "llamacpp_dense":
                 row.update(eval_ms_per_token=median_ms(evals[k]),
@@ -450,6 +455,9 @@ def format_table(res: dict) -> str:
                      f"{r['roofline_x']:.2f}")
     bw = ", ".join(f"{t} thread(s) {v:.1f}" for t, v in res["copy_bandwidth_GBps_by_threads"].items())
     lines.append(f"\ncopy bandwidth GB/s: {bw}; {res['machine']['cpu']}, {res['machine']['cores']} cores")
+    if res.get("read_bandwidth_GBps_by_threads"):
+        rb = ", ".join(f"{t} thread(s) {v:.1f}" for t, v in res["read_bandwidth_GBps_by_threads"].items())
+        lines.append(f"read-only stream bandwidth GB/s (the best a GEMV can stream): {rb}")
     for dt, a in res.get("certified_audit", {}).items():
         lines.append(f"certified head audit ({dt}): {a['identical_prompts']}/{a['prompts']} prompts x {a['tokens']} "
                      f"greedy tokens identical to the exact head; {a['lm_head']['head_bytes_fraction']:.3f} of the head's "

@@ -222,7 +222,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
 
     from ..generation import run_generation
     from ..runtime.config import parse_dtype
-    from .decode import copy_bandwidth
+    from .decode import copy_bandwidth, read_bandwidth
     from .models import load_shape_model, shape_config
     from .peer import CpuClocked, decode_stats, gguf_bytes_per_token, median_ms
     from .results import load_average
@@ -260,6 +260,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
             torch._dynamo.reset()
         r = CpuClocked(runner)
         bws = [copy_bandwidth(torch.device("cpu"))]
+        rbws = [read_bandwidth(torch.device("cpu"))]
         la0 = load_average()
         tw = time.perf_counter()
         warm = run_generation(r, ids, cfg.gen_len if first is None else min(4, cfg.gen_len),
@@ -277,7 +278,8 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
             steps += o.step_s
             pre.append(o.prefill_s)
         bws.append(copy_bandwidth(torch.device("cpu")))
-        bw = statistics.median(bws)
+        rbws.append(read_bandwidth(torch.device("cpu")))
+        bw, rbw = statistics.median(bws), statistics.median(rbws)
         dec = decode_stats(steps)
         ms = dec["decode_ms_per_token"]
         w = wb if system == "llamacpp_dense" else runner.weight_bytes_per_token()
@@ -285,6 +287,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
                "keep": keep, **dec, "weight_bytes_per_token": w, "copy_gbs": bw,
                "copy_gbs_before_after": bws, "roofline_ms": w / (bw * 1e9) * 1e3,
                "roofline_x": ms / 1e3 / (w / (bw * 1e9)), "achieved_GBps": w / (ms / 1e3) / 1e9,
+               "read_gbs": rbw, "read_roofline_x": ms / 1e3 / (w / (rbw * 1e9)),
                "prefill_ms": median_ms(pre),
                "decode_cpu_ms_per_token": median_ms(r.cpu_s) if th == 1 else None,
                "warmup_s": warm_s, "load_average": {"before": la0, "after": load_average()}}
@@ -521,12 +524,14 @@ def _label(r: dict) -> str:
 
 
 def format_table(res: dict) -> str:
-    lines = ["shape | system | dtype | keep | threads | decode ms/tok | MB/tok | GB/s | copy GB/s | x roofline | prefill ms",
-             "---|---|---|---|---|---|---|---|---|---|---"]
+    lines = ["shape | system | dtype | keep | threads | decode ms/tok | MB/tok | GB/s | copy GB/s | x roofline | "
+             "read GB/s | x read roofline | prefill ms", "---|---|---|---|---|---|---|---|---|---|---|---|---"]
     for r in sorted(res["rows"], key=lambda r: (r["shape"], r["threads"], r["dtype"], r["system"], r["keep"] or 1)):
         lines.append(f"{r['shape']} | {r['system']} | {r['dtype']} | {r['keep'] if r['keep'] is not None else '-'} | "
                      f"{r['threads']} | {r['decode_ms_per_token']:.1f} | {r['weight_bytes_per_token'] / 1e6:.0f} | "
-                     f"{r['achieved_GBps']:.1f} | {r['copy_gbs']:.1f} | {r['roofline_x']:.2f} | {r['prefill_ms']:.0f}")
+                     f"{r['achieved_GBps']:.1f} | {r['copy_gbs']:.1f} | {r['roofline_x']:.2f} | "
+                     f"{r.get('read_gbs', float('nan')):.1f} | {r.get('read_roofline_x', float('nan')):.2f} | "
+                     f"{r['prefill_ms']:.0f}")
     for t in res.get("targets", []):
         lines.append(f"target {t['target']} ({t['shape']}, {t['dtype']}, keep {t['keep']}): {t['measured']:.2f} vs "
                      f"{'<=' if t['target'] == 'roofline_x' else '>='} {t['bound']}: " + ("met" if t["met"] else "NOT met"))

@@ -98,13 +98,18 @@ class _Packed:
     """One matrix W [out, in] in the packed kernel's layout (``runtime/kernels/lrk.cpp``), stored once.
 
     Up to ``LRK_MAX_ROWS`` rows of x run the kernel; more rows (prefill, the rebuild store's history)
-    unpack W into a temporary and run aten, so no second copy of the weights is kept."""
+    unpack W into a temporary and run aten, so no second copy of the weights is kept. On a CPU without
+    AVX512_BF16 (the AVX2 kernels), a bf16 prefill GEMM runs in fp32 on the widened operands and is rounded
+    to bf16 once: aten's bf16 GEMM has no fast path there (1 thread, AMD EPYC AVX2, [512, 2048] x [2048, 8192]:
+    8 GFLOPS in bf16, 39 in fp32; both accumulate in fp32)."""
 
     def __init__(self, W: torch.Tensor):
+        from .kernels.gemv import lrk_isa
         from .kernels.ops import pack
 
         self.out, self.inp = W.shape
         self.P = pack(W.contiguous())
+        self.upcast = W.dtype == torch.bfloat16 and lrk_isa(torch.bfloat16) != "avx512"
 
     def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         from .kernels.gemv import LRK_MAX_ROWS
@@ -113,7 +118,10 @@ class _Packed:
         if x.dim() == 2 and x.shape[0] <= LRK_MAX_ROWS:
             y = gemv(x, [self.P], [self.out], [self.inp], [0])
             return y if b is None else y + b
-        return F.linear(x, unpack(self.P, self.out, self.inp), b)
+        W = unpack(self.P, self.out, self.inp)
+        if self.upcast:
+            return F.linear(x.float(), W.float(), None if b is None else b.float()).to(x.dtype)
+        return F.linear(x, W, b)
 
 
 class ProjectionGroup:

@@ -617,43 +617,101 @@ static inline __m256 ld8(const uint16_t* p) {
 static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 static inline void st8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
 
+// o[g0 .. g0 + GB) += P V over chunks of CB 8-float columns: GB * CB <= 12 accumulators stay in registers, and
+// each V row chunk is loaded (and widened) once for the GB queries
+template <typename T, int GB>
+static void pv_block2(const float* sc, int64_t np, const T* V, int64_t sv, int64_t lo, int64_t n, int64_t D,
+                      const float* inv, T* o) {
+  constexpr int CB = 12 / GB;
+  const int64_t DC = D / 8;
+  for (int64_t c0 = 0; c0 < DC; c0 += CB) {
+    const int64_t cn = imin(CB, DC - c0);
+    __m256 acc[GB][CB];
+    for (int g = 0; g < GB; g++)
+      for (int c = 0; c < CB; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+      const T* v = V + (lo + t) * sv + c0 * 8;
+      __m256 pt[GB];
+      for (int g = 0; g < GB; g++) pt[g] = _mm256_set1_ps(sc[g * np + t]);
+      for (int c = 0; c < CB; c++) {
+        if (c < cn) {
+          const __m256 vv = ld8(v + c * 8);
+          for (int g = 0; g < GB; g++) acc[g][c] = _mm256_fmadd_ps(pt[g], vv, acc[g][c]);
+        }
+      }
+    }
+    for (int g = 0; g < GB; g++)
+      for (int c = 0; c < CB; c++)
+        if (c < cn) st8(o + g * D + (c0 + c) * 8, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
+  }
+}
+
+// lane i = the sum of a[i]'s lanes, for 8 vectors
+static inline __m256 hsum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 // decode attention of one (batch row, kv head), attend_head's contract: G queries of dim D (a multiple of 16,
-// <= 128) over slots [lo, hi]; sc: scratch >= ceil8(n) floats. One query at a time (its K/V rows come from L2).
+// <= 128) over slots [lo, hi]. Each K and V row is loaded and widened once for all G queries; scores 8 slots at
+// a time (8 independent dot products, one transpose-add). sc: scratch of G * ceil8(n) scores, G * D scaled
+// queries and 8 * D widened K rows.
 template <typename T>
 static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t lo, int64_t hi,
                          int64_t G, int64_t D, float scale, T* o, float* sc) {
   const int64_t n = hi - lo + 1, np = cdiv(n, 8) * 8, DC = D / 8;
-  for (int64_t g = 0; g < G; g++) {
-    __m256 qv[16];
-    for (int64_t c = 0; c < DC; c++) qv[c] = _mm256_mul_ps(ld8(q + g * D + c * 8), _mm256_set1_ps(scale));
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-      const T* k = K + (lo + t) * sk;
-      __m256 a = _mm256_mul_ps(qv[0], ld8(k));
-      for (int64_t c = 1; c < DC; c++) a = _mm256_fmadd_ps(qv[c], ld8(k + c * 8), a);
-      sc[t] = hsum8(a);
-      mx = sc[t] > mx ? sc[t] : mx;
+  float* qs = sc + G * np;
+  float* kf = qs + G * D;
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t c = 0; c < DC; c++)
+      _mm256_storeu_ps(qs + g * D + c * 8, _mm256_mul_ps(ld8(q + g * D + c * 8), _mm256_set1_ps(scale)));
+  // scores, 8 slots at a time
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t m = imin(8, n - t0);
+    for (int64_t i = 0; i < 8; i++)
+      for (int64_t c = 0; c < DC; c++)
+        _mm256_storeu_ps(kf + i * D + c * 8, i < m ? ld8(K + (lo + t0 + i) * sk + c * 8) : _mm256_setzero_ps());
+    for (int64_t g = 0; g < G; g++) {
+      const float* qg = qs + g * D;
+      __m256 a[8];
+      for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kf + i * D));
+      for (int64_t c = 1; c < DC; c++) {
+        const __m256 qv = _mm256_loadu_ps(qg + c * 8);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + i * D + c * 8), a[i]);
+      }
+      _mm256_storeu_ps(sc + g * np + t0, hsum8x8(a));
     }
-    for (int64_t t = n; t < np; t++) sc[t] = -INFINITY;
-    const __m256 mb = _mm256_set1_ps(mx);
+  }
+  // softmax per query (tail lanes -inf: exp -> masked to 0)
+  float inv[256];
+  for (int64_t g = 0; g < G; g++) {
+    float* s = sc + g * np;
+    for (int64_t t = n; t < np; t++) s[t] = -INFINITY;
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < np; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+    const __m256 mb = _mm256_set1_ps(_mm_cvtss_f32(m4));
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < np; t += 8) {
-      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mb));
+      __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
       e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes8(n - t)));
-      _mm256_storeu_ps(sc + t, e);
+      _mm256_storeu_ps(s + t, e);
       sum = _mm256_add_ps(sum, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / hsum8(sum));
-    for (int64_t c0 = 0; c0 < DC; c0 += 8) {          // 8 accumulators (64 outputs) per pass over V
-      const int64_t cn = imin(8, DC - c0);
-      __m256 acc[8];
-      for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_setzero_ps();
-      for (int64_t t = 0; t < n; t++) {
-        const T* v = V + (lo + t) * sv + c0 * 8;
-        const __m256 pt = _mm256_set1_ps(sc[t]);
-        for (int64_t c = 0; c < cn; c++) acc[c] = _mm256_fmadd_ps(pt, ld8(v + c * 8), acc[c]);
-      }
-      for (int64_t c = 0; c < cn; c++) st8(o + g * D + (c0 + c) * 8, _mm256_mul_ps(acc[c], inv));
+    inv[g] = 1.0f / hsum8(sum);
+  }
+  // o = P V, up to 4 queries per pass over V
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const float* s = sc + g0 * np;
+    T* og = o + g0 * D;
+    switch (imin(4, G - g0)) {
+      case 4: pv_block2<T, 4>(s, np, V, sv, lo, n, D, inv + g0, og); break;
+      case 3: pv_block2<T, 3>(s, np, V, sv, lo, n, D, inv + g0, og); break;
+      case 2: pv_block2<T, 2>(s, np, V, sv, lo, n, D, inv + g0, og); break;
+      default: pv_block2<T, 1>(s, np, V, sv, lo, n, D, inv + g0, og); break;
     }
   }
 }
@@ -948,6 +1006,7 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = K.size(2);
   TORCH_CHECK(K.scalar_type() == q.scalar_type() && V.scalar_type() == q.scalar_type(), "lowrank_lrk::attend: dtypes");
   TORCH_CHECK(D % 16 == 0 && D <= 128, "lowrank_lrk::attend: head_dim must be a multiple of 16 up to 128, got ", D);
+  TORCH_CHECK(G <= 256, "lowrank_lrk::attend: at most 256 query heads per KV head, got ", G);
   TORCH_CHECK(K.size(0) >= B && V.size(0) >= B && K.size(1) == H && V.size(1) == H && V.size(2) == S &&
                   K.size(3) == D && V.size(3) == D && K.stride(3) == 1 && V.stride(3) == 1,
               "lowrank_lrk::attend: K/V must be [>=B, Hkv, S, D] with unit stride in D");
@@ -964,7 +1023,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
   const int64_t grain = work > (128 << 10) ? 1 : B * H;
 #if LRK_X86
   at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
-    std::vector<float> sc(16 * (cdiv(hi + 1, 16) * 16));   // >= AVX2's ceil8(n)
+    // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows
+    std::vector<float> sc(w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
       const char* qp = (const char*)qc.data_ptr() + (i * G * D) * es;
