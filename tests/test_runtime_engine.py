@@ -239,6 +239,8 @@ def test_baseline_systems_agree():
     _cmp(d2, d1)
     with pytest.raises(ValueError, match="dense_model"):
         make_runner("dense_engine", lr, None)
+    cfg = make_runner("engine_step_cpp", lr, model, max_seq_len=20).config     # built, not run: its cold compile
+    assert cfg.graph == "whole-step" and cfg.cpp_wrapper and not make_runner("engine_step", lr).config.cpp_wrapper
 
 
 @pytest.mark.compat

@@ -11,7 +11,7 @@ written the current token's k/v at slot ``cursor.length``: one place appends, no
 
 Backends: ``flash_attn`` (``flash_attn_with_kvcache`` over ``length + 1`` slots from device memory,
 left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel: reads the length and
-pad counts from device memory, loops only over live slots), ``cpu_lrk`` (our compiled AVX-512 CPU
+pad counts from device memory, loops only over live slots), ``cpu_lrk`` (our compiled AVX-512 or AVX2 CPU
 kernel, ``runtime/kernels``: reads the length and pad counts, loops only over live slots) and
 ``sdpa`` (portable; under graphs it attends over all Smax slots with a
 device-built mask). CUDA-only modules are imported lazily: the CPU path never touches them.
@@ -54,7 +54,7 @@ def select_backend(requested: str, device: torch.device, head_dim: int, dtype: t
         why = cpu_lrk_unavailable(device, head_dim, dtype, kernels)
         if why is None:
             return BackendChoice("cpu_lrk", ("requested" if requested == "cpu_lrk" else "auto") +
-                                 ": our compiled decode-attention kernel (AVX-512, reads the cursor's length/pad)",
+                                 ": our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)",
                                  "bhsd")
         if requested == "cpu_lrk" or kernels == "lrk":
             raise RuntimeError(f"attention='cpu_lrk' cannot run: {why}")
@@ -211,7 +211,7 @@ def triton_decode(q, K, V, cursor, mask):
 
 # --------------------------------------------------------------------------- cpu_lrk
 def cpu_lrk_decode(q, K, V, cursor, mask):
-    """Our AVX-512 kernel (``runtime/kernels/lrk.cpp``): slots ``pad[b] <= s <= length`` of each row,
+    """Our AVX-512 / AVX2 kernel (``runtime/kernels/lrk.cpp``): slots ``pad[b] <= s <= length`` of each row,
     scores and softmax in fp32, G query heads per KV head (GQA native), any head_dim multiple of 16."""
     from .kernels.ops import attend
 

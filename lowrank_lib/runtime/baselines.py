@@ -5,6 +5,8 @@ system              what runs
 ==================  ==========================================================================
 ``engine``          our Engine, all mechanisms on, eager (no graph)
 ``engine_step``     + whole decode step as one graph (CUDA graph; torch.compile on CPU)
+``engine_step_cpp`` ``engine_step`` on CPU with inductor's C++ wrapper (no Python between the step's kernel calls;
+                    minutes of cold compile on a 2-core CPU)
 ``engine_layer``    + one CUDA graph per layer (CUDA only)
 ``engine_split``    + attention and MLP graphs per layer (CUDA only)
 ``dense_kv``        our dense cache, no packing, no RoPE folding, no graphs (paper: Dense KV + FA2)
@@ -30,9 +32,10 @@ from .config import PRESETS, EngineConfig
 from .engine import Engine
 from .graphs import own_code
 
-SYSTEMS = ("engine", "engine_step", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
+SYSTEMS = ("engine", "engine_step", "engine_step_cpp", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
            "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
-ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"), "engine_layer": dict(graph="per-layer"),
+ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"),
+                   "engine_step_cpp": dict(graph="whole-step", cpp_wrapper=True), "engine_layer": dict(graph="per-layer"),
                    "engine_split": dict(graph="split"), "dense_engine": {}}
 
 
