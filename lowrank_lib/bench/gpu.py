@@ -156,8 +156,9 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
     out, ref = {}, []
     for graph in graphs:
         try:
+            store = MethodStore(make_method("attsvd", rank=32, window=16))
             eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
-                         kv=MethodStore(make_method("attsvd", rank=32, window=16)))
+                         kv=store)
             res = []
             # three requests: the first two round to the same buffers under a reader of device-side layouts (one
             # capture), the third re-captures; a host-slicing reader (the portable path) re-captures for each
@@ -173,7 +174,9 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
                 ref = res
             out[graph] = {"tokens_equal_eager": [bool(torch.equal(a[0], b[0])) for a, b in zip(res, ref)],
                           "logit_rel_err": [rel_err(a[1], b[1]) for a, b in zip(res, ref)],
-                          "capture_s": [r[2] for r in res], "decode_ms_per_token": [r[3] for r in res]}
+                          "capture_s": [r[2] for r in res], "decode_ms_per_token": [r[3] for r in res],
+                          "tier_backend": store.backend.name if store.backend is not None else None,
+                          "device_layout": store.device_layout}
         except Exception as e:  # record, keep the rest of the device call useful
             out[graph] = {"error": f"{type(e).__name__}: {e}"}
     return out

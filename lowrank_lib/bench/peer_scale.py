@@ -555,7 +555,7 @@ def plot_scale(results: list[dict], threads: int = 1):
     import matplotlib.pyplot as plt
 
     shapes = sorted({r["shape"] for res in results for r in res["rows"]})
-    fig, axes = plt.subplots(1, len(shapes), figsize=(6.2 * len(shapes), 4.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.4 * len(shapes), 5.0), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         rows = [r for res in results for r in res["rows"] if r["shape"] == shape and r["threads"] == threads]
         for r in rows:
@@ -564,7 +564,7 @@ def plot_scale(results: list[dict], threads: int = 1):
                     ms=12 if mk == "*" else 8, label=_label(r))
             if r["system"] == "lowrank_lib_lowrank":
                 ax.annotate(f"{r['keep']}", (r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"]),
-                            textcoords="offset points", xytext=(6, -10), fontsize=7)
+                            textcoords="offset points", xytext=(-8, 8), fontsize=8)
         if rows:
             bw = statistics.median(r["copy_gbs"] for r in rows)
             xs = [min(r["weight_bytes_per_token"] for r in rows) / 1e6 * 0.8,
@@ -573,7 +573,7 @@ def plot_scale(results: list[dict], threads: int = 1):
                     label=f"roofline (copy {bw:.1f} GB/s)")
         ax.set(xscale="log", yscale="log", xlabel="weight bytes per token (MB)", ylabel="decode ms/token",
                title=f"{shape}, {threads} thread(s)")
-        ax.legend(fontsize=6.5)
+        ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig
 

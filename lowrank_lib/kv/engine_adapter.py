@@ -81,7 +81,7 @@ class MethodStore:
         return sum(l.allocated_nbytes for l in self.layers)
 
     @property
-    def _device_layout(self) -> bool:
+    def device_layout(self) -> bool:
         """The backend reads the layout from device tensors (``kv.tiers.reads_device_layout``: the fused kernel);
         others slice with host ints."""
         return self.backend is not None and reads_device_layout(self.backend.name)
@@ -89,7 +89,7 @@ class MethodStore:
     def shape_key(self):
         """The layers' shapes (bucketed under the fused kernel); with a host-slicing backend the layout too, so a
         capture never replays over another request's layout."""
-        return tuple(l.shape_key(layout=not self._device_layout) for l in self.layers)
+        return tuple(l.shape_key(layout=not self.device_layout) for l in self.layers)
 
     def report(self) -> dict:
         return {"store": "method", "method": self.name, "options": self.method.options(),
@@ -127,7 +127,7 @@ class MethodStore:
         self.layers = self.method.fit(prefill)
         self.fit_info = {"fit": self.method.describe(self.layers, prefill)}
         for l in self.layers:
-            if self._device_layout:
+            if self.device_layout:
                 l.pad_to_buckets()                         # requests that round alike share one compiled step
             l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
         self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
