@@ -173,10 +173,7 @@ def test_executed_outputs_are_clean(name):
 
 # --------------------------------------------------------------------------- committed reports
 #: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing)
-_REWRITTEN = ("rewritten for issue 21 (slider panels, checked figures, IQR timings, computed conclusions); its "
-              "report was not regenerated on the shared machine (load ~12 on 2 cores): `make report` on an idle "
-              "machine regenerates it")
-STALE: dict[str, str] = {"01_checkpoint_normalization": _REWRITTEN}
+STALE: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("name", notebooks.on_disk())
