@@ -6,6 +6,7 @@ The export and schema tests always run; the llama.cpp tests need the optional ``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -232,6 +233,25 @@ def test_committed_result_has_the_schema(p):
         assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
     assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
     assert "tokens_equal" in res["equivalence"]
+
+
+@pytest.mark.parametrize("p", sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob(
+    "peer_scale_*.json")), ids=lambda p: p.name)
+def test_committed_shape_result_has_the_schema(p):
+    """Every committed peer_scale_<shape>.json: the issue's row keys, each roofline factor recomputable from its
+    own row, llama.cpp dense and our dense and low-rank rows for every dtype, and a verdict for every target."""
+    from lowrank_lib.bench import peer_scale as ps
+
+    res = json.loads(p.read_text())
+    assert res["command"].startswith("python -m lowrank_lib.bench peer --shape ") and res["rows"]
+    for r in res["rows"]:
+        assert set(ps.ROW_KEYS) <= set(r) and p.name == f"peer_scale_{r['shape']}.json"
+        assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 /
+                                                (r["weight_bytes_per_token"] / (r["copy_gbs"] * 1e9)), rel=1e-6)
+    for dt in {r["dtype"] for r in res["rows"] if r["system"] == "lowrank_lib_dense"}:
+        assert {r["system"] for r in res["rows"] if r["dtype"] == dt} >= {"llamacpp_dense", "lowrank_lib_dense",
+                                                                          "lowrank_lib_lowrank"}
+    assert res["targets"] and all(isinstance(t["met"], bool) and t["measured"] > 0 for t in res["targets"])
 
 
 # --------------------------------------------------------------------------- llama.cpp itself
