@@ -216,10 +216,8 @@ def test_cli_lists_take_the_bench_vocabulary():
     assert s.threads == (1, 2) and s.gen_len == 8 and s.prompt_len == 16 and s.keeps == (0.5,) and s.layers == 1
 
 
-def _committed():
-    from pathlib import Path
-
-    return sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob("peer_cpu*.json"))
+def _committed(pattern: str = "peer_cpu*.json"):
+    return sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob(pattern))
 
 
 @pytest.mark.parametrize("p", _committed(), ids=lambda p: p.name)
@@ -235,8 +233,7 @@ def test_committed_result_has_the_schema(p):
     assert "tokens_equal" in res["equivalence"]
 
 
-@pytest.mark.parametrize("p", sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob(
-    "peer_scale_*.json")), ids=lambda p: p.name)
+@pytest.mark.parametrize("p", _committed("peer_scale_*.json"), ids=lambda p: p.name)
 def test_committed_shape_result_has_the_schema(p):
     """Every committed peer_scale_<shape>.json: the issue's row keys, each roofline factor recomputable from its
     own row, llama.cpp dense and our dense and low-rank rows for every dtype, and a verdict for every target."""
