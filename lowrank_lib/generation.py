@@ -3,10 +3,9 @@
     out = run_generation(runner, input_ids, max_new_tokens=64)     # the Engine or any baseline runner
     out.tokens, out.timings
 
-A runner needs ``prefill(input_ids [B, T], attention_mask) -> logits [B, V]``, ``step(tokens [B]) ->
-logits [B, V]`` and ``device``; optionally ``prepare(B) -> seconds`` (graph capture / compilation, timed
-apart from decode). The same loop drives the engine and every baseline, so timings and token streams
-are comparable. :func:`answer` is the chat-template helper the notebooks use on transformers models.
+A runner is a :class:`lowrank_lib.runtime.runner.Runner` (the written protocol: ``prefill``, ``step``,
+``prepare(B) -> seconds`` of graph capture / compilation, timed apart from decode, ``device``, ...). The same
+loop drives the engine and every baseline, so timings and token streams are comparable. :func:`answer` is the chat-template helper the notebooks use on transformers models.
 """
 from __future__ import annotations
 
@@ -91,9 +90,8 @@ def run_generation(runner, input_ids: torch.Tensor, max_new_tokens: int, attenti
                    forced_tokens: torch.Tensor | None = None) -> GenerateOutput:
     """The ONE decode loop for the engine and all baselines.
 
-    ``runner.prefill(input_ids [B,T], attention_mask) -> logits [B, V]`` and
-    ``runner.step(tokens [B]) -> logits [B, V]``; ``runner.device``. ``forced_tokens`` [B, n]
-    teacher-forces the fed tokens (perplexity through the decode path).
+    ``runner``: a :class:`lowrank_lib.runtime.runner.Runner` (``prefill``, ``prepare``, ``step``, ``device``).
+    ``forced_tokens`` [B, n] teacher-forces the fed tokens (perplexity through the decode path).
     """
     dev = runner.device
     B = input_ids.shape[0]
@@ -102,7 +100,7 @@ def run_generation(runner, input_ids: torch.Tensor, max_new_tokens: int, attenti
     logits = runner.prefill(input_ids, attention_mask)
     _sync(dev)
     t1 = time.perf_counter()
-    capture_s = runner.prepare(B) if hasattr(runner, "prepare") else 0.0   # graphs: not in decode time
+    capture_s = runner.prepare(B)                  # graphs / compile: not in decode time (0.0 eager)
     t1b = time.perf_counter()
     out, all_logits, steps = [], [], []
     done = torch.zeros(B, dtype=torch.bool, device=logits.device)

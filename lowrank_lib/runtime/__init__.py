@@ -1,9 +1,11 @@
 """Decode runtime (FlashSVD v1.5 and beyond): Engine, pluggable KV stores (dense static cache, rebuild),
-packed projections, attention backends, graph modes, baselines on the same factors, profiling."""
+packed projections, attention backends, graph modes, baselines on the same factors, profiling; the ``Runner``
+protocol every runner implements."""
 from ..generation import GenerateOutput, run_generation, sample_next
 from .config import EngineConfig, PRESETS
 from .engine import Engine
 from .kv import CacheFullError, DenseKV, KVStore, RebuildKV
+from .runner import Runner
 
 __all__ = ["Engine", "EngineConfig", "PRESETS", "GenerateOutput", "run_generation", "sample_next",
-           "CacheFullError", "DenseKV", "KVStore", "RebuildKV"]
+           "CacheFullError", "DenseKV", "KVStore", "RebuildKV", "Runner"]

@@ -31,6 +31,7 @@ from ..generation import left_pad_counts
 from .config import PRESETS, EngineConfig
 from .engine import Engine
 from .graphs import own_code
+from .runner import Runner
 
 SYSTEMS = ("engine", "engine_step", "engine_step_cpp", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
            "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
@@ -39,12 +40,15 @@ ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"),
                    "engine_split": dict(graph="split"), "dense_engine": {}}
 
 
-class HFRunner:
-    """transformers forward with a DynamicCache or StaticCache: ``prefill`` / ``step`` like the Engine.
+class HFRunner(Runner):
+    """transformers forward with a DynamicCache or StaticCache: a :class:`~lowrank_lib.runtime.runner.Runner`
+    (eager: nothing to prepare or invalidate; transformers' own head, ``lm_head_mode = "hf"``).
 
     Left padding is handled as ``generate`` does: position ids = cumsum(mask) - 1, the 2-D
     attention mask grows by one column per step.
     """
+
+    lm_head_mode = "hf"
 
     def __init__(self, model, cache: str = "dynamic", max_cache_len: int | None = None):
         if cache not in ("dynamic", "static"):
@@ -101,15 +105,31 @@ class HFCompiledRunner(HFRunner):
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
         self.backend, self.mode = backend, mode
 
-        name = cache_kwarg()                 # resolved here, outside the traced function
+        self._cache_kwarg = cache_kwarg()    # resolved here, outside the traced function
+        self._caches: dict[int, object] = {}
+        self.capture_s = 0.0
+        self._compiles: list[dict] = []
+        self.invalidate()
+
+    compiled = True
+
+    def invalidate(self) -> None:
+        """Drop the compiled step (a fresh code object: the next :meth:`prepare` compiles again)."""
+        model, name = self.model, self._cache_kwarg
 
         def hf_decode(tokens, mask, pos, cache):
-            return self.model(tokens, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).logits
+            return model(tokens, attention_mask=mask, position_ids=pos, use_cache=True, **{name: cache}).logits
 
-        kw = {} if backend != "inductor" else {"mode": mode}
-        self._fn = torch.compile(own_code(hf_decode), fullgraph=True, dynamic=False, backend=backend, **kw)
+        kw = {} if self.backend != "inductor" else {"mode": self.mode}
+        self._fn = torch.compile(own_code(hf_decode), fullgraph=True, dynamic=False, backend=self.backend, **kw)
         self._prepared: set[int] = set()
-        self._caches: dict[int, object] = {}
+
+    def counters(self) -> dict:
+        """No head of ours (``lm_head`` empty); one record per :meth:`prepare` that compiled."""
+        return {"lm_head": {}, "compiles": list(self._compiles)}
+
+    def reset_counters(self) -> None:
+        self._compiles.clear()
 
     def _new_cache(self, T: int):
         """ONE StaticCache per batch size, reset between requests: its tensors keep their addresses, so
@@ -153,7 +173,10 @@ class HFCompiledRunner(HFRunner):
                 layer.cumulative_length.copy_(n)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.capture_s += dt
+        self._compiles.append({"batch": B, "seconds": dt, "backend": self.backend, "mode": self.mode})
+        return dt
 
     @torch.no_grad()
     def step(self, tokens):
@@ -170,7 +193,7 @@ def _as_dtype(model, dtype):
 
 def make_runner(system: str, model, dense_model=None, dtype=None, max_seq_len: int = 2048, max_batch: int = 1,
                 **engine_kw):
-    """Build a runner (``prefill``/``step``/``device``) for a system name; see the module table.
+    """Build a :class:`~lowrank_lib.runtime.runner.Runner` for a system name; see the module table.
 
     ``dense_model`` is the uncompressed model (needed by ``dense_*`` systems); ``dtype`` casts a copy
     of the model when it differs. Extra keywords go to :class:`EngineConfig` for engine systems.

@@ -28,7 +28,7 @@ from .attention import prefill_attention
 from .config import EngineConfig
 from .kernels.gemv import select_gemv
 from .kv import CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask, make_store
-from .lm_head import head_report, make_lm_head
+from .lm_head import CertifiedHead, head_report, make_lm_head
 from .packing import ProjectionGroup
 from .rope import apply_rope, rope_table, rotary_rows
 
@@ -264,10 +264,39 @@ class Engine:
             x = self._mlp_block(i, x)
         return out
 
-    # ------------------------------------------------------------------ runner interface
+    # ------------------------------------------------------------------ runner interface (runtime.runner.Runner)
     def prepare(self, B: int) -> float:
         """Capture graphs / compile the step for batch B (no-op without graphs). Returns seconds."""
         return self.graphs.prepare(B) if self.graphs is not None else 0.0
+
+    def invalidate(self) -> None:
+        """Drop every capture / compiled step (thread count or weights changed in place); the next
+        :meth:`prepare` or step captures again. Nothing to drop eagerly."""
+        if self.graphs is not None:
+            self.graphs.invalidate()
+
+    @property
+    def compiled(self) -> bool:
+        """Decode replays a captured graph / compiled step (``EngineConfig.graph`` is not ``"none"``)."""
+        return self.graphs is not None
+
+    @property
+    def lm_head_mode(self) -> str:
+        """``"exact"`` or ``"certified"`` (``EngineConfig.lm_head``)."""
+        return self.config.lm_head
+
+    def counters(self) -> dict:
+        """Since the last :meth:`reset_counters`: the LM head's paths (the certified head's calls, certified and
+        fallback; empty for the exact head) and the graph runner's compile records."""
+        return {"lm_head": self.lm_head.report() if isinstance(self.lm_head, CertifiedHead) else {},
+                "compiles": list(self.graphs.compiles) if self.graphs is not None else []}
+
+    def reset_counters(self) -> None:
+        """Zero :meth:`counters` (the certified head's statistics, the compile records)."""
+        if isinstance(self.lm_head, CertifiedHead):
+            self.lm_head.reset_stats()
+        if self.graphs is not None:
+            self.graphs.compiles.clear()
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,

@@ -13,6 +13,8 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .runner import Runner
+
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
     "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),
@@ -102,15 +104,15 @@ def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
     return c
 
 
-def per_token_counts(runner, input_ids: torch.Tensor, n_tokens: int = 4, attention_mask=None) -> dict:
-    """Prefill, then count over ``n_tokens`` greedy decode steps; returns per-token averages.
+def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = 4, attention_mask=None) -> dict:
+    """Prefill, then count over ``n_tokens`` greedy decode steps of a :class:`Runner`; returns per-token averages
+    (a compiled / captured runner is counted by the profiler: a dispatch mode cannot run inside compiled code).
 
     {'total': dispatches (CPU) or launches (CUDA) per token, 'by_class': {...}, 'kind': ...}
     """
     dev = runner.device
     logits = runner.prefill(input_ids, attention_mask)
-    if hasattr(runner, "prepare"):
-        runner.prepare(input_ids.shape[0])
+    runner.prepare(input_ids.shape[0])
     tok = logits.argmax(-1)
     logits = runner.step(tok)          # one warm step outside the count (lazy init, first-call paths)
     tok = logits.argmax(-1)
@@ -122,9 +124,8 @@ def per_token_counts(runner, input_ids: torch.Tensor, n_tokens: int = 4, attenti
         total, names = count_cuda_launches(run)
         return {"kind": "cuda_launches", "total": total / n_tokens,
                 "by_class": {k: v / n_tokens for k, v in names.items()}}
-    compiled = getattr(runner, "graphs", None) is not None
     t = tok
-    if compiled:
+    if runner.compiled:
         def run():
             t = tok
             with torch.no_grad():
@@ -146,3 +147,22 @@ def per_token_counts(runner, input_ids: torch.Tensor, n_tokens: int = 4, attenti
     return {"kind": kind, "total": sum(counts.values()) / n_tokens,
             "by_class": {k: v / n_tokens for k, v in sorted(by_class.items())},
             "ops": {k: v / n_tokens for k, v in counts.most_common()}}
+
+
+def decode_attention(engine, q: torch.Tensor | None = None):
+    """One decode step's attention of every layer of ``engine``, through its KV store, as a function to call (and
+    time): each call reads what the store holds at the engine's position (the store's ``step_context`` and
+    ``attend``, the KVStore protocol), appends nothing and moves no cursor, so it runs any number of times after a
+    prefill or between steps. ``q`` [B, Hkv, G, D]: the query every layer attends with (default: a seeded random
+    one, batch 1, in the engine's dtype). An eager engine reads ``cursor + 1`` live slots; a compiled one's store
+    reads its length from device memory (``live=None``), as its replayed step does."""
+    if q is None:
+        q = torch.randn(1, engine.n_kv, engine.n_heads // engine.n_kv, engine.head_dim,
+                        generator=torch.Generator().manual_seed(1)).to(engine.device, engine.dtype)
+
+    @torch.no_grad()
+    def attend_all() -> None:
+        ctx = engine.step_context(q.shape[0], None if engine.compiled else engine.cursor.host + 1)
+        for i in range(engine.n_layers):
+            engine.kv.attend(i, q, ctx)
+    return attend_all
