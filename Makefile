@@ -8,6 +8,10 @@ PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 # $(PYTHON) is kept instead (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# pytest-xdist workers (tests/conftest.py: one group for the notebook / browser tests, one per file otherwise);
+# PYTEST_WORKERS=0 runs serially
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 # The oldest transformers of pyproject.toml's range (its ">=" bound) and the venv that runs it: the main
 # venv's packages (a .pth line adds its site-packages after the venv's own), with only transformers (and
 # what it needs that differs) installed over them, so no second torch is downloaded.
@@ -40,7 +44,7 @@ lint: setup
 	$(PY) -m ruff check lowrank_lib tests benchmarks
 
 test: setup lint
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests
 	$(MAKE) test-oldest
 
 $(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml
@@ -54,7 +58,7 @@ $(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml
 # equivalences, engine vs hf_dynamic tokens, Dobi layouts) on the oldest supported transformers.
 test-oldest: setup $(VENV_OLDEST)/.installed
 	@$(PY_OLDEST) -c "import transformers; print('[test-oldest] transformers', transformers.__version__)"
-	$(PY_OLDEST) -m pytest -q -p no:cacheprovider -m compat tests
+	$(PY_OLDEST) -m pytest -q -p no:cacheprovider $(XDIST) -m compat tests
 
 # Every notebook at its own parameters -> reports/<nb>.ipynb, figures/, then reports/<nb>.html (offline: no
 # script from the network) and reports/index.html with each notebook's headline numbers.
