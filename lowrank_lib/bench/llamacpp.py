@@ -19,6 +19,8 @@ import time
 import numpy as np
 import torch
 
+from ..runtime import Runner
+
 #: KV cache element types by name (ggml type ids, see ggml.h)
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
 
@@ -44,7 +46,7 @@ def version() -> str | None:
         return None
 
 
-class LlamaCppRunner:
+class LlamaCppRunner(Runner):
     """One llama.cpp context on a GGUF, batch 1, greedy-compatible logits.
 
     Parameters
@@ -57,6 +59,7 @@ class LlamaCppRunner:
     """
 
     device = torch.device("cpu")
+    lm_head_mode = "exact"          # llama.cpp's whole head every step (the Runner protocol's eager defaults)
 
     def __init__(self, path, n_ctx: int, threads: int = 1, kv_type: str = "f32", flash_attn: bool = True):
         ok, why = available()

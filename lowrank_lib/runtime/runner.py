@@ -25,6 +25,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+__all__ = ["LM_HEAD_MODES", "Runner"]
+
 #: the values of ``Runner.lm_head_mode``
 LM_HEAD_MODES = ("exact", "certified", "hf")
 
