@@ -47,7 +47,9 @@ def test_interleaved_samples_keeps_each_functions_own_samples():
 def test_summary_is_median_and_inclusive_quartiles():
     s = [0.004, 0.001, 0.003, 0.002, 0.010]
     q = statistics.quantiles([1e3 * x for x in s], n=4, method="inclusive")
-    assert timing.summary(s) == pytest.approx({"median_ms": 3.0, "q1_ms": q[0], "q3_ms": q[2], "n": 5})
-    assert timing.summary([0.5]) == {"median_ms": 500.0, "q1_ms": 500.0, "q3_ms": 500.0, "n": 1}
+    assert timing.summary(s) == pytest.approx({"median_ms": 3.0, "q1_ms": q[0], "q3_ms": q[2], "p10_ms": 1.4,
+                                               "p90_ms": 7.6, "n": 5})    # 1 + 0.4 * (2 - 1); 4 + 0.6 * (10 - 4)
+    assert timing.summary([0.5]) == {"median_ms": 500.0, "q1_ms": 500.0, "q3_ms": 500.0, "p10_ms": 500.0,
+                                     "p90_ms": 500.0, "n": 1}
     with pytest.raises(ValueError, match="no samples"):
         timing.summary([])

@@ -10,7 +10,7 @@ every all-zero tensor in the written files with random bytes that are finite in 
 (each byte masked with ``0xBF``: |x| < 2), fixing the zip CRCs. Tensors the writer computed itself
 (RoPE ``inv_freq``, Dobi's remap codes) keep their values.
 
-The load runs in a child process (:data:`CHILD`), so its peak RSS (``VmHWM``) is the loader's alone:
+The load runs in a child process (:func:`load_jobs` through :mod:`lowrank_lib.bench.child`), so its peak RSS (``VmHWM``) is the loader's alone:
 the baseline RSS after ``import lowrank_lib, transformers`` is recorded, the peak is reset
 (``/proc/self/clear_refs``) before each load, and the row holds the file bytes, the loaded model's
 bytes, wall time, peak RSS and the contract ``peak - baseline <= 1.15 x model + 0.5 GB``. Before a
@@ -20,12 +20,9 @@ the allow-list refuses (after every tensor of the model) and times its refusal.
 """
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import shutil
-import subprocess
-import sys
 import time
 import zipfile
 import zlib
@@ -340,59 +337,49 @@ def warm_read(path: Path) -> float:
 
 
 # --------------------------------------------------------------------------- the child process
-CHILD = r'''
-import gc, json, sys, time
-def status(key):
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    return None
-import torch, transformers
-from transformers import LlamaForCausalLM          # imported before the baseline: part of any load
-from lowrank_lib.formats import CheckpointError, detect_format, load_checkpoint
-for job in json.loads(sys.argv[1]):
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")                           # VmHWM := VmRSS (Linux >= 4.0)
-        reset = True
-    except OSError:
-        reset = False
-    base = status("VmRSS")
-    dt = None if job["dtype"] in (None, "stored") else getattr(torch, job["dtype"])
-    t0 = time.perf_counter()
-    row = {"reset_peak": reset}
-    try:
-        m = load_checkpoint(job["path"], dtype=dt, progress=False)
-        row["wall_s"] = time.perf_counter() - t0
-        row["peak_rss"] = status("VmHWM")
-        seen, nbytes = set(), 0
-        for t in list(m.parameters()) + list(m.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                nbytes += t.numel() * t.element_size()
-        row.update(ok=True, model_bytes=nbytes, dtypes=m.lowrank_meta.get("dtypes"),
-                   meta_family=m.lowrank_meta.get("family"), n_factorized=len(m.lowrank_meta.get("ranks", {})))
-        del m
-    except CheckpointError as e:
-        row.update(wall_s=time.perf_counter() - t0, peak_rss=status("VmHWM"), ok=False,
-                   error=type(e).__name__, message=str(e)[:300])
-    row["baseline_rss"] = base
-    print(json.dumps(row), flush=True)
-'''
+def load_jobs(jobs: list[dict]) -> list[dict]:
+    """In a child (:func:`load_in_child`): ``load_checkpoint`` of every job ({path, dtype}) in turn, one row each:
+    wall time, peak RSS (``VmHWM``, reset before each load through ``/proc/self/clear_refs``), the baseline RSS
+    before it, the loaded model's bytes and dtypes, or the :class:`~lowrank_lib.formats.CheckpointError`."""
+    import gc
+
+    from transformers import LlamaForCausalLM  # noqa: F401  (imported before the baseline: part of any load)
+
+    from ..formats import CheckpointError, load_checkpoint
+    from .host import status_bytes
+
+    rows = []
+    for job in jobs:
+        gc.collect()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")           # VmHWM := VmRSS (Linux >= 4.0)
+            reset = True
+        except OSError:
+            reset = False
+        row = {"reset_peak": reset, "baseline_rss": status_bytes("VmRSS")}
+        t0 = time.perf_counter()
+        try:
+            m = load_checkpoint(job["path"], progress=False, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                                                     "float16": torch.float16}.get(job["dtype"]))
+            row.update(wall_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), ok=True,
+                       model_bytes=sum(t.numel() * t.element_size() for t in
+                                       {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]}.values()),
+                       dtypes=m.lowrank_meta.get("dtypes"), meta_family=m.lowrank_meta.get("family"),
+                       n_factorized=len(m.lowrank_meta.get("ranks", {})))
+            del m
+        except CheckpointError as e:
+            row.update(wall_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), ok=False,
+                       error=type(e).__name__, message=str(e)[:300])
+        rows.append(row)
+    return rows
 
 
 def load_in_child(jobs: list[dict], timeout: float = 1800) -> list[dict]:
-    """Run :data:`CHILD` on ``jobs`` ([{path, dtype}]) in one fresh interpreter; one result row per job."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    spec = json.dumps([{"path": str(j["path"]), "dtype": j.get("dtype")} for j in jobs])
-    proc = subprocess.run([sys.executable, "-c", CHILD, spec], capture_output=True, text=True, timeout=timeout,
-                          env=env)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or len(rows) != len(jobs):
-        raise RuntimeError(f"load child failed (rc {proc.returncode}): {proc.stderr[-2000:]}")
-    return rows
+    """:func:`load_jobs` on ``jobs`` ([{path, dtype}]) in one fresh interpreter (:mod:`lowrank_lib.bench.child`)."""
+    from .child import run_child
+
+    return run_child("lowrank_lib.bench.load:load_jobs", timeout,
+                     jobs=[{"path": str(j["path"]), "dtype": j.get("dtype")} for j in jobs])["result"]
 
 
 def contract(row: dict) -> dict:
@@ -407,44 +394,35 @@ def contract(row: dict) -> dict:
 def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: Path, keep: float = 0.8,
              refusal: bool = True, one_child_per_row: bool = True, log=print) -> list[dict]:
     """Write, warm, load (in a child) and delete each family's checkpoint at ``shape``; one row per (family,
-    dtype), plus the refusal row. ``dtypes``: family -> list of "stored" / "float32" / "bfloat16"."""
-    rows = []
+    dtype), plus the refusal row. ``dtypes``: family -> list of "stored" / "float32" / "bfloat16".
+    ``one_child_per_row``: each load in its own child with only its file on disk (big files); else every load
+    in one child after all are written (the tests' small files)."""
     tok = synthetic_tokenizer(SHAPES[shape]["vocab_size"])
-    plan = [(fam, False) for fam in families] + ([("svdllm", True)] if refusal else [])
     pending: list[tuple[dict, dict]] = []
+    rows, written = [], []
 
     def flush():
-        if not pending:
-            return
-        results = []
-        if one_child_per_row:
-            for job, _ in pending:
-                results += load_in_child([job])
-        else:
-            results = load_in_child([job for job, _ in pending])
-        for (job, row), res in zip(pending, results):
+        for (job, row), res in zip(pending, load_in_child([job for job, _ in pending]) if pending else []):
             row.update(res)
-            if row.get("ok"):
+            if row["ok"]:
                 row.update(contract(row))
             rows.append(row)
-            log(_line(row))
+            log(table_row(row))
         pending.clear()
 
-    written: list[Path] = []
-    for fam, refused in plan:
+    for fam, refused in [(fam, False) for fam in families] + ([("svdllm", True)] if refusal else []):
         d = workdir / f"{fam}{'-refused' if refused else ''}"
         d.mkdir(parents=True, exist_ok=True)
         written.append(d)
         t0 = time.perf_counter()
         path = write_family(fam, shape, d, keep, tokenizer=RefusedTokenizer() if refused else tok, fill=not refused)
-        write_s = time.perf_counter() - t0
-        nbytes = file_bytes(path)
-        bw = warm_read(path)
+        row = {"family": fam, "format": families_format(fam), "shape": shape, "keep": keep, "refusal": refused,
+               "path": path.name, "write_s": round(time.perf_counter() - t0, 2), "file_bytes": file_bytes(path),
+               "cache_read_GBps": round(warm_read(path), 2)}
         for dt in (["stored"] if refused else dtypes.get(fam, ["stored"])):
-            row = {"family": fam, "format": families_format(fam), "shape": shape, "keep": keep, "dtype": dt,
-                   "refusal": refused, "path": path.name, "file_bytes": nbytes, "write_s": round(write_s, 2),
-                   "cache_read_GBps": round(bw, 2)}
-            pending.append(({"path": path, "dtype": dt}, row))
+            if one_child_per_row:
+                flush()
+            pending.append(({"path": path, "dtype": dt}, {**row, "dtype": dt}))
         if one_child_per_row:           # big files: one at a time on disk
             flush()
             shutil.rmtree(d, ignore_errors=True)
@@ -454,34 +432,25 @@ def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: 
     return rows
 
 
-def _line(r: dict) -> str:
-    if not r.get("ok"):
-        return (f"{r['family']:<14} {'refused' if r['refusal'] else 'FAILED':<8} file {r['file_bytes'] / GB:6.2f} GiB  "
-                f"{r['wall_s']:6.2f} s  peak-base {(r['peak_rss'] - r['baseline_rss']) / GB:5.2f} GiB  "
-                f"{r.get('error')}: {r.get('message', '')[:80]}")
-    return (f"{r['family']:<14} {r['dtype']:<8} file {r['file_bytes'] / GB:6.2f} GiB  model {r['model_bytes'] / GB:6.2f} GiB"
-            f"  {r['wall_s']:6.2f} s  {r['file_GBps']:5.2f} GB/s  peak-base {r['peak_over_baseline'] / GB:5.2f} GiB"
-            f" (limit {r['rss_limit'] / GB:5.2f})  base {r['baseline_rss'] / GB:4.2f} GiB")
+COLUMNS = "| family | shape | dtype | file GiB | model GiB | wall s | file GB/s | peak - baseline GiB | limit GiB | ok |"
+
+
+def table_row(r: dict) -> str:
+    """One row of :func:`format_table` (a failed or refused load: its error in the last column)."""
+    if not r["ok"]:
+        return (f"| {r['family']} ({'refused' if r['refusal'] else 'FAILED'}) | {r['shape']} | - | "
+                f"{r['file_bytes'] / GB:.2f} | - | {r['wall_s']:.2f} | - | "
+                f"{(r['peak_rss'] - r['baseline_rss']) / GB:.2f} | - | {r.get('error')}: {r.get('message', '')[:80]} |")
+    return (f"| {r['family']} | {r['shape']} | {r['dtype']} | {r['file_bytes'] / GB:.2f} | {r['model_bytes'] / GB:.2f} | "
+            f"{r['wall_s']:.2f} | {r['file_GBps']:.2f} | {r['peak_over_baseline'] / GB:.2f} | {r['rss_limit'] / GB:.2f} | "
+            f"{'yes' if r['within_rss_limit'] else 'NO'} |")
 
 
 def format_table(res: dict) -> str:
-    head = (f"checkpoint loads at shape {res['shape']} (keep {res['keep']}); {res['machine']}; load average "
-            f"{res['load_average']}; copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s\n\n"
-            "| family | shape | dtype | file GiB | model GiB | wall s | file GB/s | peak - baseline GiB | limit GiB | ok |\n"
-            "|---|---|---|---|---|---|---|---|---|---|\n")
-    out = []
-    for r in res["rows"]:
-        if r.get("ok"):
-            out.append(f"| {r['family']} | {r['shape']} | {r['dtype']} | {r['file_bytes'] / GB:.2f} | {r['model_bytes'] / GB:.2f} | "
-                       f"{r['wall_s']:.2f} | {r['file_GBps']:.2f} | {r['peak_over_baseline'] / GB:.2f} | "
-                       f"{r['rss_limit'] / GB:.2f} | {'yes' if r['within_rss_limit'] else 'NO'} |")
-        else:
-            out.append(f"| {r['family']} ({'refused' if r['refusal'] else 'FAILED'}) | {r['shape']} | - | "
-                       f"{r['file_bytes'] / GB:.2f} | - "
-                       f"| {r['wall_s']:.2f} | - | {(r['peak_rss'] - r['baseline_rss']) / GB:.2f} | - | "
-                       f"{r.get('error')} |")
-    return head + "\n".join(out)
+    return (f"checkpoint loads at shape {res['shape']} (keep {res['keep']}); {res['machine']}; load average "
+            f"{res['load_average']}; copy bandwidth {res['copy_bandwidth_GBps']:.1f} GB/s\n\n{COLUMNS}\n"
+            + "|---" * COLUMNS.count(" | ") + "|---|\n" + "\n".join(table_row(r) for r in res["rows"]))
 
 
-__all__ = ["CHILD", "FAMILIES", "NATIVE_DTYPES", "SHAPES", "contract", "fill_random", "format_table", "load_in_child",
+__all__ = ["FAMILIES", "NATIVE_DTYPES", "SHAPES", "contract", "fill_random", "format_table", "load_in_child", "load_jobs",
            "placeholder_model", "run_rows", "synthetic_tokenizer", "write_family", "zero_pages"]

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    from ..options import add_keep
+
     p.add_argument("--shape", default="llama-3.2-1b", help="llama-3.2-1b (default), test (200-400 MB files), quick")
     p.add_argument("--quick", action="store_true", help="tiny shape, every row in one child (the test)")
     p.add_argument("--families", nargs="+", default=None, help="default: every family")
-    p.add_argument("--keep", type=float, default=0.8)
+    add_keep(p, 0.8, "fraction of parameters kept by every family (one value)")
     p.add_argument("--svdllm-dtypes", nargs="+", default=["stored", "float32", "bfloat16"])
     p.add_argument("--llama7b", action="store_true", help="add the LLaMA-7B SVD-LLM v1 row (~21 GB on disk)")
     p.add_argument("--llama7b-dtypes", nargs="+", default=["stored", "bfloat16"])
@@ -35,42 +37,39 @@ def add_arguments(p) -> None:
 
 
 def run(a) -> int:
-    import os
+    import shutil
     import tempfile
     import time
     from pathlib import Path
 
     import torch
 
-    from ..decode import copy_bandwidth
+    from ..host import copy_bandwidth, machine
     from ..load import FAMILIES, format_table, run_rows
+    from ..options import one
     from ..results import ResultFiles, load_average, slug
 
-    shape = "quick" if a.quick else a.shape
-    fams = a.families or list(FAMILIES)
-    files = ResultFiles(a.out, "load", slug(shape, f"k{a.keep}"))
+    shape, keep = "quick" if a.quick else a.shape, one(a.keep, "--keep")
+    files = ResultFiles(a.out, "load", slug(shape, f"k{keep}"))
     mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
-    res = {"command": a.command_line, "shape": shape, "keep": a.keep, "note": a.note,
-           "machine": f"{os.cpu_count()} CPUs, {mem / 2 ** 30:.0f} GiB RAM" if mem else f"{os.cpu_count()} CPUs",
+    res = {"command": a.command_line, "shape": shape, "keep": keep, "note": a.note,
+           "machine": {**machine(), "memory_gib": round(mem / 2 ** 30, 1) if mem else None},
            "threads": torch.get_num_threads(), "load_average": {"start": load_average()},
-           "copy_bandwidth_GBps": copy_bandwidth(torch.device("cpu")),
+           "copy_bandwidth_GBps": copy_bandwidth("cpu"),
            "contract": "peak RSS - baseline <= 1.15 x loaded model bytes + 0.5 GB; >= 1 GB/s of file bytes "
                        "(warm page cache) for SVD-LLM v1; a refusal reads only the pickle / header", "rows": []}
     root = Path(a.workdir) if a.workdir else Path(tempfile.mkdtemp(prefix="lowrank_load_"))
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        res["rows"] += run_rows(shape, fams, {"svdllm": a.svdllm_dtypes}, root / shape, a.keep,
+        res["rows"] += run_rows(shape, a.families or list(FAMILIES), {"svdllm": a.svdllm_dtypes}, root / shape, keep,
                                 refusal=not a.no_refusal, one_child_per_row=not a.quick)
         files.write(res, md=format_table(res))
         if a.llama7b:
-            rows = run_rows("llama-7b", ["svdllm"], {"svdllm": a.llama7b_dtypes}, root / "llama-7b", a.keep,
-                            refusal=False)
-            res["rows"] += rows
+            res["rows"] += run_rows("llama-7b", ["svdllm"], {"svdllm": a.llama7b_dtypes}, root / "llama-7b", keep,
+                                    refusal=False)
     finally:
         if not a.workdir:
-            import shutil
-
             shutil.rmtree(root, ignore_errors=True)
     res["load_average"]["end"] = load_average()
     res["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -1,0 +1,114 @@
+"""THE host facts every benchmark records beside its timings: CPU name, core count, copy and read bandwidth, the
+process's resident memory, and :class:`CpuClocked` (the calling thread's CPU time of every decode step).
+
+A leaf: it imports nothing of lowrank_lib but the timing helper (:mod:`lowrank_lib.bench.timing`, itself a leaf),
+so every benchmark, the child-process worker and the notebooks can use it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from .timing import summary, timed
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cores() -> int:
+    return os.cpu_count() or 0
+
+
+def machine(**extra) -> dict:
+    """The machine of a result: CPU, cores, torch and Python versions (and ``extra``, e.g. a peer's version)."""
+    return {"cpu": cpu_name(), "cores": cores(), "torch": torch.__version__, "python": platform.python_version(),
+            **extra}
+
+
+def _bandwidth(device, nbytes: int, repeats: int, copy: bool) -> float:
+    device = torch.device(device)
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src) if copy else None
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    ts = timed((lambda: dst.copy_(src)) if copy else src.sum, repeats + 1, sync)[1:]
+    return (2 if copy else 1) * src.numel() * 4 / (summary(ts)["median_ms"] / 1e3) / 1e9
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Copy bandwidth in GB/s: 2 * nbytes (read + write) / median time of ``dst.copy_(src)`` (one warm-up copy
+    first; on CUDA every copy is bracketed by a device sync). ``device``: a ``torch.device`` or its name."""
+    return _bandwidth(device, nbytes, repeats, copy=True)
+
+
+def read_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
+    """Read-only stream bandwidth in GB/s: nbytes / median time of ``src.sum()`` over fp32 (one warm-up first): what a
+    decode GEMV, which only reads its weights, can reach. On some hosts it sits well below :func:`copy_bandwidth`
+    (one AMD EPYC VM: 9.5 vs 12 GB/s), so a copy roofline of 1.0 is out of reach there."""
+    return _bandwidth(device, nbytes, repeats, copy=False)
+
+
+def status_bytes(key: str) -> int | None:
+    """A field of this process's ``/proc/self/status`` in bytes (``VmRSS``, ``VmHWM`` = peak RSS, ``RssAnon``,
+    ``RssFile``); ``None`` where there is no such file."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class CpuClocked:
+    """A runner (:class:`lowrank_lib.runtime.Runner`) that also records the calling thread's CPU seconds of every
+    ``step`` (``cpu_s``); every other member is the wrapped runner's (``runner``).
+
+    At 1 thread every runner computes on the calling thread, so this is the wall time an idle core would give:
+    robust to other processes taking turns on a shared machine (not to their memory traffic)."""
+
+    def __init__(self, runner):
+        self.runner, self.cpu_s = runner, []
+        self.device, self.lm_head_mode = runner.device, runner.lm_head_mode
+
+    @property
+    def capture_s(self) -> float:
+        return self.runner.capture_s
+
+    @property
+    def compiled(self) -> bool:
+        return self.runner.compiled
+
+    def prefill(self, input_ids, attention_mask=None):
+        return self.runner.prefill(input_ids, attention_mask)
+
+    def step(self, tokens):
+        c0 = time.thread_time()
+        y = self.runner.step(tokens)
+        self.cpu_s.append(time.thread_time() - c0)
+        return y
+
+    def prepare(self, B: int) -> float:
+        return self.runner.prepare(B)
+
+    def invalidate(self) -> None:
+        self.runner.invalidate()
+
+    def counters(self) -> dict:
+        return self.runner.counters()
+
+    def reset_counters(self) -> None:
+        """Zero the runner's counters and this wrapper's CPU times (count the timed generations only)."""
+        self.runner.reset_counters()
+        self.cpu_s.clear()
