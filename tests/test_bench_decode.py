@@ -23,7 +23,7 @@ from lowrank_lib.runtime.profiling import DispatchCounter, op_class
 
 def test_cli_writes_json_and_table(tmp_path, capsys):
     argv = ["decode", "--model", "tiny-gqa", "--prompt-len", "16", "--gen-len", "4", "--repeats", "1",
-            "--systems", "hf_static,engine,naive", "--out", str(tmp_path), "--threads", "1"]
+            "--systems", "hf_static", "engine", "naive", "--out", str(tmp_path), "--threads", "1"]
     assert main(argv) == 0
     assert main(argv) == 0                                  # second run: a new file, never overwritten
     files = sorted(p.name for p in tmp_path.glob("decode_*.json"))
@@ -57,7 +57,7 @@ def test_one_cli_for_every_benchmark():
                              "gpu-session", "peer"}
     for name in COMMANDS:
         a = ap.parse_args([name])
-        assert a.out == "benchmarks/results" and hasattr(a._module, "run")
+        assert a.out == "benchmarks/results" and hasattr(a.command_module, "run")
 
 
 def test_result_writer_never_overwrites(tmp_path):

@@ -7,12 +7,12 @@ import json
 import torch
 
 from lowrank_lib.bench.cli import COMMANDS, main
-from lowrank_lib.kv.tiers import cpu_lrk_unavailable
+from lowrank_lib.kv.tiers import lrk_tiers_unavailable
 
 
 def test_quick_run_writes_every_system_row(tmp_path):
     assert "kv-decode" in COMMANDS
-    assert main(["kv-decode", "--quick", "--methods", "composed-kvzip-q8", "attsvd", "--budgets", "0.5",
+    assert main(["kv-decode", "--quick", "--methods", "composed-kvzip-q8", "attsvd", "--budget", "0.5",
                  "--graph", "none", "--out", str(tmp_path), "--threads", "1"]) == 0
     res = json.loads((tmp_path / "kv_decode.json").read_text())
     rows = res["rows"]
@@ -27,6 +27,6 @@ def test_quick_run_writes_every_system_row(tmp_path):
         else:
             assert 0 < r["bytes_ratio"] <= 0.5 * 1.05 or r["system"] == "attsvd"   # AttSVD keeps its window exact
             # attention "auto": the fused tier kernel wherever it can run (the row says which ran)
-            fused = cpu_lrk_unavailable(torch.device("cpu"), 64, torch.float32) is None
-            assert r["attention_kernel"] == ("cpu_lrk" if fused else "portable"), r
+            fused = lrk_tiers_unavailable(torch.device("cpu"), 64, torch.float32) is None
+            assert r["attention_kernel"] == ("lrk_tiers" if fused else "portable"), r
     assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and (tmp_path / "kv_decode.txt").exists()

@@ -11,7 +11,7 @@ from lowrank_lib.eval.kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRON
 from lowrank_lib.kv.methods.attsvd import rank_for_budget
 
 FIELDS = {"policy", "kind", "prefill", "budget", "bytes_ratio", "kl_mean", "kl_std", "ppl", "ppl_dense", "windows"}
-ARGS = ["kv-frontier", "--quick", "--windows", "2", "--budgets", "0.5", "0.25"]
+ARGS = ["kv-frontier", "--quick", "--windows", "2", "--budget", "0.5", "0.25"]
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +55,11 @@ def test_sharded_runs_merge_to_the_full_run(full, tmp_path):
 
 
 def test_windows_as_sweep_tasks_equal_the_single_run(full, tmp_path):
-    """--tasks 2 (the executor: serial here; Ray with --executor ray) merges to the one-task result."""
+    """--parts 2 (the executor: serial here; Ray with --executor ray) merges to the one-task result."""
     _, res = full
-    assert main([*ARGS, "--tasks", "2", "--out", str(tmp_path)]) == 0
+    assert main([*ARGS, "--parts", "2", "--out", str(tmp_path)]) == 0
     split = json.loads((tmp_path / "kv_frontier.json").read_text())
-    assert split["tasks"] == 2
+    assert split["parts"] == 2
     key = lambda r: (r["policy"], r["budget"])
     a, b = sorted(res["rows"], key=key), sorted(split["rows"], key=key)
     assert [key(r) for r in a] == [key(r) for r in b]

@@ -1,43 +1,102 @@
-"""One flag vocabulary across the bench commands: --prompt-len / --gen-len / --threads, space-separated lists (a
-comma-separated value still splits), old spellings kept as deprecated aliases that warn and set the new option."""
+"""ONE flag vocabulary across every bench command (:mod:`lowrank_lib.bench.options`): the parser of every
+subcommand in ``cli.COMMANDS`` is walked; a second spelling of a concept, or a canonical flag of another shape
+(not a space-separated list of its type), fails."""
 from __future__ import annotations
+
+import argparse
+import re
 
 import pytest
 
-from lowrank_lib.bench.cli import COMMANDS, parser
+from lowrank_lib.bench import cli
+from lowrank_lib.bench.options import VOCABULARY
+
+CANONICAL = {flag: type_ for flag, type_, _ in VOCABULARY.values()}
+#: shapes that spell a vocabulary concept (or a retired alias) another way
+SECOND_SPELLING = re.compile(r"seq-len|context|lengths|prefill|max-new|tokens|keep|budget|thread|prompt-len|(^|-)gen|"
+                             r"(^|-)(cont|new|step|len)($|-)")
+#: flags that match a shape above but name another concept, each with its reason (options.py's second table)
+ALLOWED = {
+    "--calib-len": "tokens per calibration sample (quality), not an evaluated prompt",
+    "--longctx-len": "prompt tokens of the long-context tasks, beside the quality windows' --prompt-len (attsvd)",
+    "--longctx-budget": "the --budget of the long-context tasks, beside the quality windows' --budget (attsvd)",
+    "--budget-s": "seconds of device time (gpu-session: the GPU guide's command line), not KV bytes",
+}
 
 
-def _parse(*argv):
-    return parser().parse_args(list(argv))
+def subparsers(ap: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
-def test_lists_take_both_styles():
-    a = _parse("decode", "--systems", "engine", "engine_step")
-    b = _parse("decode", "--systems", "engine,engine_step")
-    assert a.systems == b.systems == ["engine", "engine_step"]
-    assert _parse("fidelity", "--dtypes", "fp32").dtypes == ["fp32"]
-    assert _parse("kv-decode", "--budgets", "0.5", "0.25").budgets == [0.5, 0.25]
+def vocabulary_errors(ap: argparse.ArgumentParser) -> list[str]:
+    """Every broken rule of the vocabulary in every subcommand of ``ap``."""
+    errors = []
+    for name, sub in subparsers(ap).items():
+        flags = {s: a for a in sub._actions for s in a.option_strings if s.startswith("--")}
+        if "--threads" not in flags:
+            errors.append(f"{name}: no --threads")
+        for flag, a in flags.items():
+            if flag in CANONICAL:
+                if a.nargs != "+" or a.type is not CANONICAL[flag]:
+                    errors.append(f"{name} {flag}: nargs={a.nargs!r} type={a.type}, the vocabulary says "
+                                  f"nargs='+' type={CANONICAL[flag].__name__}")
+            elif flag == "--tasks":
+                if a.type not in (None, str) or a.nargs not in ("+", "*"):
+                    errors.append(f"{name} --tasks: task names are a list of str, got nargs={a.nargs!r} {a.type}")
+            elif SECOND_SPELLING.search(flag[2:]) and flag not in ALLOWED:
+                errors.append(f"{name} {flag}: a second spelling of a vocabulary concept")
+    return errors
 
 
-@pytest.mark.parametrize("argv,dest,value", [
-    (("kv-decode", "--new", "7"), "gen_len", 7),
-    (("fidelity", "--tokens", "9"), "gen_len", 9),
-    (("factor-space", "--gen", "3"), "gen_len", 3),
-    (("kv-tasks", "--max-new", "5"), "gen_len", 5),
-    (("kv-tasks", "--lengths", "256", "512"), "prompt_len", [256, 512]),
-    (("kv-frontier", "--prefill", "128"), "prompt_len", [128]),
-    (("attsvd", "--prefill", "64", "96"), "prompt_len", [64, 96]),
+def test_every_command_speaks_the_one_vocabulary():
+    errors = vocabulary_errors(cli.parser())
+    assert not errors, "\n".join(errors)
+
+
+@pytest.mark.parametrize("add, why", [
+    (lambda p: p.add_argument("--contexts", type=int, nargs="+"), "second spelling"),
+    (lambda p: p.add_argument("--prefill", type=int), "second spelling"),
+    (lambda p: p.add_argument("--max-new", type=int), "second spelling"),
+    (lambda p: p.add_argument("--cont", type=int), "second spelling"),
+    (lambda p: p.add_argument("--keeps", type=float, nargs="+"), "second spelling"),
+    (lambda p: p.add_argument("--count-tokens", type=int), "second spelling"),
+    (lambda p: p.add_argument("--gen-len", type=int), "nargs=None"),
+    (lambda p: p.add_argument("--budget", type=int, nargs="+"), "type=<class 'int'>"),
+    (lambda p: p.add_argument("--tasks", type=int), "task names"),
 ])
-def test_old_spellings_warn_and_set_the_new_option(capsys, argv, dest, value):
-    assert getattr(_parse(*argv), dest) == value
-    assert "deprecated" in capsys.readouterr().err
+def test_the_walk_fails_on_a_broken_parser(add, why):
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers().add_parser("x")
+    sub.add_argument("--threads", type=int, nargs="+")
+    add(sub)
+    errors = vocabulary_errors(ap)
+    assert len(errors) == 1 and why in errors[0], errors
 
 
-def test_every_command_has_threads_and_new_names_only_in_help():
-    p = parser()
-    sub = next(a for a in p._actions if a.dest == "command")
-    for name in COMMANDS:
-        text = sub.choices[name].format_help()
-        assert "--threads" in text, name
-        for old in ("--new ", "--tokens ", "--max-new", "--prefill "):
-            assert old not in text, (name, old)
+def test_a_command_without_threads_fails():
+    ap = argparse.ArgumentParser()
+    ap.add_subparsers().add_parser("x")
+    assert vocabulary_errors(ap) == ["x: no --threads"]
+
+
+def test_lists_and_one_value():
+    a = cli.parser().parse_args(["decode", "--systems", "engine", "engine_step", "--keep", "0.5"])
+    assert a.systems == ["engine", "engine_step"] and a.keep == [0.5] and a.prompt_len == [512]
+    assert cli.parser().parse_args(["kv-decode", "--budget", "0.5", "0.25"]).budget == [0.5, 0.25]
+    with pytest.raises(SystemExit):                    # a value of the wrong type is a usage error
+        cli.parser().parse_args(["decode", "--prompt-len", "x"])
+    with pytest.raises(SystemExit, match="--keep takes one value"):
+        cli.main(["decode", "--keep", "0.5", "0.6", "--out", "/nonexistent"])
+
+
+def test_threads_one_value_or_a_declared_sweep(monkeypatch):
+    """A command outside cli.THREAD_SWEEPS runs at one thread count; a sweep takes several."""
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    with pytest.raises(SystemExit, match="--threads takes one value"):
+        cli.main(["layout", "--threads", "1", "2"])
+    assert calls == []
+    assert cli.parser().parse_args(["kv-decode", "--threads", "1", "2"]).threads == [1, 2]
+    assert cli.THREAD_SWEEPS <= set(cli.COMMANDS)

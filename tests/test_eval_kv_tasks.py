@@ -138,8 +138,8 @@ def test_quick_command_writes_the_schema(tmp_path):
 
     assert "kv-tasks" in COMMANDS
     pols = ["dense", "kvzip", "snapkv", "attsvd-ext", "composed-kvzip-q8"]
-    assert main(["kv-tasks", "--quick", "--prompt-len", "384", "--budgets", "0.5", "0.25", "--policies", *pols,
-                 "--tasks-list", "needle_single", "variable_tracking", "--out", str(tmp_path)]) == 0
+    assert main(["kv-tasks", "--quick", "--prompt-len", "384", "--budget", "0.5", "0.25", "--policies", *pols,
+                 "--tasks", "needle_single", "variable_tracking", "--out", str(tmp_path)]) == 0
     res = json.loads((tmp_path / "kv_tasks_tiny-gqa_L384_n1.json").read_text())
     fields = {"policy", "kind", "length", "budget", "bytes_ratio", "task", "exact", "partial", "n"}
     assert all(fields <= set(r) for r in res["rows"])

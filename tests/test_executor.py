@@ -150,8 +150,8 @@ def test_attsvd_sweep_split_into_tasks_equals_one_budget_sweep(smollm2, tmp_path
     from lowrank_lib.bench.cli import main
     from lowrank_lib.eval.kv_sweep import SweepConfig, budget_sweep
 
-    argv = ["attsvd", "--out", str(tmp_path), "--prefill", "32", "48", "--windows", "1", "--cont", "8",
-            "--budgets", "0.5", "--methods", "attsvd", "streamingllm", "--lengths"]
+    argv = ["attsvd", "--out", str(tmp_path), "--prompt-len", "32", "48", "--windows", "1", "--gen-len", "8",
+            "--budget", "0.5", "--methods", "attsvd", "streamingllm", "--tasks"]
     assert main(argv) == 0
     (path,) = tmp_path.glob("attsvd_*.json")
     got = json.loads(path.read_text())

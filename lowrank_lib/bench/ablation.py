@@ -46,12 +46,6 @@ def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def quartiles_ms(samples_s: list[float]) -> tuple[float, float]:
-    """(first, third) quartile of ``samples_s`` (seconds) in ms; both the value itself for one sample."""
-    st = summary(samples_s)
-    return st["q1_ms"], st["q3_ms"]
-
-
 def _generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
     """One short warm-up generation per runner (graph capture / compile apart), then ``repeats`` interleaved
     rounds (rotated order, :mod:`.timing`) of a ``gen_len`` generation each. Per key: the raw samples."""
@@ -68,7 +62,7 @@ def _generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -
     steps = interleaved_samples({k: generation(k) for k in runners}, repeats)
     return {k: {"steps": steps[k], "prefill": [o.prefill_s for o in outs[k]],
                 "per_repeat": [summary(o.step_s)["median_ms"] for o in outs[k]],
-                "capture_s": getattr(runners[k], "capture_s", 0.0)} for k in runners}
+                "capture_s": runners[k].capture_s} for k in runners}
 
 
 def _pool(a: dict, b: dict) -> dict:

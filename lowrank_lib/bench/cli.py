@@ -3,7 +3,9 @@
 Each command is a module in :data:`COMMANDS` exposing ``add_arguments(parser)`` and ``run(args) -> int``
 (its docstring's first line is the help); adding a benchmark is one module and one line here. Every
 command takes ``--out FOLDER`` (default ``benchmarks/results``; results are written by
-:mod:`lowrank_lib.bench.results`, never overwritten) and ``--threads N`` (``torch.set_num_threads``; a command that sweeps thread counts, ``peer``, owns it).
+:mod:`lowrank_lib.bench.results`, never overwritten) and ``--threads`` (the :mod:`.options` vocabulary): a
+command in :data:`THREAD_SWEEPS` measures each thread count it is given and adds the flag itself (with its
+default); every other command gets it here and runs at ``torch.set_num_threads(one(--threads))``.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import argparse
 import importlib
 import sys
 
+from .options import add_threads, one
 from .results import DEFAULT_OUT
 
 #: command name -> module path (add_arguments(parser), run(args) -> int)
@@ -31,6 +34,9 @@ COMMANDS: dict[str, str] = {
     "load": "lowrank_lib.bench.commands.load",
 }
 
+#: commands whose ``--threads`` is a sweep (each count measured in the same run); they add the flag themselves
+THREAD_SWEEPS = frozenset({"peer", "kv-decode"})
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m lowrank_lib.bench", description=__doc__.split("\n")[0])
@@ -41,10 +47,10 @@ def parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=(mod.__doc__ or "").strip(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         p.add_argument("--out", default=DEFAULT_OUT, help="results folder (never a file; nothing is overwritten)")
-        if not getattr(mod, "OWN_THREADS", False):      # a command that sweeps thread counts owns --threads
-            p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (the CPU may be shared)")
+        if name not in THREAD_SWEEPS:
+            add_threads(p, None, "torch.set_num_threads, one value (default: torch's; the CPU may be shared)")
         mod.add_arguments(p)
-        p.set_defaults(_module=mod, _prog=f"python -m lowrank_lib.bench {name}")
+        p.set_defaults(command_module=mod)
     return ap
 
 
@@ -52,8 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
     args.command_line = " ".join(["python -m lowrank_lib.bench", *argv])     # recorded in every result
-    if args.threads and not getattr(args._module, "OWN_THREADS", False):
+    if args.command not in THREAD_SWEEPS and args.threads:
         import torch
 
-        torch.set_num_threads(args.threads)
-    return int(args._module.run(args) or 0)
+        torch.set_num_threads(one(args.threads, "--threads"))
+    return int(args.command_module.run(args) or 0)

@@ -17,9 +17,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..runtime import Engine, run_generation
 from ..runtime.baselines import make_runner
-from ..generation import run_generation
-from ..runtime.engine import Engine
 from ..runtime.profiling import per_token_counts
 from .timing import interleaved_samples, summary, timed
 
@@ -111,7 +110,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
     capture = {}
     for s, r in runners.items():     # warm-up (and graph capture / compile, timed apart)
         run_generation(r, ids, min(4, cfg.gen_len))
-        capture[s] = getattr(r, "capture_s", 0.0)
+        capture[s] = r.capture_s
     outs = {s: [] for s in runners}
 
     def generation(s):

@@ -4,8 +4,8 @@ adapter against the engine's dense store, the same context, the same step mode, 
 Per context and thread count, each system is its own :class:`~lowrank_lib.runtime.Engine` (the dense store, or a
 :class:`~lowrank_lib.kv.engine_adapter.MethodStore` of a registry method at a budget) that prefilled the same
 prompt; decode ms/token is the median over every step of every round (:mod:`.timing`); attention ms/token is the
-median time of one decode attention of every layer (the store's ``attend`` through the KVStore protocol, after the
-last step). Everything a row says comes from the engine's own report: the step mode, the attention kernel and why.
+median time of one decode attention of every layer through the store
+(:func:`lowrank_lib.runtime.profiling.decode_attention`, after the last step). Everything a row says comes from the engine's own report: the step mode, the attention kernel and why.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ class KVDecodeConfig:
     """What ``bench kv-decode`` measures (the command's options)."""
 
     model: str = "smollm2"
-    contexts: list[int] = field(default_factory=lambda: [8000])
+    prompt_len: list[int] = field(default_factory=lambda: [8000])          # context lengths
     methods: list[str] = field(default_factory=lambda: ["composed-kvzip-q8"])
-    budgets: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125])
+    budget: list[float] = field(default_factory=lambda: [0.5, 0.25, 0.125])
     gen_len: int = 32                     # decode steps timed per round and system
     repeats: int = 3                      # rounds
     threads: list[int] = field(default_factory=lambda: [1])
@@ -41,7 +41,7 @@ def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
     from ..runtime import Engine, EngineConfig
 
     ecfg = EngineConfig(max_batch=1, max_seq_len=C + cfg.gen_len * cfg.repeats * len(cfg.threads) + 8, graph=cfg.graph)
-    systems = [("dense", None)] + [(m, b) for m in cfg.methods for b in cfg.budgets]
+    systems = [("dense", None)] + [(m, b) for m in cfg.methods for b in cfg.budget]
     out = {}
     for label, b in systems:
         kv = None if b is None else MethodStore(make_method(label, b), tok, cfg.attention)
@@ -61,7 +61,8 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
 
     from .. import models
     from ..eval.kv_sweep import frontier_windows
-    from .decode import copy_bandwidth
+    from ..runtime.profiling import decode_attention
+    from .host import copy_bandwidth
     from .results import ResultFiles, load_average
     from .timing import interleaved, summary
 
@@ -69,10 +70,10 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
     model.eval()
     meta = {"command": command, "config": cfg.to_dict(), "load_average": {"start": load_average()},
             "copy_gbs": round(copy_bandwidth(torch.device("cpu")), 2), "note": "interleaved rounds (rotated order), medians over every step; "
-            "attention = one decode attention of every layer through the store's KVStore.attend"}
+            "attention = one decode attention of every layer through the store (runtime.profiling.decode_attention)"}
     rows: list[dict] = []
     files = ResultFiles(out_dir, "kv_decode")
-    for C in cfg.contexts:
+    for C in cfg.prompt_len:
         ids = frontier_windows(tok, model, 1, C + 1, cfg.seed)[:1]
         engines = build_engines(cfg, model, tok, ids, C)
         tok_next = {k: ids[:, C] for k in engines}
@@ -84,24 +85,13 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
                 tok_next[key] = eng.step(tok_next[key]).argmax(-1)
             return step
 
-        def attention(key, engines=engines):
-            eng = engines[key]
-            q = torch.randn(1, eng.n_kv, eng.n_heads // eng.n_kv, eng.head_dim, dtype=eng.dtype,
-                            generator=torch.Generator().manual_seed(1))
-
-            def attend_all():
-                ctx = eng.step_context(1, None if eng.graphs is not None else eng.cursor.host + 1)
-                for i in range(eng.n_layers):
-                    eng.kv.attend(i, q, ctx)
-            return attend_all
-
         for th in cfg.threads:
             torch.set_num_threads(th)
             with torch.no_grad():
                 steps = interleaved({k: stepper(k) for k in engines}, cfg.repeats, cfg.gen_len,
                                     progress=lambda r: print(f"context {C}, {th} thread(s): round {r + 1}/"
                                                              f"{cfg.repeats}", flush=True))
-                attn = interleaved({k: attention(k) for k in engines}, cfg.repeats, 5)
+                attn = interleaved({k: decode_attention(e) for k, e in engines.items()}, cfg.repeats, 5)
             d_ms, d_at = summary(steps[("dense", None)])["median_ms"], summary(attn[("dense", None)])["median_ms"]
             for (label, b), eng in engines.items():
                 rep = eng.report()

@@ -4,7 +4,7 @@ the AttSVD issue's acceptance checks (``targets``). The library of ``python -m l
     python -m lowrank_lib.bench attsvd                      # quick: tiny sizes (minutes on a 2-core CPU)
     python -m lowrank_lib.bench attsvd --report             # report parameters: SmolLM2, prefill 2k/4k/8k,
                                                             # 8 windows, long-context 1k-8k (hours on CPU)
-    python -m lowrank_lib.bench attsvd --prompt-len 2048 --windows 8 --budgets 0.5
+    python -m lowrank_lib.bench attsvd --prompt-len 2048 --windows 8 --budget 0.5
 
 The command writes ``attsvd_<model>_p<prefills>_n<windows>.json`` + ``.txt`` (the table: per method and
 budget the mean KL(dense || method) +- std over windows, continuation perplexity vs dense, measured

@@ -1,7 +1,7 @@
 """Quality table: every family at each keep, compressed -> written natively -> read back -> perplexity.
 
     python -m lowrank_lib.bench quality --threads 1                 # SmolLM2, keep 0.8 / 0.6 + dense
-    python -m lowrank_lib.bench quality --model tiny-smol --windows 1 --seq-len 128   # smoke run
+    python -m lowrank_lib.bench quality --model tiny-smol --windows 1 --prompt-len 128   # smoke run
 
 Each row is measured on the model READ BACK from the family's native checkpoint (the normalised
 representation), so the table also certifies the readers. Perplexity uses the first

@@ -13,7 +13,7 @@ from __future__ import annotations
 def add_arguments(p) -> None:
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes (pipeline check)")
     p.add_argument("--budget-s", type=float, default=500.0,
-                   help="stop starting stages that no longer fit (seconds from the start; default 500)")
+                   help="seconds of device time: stages that no longer fit are not started (default 500)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--stages", nargs="+", default=None, help="run only these stages (see lowrank_lib.bench.gpu)")
 
@@ -23,13 +23,11 @@ def run(a) -> int:
 
     import torch
 
-    from ..gpu import gpu_session
+    from ..gpu import checks_markdown, gpu_session
 
     if not a.dry_run and not torch.cuda.is_available():
         print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
         return 2
-    from ..gpu import checks_markdown
-
     res = gpu_session(a.out, a.budget_s, a.dry_run, a.repeats, stages=a.stages, command=a.command_line)
     checks, fs = res["gpu_checks"], res["factor_space"]
     print(checks_markdown(checks))

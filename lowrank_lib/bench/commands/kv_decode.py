@@ -1,7 +1,7 @@
 """KV decode speed: KV methods served by the engine adapter against the engine's dense store, ms/token at long context.
 
-    python -m lowrank_lib.bench kv-decode --contexts 8000 --threads 1          # SmolLM2, composed-kvzip-q8 at 0.5/0.25/0.125
-    python -m lowrank_lib.bench kv-decode --methods composed-kvzip-q8 kvzip attsvd --budgets 0.25
+    python -m lowrank_lib.bench kv-decode --prompt-len 8000 --threads 1         # SmolLM2, composed-kvzip-q8 at 0.5/0.25/0.125
+    python -m lowrank_lib.bench kv-decode --methods composed-kvzip-q8 kvzip attsvd --budget 0.25
     python -m lowrank_lib.bench kv-decode --quick                              # tiny random model, seconds (the test)
 
 Every system is its own engine that prefills the same WikiText-2 window (seeded random ids for a tokenizer-less
@@ -17,23 +17,22 @@ Library: ``lowrank_lib.bench.kv_decode``.
 """
 from __future__ import annotations
 
-OWN_THREADS = True
-QUICK = dict(model="tiny-gqa", contexts=[96, 192], gen_len=4, repeats=2)
+QUICK = dict(model="tiny-gqa", prompt_len=[96, 192], gen_len=4, repeats=2)
 
 
 def add_arguments(p) -> None:
     from ..kv_decode import KVDecodeConfig
-    from ..options import add_gen_len, add_list
+    from ..options import add_budget, add_gen_len, add_list, add_prompt_len, add_threads
 
     d = KVDecodeConfig()
     p.add_argument("--model", default=None, help=f"default {d.model} (tiny-gqa with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short contexts, 2 rounds")
-    add_list(p, "--contexts", int, d.contexts, "context lengths (prompt tokens)")
+    add_prompt_len(p, d.prompt_len, "context lengths (prompt tokens)")
     add_list(p, "--methods", str, d.methods, "KV registry methods (lowrank_lib.kv.METHODS)")
-    add_list(p, "--budgets", float, d.budgets, "byte budgets (fraction of the dense KV bytes held)")
-    add_gen_len(p, d.gen_len, "decode steps timed per round and system", old="--new")
+    add_budget(p, d.budget)
+    add_gen_len(p, d.gen_len, "decode steps timed per round and system")
     p.add_argument("--repeats", type=int, default=None, help=f"interleaved rounds (default {d.repeats})")
-    add_list(p, "--threads", int, d.threads, "torch thread counts (each measured side by side)")
+    add_threads(p, d.threads, "torch thread counts (each measured side by side)")
     p.add_argument("--graph", default=d.graph, choices=["whole-step", "none"], help="step mode of every engine")
     p.add_argument("--attention", default=d.attention, help="MethodStore attention backend (auto | portable | ...)")
     p.add_argument("--seed", type=int, default=d.seed)
@@ -41,10 +40,11 @@ def add_arguments(p) -> None:
 
 def run(a) -> int:
     from ..kv_decode import KVDecodeConfig, kv_decode
+    from ..options import one
 
     q = QUICK if a.quick else {}
-    cfg = KVDecodeConfig(model=a.model or q.get("model", "smollm2"), contexts=q.get("contexts", a.contexts),
-                         methods=a.methods, budgets=a.budgets, gen_len=q.get("gen_len", a.gen_len),
+    cfg = KVDecodeConfig(model=a.model or q.get("model", "smollm2"), prompt_len=q.get("prompt_len", a.prompt_len),
+                         methods=a.methods, budget=a.budget, gen_len=q.get("gen_len", one(a.gen_len, "--gen-len")),
                          repeats=a.repeats or q.get("repeats", KVDecodeConfig.repeats), threads=a.threads,
                          graph=a.graph, attention=a.attention, seed=a.seed)
     kv_decode(cfg, a.out, a.command_line)

@@ -4,9 +4,9 @@
     python -m lowrank_lib.bench kv-frontier --prompt-len 2048 4096
     python -m lowrank_lib.bench kv-frontier --quick                 # tiny random model, seconds (the test)
     python -m lowrank_lib.bench kv-frontier --shard 0/2 & ... --shard 1/2; then --merge A.json B.json
-    python -m lowrank_lib.bench kv-frontier --tasks 8 --executor ray [--address auto]   # one task per window set
+    python -m lowrank_lib.bench kv-frontier --parts 8 --executor ray [--address auto]   # one task per window set
 
-``--tasks N`` splits the windows into N sweep tasks (:mod:`lowrank_lib.executor`: serial by default, Ray
+``--parts N`` splits the windows into N sweep tasks (:mod:`lowrank_lib.executor`: serial by default, Ray
 with ``--executor ray``); the result is rewritten, merged, as each task finishes, and a task that fails twice
 is reported by name after the others ran (the merged file then holds the finished windows).
 
@@ -18,32 +18,25 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
-    import argparse
-
-    from ..options import Deprecated
     from ...eval.kv_sweep import FRONTIER_BUDGETS, FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK
+    from ...executor import add_arguments as add_executor_arguments
+    from ...kv import METHODS, method_kind
+    from ..options import add_budget, add_gen_len, add_prompt_len
 
     p.add_argument("--model", default=None, help="default smollm2 (tiny-gqa with --quick)")
     p.add_argument("--quick", action="store_true", help="tiny random model, short prefill, 2 windows")
-    p.add_argument("--prompt-len", type=int, nargs="+", help="prefill lengths (space-separated; default 2048)")
-    p.add_argument("--prefill", type=int, nargs="+", dest="prompt_len", action=Deprecated, new="--prompt-len",
-                   help=argparse.SUPPRESS)
+    add_prompt_len(p, None, "prefill lengths (default 2048)")
     p.add_argument("--windows", type=int)
-    p.add_argument("--cont", type=int, help="teacher-forced continuation tokens (default 64)")
-    p.add_argument("--budgets", type=float, nargs="+", default=list(FRONTIER_BUDGETS))
-    from ...kv import METHODS, method_kind
-
-    by_kind = lambda k: sorted(n for n in METHODS if method_kind(n) == k)
-    p.add_argument("--eviction", nargs="*", default=list(FRONTIER_EVICTION), choices=by_kind("eviction"))
-    p.add_argument("--lowrank", nargs="*", default=list(FRONTIER_LOWRANK), choices=by_kind("lowrank"))
-    p.add_argument("--composed", nargs="*", default=list(FRONTIER_COMPOSED), choices=by_kind("composed"))
+    add_gen_len(p, None, "teacher-forced continuation tokens (default 64)")
+    add_budget(p, FRONTIER_BUDGETS)
+    for kind, default in (("eviction", FRONTIER_EVICTION), ("lowrank", FRONTIER_LOWRANK), ("composed", FRONTIER_COMPOSED)):
+        p.add_argument(f"--{kind}", nargs="*", default=list(default),
+                       choices=sorted(n for n in METHODS if method_kind(n) == kind))
     p.add_argument("--window", type=int, default=32, help="exact recent window (AttSVD; policies without their own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard", default=None, help="K/N: only windows w with w %% N == K (merge the shards after)")
     p.add_argument("--merge", nargs="+", default=None, help="shard JSON files to merge into one result")
-    p.add_argument("--tasks", type=int, default=1, help="split the windows into this many sweep tasks")
-    from ...executor import add_arguments as add_executor_arguments
-
+    p.add_argument("--parts", type=int, default=1, help="split the windows into this many sweep tasks")
     add_executor_arguments(p)
 
 
@@ -55,6 +48,7 @@ def run(a) -> int:
 
     from ...eval.kv_sweep import FRONTIER_QUICK, FRONTIER_REPORT, FrontierConfig, frontier_table, kv_frontier, \
         merge_frontier
+    from ..options import one
     from ..results import ResultFiles, slug
 
     if a.merge:
@@ -73,18 +67,18 @@ def run(a) -> int:
         k, n = (int(x) for x in a.shard.split("/"))
         ids = [w for w in range(windows) if w % n == k]
     cfg = FrontierConfig(model=model, prompt_len=a.prompt_len or preset["prefill"], windows=windows,
-                         cont=a.cont or preset["cont"], budgets=a.budgets,
+                         cont=one(a.gen_len, "--gen-len") or preset["cont"], budgets=a.budget,
                          policies=[*a.eviction, *a.lowrank, *a.composed], window=a.window, seed=a.seed, window_ids=ids)
     files = ResultFiles(a.out, "kv_frontier", slug("shard" + a.shard.replace("/", "of")) if a.shard else "")
     meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
-            "executor": a.executor, "tasks": a.tasks}
-    if a.tasks <= 1 and a.executor == "serial":
+            "executor": a.executor, "parts": a.parts}
+    if a.parts <= 1 and a.executor == "serial":
         res = kv_frontier(cfg, checkpoint=lambda partial: files.write(partial | meta)) | meta
     else:
         from ...executor import SweepError, Task, from_args, run_sweep
 
         mine = ids if ids is not None else list(range(windows))
-        groups = [g for g in (mine[i::a.tasks] for i in range(max(a.tasks, 1))) if g]
+        groups = [g for g in (mine[i::a.parts] for i in range(max(a.parts, 1))) if g]
         tasks = [Task(f"windows_{'-'.join(map(str, g))}", kv_frontier, (cfg.with_windows(g),)) for g in groups]
         parts = []
 

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 
 def add_arguments(p) -> None:
+    from ..options import add_keep
+
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--keep", type=float, default=0.5)
+    add_keep(p, 0.5)
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--working-set-mb", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
@@ -18,15 +20,17 @@ def run(a) -> int:
     from ...runtime.config import parse_dtype
     from ..layout import engine_operand_shapes, format_layout_table, layout_bench
     from ..models import load_bench_models
+    from ..options import one
     from ..results import slug, write_result
 
-    _, comp, _ = load_bench_models(a.model, "svd", a.keep)
+    keep = one(a.keep, "--keep")
+    _, comp, _ = load_bench_models(a.model, "svd", keep)
     dt = parse_dtype(a.dtype)
     eng = Engine(comp, EngineConfig(max_seq_len=8, dtype=dt, weight_layout="out_major", fold_rope=True))
     res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
-    res.update(model=a.model, keep=a.keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res.update(model=a.model, keep=keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                command=a.command_line)
     table = format_layout_table(res)
     print(table)
-    print(f"wrote {write_result(a.out, 'layout', slug(Path(a.model).name, f'k{a.keep}', res['dtype']), res, md=table)}")
+    print(f"wrote {write_result(a.out, 'layout', slug(Path(a.model).name, f'k{keep}', res['dtype']), res, md=table)}")
     return 0
