@@ -334,14 +334,14 @@ ONE_LAYER_1B = dict(layers=1, overrides={"vocab_size": 8192})
 
 @pytest.fixture(scope="module")
 def shape_1b(tmp_path_factory):
-    from lowrank_lib.bench.models import load_shape_model
+    from lowrank_lib.models import load_shape_model
 
     d = tmp_path_factory.mktemp("shapes")
     return d, load_shape_model("llama3.2-1b", cache_dir=d, progress=False, **ONE_LAYER_1B)
 
 
 def test_shape_models_are_memory_mapped_reproducible_and_factored(shape_1b, tmp_path):
-    from lowrank_lib.bench.models import SHAPES, load_shape_model, shape_config
+    from lowrank_lib.models import SHAPES, load_shape_model, shape_config
     from lowrank_lib.factorized import LowRankLinear
     from lowrank_lib.ranks import keep_rank
 
@@ -441,7 +441,7 @@ def test_peer_scale_end_to_end_one_process_per_system(tmp_path):
 
 def test_gemv_classes_follow_the_engine_packing():
     from lowrank_lib.bench.gemv_classes import gemv_classes, measure
-    from lowrank_lib.bench.models import shape_config
+    from lowrank_lib.models import shape_config
     from lowrank_lib.ranks import keep_rank
 
     c = shape_config("llama2-7b")

@@ -438,7 +438,7 @@ def test_gemv_at_7b_and_1b_class_shapes(dtype):
 
 @pytest.fixture(scope="module")
 def one_layer_1b(tmp_path_factory):
-    from lowrank_lib.bench.models import load_shape_model
+    from lowrank_lib.models import load_shape_model
 
     d = tmp_path_factory.mktemp("shape")
     kw = dict(layers=1, overrides={"vocab_size": 4096}, cache_dir=d, progress=False)

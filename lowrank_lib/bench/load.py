@@ -33,7 +33,7 @@ from torch import nn
 
 from ..factorized import LLAMA_PARENT, LLAMA_PROJ, LowRankLinear, set_module
 from ..ranks import basis_sharing_num_basis, keep_rank
-from .models import LLAMA7B
+from ..models import LLAMA7B
 
 GB = 1 << 30          # GiB: sizes in the tables; throughput is file bytes / 1e9 per second
 

@@ -567,7 +567,7 @@ def save(res: dict, out_dir, table: str | None = None) -> Path:
 def add_arguments(p: argparse.ArgumentParser, out: bool = True) -> None:
     """The peer's options (the bench vocabulary, :mod:`lowrank_lib.bench.options`); ``out=False`` when the bench
     CLI already gives ``--out``."""
-    from .models import SHAPES
+    from ..models import SHAPES
     from .options import add_gen_len, add_list, add_prompt_len
 
     d = PeerConfig()

@@ -3,8 +3,8 @@
     python -m lowrank_lib.bench peer --shape llama3.2-1b            # bf16 + fp32, keep 0.5 / 0.8, 1 and 2 threads
     python -m lowrank_lib.bench peer --shape llama2-7b              # bf16
 
-Random weights at the real geometry (``bench.models.SHAPES``: decode speed does not depend on the
-values), written once as memory-mapped safetensors shards (``bench.models.write_shape_weights``):
+Random weights at the real geometry (``lowrank_lib.models.SHAPES``: decode speed does not depend on the
+values), written once as memory-mapped safetensors shards (``lowrank_lib.models.write_shape_weights``):
 the dense bf16 model and, per keep, random factors of the canonical ranks. Systems (``rows[].system``):
 
 =======================  =====================================================================================
@@ -90,7 +90,7 @@ class ScaleConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        from .models import SHAPES
+        from ..models import SHAPES
 
         if self.shape not in SHAPES:
             raise SystemExit(f"unknown shape {self.shape!r}: use one of {sorted(SHAPES)}")
@@ -131,7 +131,7 @@ def units(cfg: ScaleConfig) -> list[dict]:
 
 
 def gguf_dir(cfg: ScaleConfig) -> Path:
-    from .models import shape_dir
+    from ..models import shape_dir
 
     return shape_dir(cfg.shape, None, cfg.seed, cfg.layers, cfg.cache_dir, cfg.overrides) / "gguf"
 
@@ -144,7 +144,7 @@ def gguf_path(cfg: ScaleConfig, dtype: str) -> Path:
 def disk_needed(cfg: ScaleConfig) -> int:
     """Bytes the generated files take (weights, factors, GGUFs), estimated from the geometry."""
     from ..ranks import keep_rank
-    from .models import proj_shapes, shape_config
+    from ..models import proj_shapes, shape_config
 
     c = shape_config(cfg.shape, cfg.layers, cfg.overrides)
     proj = proj_shapes(c)
@@ -166,7 +166,7 @@ def prepare(cfg: ScaleConfig, log=print) -> dict:
     against the weights tensor by tensor after writing (bit-equal; BF16 = the bf16 weights), its size
     recorded in a marker beside it; a later run reuses files whose marker matches."""
     from . import gguf_export as ge
-    from .models import load_shape_model, write_shape_weights
+    from ..models import load_shape_model, write_shape_weights
 
     t0 = time.perf_counter()
     for k in (None, *cfg.keeps):
@@ -223,7 +223,7 @@ def run_unit(cfg: ScaleConfig, unit: dict, logits_path: str | None = None, progr
     from ..generation import run_generation
     from ..runtime.config import parse_dtype
     from .decode import copy_bandwidth, read_bandwidth
-    from .models import load_shape_model, shape_config
+    from ..models import load_shape_model, shape_config
     from .peer import CpuClocked, decode_stats, gguf_bytes_per_token, median_ms
     from .results import load_average
 
@@ -313,7 +313,7 @@ def run_gemv_classes(cfg: ScaleConfig, dtype: str) -> dict:
 
     from ..runtime.config import parse_dtype
     from .gemv_classes import measure
-    from .models import shape_config
+    from ..models import shape_config
 
     c = shape_config(cfg.shape, cfg.layers, cfg.overrides)
     out = []
@@ -503,7 +503,7 @@ def targets(comps: list[dict], rows: list[dict]) -> list[dict]:
 
 def cleanup(cfg: ScaleConfig) -> list[str]:
     """Delete the generated weights, factors and GGUFs of this shape / seed / layer count."""
-    from .models import shape_dir
+    from ..models import shape_dir
 
     gone = []
     for k in (None, *cfg.keeps):
