@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from lowrank_lib import models
-from lowrank_lib.bench import decode as decode_bench
+from lowrank_lib.bench import timing
 from lowrank_lib.bench.cli import COMMANDS, main, parser
-from lowrank_lib.bench.decode import copy_bandwidth, model_weight_bytes_per_token
+from lowrank_lib.bench.decode import model_weight_bytes_per_token
+from lowrank_lib.bench.host import copy_bandwidth
 from lowrank_lib.models import random_lowrank
 from lowrank_lib.bench.results import ResultFiles, slug, write_result
 from lowrank_lib.compress import compress_svd
@@ -104,7 +105,7 @@ def test_random_lowrank_shapes_and_bandwidth(monkeypatch):
     q = m.model.layers[0].self_attn.q_proj
     assert isinstance(q, LowRankLinear) and q.rank == keep_rank(64, 64, 0.5)
     # read + write bytes over the median copy time: each copy_ takes one tick of 2 ms here
-    monkeypatch.setattr(decode_bench.time, "perf_counter", _Clock(2e-3))
+    monkeypatch.setattr(timing.time, "perf_counter", _Clock(2e-3))
     n = 1 << 22
     assert copy_bandwidth(torch.device("cpu"), nbytes=n, repeats=3) == pytest.approx(2 * n / 2e-3 / 1e9)
 

@@ -1,25 +1,19 @@
 """Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV (library of ``bench factor-space``).
 
     python -m lowrank_lib.bench factor-space                     # attention per step, 1k-8k
-    python -m lowrank_lib.bench factor-space --e2e --ppl         # + SmolLM2 ms/token, ppl identity
+    python -m lowrank_lib.bench factor-space --e2e --ppl --prompt-len 2048   # + SmolLM2 ms/token, ppl identity
 
-Part 1 (``attention``): one decode step of ONE layer's attention at SmolLM2 head geometry (9 query
-heads, 3 KV heads, d = 64), batch 1, for: ``dense`` (our grouped attention on exact K/V), ``sdpa``
-(torch SDPA, enable_gqa), ``rebuild`` (AttSVD's decode: A B rebuilt then dense attention, as the
-cache does it: fresh tensors + concatenation), ``rebuildpre`` (the same rebuild into K/V buffers
-allocated once: only the GEMMs) and
-``factor`` (factor space), at r/d = 0.5 and 0.25 with an exact window of w tokens. All routes are
-timed side by side in one run, interleaved call by call in a rotated order (:mod:`.timing`); medians are reported,
-and the per-token attention estimate multiplies by the layer count.
+Part 1 (``attention``, :class:`AttnBenchConfig`): one decode step of ONE layer's attention at SmolLM2 head geometry
+(9 query heads, 3 KV heads, d = 64), batch 1: ``dense`` (our grouped attention on exact K/V), ``sdpa`` (torch
+SDPA, enable_gqa), ``rebuild`` (AttSVD's decode as the cache does it: A B rebuilt into fresh tensors, then dense
+attention), ``rebuildpre`` (the same rebuild into K/V buffers allocated once: only the GEMMs) and ``factor``
+(factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`.timing`),
+medians with quartiles, the per-token estimate x the layer count, the cost model (:mod:`.cost`) beside them.
 
-Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each length: dense
-``DynamicCache``, AttSVD rebuild (the cache's own path) and AttSVD factor space, from ONE recorded
-prefill and ONE compression per rank (the factor cache is a deep copy of the same compressed cache),
-decode steps interleaved across routes (rotated order). ``--ppl``: the continuation perplexity of the AttSVD issue
-(``eval.kvquality.continuation_quality``) through both routes. ``--engine``: the runtime Engine with its
-dense store vs with the AttSVD store.
-
-Results: ``factor_space_<tag>.json`` and ``.md`` through :mod:`lowrank_lib.bench.results`.
+Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each
+length: the dense cache, AttSVD read by rebuild-then-attend and in factor space (ONE fit per rank, two readers),
+steps interleaved. ``--engine``: the runtime Engine, dense store vs the AttSVD store. ``--ppl``: the continuation
+perplexity of the AttSVD issue (``eval.kvquality.continuation_quality``) through both readers.
 """
 from __future__ import annotations
 
@@ -29,9 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..attsvd.basis import attention_svd
-from ..attsvd.factor_space import dense_attention, factor_space_attention, rebuild_then_attend
-from ..attsvd.kv import LowRankKV
+from ..attsvd import LowRankKV, attention_svd, factor_space_attention, rebuild_then_attend
+from ..attsvd.factor_space import dense_attention
 from ..compat import cache_kw
 from ..geometry import geometry
 from .cost import step_cost
@@ -39,7 +32,7 @@ from .timing import interleaved, summary
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    """||a - b|| / ||b|| in float64 (0 when both are zero)."""
+    """||a - b|| / ||b|| in float64 (the plain norm of the difference when b is zero)."""
     a, b = a.detach().double(), b.detach().double()
     den = b.norm()
     return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
@@ -89,85 +82,55 @@ def cuda_graphed(fn):
     return g.replay
 
 
-def time_interleaved(fns: dict, repeats: int, warmup: int, device: str = "cpu", seed: int = 0,
-                     inner: int = 1, samples: dict | None = None) -> dict[str, float]:
-    """Median seconds per call of each ``fns[name]()``: :func:`.timing.interleaved` (``warmup`` untimed calls
-    each, then ``repeats`` rounds in a rotated order), each sample ``inner`` back-to-back calls (divided out)
-    bracketed by device syncs on CUDA. ``samples``: a dict that receives every repeat's seconds per name (the
-    spread behind the medians). ``seed`` is kept for callers: the rotated order needs none.
-    """
-    sync = torch.cuda.synchronize if device.startswith("cuda") else None
-    times = interleaved(fns, repeats, warmup=warmup, sync=sync, inner=inner)
-    if samples is not None:
-        samples.update(times)
-    return {n: summary(v)["median_ms"] / 1e3 for n, v in times.items()}
-
-
-def _kv_inputs(cfg: AttnBenchConfig, n: int, gen: torch.Generator):
-    dt = getattr(torch, cfg.dtype)
-    shape = (cfg.batch, cfg.kv_heads, n, cfg.head_dim)
-    k = torch.randn(shape, generator=gen).to(cfg.device, dt)
-    v = torch.randn(shape, generator=gen).to(cfg.device, dt)
-    q = torch.randn(cfg.batch, cfg.q_heads, 1, cfg.head_dim, generator=gen).to(cfg.device, dt)
-    return q, k, v
-
-
 def _rebuild_preallocated(q, kv: LowRankKV, seg, n_b: int):
-    """Rebuild into K/V buffers allocated once (window already in place), then dense attention.
-
-    The fairest rebuild: no allocation or concatenation per step, only the S r d GEMMs.
-    """
-    k_buf, v_buf = kv.dense()
-    k_buf, v_buf = k_buf.clone(), v_buf.clone()
+    """Rebuild into K/V buffers allocated once (window already in place), then dense attention: the fairest
+    rebuild, no allocation or concatenation per step, only the n r d GEMMs."""
+    k_buf, v_buf = (t.clone() for t in kv.dense())
 
     def run():
         if seg is not None:
-            a_k, b_k, a_v, b_v = seg
-            torch.matmul(a_k, b_k, out=k_buf[:, :, :n_b])
-            torch.matmul(a_v, b_v, out=v_buf[:, :, :n_b])
+            torch.matmul(seg[0], seg[1], out=k_buf[:, :, :n_b])
+            torch.matmul(seg[2], seg[3], out=v_buf[:, :, :n_b])
         return dense_attention(q, k_buf, v_buf)
-
     return run
 
 
 @torch.inference_mode()
 def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
-    """Rows {context, route, rank, ms_step, ms_token_est, flops, bytes_read, bytes_stored, rel_err_vs_rebuild}."""
+    """Rows {context, route, rank, ms_step (+ q1 / q3), ms_token_est, flops / bytes_read / bytes_stored per KV head,
+    rel_err_vs_rebuild}."""
     gen = torch.Generator().manual_seed(cfg.seed)
+    dt = getattr(torch, cfg.dtype)
+    sync = torch.cuda.synchronize if cfg.device.startswith("cuda") else None
     rows = []
-    g = cfg.q_heads // cfg.kv_heads
-    esize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     for n in tqdm(cfg.contexts, desc="attention contexts", disable=not progress):
-        q, k, v = _kv_inputs(cfg, n, gen)
+        k, v = (torch.randn(cfg.batch, cfg.kv_heads, n, cfg.head_dim, generator=gen).to(cfg.device, dt) for _ in "kv")
+        q = torch.randn(cfg.batch, cfg.q_heads, 1, cfg.head_dim, generator=gen).to(cfg.device, dt)
         w = min(cfg.window, n)
         fns = {"dense": lambda: dense_attention(q, k, v),
                "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)}
         kvs = {}
         for r in cfg.ranks():
             seg = svd_run(k[:, :, :n - w], v[:, :, :n - w], r) if n > w else None
-            kv = LowRankKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
-            kvs[r] = kv
-            fns[f"rebuild_r{r}"] = (lambda kv=kv: rebuild_then_attend(q, kv))
+            kvs[r] = kv = LowRankKV([seg] if seg is not None else [], k[:, :, n - w:].clone(), v[:, :, n - w:].clone())
+            fns[f"rebuild_r{r}"] = lambda kv=kv: rebuild_then_attend(q, kv)
             fns[f"rebuildpre_r{r}"] = _rebuild_preallocated(q, kv, seg, n - w)
-            fns[f"factor_r{r}"] = (lambda kv=kv: factor_space_attention(q, kv))
+            fns[f"factor_r{r}"] = lambda kv=kv: factor_space_attention(q, kv)
         if cfg.cuda_graphs and cfg.device.startswith("cuda"):
             fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
-        samples: dict = {}
-        med = time_interleaved(fns, cfg.repeats, cfg.warmup, cfg.device, cfg.seed, cfg.inner, samples=samples)
-        for name, t in med.items():
-            route, r = (name, cfg.head_dim) if "_r" not in name else (name.split("_r")[0], int(name.split("_r")[1]))
-            model_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
-            c = step_cost(model_route, n, cfg.head_dim, r, window=0 if model_route == "dense" else w, group=g,
-                          dtype_bytes=esize)
-            err = None
-            if route == "factor":
-                err = rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
-            st = summary(samples[name])
-            rows.append({"context": n, "route": route, "rank": r, "ms_step": t * 1e3, "ms_step_q1": st["q1_ms"],
-                         "ms_step_q3": st["q3_ms"],
-                         "ms_token_est": t * 1e3 * cfg.layers, "flops_per_kv_head": c.flops,
-                         "bytes_read_per_kv_head": c.bytes_read, "bytes_stored_per_kv_head": c.bytes_stored,
-                         "rel_err_vs_rebuild": err})
+        times = interleaved(fns, cfg.repeats, warmup=cfg.warmup, sync=sync, inner=cfg.inner)
+        for name, ts in times.items():
+            route, r = name.split("_r")[0], int(name.split("_r")[1]) if "_r" in name else cfg.head_dim
+            cost_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
+            c = step_cost(cost_route, n, cfg.head_dim, r, window=0 if cost_route == "dense" else w,
+                          group=cfg.q_heads // cfg.kv_heads, dtype_bytes=dt.itemsize)
+            st = summary(ts)
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": st["median_ms"], "ms_step_q1": st["q1_ms"],
+                         "ms_step_q3": st["q3_ms"], "ms_token_est": st["median_ms"] * cfg.layers,
+                         "flops_per_kv_head": c.flops, "bytes_read_per_kv_head": c.bytes_read,
+                         "bytes_stored_per_kv_head": c.bytes_stored,
+                         "rel_err_vs_rebuild": rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
+                         if route == "factor" else None})
     return rows
 
 
@@ -176,14 +139,11 @@ def attention_ratios(rows: list[dict]) -> list[dict]:
     out = []
     by = {(r["context"], r["route"], r["rank"]): r["ms_step"] for r in rows}
     for n in sorted({r["context"] for r in rows}):
-        dense = [by[k] for k in by if k[0] == n and k[1] in ("dense", "sdpa")]
-        best_dense = min(dense)
+        best_dense = min(by[k] for k in by if k[0] == n and k[1] in ("dense", "sdpa"))
         for r in sorted({r["rank"] for r in rows if r["route"] == "factor" and r["context"] == n}, reverse=True):
-            f = by[(n, "factor", r)]
-            pre = by.get((n, "rebuildpre", r))
-            out.append({"context": n, "rank": r, "factor_ms": f, "rebuild_ms": by[(n, "rebuild", r)],
-                        "rebuild_prealloc_ms": pre, "best_dense_ms": best_dense,
-                        "rebuild_over_factor": by[(n, "rebuild", r)] / f,
+            f, reb, pre = by[(n, "factor", r)], by[(n, "rebuild", r)], by.get((n, "rebuildpre", r))
+            out.append({"context": n, "rank": r, "factor_ms": f, "rebuild_ms": reb, "rebuild_prealloc_ms": pre,
+                        "best_dense_ms": best_dense, "rebuild_over_factor": reb / f,
                         "rebuild_prealloc_over_factor": None if pre is None else pre / f,
                         "dense_over_factor": best_dense / f})
     return out
@@ -350,22 +310,27 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
 
 
 # --------------------------------------------------------------------------- report
+def attention_table(ratios: list[dict], layers: int, digits: int = 3) -> list[str]:
+    """The Markdown table of :func:`attention_ratios` (ms per layer and step; the per-token estimate x ``layers``)."""
+    f = f"{{:.{digits}f}}"
+    lines = ["| context | rank | factor ms | rebuild ms | rebuild (prealloc) ms | best dense ms | rebuild/factor | "
+             "rebuild (prealloc)/factor | dense/factor | per-token attn (x layers) factor / rebuild / dense ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in ratios:
+        ms = " | ".join(f.format(r[k]) for k in ("factor_ms", "rebuild_ms", "rebuild_prealloc_ms", "best_dense_ms"))
+        lines.append(f"| {r['context']} | {r['rank']} | {ms} | {r['rebuild_over_factor']:.1f}x | "
+                     f"{r['rebuild_prealloc_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x | "
+                     f"{r['factor_ms'] * layers:.1f} / {r['rebuild_ms'] * layers:.1f} / {r['best_dense_ms'] * layers:.1f} |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     """Tables of a result dict as Markdown."""
-    lines = [f"# factor-space attention benchmark ({result['meta']['when']}, {result['meta']['machine']})", ""]
     a = result["attention"]
-    lines += [f"## attention per decode step, one layer ({a['config']['q_heads']} q / {a['config']['kv_heads']} kv "
-              f"heads, d={a['config']['head_dim']}, w={a['config']['window']}, {a['config']['dtype']}, "
-              f"median of {a['config']['repeats']})", "",
-              "| context | rank | factor ms | rebuild ms | rebuild (prealloc) ms | best dense ms | rebuild/factor | "
-              "rebuild (prealloc)/factor | dense/factor | per-token attn (x layers) factor / rebuild / dense ms |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
-    L = a["config"]["layers"]
-    for r in a["ratios"]:
-        lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.3f} | {r['rebuild_ms']:.3f} | "
-                     f"{r['rebuild_prealloc_ms']:.3f} | {r['best_dense_ms']:.3f} | {r['rebuild_over_factor']:.1f}x | "
-                     f"{r['rebuild_prealloc_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x | "
-                     f"{r['factor_ms'] * L:.1f} / {r['rebuild_ms'] * L:.1f} / {r['best_dense_ms'] * L:.1f} |")
+    c = a["config"]
+    lines = [f"# factor-space attention benchmark ({result['meta']['when']}, {result['meta']['machine']})", "",
+             f"## attention per decode step, one layer ({c['q_heads']} q / {c['kv_heads']} kv heads, d={c['head_dim']}, "
+             f"w={c['window']}, {c['dtype']}, median of {c['repeats']})", "", *attention_table(a["ratios"], c["layers"])]
     if result.get("decode"):
         lines += ["", "## SmolLM2 end-to-end greedy decode (median ms/token)", "",
                   "| context | route | rank | ms/token | memory ratio | tokens = rebuild | max logit rel err |",

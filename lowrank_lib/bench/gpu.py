@@ -34,9 +34,8 @@ import traceback
 
 import torch
 
-from ..attsvd.factor_space import factor_space_attention, rebuild_then_attend
-from ..attsvd.kv import LowRankKV
-from .factor_space import AttnBenchConfig, attention_ratios, bench_attention, rel_err, svd_run
+from ..attsvd import LowRankKV, factor_space_attention, rebuild_then_attend
+from .factor_space import AttnBenchConfig, attention_ratios, attention_table, bench_attention, rel_err, svd_run
 
 GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step")
 
@@ -298,12 +297,5 @@ def speed_setting(models_, model: str, p: int, g: int, systems, dtype: str, devi
 
 
 def _factor_md(key: str, g: dict, cfg, ratios) -> list[str]:
-    lines = [f"## {key}: {g['q_heads']} q / {g['kv_heads']} kv heads, d={g['head_dim']}, {cfg.dtype}, "
-             f"per layer per step (ms), x{g['layers']} layers for the per-token estimate", "",
-             "| context | rank | factor | rebuild | rebuild (prealloc) | best dense | rebuild/factor | "
-             "rebuild (prealloc)/factor | dense/factor |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in ratios:
-        lines.append(f"| {r['context']} | {r['rank']} | {r['factor_ms']:.4f} | {r['rebuild_ms']:.4f} | "
-                     f"{r['rebuild_prealloc_ms']:.4f} | {r['best_dense_ms']:.4f} | {r['rebuild_over_factor']:.1f}x | "
-                     f"{r['rebuild_prealloc_over_factor']:.1f}x | {r['dense_over_factor']:.2f}x |")
-    return lines + [""]
+    return [f"## {key}: {g['q_heads']} q / {g['kv_heads']} kv heads, d={g['head_dim']}, {cfg.dtype}, per layer per "
+            f"step (ms), x{g['layers']} layers for the per-token estimate", "", *attention_table(ratios, g["layers"], 4), ""]
