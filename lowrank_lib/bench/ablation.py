@@ -79,16 +79,11 @@ def _row(raw: dict) -> dict:
 
 
 def time_runners(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
-    """:func:`time_runner` for several runners side by side: one warm-up each, then ``repeats`` interleaved rounds
-    (rotated order), so their ratios are measured on the same load. Returns {key: the row of time_runner}."""
+    """Several runners side by side: one warm-up each, then ``repeats`` interleaved rounds (rotated order), so their
+    ratios are measured on the same load. Per key: median decode ms/token over every step of every repeat with its
+    quartiles (``decode_ms_q1`` / ``decode_ms_q3``), each repeat's median step (``decode_ms_repeats``), the median
+    prefill ms (every repeat's in ``prefill_ms_repeats``) and ``capture_s``."""
     return {k: _row(raw) for k, raw in _generations(runners, ids, gen_len, repeats).items()}
-
-
-def time_runner(runner, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
-    """One warm-up, then ``repeats`` generations: median decode ms/token over every step of every repeat,
-    its quartiles (``decode_ms_q1`` / ``decode_ms_q3``), each repeat's median step (``decode_ms_repeats``),
-    and the median prefill ms (every repeat's in ``prefill_ms_repeats``)."""
-    return time_runners({0: runner}, ids, gen_len, repeats)[0]
 
 
 def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int = 32, repeats: int = 2,

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..attsvd import LowRankKV, attention_svd, factor_space_attention, rebuild_then_attend
 from ..attsvd.factor_space import dense_attention
 from ..compat import cache_kw
+from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
 from ..geometry import geometry
 from .cost import step_cost
 from .timing import interleaved, summary
@@ -176,7 +177,8 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
     """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}: the AttSVD cache
     (``KVCache``) read by the paper's rebuild-then-attend backend and in factor space, and the dense cache."""
     from ..data import tokens
-    from ..kv.hf_adapter import KVCache, dense_cache, record, tiered_attention
+    from ..kv import KVCache, record
+    from ..kv.hf_adapter import dense_cache, tiered_attention
 
     ids_all = tokens(tok, "test")
     d = geometry(model).head_dim
@@ -230,7 +232,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     the ratios are measured side by side; the first step is a warm-up.
     """
     from ..data import tokens
-    from ..kv.engine_adapter import MethodStore
+    from ..kv import MethodStore
     from ..runtime import Engine, EngineConfig
 
     ids_all = tokens(tok, "test")
@@ -266,47 +268,6 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
                          "tokens": toks[(route, r)]})
         del engines
     return rows
-
-
-@torch.inference_mode()
-def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int = 2048, cont_len: int = 128,
-                         n_windows: int = 2, window: int = 32, identity_frac: float | None = 0.5,
-                         progress: bool = True) -> dict:
-    """The AttSVD issue's continuation protocol (``eval.kvquality.continuation_quality``) per rank.
-
-    Every rank decodes in factor space; at ``identity_frac`` (r/d) the paper's rebuild-then-attend path runs too,
-    on the same windows, so the identity of the two paths shows in the same numbers.
-    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}, "factor_calls",
-    "rebuild_calls" (tiered attention calls of each reader: both really ran)}.
-    """
-    from ..eval.kvquality import continuation_quality, wikitext_windows
-
-    d = geometry(model).head_dim
-    ranks = {f: max(1, round(f * d)) for f in rank_fracs}
-    methods = {f"factor@{f}": _attsvd(r, window) for f, r in ranks.items()}
-    attention = {}
-    if identity_frac is not None:
-        ir = max(1, round(identity_frac * d))
-        methods["rebuild@identity"] = methods["factor@identity"] = _attsvd(ir, window)
-        attention["rebuild@identity"] = "rebuild"
-    wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
-    res = continuation_quality(model, wins, prefill_len, methods, progress=progress, attention=attention)
-    rows = [{"rank_frac": f, "rank": r, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
-             "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
-            for f, r in ranks.items()]
-    out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
-           "ppl_dense": next(iter(res.values())).ppl_dense, "rows": rows}
-    if identity_frac is not None:
-        reb, fac = res["rebuild@identity"], res["factor@identity"]
-        out["identity"] = {"rank": ir, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
-                           "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
-                           "memory_ratio_factor": fac.memory_ratio,
-                           "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
-                           "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
-    # which reader really ran: the tiered attention calls of every factor-space method and of the rebuild one
-    out["factor_calls"] = sum(res[f"factor@{f}"].attention_calls.get("portable", 0) for f in ranks)
-    out["rebuild_calls"] = res["rebuild@identity"].attention_calls.get("rebuild", 0) if identity_frac is not None else 0
-    return out
 
 
 # --------------------------------------------------------------------------- report

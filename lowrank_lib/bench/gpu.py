@@ -45,8 +45,7 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
     """Engine vs HF DynamicCache on a tiny model (fp32; flash_attn in bf16 against HF bf16)."""
     from .. import models
     from ..compress import compress_svd
-    from ..generation import run_generation
-    from ..runtime import Engine, EngineConfig
+    from ..runtime import Engine, EngineConfig, run_generation
     from ..runtime.baselines import HFRunner
 
     rows = []
@@ -147,8 +146,7 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
     """The Engine with the AttSVD method (engine adapter, r/d 0.5), eager vs graph modes, on a random tiny-smol
     model (fp32): one capture per request shape, replayed for every step."""
     from .. import models
-    from ..kv import make_method
-    from ..kv.engine_adapter import MethodStore
+    from ..kv import MethodStore, make_method
     from ..runtime import Engine, EngineConfig
 
     model = models.tiny_model("tiny-smol", seed=0).to(dev)

@@ -36,8 +36,7 @@ def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
     ``ids[:, :C]`` (its own prefill: a method fits inside its engine, KVzip's reconstruction forward included)."""
     import time
 
-    from ..kv import make_method
-    from ..kv.engine_adapter import MethodStore
+    from ..kv import MethodStore, make_method
     from ..runtime import Engine, EngineConfig
 
     ecfg = EngineConfig(max_batch=1, max_seq_len=C + cfg.gen_len * cfg.repeats * len(cfg.threads) + 8, graph=cfg.graph)

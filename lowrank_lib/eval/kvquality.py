@@ -113,3 +113,45 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
                                   statistics.fmean(mem[name]), statistics.fmean(mem_end[name]), N * (T - 1),
                                   report[name], calls[name])
     return out
+
+
+@torch.inference_mode()
+def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int = 2048, cont_len: int = 128,
+                         n_windows: int = 2, window: int = 32, identity_frac: float | None = 0.5,
+                         progress: bool = True) -> dict:
+    """The AttSVD issue's continuation protocol (:func:`continuation_quality`) per AttSVD rank r = frac x d.
+
+    Every rank decodes in factor space; at ``identity_frac`` (r/d) the paper's rebuild-then-attend path runs too,
+    on the same windows, so the identity of the two paths shows in the same numbers.
+    Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}, "factor_calls",
+    "rebuild_calls" (tiered attention calls of each reader: both really ran)}.
+    """
+    from ..geometry import geometry
+    from ..kv import make_method
+
+    d = geometry(model).head_dim
+    ranks = {f: max(1, round(f * d)) for f in rank_fracs}
+    methods = {f"factor@{f}": make_method("attsvd", rank=r, window=window) for f, r in ranks.items()}
+    attention = {}
+    if identity_frac is not None:
+        ir = max(1, round(identity_frac * d))
+        methods["rebuild@identity"] = methods["factor@identity"] = make_method("attsvd", rank=ir, window=window)
+        attention["rebuild@identity"] = "rebuild"
+    wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
+    res = continuation_quality(model, wins, prefill_len, methods, progress=progress, attention=attention)
+    rows = [{"rank_frac": f, "rank": r, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
+             "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
+            for f, r in ranks.items()]
+    out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
+           "ppl_dense": next(iter(res.values())).ppl_dense, "rows": rows}
+    if identity_frac is not None:
+        reb, fac = res["rebuild@identity"], res["factor@identity"]
+        out["identity"] = {"rank": ir, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
+                           "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
+                           "memory_ratio_factor": fac.memory_ratio,
+                           "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
+                           "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
+    # which reader really ran: the tiered attention calls of every factor-space method and of the rebuild one
+    out["factor_calls"] = sum(res[f"factor@{f}"].attention_calls.get("portable", 0) for f in ranks)
+    out["rebuild_calls"] = res["rebuild@identity"].attention_calls.get("rebuild", 0) if identity_frac is not None else 0
+    return out
