@@ -6,7 +6,6 @@ The export and schema tests always run; the llama.cpp tests need the optional ``
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -216,39 +215,7 @@ def test_cli_lists_take_the_bench_vocabulary():
     assert s.threads == (1, 2) and s.gen_len == 8 and s.prompt_len == 16 and s.keeps == (0.5,) and s.layers == 1
 
 
-def _committed(pattern: str = "peer_cpu*.json"):
-    return sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob(pattern))
-
-
-@pytest.mark.parametrize("p", _committed(), ids=lambda p: p.name)
-def test_committed_result_has_the_schema(p):
-    """Every committed benchmarks/results/peer_cpu*.json (from a real run) holds what the issue asks for."""
-    res = json.loads(p.read_text())
-    assert res["rows"] and isinstance(res["copy_bandwidth_GBps"], float) and res["command"].startswith("python -m")
-    for r in res["rows"]:
-        assert set(peer.ROW_KEYS) <= set(r) and r.get("lm_head", "exact") in peer.LM_HEADS
-        assert r["system"] in peer.SYSTEMS and r["dtype"] in ("fp32", "bf16") and r["threads"] >= 1
-        assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
-    assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
-    assert "tokens_equal" in res["equivalence"]
-
-
-@pytest.mark.parametrize("p", _committed("peer_scale_*.json"), ids=lambda p: p.name)
-def test_committed_shape_result_has_the_schema(p):
-    """Every committed peer_scale_<shape>.json: the issue's row keys, each roofline factor recomputable from its
-    own row, llama.cpp dense and our dense and low-rank rows for every dtype, and a verdict for every target."""
-    from lowrank_lib.bench import peer_scale as ps
-
-    res = json.loads(p.read_text())
-    assert res["command"].startswith("python -m lowrank_lib.bench peer --shape ") and res["rows"]
-    for r in res["rows"]:
-        assert set(ps.ROW_KEYS) <= set(r) and p.name == f"peer_scale_{r['shape']}.json"
-        assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 /
-                                                (r["weight_bytes_per_token"] / (r["copy_gbs"] * 1e9)), rel=1e-6)
-    for dt in {r["dtype"] for r in res["rows"] if r["system"] == "lowrank_lib_dense"}:
-        assert {r["system"] for r in res["rows"] if r["dtype"] == dt} >= {"llamacpp_dense", "lowrank_lib_dense",
-                                                                          "lowrank_lib_lowrank"}
-    assert res["targets"] and all(isinstance(t["met"], bool) and t["measured"] > 0 for t in res["targets"])
+# the committed results' schema and verdict tests: tests/test_committed_results.py
 
 
 # --------------------------------------------------------------------------- llama.cpp itself

@@ -1,0 +1,313 @@
+"""The committed measurements: ``benchmarks/results/*.json`` and the README tables that cite them.
+
+Three kinds of check, all on the committed files (no benchmark runs here):
+
+- schema: every committed peer / peer-scale result holds what its issue asks for;
+- verdicts: every target's ``met`` is what its ``measured`` and ``bound`` say (direction from the recorded ``op``,
+  or, in files written before ``op`` was recorded, from the target's name: a speed-up must reach its bound, a
+  ratio of times or a roofline factor must stay under it), and ``measured`` is what the rows say; the same for the
+  pass flags of the KV-memory frontier and the AttSVD acceptance checks;
+- the README: every number of the tables that cite a committed JSON (the peer tables, the kv-decode table, the
+  load table, the peer-scale tables) equals the JSON's, rounded as printed.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from lowrank_lib.bench import peer
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def _committed(pattern: str = "peer_cpu*.json"):
+    return sorted(RESULTS.glob(pattern))
+
+
+def _load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+# --------------------------------------------------------------------------- schema (moved from test_bench_peer.py)
+@pytest.mark.parametrize("p", _committed(), ids=lambda p: p.name)
+def test_committed_result_has_the_schema(p):
+    """Every committed benchmarks/results/peer_cpu*.json (from a real run) holds what the issue asks for."""
+    res = json.loads(p.read_text())
+    assert res["rows"] and isinstance(res["copy_bandwidth_GBps"], float) and res["command"].startswith("python -m")
+    for r in res["rows"]:
+        assert set(peer.ROW_KEYS) <= set(r) and r.get("lm_head", "exact") in peer.LM_HEADS
+        assert r["system"] in peer.SYSTEMS and r["dtype"] in ("fp32", "bf16") and r["threads"] >= 1
+        assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
+    assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
+    assert "tokens_equal" in res["equivalence"]
+
+
+@pytest.mark.parametrize("p", _committed("peer_scale_*.json"), ids=lambda p: p.name)
+def test_committed_shape_result_has_the_schema(p):
+    """Every committed peer_scale_<shape>.json: the issue's row keys, each roofline factor recomputable from its
+    own row, llama.cpp dense and our dense and low-rank rows for every dtype, and a verdict for every target."""
+    from lowrank_lib.bench import peer_scale as ps
+
+    res = json.loads(p.read_text())
+    assert res["command"].startswith("python -m lowrank_lib.bench peer --shape ") and res["rows"]
+    for r in res["rows"]:
+        assert set(ps.ROW_KEYS) <= set(r) and p.name == f"peer_scale_{r['shape']}.json"
+        assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 /
+                                                (r["weight_bytes_per_token"] / (r["copy_gbs"] * 1e9)), rel=1e-6)
+    for dt in {r["dtype"] for r in res["rows"] if r["system"] == "lowrank_lib_dense"}:
+        assert {r["system"] for r in res["rows"] if r["dtype"] == dt} >= {"llamacpp_dense", "lowrank_lib_dense",
+                                                                          "lowrank_lib_lowrank"}
+    assert res["targets"] and all(isinstance(t["met"], bool) and t["measured"] > 0 for t in res["targets"])
+
+
+# --------------------------------------------------------------------------- verdicts
+def _direction(target: dict) -> str:
+    """The comparison a target's ``met`` stands for: the recorded ``op``, else (files written before ``op`` was
+    recorded) read from the name: a speed-up (faster = larger) must reach its bound; a ratio of times
+    (``dense_ratio``: ours / llama.cpp) or a roofline factor (time / bytes-bound time) must stay under it."""
+    name = target["target"]
+    by_name = ">=" if "speedup" in name else "<=" if ("ratio" in name or "roofline_x" in name) else None
+    op = target.get("op", by_name)
+    assert op in (">=", "<="), f"no direction for target {name!r}: record its op"
+    assert by_name in (None, op), f"target {name!r}: op {op} contradicts its name"
+    return op
+
+
+def _head(r: dict) -> str:
+    """A row's LM head: ``"exact"`` / ``"certified"`` (peer), ``{"mode": ...}`` (peer --shape), absent (llama.cpp)."""
+    h = r.get("lm_head") or "exact"
+    return h["mode"] if isinstance(h, dict) else h
+
+
+def _decode(rows, lm_head="exact", **key) -> dict:
+    """THE row with this LM head matching ``key``."""
+    got = [r for r in rows if _head(r) == lm_head and all(r.get(k) == v for k, v in key.items())]
+    assert len(got) == 1, (key, lm_head, len(got))
+    return got[0]
+
+
+def _measured(res: dict, t: dict) -> float:
+    """A target's measured value recomputed from the file's rows (peer and peer --shape targets)."""
+    rows, name, dt = res["rows"], t["target"], t["dtype"]
+    if "shape" in t:                                           # bench/peer_scale.py
+        ll = _decode(rows, system="llamacpp_dense", dtype=dt, threads=1)["decode_ms_per_token"]
+        if name == "dense_speedup_vs_llamacpp_dense":
+            return ll / _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=1)["decode_ms_per_token"]
+        lr = _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=1, keep=t["keep"])
+        return {"roofline_x": lr["roofline_x"], "speedup_vs_llamacpp_dense": ll / lr["decode_ms_per_token"]}[name]
+    th = t["threads"]                                          # bench/peer.py
+    ll = _decode(rows, system="llamacpp_dense", dtype=dt, threads=th)["decode_ms_per_token"]
+    de = _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=th)
+    lr = _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=th)
+    if name == "certified_speedup_vs_llamacpp":
+        return ll / _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=th,
+                            lm_head="certified")["decode_ms_per_token"]
+    return {"lowrank_speedup_vs_llamacpp": ll / lr["decode_ms_per_token"],
+            "dense_ratio_vs_llamacpp": de["decode_ms_per_token"] / ll,
+            "lowrank_roofline_x": lr["roofline_x"]}[name]
+
+
+_WITH_TARGETS = [p for p in sorted(RESULTS.glob("*.json")) if isinstance(json.loads(p.read_text()).get("targets"), list)]
+
+
+def test_the_files_with_targets_are_the_peer_results():
+    """The verdict test below covers every committed file with a ``targets`` list (a new kind fails here first)."""
+    assert {p.name for p in _WITH_TARGETS} == {p.name for p in _committed() + _committed("peer_scale_*.json")}
+
+
+@pytest.mark.parametrize("p", _WITH_TARGETS, ids=lambda p: p.name)
+def test_every_target_met_agrees_with_measured_and_bound(p):
+    res = json.loads(p.read_text())
+    assert res["targets"]
+    for t in res["targets"]:
+        op = _direction(t)
+        assert t["met"] == (t["measured"] >= t["bound"] if op == ">=" else t["measured"] <= t["bound"]), t
+        assert t["measured"] == pytest.approx(_measured(res, t), rel=1e-9), t
+
+
+@pytest.mark.parametrize("p", _committed("kv_frontier*.json"), ids=lambda p: p.name)
+def test_every_frontier_pass_agrees_with_its_kl_and_bytes(p):
+    """``pass_target`` (``eval.kv_sweep.frontier_best``): ours has a lower KL than the best eviction policy at the
+    same budget and holds no more bytes than it (1 % of the budget as slack)."""
+    res = json.loads(p.read_text())
+    assert res["best"]
+    for b in res["best"]:
+        want = b["best_ours_kl"] < b["best_eviction_kl"] and b["best_ours_bytes"] <= b["best_eviction_bytes"] + 0.01 * b["budget"]
+        assert b["pass_target"] == want, b
+        assert b["kl_ratio_eviction_over_ours"] == pytest.approx(b["best_eviction_kl"] / b["best_ours_kl"], rel=1e-9)
+
+
+@pytest.mark.parametrize("p", _committed("attsvd_*.json"), ids=lambda p: p.name)
+def test_every_attsvd_pass_agrees_with_its_measurements(p):
+    """The AttSVD acceptance flags (``eval.kv_sweep.targets``): KL ratio >= 3, |ppl gap| <= 2 %, KL <= the best
+    eviction's, passkey >= dense's."""
+    res = json.loads(p.read_text())
+    assert res["targets"]
+    for t in res["targets"].values():
+        assert t["kl_ratio_svd_over_attsvd"] == pytest.approx(t["kl_svd"] / t["kl_attsvd"], rel=1e-9)
+        assert t["ppl_gap_pct"] == pytest.approx(100 * (t["ppl_attsvd"] / t["ppl_dense"] - 1), rel=1e-9)
+        assert t["pass_kl_3x"] == (t["kl_ratio_svd_over_attsvd"] >= 3.0)
+        assert t["pass_ppl_2pct"] == (abs(t["ppl_gap_pct"]) <= 2.0)
+        ev = t["best_eviction_kl"]
+        assert t["pass_vs_eviction"] == (ev is not None and t["kl_attsvd"] <= ev)
+        for tag in ("km", "ext"):
+            if f"pass_vs_eviction_{tag}" in t:
+                assert t[f"pass_vs_eviction_{tag}"] == (ev is not None and t[f"kl_attsvd_{tag}"] <= ev)
+        if "pass_passkey" in t:
+            assert t["pass_passkey"] == (t["passkey_attsvd"] >= t["passkey_dense"])
+
+
+# --------------------------------------------------------------------------- the README's tables
+def _readme_table(anchor: str) -> tuple[list[str], list[list[str]]]:
+    """The first markdown table after ``anchor`` in README.md: (header cells, rows of cells); cells stripped of
+    bold and backticks."""
+    text = (ROOT / "README.md").read_text()
+    assert text.count(anchor) == 1, f"README.md: {anchor!r} found {text.count(anchor)} times"
+    lines = text[text.index(anchor):].splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    block = []
+    for ln in lines[start:]:
+        if not ln.startswith("|"):
+            break
+        block.append([c.strip().replace("**", "").replace("`", "") for c in ln.strip().strip("|").split("|")])
+    assert set("".join(block[1])) <= set("-: "), block[1]
+    return block[0], block[2:]
+
+
+def _same(cell: str, value: float, what) -> None:
+    """``cell`` prints ``value`` rounded to the cell's own decimals (a trailing ``x`` allowed)."""
+    m = re.fullmatch(r"(-?\d+(?:\.(\d+))?)x?", cell.strip())
+    assert m, f"{what}: {cell!r} is not a number"
+    dec = len(m.group(2) or "")
+    assert abs(float(m.group(1)) - value) <= 0.5 * 10.0 ** -dec * (1 + 1e-9), f"{what}: README {cell}, JSON {value}"
+
+
+def _expand(cells: list[str]) -> list[list[str]]:
+    """One README row that prints two systems (``llama.cpp, Q8_0 / Q4_K_M | | 2 | 81.1 / 51.8 | ...``) -> two rows.
+    The label's later parts replace its last word (``keep 0.8 / 0.5`` -> ``keep 0.8``, ``keep 0.5``)."""
+    if " / " not in cells[0]:
+        return [cells]
+    parts = cells[0].split(" / ")
+    head = parts[0].rsplit(" ", 1)[0]
+    labels = [parts[0]] + [f"{head} {p}" for p in parts[1:]]
+    return [[lab] + [c.split(" / ")[i] if " / " in c else c for c in cells[1:]] for i, lab in enumerate(labels)]
+
+
+def _system(label: str) -> dict:
+    """A README system label -> the row key it names."""
+    m = re.fullmatch(r"(llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|Q8_0|Q4_K_M)( \+ certified head)?", label)
+    assert m, f"unknown system label {label!r}"
+    key = {"lm_head": "certified" if m.group(4) else "exact"}
+    if m.group(1) == "llama.cpp":
+        key["system"] = "llamacpp_dense"
+        if m.group(2) in ("Q8_0", "Q4_K_M"):
+            key["dtype"] = m.group(2).lower()
+    elif m.group(2) == "dense":
+        key["system"] = "lowrank_lib_dense"
+    else:
+        key["system"], key["keep"] = "lowrank_lib_lowrank", float(m.group(3))
+    return key
+
+
+#: README anchor (the bold path of the run the table shows), JSON, (threads when the table has no such column)
+PEER_TABLES = [("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
+               ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
+               ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
+               ("**`benchmarks/results/peer_scale_llama3.2-1b.json`**", "peer_scale_llama3.2-1b.json", None)]
+
+
+@pytest.mark.parametrize("anchor,name,threads", PEER_TABLES, ids=[t[1] for t in PEER_TABLES])
+def test_readme_peer_table_equals_the_json(anchor, name, threads):
+    res = _load(name)
+    header, rows = _readme_table(anchor)
+    col = {h: i for i, h in enumerate(header)}
+    seen = set()
+    for cells in (c for row in rows for c in _expand(row)):
+        key = _system(cells[0])
+        if "dtype" not in key:
+            key["dtype"] = cells[col["dtype"]]
+        assert cells[col["dtype"]] in ("", key["dtype"]), cells
+        key["threads"] = int(cells[col["threads"]]) if "threads" in col else threads
+        rows_ = [r for r in res["rows"] if r["system"] == key["system"] and r["dtype"] == key["dtype"]
+                 and r["threads"] == key["threads"] and _head(r) == key["lm_head"]
+                 and ("keep" not in key or r.get("keep", key["keep"]) == key["keep"])]
+        assert len(rows_) == 1, (name, cells, len(rows_))
+        r = rows_[0]
+        seen.add(id(r))
+        ref_dtype = key["dtype"] if key["dtype"] in ("fp32", "bf16") else "bf16"     # quantized: vs dense bf16
+        ll = [x for x in res["rows"] if x["system"] == "llamacpp_dense" and x["dtype"] == ref_dtype
+              and x["threads"] == key["threads"] and _head(x) == "exact"]
+        for h, i in col.items():
+            what = f"README table of {name}, row {cells[0]} {key['dtype']} {key['threads']}, column {h!r}"
+            if h in ("system", "dtype", "threads"):
+                continue
+            if h.startswith("vs llama.cpp dense"):
+                assert len(ll) == 1, what
+                _same(cells[i], ll[0]["decode_ms_per_token"] / r["decode_ms_per_token"], what)
+            else:
+                value = {"decode ms/token": lambda: r["decode_ms_per_token"], "prefill ms": lambda: r["prefill_ms"],
+                         "MB/token": lambda: r["weight_bytes_per_token"] / 1e6,
+                         "GB/token": lambda: r["weight_bytes_per_token"] / 1e9,
+                         "x roofline": lambda: r["roofline_x"], "x copy roofline": lambda: r["roofline_x"]}[h]()
+                _same(cells[i], value, what)
+    assert len(seen) >= len(rows)
+
+
+def test_readme_kv_decode_table_equals_the_json():
+    res = _load("kv_decode_3.json")
+    header, rows = _readme_table("`benchmarks/results/kv_decode_3.json`; SmolLM2 fp32")
+    assert header == ["system", "budget (bytes held)", "attention kernel", "ms/token (IQR)", "speed-up vs dense",
+                      "attention ms", "attention vs dense"]
+    assert len(rows) == len(res["rows"])
+    for cells in rows:
+        sys_, budget = cells[0], None if cells[0] == "dense" else float(cells[1])
+        (r,) = [r for r in res["rows"] if r["system"] == sys_ and r["budget"] == budget]
+        what = f"README kv-decode row {sys_} {budget}"
+        _same(cells[1], r["bytes_ratio"], what + " bytes held")
+        kernel, why = re.fullmatch(r"(\S+) \((.+)\)", cells[2]).groups()
+        assert kernel == r["attention_kernel"] and (("fused tier" in why) == ("fused tier" in r["attention_reason"]))
+        ms, lo, hi = re.fullmatch(r"([\d.]+) \(([\d.]+)-([\d.]+)\)", cells[3]).groups()
+        _same(ms, r["decode_ms_per_token"], what + " ms/token")
+        _same(lo, r["decode_iqr_ms"][0], what + " IQR low")
+        _same(hi, r["decode_iqr_ms"][1], what + " IQR high")
+        _same(cells[4].split(" (target")[0], r["speedup_vs_dense"], what + " speed-up")
+        _same(cells[5], r["attn_ms_per_token"], what + " attention ms")
+        _same(cells[6].split(" (target")[0], r["attn_ratio_vs_dense"], what + " attention ratio")
+
+
+#: the README's file labels of the load table -> (family, refusal)
+_LOAD_LABELS = {"SVD-LLM v1 (whole-model pickle)": ("svdllm", False), "SVD-LLM v2": ("svdllm_v2", False),
+                "Dobi-SVD (pickle": ("dobi", False), "Dobi-SVD remap": ("dobi-remap", False),
+                "Basis Sharing": ("basis_sharing", False), "ASVD": ("asvd", False), "Palu": ("palu", False),
+                "ours": ("lowrank", False), "the SVD-LLM v1 file with a refused global": ("svdllm", True),
+                "SVD-LLM v1, LLaMA-7B": ("svdllm", False)}
+
+
+def test_readme_load_table_equals_the_json():
+    res = _load("load_llama-3.2-1b_k0.8_3.json")
+    header, rows = _readme_table("`benchmarks/results/load_llama-3.2-1b_k0.8_3.json`), measured")
+    assert header == ["file", "shape", "loaded as", "file GiB", "model GiB", "wall s", "GB/s", "peak - baseline GiB",
+                      "limit GiB"]
+    assert len(rows) == len(res["rows"])
+    G = 2 ** 30
+    for cells in rows:
+        (family, refusal), = [v for k, v in _LOAD_LABELS.items() if cells[0].startswith(k)
+                              and not (k == "SVD-LLM v1 (whole-model pickle)" and "7B" in cells[0])]
+        shape = {"1B": "llama-3.2-1b", "7B": "llama-7b"}[cells[1]]
+        got = [r for r in res["rows"] if r["family"] == family and r["refusal"] == refusal and r["shape"] == shape
+               and (refusal or r["dtype"] == cells[2])]
+        assert len(got) == 1, cells
+        r, what = got[0], f"README load row {cells[:3]}"
+        _same(cells[3], r["file_bytes"] / G, what + " file GiB")
+        _same(cells[5], r["wall_s"], what + " wall s")
+        _same(cells[7], r["peak_over_baseline"] / G if "peak_over_baseline" in r
+              else (r["peak_rss"] - r["baseline_rss"]) / G, what + " peak - baseline")
+        for i, v in ((4, r.get("model_bytes")), (6, r.get("file_GBps")), (8, r.get("rss_limit"))):
+            if cells[i] == "-":
+                assert refusal, what
+            else:
+                _same(cells[i], v / G if i != 6 else v, what + f" {header[i]}")
