@@ -22,7 +22,8 @@ def run(a) -> int:
     from ..ablation import MECHANISMS, mechanism_table
     from ..models import load_bench_models
     from ..options import one
-    from ..results import slug, write_result
+    from ..results import ResultFiles, slug
+    from . import report
 
     keep, P, G = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len"), one(a.gen_len, "--gen-len")
     dense, comp, _ = load_bench_models(a.model, "svd", keep)
@@ -33,9 +34,7 @@ def run(a) -> int:
     lines = ["system | decode ms/tok | prefill ms | ops/tok | speedup", "---|---|---|---|---"]
     lines += [f"{r['system']} | {r['decode_ms']:.2f} | {r['prefill_ms']:.1f} | {r['ops_per_token']:.0f} | {r[key]:.2f}"
               for r in table]
-    print("\n".join(lines))
     res = {"model": a.model, "keep": keep, "dtype": a.dtype, "prompt_len": P, "gen_len": G,
            "repeats": a.repeats, "rows": table, "command": a.command_line}
     tag = slug(Path(a.model).name, f"k{keep}", a.dtype, f"p{P}", f"g{G}")
-    print(f"wrote {write_result(a.out, 'ablation', tag, res, md=chr(10).join(lines))}")
-    return 0
+    return report(ResultFiles(a.out, "ablation", tag), res, md="\n".join(lines))

@@ -5,8 +5,6 @@ parallel, each loading the model once); the JSON is rewritten after each finishe
 """
 from __future__ import annotations
 
-import sys
-
 #: the AttSVD variants and the layer-scope eviction scorers (the composed cache has its own frontier, kv-frontier)
 DEFAULT_METHODS = ("attsvd", "attsvd-stream", "svd", "attsvd-km", "attsvd-ext", "streamingllm", "h2o", "snapkv",
                    "keydiff", "h2o_norm", "expected_attention")
@@ -43,6 +41,7 @@ def run(a) -> int:
     from ...executor import SweepError, Task, from_args, run_sweep
     from ..options import one
     from ..results import ResultFiles, slug
+    from . import report, sweep_failed
 
     preset = REPORT if a.report else QUICK
     cfg = SweepConfig(model=a.model, prompt_len=a.prompt_len or preset["prefill"], windows=a.windows or preset["windows"],
@@ -65,14 +64,9 @@ def run(a) -> int:
     try:
         run_sweep(tasks, from_args(a), on_result=finished, desc="attsvd")
     except SweepError as e:
-        print(f"{e}\npartial results: {files.path}", file=sys.stderr)
-        return 1
+        return sweep_failed(e, files)
     res = merge(done, [t.name for t in tasks]) | meta
-    txt = table(res)
-    files.write(res, txt=txt)
-    print(txt)
-    print(f"\nwrote {files.path}")
-    return 0
+    return report(files, res, txt=table(res))
 
 
 def stage(cfg, prompt_len: list[int], lengths: list[int]) -> dict:

@@ -28,7 +28,8 @@ def run(a) -> int:
     from ...runtime.baselines import SYSTEMS
     from ..decode import DecodeBenchConfig, format_table, run_decode_bench
     from ..options import one
-    from ..results import write_result
+    from ..results import ResultFiles
+    from . import report
 
     unknown = [s for s in a.systems if s not in SYSTEMS]
     if unknown:
@@ -37,7 +38,4 @@ def run(a) -> int:
                             one(a.gen_len, "--gen-len"), a.batch, a.dtype, tuple(a.systems), a.repeats,
                             device=a.device, seed=a.seed)
     res = run_decode_bench(cfg)
-    table = format_table(res)
-    print(table)
-    print(f"\nwrote {write_result(a.out, 'decode', cfg.slug(), {**res, 'command': a.command_line}, md=table)}")
-    return 0
+    return report(ResultFiles(a.out, "decode", cfg.slug()), {**res, "command": a.command_line}, md=format_table(res))

@@ -27,7 +27,8 @@ def run(a) -> int:
                                 bench_engine, continuation_by_rank, markdown)
     from ..host import cpu_name
     from ..options import one
-    from ..results import write_result
+    from ..results import ResultFiles
+    from . import report
 
     acfg = AttnBenchConfig(contexts=a.prompt_len, rank_fracs=a.rank_fracs, repeats=a.repeats, window=a.window)
     rows = bench_attention(acfg)
@@ -48,7 +49,4 @@ def run(a) -> int:
         if a.ppl:
             result["ppl"] = continuation_by_rank(model, tok, a.rank_fracs, prefill_len=one(a.prompt_len, "--prompt-len"),
                                                  window=a.window, identity_frac=a.rank_fracs[0])
-    md = markdown(result)
-    print(md)
-    print(f"wrote {write_result(a.out, 'factor_space', a.tag, result, md=md)}")
-    return 0
+    return report(ResultFiles(a.out, "factor_space", a.tag), result, md=markdown(result))

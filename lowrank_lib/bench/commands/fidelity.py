@@ -24,7 +24,8 @@ def run(a) -> int:
     from ...runtime.config import parse_dtype
     from ..models import load_bench_models
     from ..options import one
-    from ..results import slug, write_result
+    from ..results import ResultFiles, slug
+    from . import report
 
     keep, G, P = one(a.keep, "--keep"), one(a.gen_len, "--gen-len"), one(a.prompt_len, "--prompt-len")
     dense, comp, tok = load_bench_models(a.model, a.method, keep, a.checkpoint)
@@ -46,7 +47,6 @@ def run(a) -> int:
             pp = res["ppl"].get(d, {}).get(s, {})
             lines.append(f"{s} | {d} | {x['exact']}/{a.prompts} | {x['first']}/{a.prompts} | {x['mean_match']:.3f} | "
                          f"{pp.get('prefill', float('nan')):.3f} | {pp.get('decode', float('nan')):.3f}")
-    print("\n".join(lines))
     tag = slug(Path(a.model).name, a.method, f"k{keep}", f"n{a.prompts}x{G}")
-    print(f"wrote {write_result(a.out, 'fidelity', tag, {**res, 'table': lines, 'command': a.command_line})}")
-    return 0
+    return report(ResultFiles(a.out, "fidelity", tag), {**res, "table": lines, "command": a.command_line},
+                  md="\n".join(lines))

@@ -42,7 +42,6 @@ def add_arguments(p) -> None:
 
 def run(a) -> int:
     import json
-    import sys
 
     import torch
 
@@ -50,15 +49,12 @@ def run(a) -> int:
         merge_frontier
     from ..options import one
     from ..results import ResultFiles, slug
+    from . import report, sweep_failed
 
     if a.merge:
         parts = [json.loads(open(f).read()) for f in a.merge]
         res = merge_frontier(parts) | {"args": parts[0].get("args"), "merged": a.merge, "command": a.command_line}
-        files = ResultFiles(a.out, "kv_frontier")
-        files.write(res, txt=frontier_table(res))
-        print(frontier_table(res))
-        print(f"\nwrote {files.path}")
-        return 0
+        return report(ResultFiles(a.out, "kv_frontier"), res, txt=frontier_table(res))
     preset = FRONTIER_QUICK if a.quick else FRONTIER_REPORT
     model = a.model or ("tiny-gqa" if a.quick else "smollm2")
     windows = a.windows or preset["windows"]
@@ -89,11 +85,6 @@ def run(a) -> int:
         try:
             run_sweep(tasks, from_args(a), on_result=merged_so_far, desc="kv-frontier")
         except SweepError as e:
-            print(f"{e}\npartial results: {files.path}", file=sys.stderr)
-            return 1
+            return sweep_failed(e, files)
         res = merge_frontier(parts) | meta
-    txt = frontier_table(res)
-    files.write(res, txt=txt)
-    print(txt)
-    print(f"\nwrote {files.path}")
-    return 0
+    return report(files, res, txt=frontier_table(res))

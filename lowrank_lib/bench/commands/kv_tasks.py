@@ -48,6 +48,7 @@ def run(a) -> int:
     from ...eval.longctx import ByteTokenizer
     from ..options import one
     from ..results import ResultFiles, slug
+    from . import report
 
     if a.merge:
         import json
@@ -58,10 +59,7 @@ def run(a) -> int:
         res = merge_tasks(parts) | {"merged": a.merge, "commands": [p.get("command") for p in parts],
                                     "args": [p.get("args") for p in parts], "command": a.command_line}
         files = ResultFiles(a.out, "kv_tasks", slug(parts[0].get("args", {}).get("model", "model"), "merged"))
-        files.write(res, txt=tasks_table(res))
-        print(tasks_table(res))
-        print(f"\nwrote {files.path}")
-        return 0
+        return report(files, res, txt=tasks_table(res))
     model_name = a.model or (QUICK["model"] if a.quick else "smollm2")
     lengths = a.prompt_len or (QUICK["prompt_len"] if a.quick else [4096, 8192])
     n_per = a.n_per or (QUICK["n_per"] if a.quick else 2)
@@ -80,8 +78,4 @@ def run(a) -> int:
     res = evaluate_tasks(model, tok, samples, a.budget, a.policies, a.window, max_new,
                          checkpoint=lambda partial: files.write(partial | meta, txt=tasks_table(partial)),
                          adapter=a.adapter) | meta
-    txt = tasks_table(res)
-    files.write(res, txt=txt)
-    print(txt)
-    print(f"\nwrote {files.path}")
-    return 0
+    return report(files, res, txt=tasks_table(res))

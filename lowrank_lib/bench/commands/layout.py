@@ -21,7 +21,8 @@ def run(a) -> int:
     from ..layout import engine_operand_shapes, format_layout_table, layout_bench
     from ..models import load_bench_models
     from ..options import one
-    from ..results import slug, write_result
+    from ..results import ResultFiles, slug
+    from . import report
 
     keep = one(a.keep, "--keep")
     _, comp, _ = load_bench_models(a.model, "svd", keep)
@@ -30,7 +31,5 @@ def run(a) -> int:
     res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
     res.update(model=a.model, keep=keep, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                command=a.command_line)
-    table = format_layout_table(res)
-    print(table)
-    print(f"wrote {write_result(a.out, 'layout', slug(Path(a.model).name, f'k{keep}', res['dtype']), res, md=table)}")
-    return 0
+    return report(ResultFiles(a.out, "layout", slug(Path(a.model).name, f"k{keep}", res["dtype"])), res,
+                  md=format_layout_table(res))

@@ -1,8 +1,6 @@
 """Every checkpoint family at each keep: compress -> write natively -> read back -> WikiText-2 perplexity."""
 from __future__ import annotations
 
-import sys
-
 
 def add_arguments(p) -> None:
     from ...eval.quality import METHOD_NAMES
@@ -26,6 +24,7 @@ def run(a) -> int:
     from ...executor import SweepError, from_args
     from ..options import one
     from ..results import ResultFiles
+    from . import report, sweep_failed
 
     cfg = QualityConfig(model=a.model, keeps=tuple(a.keep), families=tuple(a.families), max_windows=a.windows,
                         seq_len=one(a.prompt_len, "--prompt-len"), calib_samples=a.calib_samples,
@@ -38,9 +37,5 @@ def run(a) -> int:
     try:
         res = quality_table(cfg, executor=from_args(a), on_partial=write)
     except SweepError as e:
-        print(f"{e}\npartial results: {files.path}", file=sys.stderr)
-        return 1
-    write(res)
-    print(format_table(res))
-    print(f"wrote {files.path}")
-    return 0
+        return sweep_failed(e, files)
+    return report(files, {**res, "command": a.command_line}, md=format_table(res))
