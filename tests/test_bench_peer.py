@@ -1,4 +1,4 @@
-"""The peer benchmark: GGUF export of the same weights, llama.cpp runner, rows / JSON schema.
+"""The peer benchmark: GGUF export of the same weights (formats/gguf.py), llama.cpp runner, rows, targets, CLI.
 
 The export and schema tests always run; the llama.cpp tests need the optional ``peer`` extra
 (``llama-cpp-python``) and are skipped with the reason when it is not importable.
@@ -6,15 +6,16 @@ The export and schema tests always run; the llama.cpp tests need the optional ``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from lowrank_lib import models
-from lowrank_lib.bench import gguf_export as ge
-from lowrank_lib.bench import peer
+from lowrank_lib.bench import peer, peer_base
 from lowrank_lib.bench.llamacpp import available
+from lowrank_lib.formats import gguf as ge
 from lowrank_lib.runtime.kernels import build
 
 LLAMA_OK, LLAMA_WHY = available()
@@ -119,55 +120,84 @@ def test_gguf_bytes_per_token_counts_the_tied_head(tiny, tmp_path):
     from lowrank_lib.bench.decode import model_weight_bytes_per_token
 
     p = ge.write_hf_gguf(tiny, tmp_path / "t.gguf", "F32")
-    assert peer.gguf_bytes_per_token(p) == model_weight_bytes_per_token(tiny)
+    assert ge.decode_bytes_per_token(p) == model_weight_bytes_per_token(tiny)
 
 
 # --------------------------------------------------------------------------- rows, comparisons, JSON
-def _row(system, dtype, threads, ms, wb, pre=100.0, bw=25.0):
-    return {"system": system, "dtype": dtype, "threads": threads, "decode_ms_per_token": ms, "prefill_ms": pre,
-            "weight_bytes_per_token": wb, "roofline_x": ms / 1e3 / (wb / (bw * 1e9))}
+def _row(system, dtype, threads, ms, wb, pre=100.0, bw=25.0, lm_head="exact"):
+    return {"shape": "smollm2", "system": system, "dtype": dtype, "threads": threads, "lm_head": lm_head,
+            "decode_ms_per_token": ms, "prefill_ms": pre, "weight_bytes_per_token": wb,
+            "roofline_x": ms / 1e3 / (wb / (bw * 1e9))}
 
 
 def test_comparisons_and_targets():
+    """Every lowrank_lib row against llama.cpp dense of its model, dtype and threads; the targets of the one table
+    judged by the one function, at 1 thread and only where each applies."""
     rows = [_row("llamacpp_dense", "bf16", 1, 14.0, 270e6), _row("lowrank_lib_dense", "bf16", 1, 15.0, 270e6),
             _row("lowrank_lib_lowrank", "bf16", 1, 9.0, 168e6), _row("llamacpp_dense", "bf16", 2, 10.0, 270e6),
-            _row("lowrank_lib_lowrank", "bf16", 2, 8.0, 168e6),
-            {**_row("lowrank_lib_lowrank", "bf16", 1, 6.0, 140e6), "lm_head": "certified",
-             "lm_head_report": {"head_bytes_fraction": 0.53}}]
-    comps = peer.comparisons(rows)
-    c1 = next(c for c in comps if c["threads"] == 1)
-    assert c1["lowrank_speedup_vs_llamacpp"] == pytest.approx(14 / 9)
-    assert c1["dense_ratio_vs_llamacpp"] == pytest.approx(15 / 14)
-    assert c1["lowrank_bytes_vs_dense"] == pytest.approx(168 / 270)
-    assert c1["certified_speedup_vs_llamacpp"] == pytest.approx(14 / 6)
-    assert c1["certified_speedup_vs_exact_head"] == pytest.approx(9 / 6)
-    assert c1["certified_head_bytes_fraction"] == 0.53
-    c2 = next(c for c in comps if c["threads"] == 2)
-    assert "dense_ratio_vs_llamacpp" not in c2 and "certified_speedup_vs_llamacpp" not in c2
-    t = {x["target"]: x for x in peer.targets(comps)}
-    assert all(x["threads"] == 1 for x in peer.targets(comps))
-    assert t["lowrank_speedup_vs_llamacpp"]["met"] and not t["dense_ratio_vs_llamacpp"]["met"]   # 1.07 > 1.0
-    assert t["certified_speedup_vs_llamacpp"]["met"] and t["certified_speedup_vs_llamacpp"]["issue"] == 22
-    assert t["lowrank_roofline_x"]["measured"] == pytest.approx(9e-3 / (168e6 / 25e9))
-    assert not t["lowrank_roofline_x"]["met"] and t["lowrank_roofline_x"]["bound"] == 1.2
-    fp = peer.targets(peer.comparisons([{**r, "dtype": "fp32"} for r in rows]))
-    assert "certified_speedup_vs_llamacpp" not in {x["target"] for x in fp}       # a bf16 target only
+            _row("lowrank_lib_lowrank", "bf16", 2, 8.0, 168e6), _row("lowrank_lib_lowrank", "bf16", 1, 6.0, 140e6,
+                                                                     lm_head="certified")]
+    comps = peer_base.comparisons(rows)
+    by = {(c["system"], c["threads"], c["lm_head"]): c for c in comps}
+    assert by[("lowrank_lib_lowrank", 1, "exact")]["speedup_vs_llamacpp_dense"] == pytest.approx(14 / 9)
+    assert by[("lowrank_lib_lowrank", 1, "exact")]["bytes_vs_llamacpp_dense"] == pytest.approx(168 / 270)
+    assert by[("lowrank_lib_dense", 1, "exact")]["speedup_vs_llamacpp_dense"] == pytest.approx(14 / 15)
+    assert by[("lowrank_lib_lowrank", 1, "certified")]["speedup_vs_llamacpp_dense"] == pytest.approx(14 / 6)
+    assert by[("lowrank_lib_lowrank", 2, "exact")]["speedup_vs_llamacpp_dense"] == pytest.approx(10 / 8)
+    assert len(comps) == 4 and not any(c["system"] == "llamacpp_dense" for c in comps)
+    t = {x["target"]: x for x in peer_base.evaluate(comps)}
+    assert set(t) == {"dense_speedup", "lowrank_speedup", "certified_speedup", "lowrank_roofline"}
+    assert all(x["threads"] == 1 for x in t.values())
+    assert t["lowrank_speedup"]["met"] and t["lowrank_speedup"]["bound"] == 1.4 and t["lowrank_speedup"]["issue"] == 12
+    assert not t["dense_speedup"]["met"] and t["dense_speedup"]["measured"] == pytest.approx(14 / 15)
+    assert t["certified_speedup"]["met"] and t["certified_speedup"]["op"] == ">="
+    assert t["lowrank_roofline"]["measured"] == pytest.approx(9e-3 / (168e6 / 25e9))
+    assert not t["lowrank_roofline"]["met"] and t["lowrank_roofline"]["op"] == "<="
+    for x in t.values():                                    # met follows from measured, bound and direction
+        assert x["met"] == peer_base.met(x["measured"], x["bound"], x["op"])
+    fp = peer_base.evaluate(peer_base.comparisons([{**r, "dtype": "fp32"} for r in rows]))
+    assert "certified_speedup" not in {x["target"] for x in fp}                    # a bf16 target only
+    seven = peer_base.evaluate(peer_base.comparisons([{**r, "shape": "llama2-7b", "keep": 0.5} for r in rows]))
+    assert {x["target"] for x in seven} == {"dense_speedup", "lowrank_speedup_k0.5", "lowrank_roofline"}
+
+
+def test_met_is_the_direction_of_the_bound():
+    assert peer_base.met(1.5, 1.4, ">=") and not peer_base.met(1.3, 1.4, ">=") and peer_base.met(1.4, 1.4, ">=")
+    assert peer_base.met(1.1, 1.2, "<=") and not peer_base.met(1.3, 1.2, "<=")
+    with pytest.raises(KeyError):
+        peer_base.met(1.0, 1.0, ">")
 
 
 def test_compare_greedy_reports_first_divergence():
-    from lowrank_lib.runtime.engine import GenerateOutput
-
     V = 7
-    la = [torch.eye(V)[i % V][None] * 3 for i in range(5)]
-    lb = [x.clone() for x in la]
-    lb[3] = torch.eye(V)[6][None] * 3 + 0.1
-    ta = torch.tensor([[l.argmax().item() for l in la]])
-    tb = torch.tensor([[l.argmax().item() for l in lb]])
-    a, b = GenerateOutput(ta, 0.0, [], 0.0, la), GenerateOutput(tb, 0.0, [], 0.0, lb)
-    r = peer.compare_greedy(a, b)
+    la = torch.stack([torch.eye(V)[i % V] * 3 for i in range(5)])
+    lb = la.clone()
+    lb[3] = torch.eye(V)[6] * 3 + 0.1
+    ta, tb = la.argmax(-1), lb.argmax(-1)
+    r = peer_base.compare_greedy(ta, la, tb, lb)
     assert not r["tokens_equal"] and r["first_divergence"] == 3 and r["n_equal_before_divergence"] == 3
-    assert r["tokens_a"] == 3 and r["tokens_b"] == 6
-    assert peer.compare_greedy(a, a)["tokens_equal"]
+    assert r["tokens_a"] == 3 and r["tokens_b"] == 6 and r["max_abs_logit_diff"] == pytest.approx(3.1)
+    assert r["top2_margin_a"] == pytest.approx(3.0) and r["prefill_abs_logit_diff"] == 0.0
+    assert peer_base.compare_greedy(ta, la, ta, la)["tokens_equal"]
+
+
+def test_timed_rows_of_our_engine_hold_the_runner_protocols_counters(tiny):
+    """Timed on a tiny eager engine with the certified head: the row's head counters are the timed generations'
+    only (the warm-up's are reset), the roofline follows from the row's own numbers, the table shows it."""
+    e = peer_base.engine(tiny, "fp32", 32, "none", "certified")
+    t = peer_base.Timed("lowrank_lib_lowrank", e)
+    ids = torch.randint(0, tiny.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    t.warm(ids, 4)
+    for _ in range(2):
+        t.generate(ids, 6)
+    r = t.row(1, 20.0, 10.0, shape="tiny", dtype="fp32", keep=0.5)
+    assert r["lm_head"] == "certified" and r["decode_steps"] == 10 and r["weight_bytes_per_token"] == \
+        e.weight_bytes_per_token()
+    assert r["lm_head_report"]["calls"] == 12 and r["lm_head_report"]["certified_calls"] > 0     # 2 x (prefill + 5)
+    assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 / (r["weight_bytes_per_token"] / 20e9))
+    assert r["read_roofline_x"] == pytest.approx(r["roofline_x"] / 2) and r["decode_cpu_ms_per_token"] > 0
+    assert r["decode_iqr_ms"][0] <= r["decode_ms_per_token"] <= r["decode_iqr_ms"][1]
+    assert "| lowrank_lib_lowrank | certified | fp32 | 0.5 | 1 |" in peer_base.format_table({"rows": [r]})
 
 
 def test_result_files_never_overwrite(tmp_path):
@@ -180,38 +210,44 @@ def test_result_files_never_overwrite(tmp_path):
 def _parser():
     import argparse
 
+    from lowrank_lib.bench.commands import peer as cmd
+
     ap = argparse.ArgumentParser()
-    peer.add_arguments(ap)
-    return ap
+    cmd.add_arguments(ap)
+    ap.add_argument("--out", default="benchmarks/results")
+    return ap, cmd
 
 
 def test_cli_parses_lists_and_refuses_unknown_values():
-    ap = _parser()
-    cfg = peer.config_from_args(ap.parse_args(["--threads", "1", "2", "--dtypes", "bf16", "--out", "x"]))
+    ap, cmd = _parser()
+    cfg = cmd.config_from_args(ap.parse_args(["--threads", "1", "2", "--dtypes", "bf16", "--out", "x"]))
     assert cfg.threads == (1, 2) and cfg.dtypes == ("bf16",) and cfg.out == "x" and cfg.prompt_len == 512
-    assert cfg.lm_heads == ("exact", "certified") and cfg.keep == 0.5
+    assert cfg.lm_heads == ("exact", "certified") and cfg.keep == 0.5 and cfg.gen_len == 64
     for bad in (["--systems", "llamacpp_dense", "vllm"], ["--dtypes", "fp16"], ["--lm-heads", "approx"],
-                ["--keep", "0.5", "0.8"]):
+                ["--keep", "0.5", "0.8"], ["--gen-len", "8", "16"], ["--prompt-len", "8", "16"]):
         with pytest.raises(SystemExit):
-            peer.config_from_args(ap.parse_args(bad))
-    with pytest.raises(SystemExit):
-        ap.parse_args(["--threads", "one"])
-    s = peer.scale_config_from_args(ap.parse_args(["--shape", "llama2-7b", "--keep", "0.5", "--threads", "1"]))
+            cmd.config_from_args(ap.parse_args(bad))
+    for bad in (["--threads", "one"], ["--threads", "1,2"], ["--audit-tokens", "8"]):
+        with pytest.raises(SystemExit):
+            ap.parse_args(bad)
+    s = cmd.scale_config_from_args(ap.parse_args(["--shape", "llama2-7b", "--keep", "0.5", "--threads", "1"]))
     assert s.shape == "llama2-7b" and s.keeps == (0.5,) and s.dtypes == ("bf16",) and s.quants == ("q8_0", "q4_k_m")
-    s = peer.scale_config_from_args(ap.parse_args(["--shape", "llama3.2-1b"]))
+    s = cmd.scale_config_from_args(ap.parse_args(["--shape", "llama3.2-1b"]))
     assert s.dtypes == ("bf16", "fp32") and s.keeps == (0.5, 0.8) and s.threads == (1, 2) and s.llama_flash_attn == "on"
+    with pytest.raises(SystemExit, match="quantizations"):
+        cmd.scale_config_from_args(ap.parse_args(["--shape", "llama3.2-1b", "--quants", "q2_k"]))
 
 
 def test_cli_lists_take_the_bench_vocabulary():
-    """Space-separated lists; a comma value still splits (bench/options.py); the same through the bench CLI."""
+    """Space-separated lists of the bench vocabulary (bench/options.py); the same through the bench CLI."""
     from lowrank_lib.bench.cli import parser
 
-    ap = _parser()
-    a, a2 = ap.parse_args(["--threads", "1,2"]), ap.parse_args(["--dtypes", "fp32,bf16", "--systems", "llamacpp_dense"])
-    assert a.threads == [1, 2] and a2.dtypes == ["fp32", "bf16"] and a2.systems == ["llamacpp_dense"]
+    ap, cmd = _parser()
+    a = ap.parse_args(["--threads", "1", "2", "--dtypes", "fp32", "bf16", "--systems", "llamacpp_dense"])
+    assert a.threads == [1, 2] and a.dtypes == ["fp32", "bf16"] and a.systems == ["llamacpp_dense"]
     b = parser().parse_args(["peer", "--shape", "llama3.2-1b", "--threads", "1", "2", "--gen-len", "8",
                              "--prompt-len", "16", "--keep", "0.5", "--layers", "1"])
-    s = peer.scale_config_from_args(b)
+    s = cmd.scale_config_from_args(b)
     assert s.threads == (1, 2) and s.gen_len == 8 and s.prompt_len == 16 and s.keeps == (0.5,) and s.layers == 1
 
 
@@ -247,7 +283,7 @@ def test_llamacpp_runner_matches_engine_on_tiny_model(tiny, tmp_path):
     e = Engine(tiny, EngineConfig(max_seq_len=64))
     a = run_generation(r, ids, 24, return_logits=True)
     b = run_generation(e, ids, 24, return_logits=True)
-    cmp = peer.compare_greedy(a, b)
+    cmp = peer_base.compare_greedy(a.tokens[0], torch.cat(a.logits), b.tokens[0], torch.cat(b.logits))
     assert cmp["tokens_equal"], cmp
     assert cmp["max_abs_logit_diff"] < 1e-3 * max(1.0, cmp["logit_scale"])
     assert len(r.eval_s) == 23 and r.prefill_eval_s > 0
@@ -266,7 +302,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                                         prompt="random", out=str(tmp_path)), progress=False, log=lambda *_: None)
     assert res["equivalence"]["tokens_equal"]
     want = {("llamacpp_dense", d, "exact") for d in ("fp32", "bf16")}
-    want |= {(s, d, h) for s in peer.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer.LM_HEADS}
+    want |= {(s, d, h) for s in peer_base.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
     assert {(r["system"], r["dtype"], r["lm_head"]) for r in res["rows"]} == want
     for r in res["rows"]:
         assert r["decode_steps"] == 7 and r["decode_ms_per_token"] > 0
@@ -274,10 +310,51 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
         if r["lm_head"] == "certified":
             rep = r["lm_head_report"]
             assert rep["mode"] == "certified" and rep["calls"] == rep["rows"] == 8   # the timed run: prefill + 7 steps
-    table = peer.format_table(res)
+    table = peer.table(res)
     assert table.count("\n") >= 12 and "certified head" in table
     p = peer.save(res, tmp_path)
     assert json.loads(p.read_text())["rows"]
+
+
+def test_peer_run_without_llamacpp_on_tiny_model(tmp_path):
+    """The SmolLM2 run's whole path (our systems, both heads, interleaved rounds, rows, comparisons, table, writer)
+    where llama.cpp is not installed: rows for every (system, dtype, head), no speedups, only the roofline judged."""
+    cfg = peer.PeerConfig(model="tiny-smol", dtypes=("fp32",), threads=(1,), prompt_len=16, gen_len=5, repeats=2,
+                          systems=peer_base.SYSTEMS[1:], graph="none", prompt="random", out=str(tmp_path))
+    res = peer.run_peer(cfg, progress=False, log=lambda *_: None)
+    assert {(r["system"], r["lm_head"]) for r in res["rows"]} == {(s, h) for s in peer_base.SYSTEMS[1:]
+                                                                  for h in peer_base.LM_HEADS}
+    for r in res["rows"]:
+        assert r["decode_steps"] == 8 and r["copy_gbs"] == res["copy_bandwidth_GBps_by_threads"]["1"] > 0
+        assert (r["keep"] == 0.5) == (r["system"] == "lowrank_lib_lowrank") and r["shape"] == "tiny-smol"
+    assert res["comparisons"] and not any("speedup_vs_llamacpp_dense" in c for c in res["comparisons"])
+    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline"] and "equivalence" not in res   # no llama
+    assert peer.table(res).count("| lowrank_lib_") == 4
+    assert json.loads(peer.save(res, tmp_path, peer.table(res)).read_text())["rows"]
+
+
+def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
+    """The --shape pipeline where llama.cpp is not installed: files prepared in a child, each of our systems and the
+    GEMV classes in its own child (each row with its child's peak RSS), table and figure."""
+    from lowrank_lib.bench import peer_scale as ps
+
+    small = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 512}
+    cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("fp32",),
+                         systems=peer_base.SYSTEMS[1:], threads=(1,), prompt_len=8, gen_len=4, repeats=1,
+                         graph="none", gemv_classes=build.load().available, cache_dir=str(tmp_path / "c"),
+                         out=str(tmp_path), cleanup=True)
+    res = ps.run_scale(cfg, log=lambda *_: None)
+    assert {(r["system"], r["keep"]) for r in res["rows"]} == {("lowrank_lib_dense", None), ("lowrank_lib_lowrank", 0.5)}
+    for r in res["rows"]:
+        assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["layers"] == 1
+        assert r["child_maxrss_gb"] > 0.1 and r["peak_rss_gb"] > 0.1 and r["build_s"] > 0
+    assert len(res["units"]) == 2 + cfg.gemv_classes and res["equivalence"] == []
+    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline"]
+    assert all(g["classes"] for g in res["gemv_classes"]) and len(res["gemv_classes"]) == 2 * cfg.gemv_classes
+    assert "lowrank_lib_lowrank" in ps.table(res)
+    assert Path(ps.save_figures([res], tmp_path / "fig")).stat().st_size > 10_000
+    assert res["cleaned_up"] and not any((tmp_path / "c").glob("**/*.safetensors"))
 
 
 def test_figures_are_redrawn_from_a_result(tmp_path):
@@ -343,7 +420,7 @@ def test_1b_shape_gguf_export_reads_back_to_the_same_logits(shape_1b):
         assert set(missing) <= {"lm_head.weight"} and not unexpected
         back.tie_weights()
         assert torch.equal(back(ids).logits, ref)
-    assert peer.gguf_bytes_per_token(d / "m.BF16.gguf") == (2 * 1 * (2048 * 2048 * 2 + 2048 * 512 * 2 + 8192 * 2048 * 3)
+    assert ge.decode_bytes_per_token(d / "m.BF16.gguf") == (2 * 1 * (2048 * 2048 * 2 + 2048 * 512 * 2 + 8192 * 2048 * 3)
                                                           + 2048 * 8192 * 2 + 4 * (3 * 2048))
     if LLAMA_OK:
         from lowrank_lib.bench.llamacpp import LlamaCppRunner
@@ -353,7 +430,7 @@ def test_1b_shape_gguf_export_reads_back_to_the_same_logits(shape_1b):
         a = run_generation(r, ids, 8, return_logits=True)
         b = run_generation(Engine(m, EngineConfig(max_seq_len=48, dtype="fp32")), ids, 8, return_logits=True)
         r.close()
-        cmp = peer.compare_greedy(a, b)
+        cmp = peer_base.compare_greedy(a.tokens[0], torch.cat(a.logits), b.tokens[0], torch.cat(b.logits))
         assert cmp["prefill_abs_logit_diff"] < 1e-3 * max(1.0, cmp["logit_scale"]), cmp
 
 
@@ -373,6 +450,8 @@ def test_scale_units_disk_and_config():
         ps.ScaleConfig(shape="llama-70b")
     with pytest.raises(SystemExit, match="quantizations"):
         ps.ScaleConfig(quants=("q2_k",))
+    assert ps.units(ps.ScaleConfig(gemv_classes=False, systems=("lowrank_lib_dense",), dtypes=("bf16",))) == [
+        {"system": "lowrank_lib_dense", "dtype": "bf16", "keep": None}]
 
 
 @needs_llama
@@ -399,10 +478,10 @@ def test_peer_scale_end_to_end_one_process_per_system(tmp_path):
     assert by[("llamacpp_dense", "q8_0")]["weight_bytes_per_token"] < 0.6 * by[("llamacpp_dense", "bf16")][
         "weight_bytes_per_token"]
     eq = res["equivalence"][0]
-    assert eq["dtype"] == "bf16" and eq["prefill_max_abs_logit_diff"] < 0.05 * max(1.0, eq["logit_scale"])
-    assert {t["target"] for t in res["targets"]} == {"roofline_x", "dense_speedup_vs_llamacpp_dense"}
-    assert ps.format_table(res).count("\n") >= 6
-    assert ps.save_figure([res], tmp_path / "fig").stat().st_size > 10_000
+    assert eq["dtype"] == "bf16" and eq["prefill_abs_logit_diff"] < 0.05 * max(1.0, eq["logit_scale"])
+    assert {t["target"] for t in res["targets"]} == {"lowrank_roofline", "dense_speedup"}
+    assert ps.table(res).count("\n") >= 6
+    assert Path(ps.save_figures([res], tmp_path / "fig")).stat().st_size > 10_000
     assert res["cleaned_up"] and not any((tmp_path / "cache").glob("**/*.safetensors"))
 
 

@@ -10,15 +10,14 @@ run as ONE segmented call; RoPE folding doubles the q/k stage-2 rows when every 
 
 Each class is timed streaming from memory: enough packed copies of its matrices (clones of one random
 draw, each in its own memory) to exceed ``stream_bytes`` are multiplied in turn (nothing stays in cache),
-``repeats`` times, median; GB/s = weight bytes / time. Only the public kernel ops (``runtime.kernels.ops``)
-are used.
+``repeats`` times (after one warm-up pass), median; GB/s = weight bytes / time. Only the public kernel ops
+(``runtime.kernels.ops``) are used.
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+
+from .timing import summary, timed
 
 
 def gemv_classes(cfg, keep: float | None) -> list[dict]:
@@ -26,8 +25,11 @@ def gemv_classes(cfg, keep: float | None) -> list[dict]:
     ``[(out, in, x_offset)]`` and the width of x, per call."""
     from ..ranks import keep_rank
 
-    H, I, D = cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    q, kv, V = cfg.num_attention_heads * D, cfg.num_key_value_heads * D, cfg.vocab_size
+    from ..geometry import geometry
+
+    g = geometry(cfg)
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim
     head = {"name": "lm_head", "mats": [(V, H, 0)], "x": H}
     if keep is None:
         return [{"name": "qkv", "mats": [(q + 2 * kv, H, 0)], "x": H}, {"name": "o", "mats": [(H, q, 0)], "x": q},
@@ -46,17 +48,20 @@ def gemv_classes(cfg, keep: float | None) -> list[dict]:
 
 
 @torch.no_grad()
-def measure(cfg, keep: float | None, dtype: torch.dtype, stream_bytes: float = 1.0e9, repeats: int = 3,
+def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: float = 1.0e9, repeats: int = 3,
             seed: int = 0) -> dict:
-    """GB/s of every class of :func:`gemv_classes` at ``dtype``, cold, and the copy bandwidth before and after."""
+    """GB/s of every class of :func:`gemv_classes` at ``dtype`` (``"fp32"``, ``"bf16"`` or a torch dtype), cold (the
+    median of ``repeats`` passes over every copy, :func:`lowrank_lib.bench.timing.timed`), and the copy bandwidth
+    before and after."""
     from ..runtime.kernels import build, ops
-    from .decode import copy_bandwidth
+    from .host import copy_bandwidth
 
     lib = build.load()
     if not lib.available:
         return {"error": lib.reason}
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype, dtype)
     g = torch.Generator().manual_seed(seed)
-    bw = [copy_bandwidth(torch.device("cpu"))]
+    bw = [copy_bandwidth("cpu")]
     rows = []
     for c in gemv_classes(cfg, keep):
         nbytes = sum(o * i for o, i, _ in c["mats"]) * dtype.itemsize
@@ -65,20 +70,16 @@ def measure(cfg, keep: float | None, dtype: torch.dtype, stream_bytes: float = 1
         sets = [one] + [[P.clone() for P in one] for _ in range(k - 1)]        # distinct memory: cold streams
         x = torch.randn(1, c["x"], generator=g).to(dtype)
         outs, ins, offs = ([m[j] for m in c["mats"]] for j in range(3))
-        for P in sets[:2]:
-            ops.gemv(x, P, outs, ins, offs)
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+
+        def stream():
             for P in sets:
                 ops.gemv(x, P, outs, ins, offs)
-            ts.append((time.perf_counter() - t0) / k)
-        t = statistics.median(ts)
+
+        t = summary(timed(stream, repeats + 1)[1:])["median_ms"] / 1e3 / k      # the first pass warms up
         rows.append({"class": c["name"], "shapes": [[o, i] for o, i, _ in c["mats"]], "bytes": nbytes,
                      "us_per_call": t * 1e6, "GBps": nbytes / t / 1e9})
-        del sets
-    bw.append(copy_bandwidth(torch.device("cpu")))
-    cb = statistics.median(bw)
+    bw.append(copy_bandwidth("cpu"))
+    cb = sum(bw) / 2
     for r in rows:
         r["x_copy_bandwidth"] = r["GBps"] / cb
     return {"dtype": str(dtype).replace("torch.", ""), "keep": keep, "threads": torch.get_num_threads(),

@@ -38,11 +38,13 @@ def available() -> tuple[bool, str]:
 
 
 def version() -> str | None:
-    try:
-        import llama_cpp
+    """llama-cpp-python's version (its distribution's metadata), ``None`` when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
-        return getattr(llama_cpp, "__version__", "unknown")
-    except ImportError:
+    try:
+        return dist_version("llama-cpp-python")
+    except PackageNotFoundError:
         return None
 
 
@@ -80,11 +82,15 @@ class LlamaCppRunner(Runner):
         self.prefill_eval_s: float | None = None
 
     def set_threads(self, threads: int) -> None:
-        self.llm._ctx.set_n_threads(threads, threads)
+        import llama_cpp
+
+        llama_cpp.llama_set_n_threads(self.llm.ctx, threads, threads)      # the public context handle
         self.threads = threads
 
     def _logits(self) -> torch.Tensor:
-        ptr = self.llm._ctx.get_logits_ith(-1)
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())[None]
 
     def _eval(self, toks: list[int]) -> float:
@@ -101,7 +107,7 @@ class LlamaCppRunner(Runner):
         import llama_cpp
 
         self.llm.reset()
-        llama_cpp.llama_perf_context_reset(self.llm._ctx.ctx)
+        llama_cpp.llama_perf_context_reset(self.llm.ctx)
         self.eval_s = []
         self.prefill_eval_s = self._eval(input_ids[0].tolist())
         return self._logits()
@@ -115,7 +121,7 @@ class LlamaCppRunner(Runner):
         """llama.cpp's own counters since the last prefill: prompt and generation ms, token counts."""
         import llama_cpp
 
-        p = llama_cpp.llama_perf_context(self.llm._ctx.ctx)
+        p = llama_cpp.llama_perf_context(self.llm.ctx)
         return {"t_p_eval_ms": p.t_p_eval_ms, "n_p_eval": p.n_p_eval, "t_eval_ms": p.t_eval_ms, "n_eval": p.n_eval,
                 "eval_ms_per_token": p.t_eval_ms / p.n_eval if p.n_eval else float("nan")}
 
@@ -127,8 +133,9 @@ class LlamaCppRunner(Runner):
         self.llm.close()
 
 
-#: llama.cpp's quantized file types a user picks instead of low rank (``llama-quantize`` names)
-QUANT_TYPES = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+#: llama.cpp's quantized file types a user picks instead of low rank: ``llama_ftype`` values of llama.h
+#: (``LLAMA_FTYPE_MOSTLY_Q8_0``, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``; ``llama-quantize`` names)
+QUANT_TYPES = {"q8_0": 7, "q4_k_m": 15}
 
 
 def quantize(src, dst, qtype: str, threads: int = 0):
@@ -151,7 +158,7 @@ def quantize(src, dst, qtype: str, threads: int = 0):
     tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, QUANT_TYPES[qtype])
+    params.ftype = QUANT_TYPES[qtype]
     params.nthread = threads
     rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
     if rc != 0 or not tmp.exists():

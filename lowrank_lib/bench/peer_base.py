@@ -1,0 +1,264 @@
+"""What both peer runs share: llama.cpp beside lowrank_lib, measured, compared and judged the same way.
+
+:mod:`.peer` (SmolLM2, every system in one process, interleaved rounds) and :mod:`.peer_scale` (the 1B / 7B
+geometries, one system per process) both build on this module and on nothing of each other:
+
+- the systems (:data:`SYSTEMS`) and how each is built (:func:`llama_runner`, :func:`engine`);
+- :class:`Timed`: one system's generations through the one decode loop (``run_generation``) and its row: decode
+  ms/token = median over every step (quartiles, p10 / p90 by :func:`lowrank_lib.bench.timing.summary`), prefill,
+  weight bytes per token, achieved GB/s, ``roofline_x`` = decode time / (weight bytes / copy bandwidth) and the
+  same against the read-only bandwidth, the calling thread's CPU time at 1 thread (:class:`~.host.CpuClocked`),
+  what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks;
+- :func:`compare_greedy`: two runtimes' greedy tokens and logits on the same prompt;
+- :func:`comparisons`: every lowrank_lib row against llama.cpp dense of the same model, dtype and threads;
+- THE targets (:data:`TARGETS`, data: name, compared key, direction, bound, which rows, issue) and the ONE function
+  that judges them (:func:`evaluate`; ``met`` from ``measured`` and ``bound`` by :func:`met`);
+- the table (:func:`format_table`) and the decode-vs-bytes drawing (:func:`draw_decode_vs_bytes`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from ..formats.gguf import decode_bytes_per_token
+from ..runtime import Engine, EngineConfig, run_generation
+from .host import CpuClocked
+from .llamacpp import LlamaCppRunner
+from .timing import summary
+
+SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
+LM_HEADS = ("exact", "certified")
+#: llama.cpp KV cache type for each model dtype: the same bytes our engine's cache holds (bf16 for quantized files)
+KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
+#: the JSON marker beside generated GGUFs (size, verification) that lets a later run reuse them
+MARKER = "lowrank_lib_gguf.json"
+
+
+def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool) -> LlamaCppRunner:
+    return LlamaCppRunner(path, n_ctx=n_ctx, threads=threads, kv_type=KV_FOR_DTYPE.get(dtype, "bf16"),
+                          flash_attn=flash_attn)
+
+
+def engine(model, dtype: str, n_ctx: int, graph: str, lm_head: str = "exact") -> Engine:
+    return Engine(model, EngineConfig(max_batch=1, max_seq_len=n_ctx, dtype=dtype, graph=graph, lm_head=lm_head))
+
+
+class Timed:
+    """One system's generations (a :class:`~lowrank_lib.runtime.Runner`, CPU-clocked) and its result row."""
+
+    def __init__(self, system: str, runner):
+        self.system, self.runner, self.clocked = system, runner, CpuClocked(runner)
+        self.llama = system == "llamacpp_dense"
+        self.outs, self.evals, self.perf, self.warmup_s = [], [], [], 0.0
+
+    def warm(self, ids, n: int, return_logits: bool = False):
+        """An untimed generation (our engine compiles its step here: ``capture_s``, never in decode time); the
+        counters start afresh after it. Returns its output."""
+        t0 = time.perf_counter()
+        out = run_generation(self.clocked, ids, n, return_logits=return_logits)
+        self.warmup_s = time.perf_counter() - t0
+        self.clocked.reset_counters()
+        self.outs, self.evals, self.perf = [], [], []
+        return out
+
+    def generate(self, ids, n: int) -> None:
+        """One timed generation; its per-step times are the samples."""
+        self.outs.append(run_generation(self.clocked, ids, n))
+        if self.llama:
+            self.evals += self.runner.eval_s
+            self.perf.append(self.runner.perf())
+
+    def row(self, threads: int, copy_gbs: float, read_gbs: float, **fields) -> dict:
+        st = summary([s for o in self.outs for s in o.step_s])
+        # bytes one step reads (a certified head: on average over the timed steps, so read after them)
+        wb = decode_bytes_per_token(self.runner.path) if self.llama else self.runner.weight_bytes_per_token()
+        ms = st["median_ms"]
+        row = {"system": self.system, **fields, "threads": threads, "lm_head": self.runner.lm_head_mode,
+               "decode_ms_per_token": ms,
+               "decode_iqr_ms": [st["q1_ms"], st["q3_ms"]], "decode_ms_p10": st["p10_ms"], "decode_ms_p90": st["p90_ms"],
+               "decode_steps": st["n"], "prefill_ms": summary([o.prefill_s for o in self.outs])["median_ms"],
+               "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9, "copy_gbs": copy_gbs,
+               "roofline_ms": wb / (copy_gbs * 1e9) * 1e3, "roofline_x": ms / 1e3 / (wb / (copy_gbs * 1e9)),
+               "read_gbs": read_gbs, "read_roofline_x": ms / 1e3 / (wb / (read_gbs * 1e9)),
+               "decode_cpu_ms_per_token": summary(self.clocked.cpu_s)["median_ms"] if threads == 1 else None,
+               "warmup_s": self.warmup_s}
+        if self.llama:
+            row.update(eval_ms_per_token=summary(self.evals)["median_ms"],
+                       perf_eval_ms_per_token=summary([p["eval_ms_per_token"] / 1e3 for p in self.perf])["median_ms"],
+                       perf_prefill_ms=summary([p["t_p_eval_ms"] / 1e3 for p in self.perf])["median_ms"],
+                       info=self.runner.report())
+        else:
+            info, counts = self.runner.report(), self.runner.counters()
+            row.update(lm_head_report=counts["lm_head"], compile_s=self.runner.capture_s, compiles=info["compiles"], gemv=info["gemv"],
+                       gemv_reason=info["gemv_reason"], attention=info["backend"],
+                       attention_reason=info["backend_reason"],
+                       info={k: v for k, v in info.items() if k not in ("config", "kv_store")})
+        return row
+
+
+def compare_greedy(tokens_a, logits_a, tokens_b, logits_b) -> dict:
+    """Two runtimes' greedy tokens [n] and logits [n, V] (the prefill's first) on the same prompt: are the tokens
+    equal, where do they part, the logit differences (and the top-2 margins where they part)."""
+    n = min(len(tokens_a), len(tokens_b))
+    diff = (tokens_a[:n] != tokens_b[:n]).nonzero()
+    first = int(diff[0]) if len(diff) else None
+    dl = (logits_a[:n].float() - logits_b[:n].float()).abs().amax(-1)
+    res = {"tokens_equal": first is None and len(tokens_a) == len(tokens_b), "n_tokens": n,
+           "first_divergence": first, "n_equal_before_divergence": n if first is None else first,
+           "max_abs_logit_diff": float(dl.max()), "prefill_abs_logit_diff": float(dl[0]),
+           "logit_scale": float(logits_b[0].abs().max())}
+    if first is not None:
+        top = [lg[first].float().topk(2).values for lg in (logits_a, logits_b)]
+        res.update(tokens_a=int(tokens_a[first]), tokens_b=int(tokens_b[first]),
+                   top2_margin_a=float(top[0][0] - top[0][1]), top2_margin_b=float(top[1][0] - top[1][1]))
+    return res
+
+
+def equivalence_line(e: dict) -> str:
+    return (f"greedy tokens llama.cpp vs lowrank_lib dense ({e['dtype']}): "
+            + ("equal" if e["tokens_equal"] else f"diverge at {e['first_divergence']}")
+            + f" over {e['n_tokens']} (max |logit diff| {e['max_abs_logit_diff']:.3g}, prefill "
+              f"{e['prefill_abs_logit_diff']:.3g}, logit scale {e['logit_scale']:.3g})")
+
+
+# --------------------------------------------------------------------------- comparisons and targets
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Every lowrank_lib row against llama.cpp dense of the same model (``shape``), dtype and threads."""
+    key = lambda r: (r.get("shape"), r["dtype"], r["threads"])                      # noqa: E731
+    ref = {key(r): r for r in rows if r["system"] == "llamacpp_dense"}
+    out = []
+    for r in rows:
+        if r["system"] == "llamacpp_dense":
+            continue
+        ll = ref.get(key(r))
+        c = {k: r.get(k) for k in ("shape", "system", "dtype", "threads", "keep", "lm_head")}
+        c["roofline_x"] = r["roofline_x"]
+        if ll:
+            c.update(speedup_vs_llamacpp_dense=ll["decode_ms_per_token"] / r["decode_ms_per_token"],
+                     prefill_ratio_vs_llamacpp_dense=r["prefill_ms"] / ll["prefill_ms"],
+                     bytes_vs_llamacpp_dense=r["weight_bytes_per_token"] / ll["weight_bytes_per_token"])
+        out.append(c)
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """One target: ``key`` of a comparison ``op`` (``">="`` or ``"<="``) ``bound``, on the comparisons whose fields
+    take the values in ``where`` (every target is at 1 thread), from issue ``issue``."""
+
+    name: str
+    key: str
+    op: str
+    bound: float
+    where: tuple[tuple[str, tuple], ...]
+    issue: int
+
+
+LOWRANK, EXACT, ONE = ("system", ("lowrank_lib_lowrank",)), ("lm_head", ("exact",)), ("threads", (1,))
+#: THE targets of both peer runs (SmolLM2: ``shape`` "smollm2"; the geometries: llama3.2-1b, llama2-7b)
+TARGETS = (
+    Target("dense_speedup", "speedup_vs_llamacpp_dense", ">=", 1.0, (("system", ("lowrank_lib_dense",)), EXACT, ONE),
+           22),
+    Target("lowrank_speedup", "speedup_vs_llamacpp_dense", ">=", 1.4, (LOWRANK, EXACT, ONE, ("shape", ("smollm2",))),
+           12),
+    Target("certified_speedup", "speedup_vs_llamacpp_dense", ">=", 2.3,
+           (LOWRANK, ("lm_head", ("certified",)), ONE, ("shape", ("smollm2",)), ("dtype", ("bf16",))), 22),
+    Target("lowrank_speedup_k0.5", "speedup_vs_llamacpp_dense", ">=", 1.8,
+           (LOWRANK, EXACT, ONE, ("shape", ("llama2-7b",)), ("keep", (0.5,)), ("dtype", ("bf16",))), 22),
+    Target("lowrank_speedup_k0.8", "speedup_vs_llamacpp_dense", ">=", 1.15,
+           (LOWRANK, EXACT, ONE, ("shape", ("llama2-7b",)), ("keep", (0.8,)), ("dtype", ("bf16",))), 22),
+    Target("lowrank_roofline", "roofline_x", "<=", 1.2, (LOWRANK, EXACT, ONE), 22),
+)
+
+
+def met(measured: float, bound: float, op: str) -> bool:
+    """Whether ``measured op bound`` holds (``op``: ``">="`` or ``"<="``)."""
+    return {">=": measured >= bound, "<=": measured <= bound}[op]
+
+
+def evaluate(comps: list[dict], targets=TARGETS) -> list[dict]:
+    """Every target on every comparison it applies to (and that measured its key): the comparison's identity, the
+    target, its bound and direction, the measured value and whether it is met."""
+    out = []
+    for t in targets:
+        for c in comps:
+            if c.get(t.key) is not None and all(c.get(k) in vals for k, vals in t.where):
+                out.append({**{k: c[k] for k in ("shape", "system", "dtype", "keep", "lm_head", "threads")},
+                            "target": t.name, "key": t.key, "op": t.op, "bound": t.bound, "issue": t.issue,
+                            "measured": c[t.key], "met": met(c[t.key], t.bound, t.op)})
+    return out
+
+
+# --------------------------------------------------------------------------- the table and the figure
+COLUMNS = (("model", "{shape}"), ("system", "{system}"), ("lm head", "{lm_head}"), ("dtype", "{dtype}"),
+           ("keep", "{keep}"), ("threads", "{threads}"), ("decode ms/tok", "{decode_ms_per_token:.2f}"),
+           ("cpu ms/tok", "{decode_cpu_ms_per_token:.2f}"), ("prefill ms", "{prefill_ms:.1f}"), ("MB/tok", "{mb:.1f}"),
+           ("GB/s", "{achieved_GBps:.1f}"), ("copy GB/s", "{copy_gbs:.1f}"), ("x roofline", "{roofline_x:.2f}"),
+           ("read GB/s", "{read_gbs:.1f}"), ("x read roofline", "{read_roofline_x:.2f}"))
+
+
+class _Dash:
+    def __format__(self, spec: str) -> str:
+        return "-"
+
+
+class _Cells(dict):
+    """A row for ``str.format_map``: ``-`` for a field the row lacks or holds as None."""
+
+    def __missing__(self, key):
+        return _Dash()
+
+
+def format_table(res: dict, lines: list[str] = ()) -> str:
+    """The rows as a Markdown table (``-`` where a row has no value), then ``lines``, then the targets."""
+    out = [" | ".join(h for h, _ in COLUMNS), "|".join("---" for _ in COLUMNS)]
+    for r in sorted(res["rows"], key=lambda r: (str(r.get("shape")), r["threads"], r["dtype"],
+                                                SYSTEMS.index(r["system"]), str(r.get("lm_head")), r.get("keep") or 1)):
+        cells = _Cells({k: v for k, v in r.items() if v is not None}, mb=r["weight_bytes_per_token"] / 1e6)
+        out.append(" | ".join(f.format_map(cells) for _, f in COLUMNS))
+    out += list(lines)
+    out += [f"target {t['target']} ({t['shape']}, {t['system']}, {t['dtype']}, keep {t['keep']}, issue {t['issue']}): "
+            f"{t['measured']:.2f} vs {t['op']} {t['bound']}: " + ("met" if t["met"] else "NOT met")
+            for t in res.get("targets", [])]
+    return "\n".join(out)
+
+
+MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "q8_0": "tab:green", "q4_k_m": "tab:red"}
+
+
+def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool = False) -> None:
+    """Decode ms/token against weight bytes per token, one marker per row (certified head: ``P``, low rank: its keep
+    beside it), llama.cpp dense as a dashed line per dtype, the copy-bandwidth roofline (bytes / bandwidth) dotted."""
+    seen = set()
+    for r in rows:
+        x, y, cert = r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], r.get("lm_head") == "certified"
+        label = (f"llama.cpp {r['dtype']}" if r["system"] == "llamacpp_dense" else
+                 f"lowrank_lib {'dense' if r['system'] == 'lowrank_lib_dense' else 'low rank'} {r['dtype']}"
+                 + (" + certified head" if cert else ""))
+        ax.plot(x, y, "P" if cert else MARKERS[r["system"]], color=COLORS.get(r["dtype"], "gray"),
+                ms=11 if r["system"] == "lowrank_lib_lowrank" else 8, label="_" if label in seen else label)
+        seen.add(label)
+        if r["system"] == "llamacpp_dense" and not log:
+            ax.axhline(y, color=COLORS.get(r["dtype"], "gray"), ls="--", lw=1)
+        if r["system"] == "lowrank_lib_lowrank" and r.get("keep") is not None:
+            ax.annotate(f"{r['keep']}", (x, y), textcoords="offset points", xytext=(-8, 8), fontsize=8)
+    if copy_gbs and rows:
+        xs = [0.0 if not log else min(r["weight_bytes_per_token"] for r in rows) / 1e6 * 0.8,
+              max(r["weight_bytes_per_token"] for r in rows) / 1e6 * 1.2]
+        ax.plot(xs, [x * 1e6 / (copy_gbs * 1e9) * 1e3 for x in xs], ":", color="k", lw=1,
+                label=f"roofline (copy {copy_gbs:.1f} GB/s)")
+    ax.set(xlabel="weight bytes per token (MB)", ylabel="decode ms/token", **(
+        {"xscale": "log", "yscale": "log"} if log else {"xlim": (0, None), "ylim": (0, None)}))
+    ax.legend(fontsize=7, loc="upper left" if log else "best")
+
+
+def save_figure(fig, path) -> str:
+    import matplotlib.pyplot as plt
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return str(path)
