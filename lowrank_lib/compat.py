@@ -22,6 +22,8 @@ from __future__ import annotations
 import functools
 import inspect
 
+__all__ = ["cache_kw", "cache_kwarg"]
+
 NEW, OLD = "cache", "past_key_values"
 
 

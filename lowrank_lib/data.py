@@ -10,6 +10,9 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["calibration_batches", "chat_calibration_batches", "data_dir", "load_text", "random_token_batches",
+           "SPLITS", "tokens"]
+
 SPLITS = ("valid", "test")
 
 

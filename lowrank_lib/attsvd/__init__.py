@@ -11,8 +11,8 @@ type, and per-head interpretability. The KV method built on it is :class:`lowran
 """
 from .basis import attention_svd, compress_prefill, logit_error, output_error
 from .config import AttSVDConfig
-from .factor_space import factor_space_attention, rebuild_then_attend
+from .factor_space import dense_attention, factor_space_attention, rebuild_then_attend
 from .kv import LowRankKV, Spectra
 
-__all__ = ["AttSVDConfig", "LowRankKV", "Spectra", "attention_svd", "compress_prefill", "factor_space_attention",
-           "logit_error", "output_error", "rebuild_then_attend"]
+__all__ = ["AttSVDConfig", "LowRankKV", "Spectra", "attention_svd", "compress_prefill", "dense_attention",
+           "factor_space_attention", "logit_error", "output_error", "rebuild_then_attend"]

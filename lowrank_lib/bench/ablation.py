@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import Engine, EngineConfig, run_generation
+from ..runtime import PRESETS, Engine, EngineConfig, run_generation
 from ..runtime.baselines import make_runner
-from ..runtime.config import PRESETS
 from ..runtime.profiling import per_token_counts
 from .timing import interleaved, interleaved_samples, summary
 

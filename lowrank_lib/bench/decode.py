@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import Engine, run_generation
+from ..runtime import Engine, parse_dtype, run_generation
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts
 from .host import copy_bandwidth, cpu_name
@@ -70,7 +70,6 @@ def weight_bytes(runner) -> int:
 
 def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
     """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
-    from ..runtime.config import parse_dtype
     from .models import load_bench_models
 
     dt, dev = parse_dtype(cfg.dtype), torch.device(cfg.device)

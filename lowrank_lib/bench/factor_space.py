@@ -23,8 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm.auto import tqdm
 
-from ..attsvd import LowRankKV, attention_svd, factor_space_attention, rebuild_then_attend
-from ..attsvd.factor_space import dense_attention
+from ..attsvd import LowRankKV, attention_svd, dense_attention, factor_space_attention, rebuild_then_attend
 from ..compat import cache_kw
 from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
 from ..geometry import geometry

@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, iter_linears
 
+__all__ = ["calibration_data", "CalibStats", "cholesky_lower", "collect_stats", "INPUT_OF", "LayerStats"]
+
 #: Projections whose input equals another projection's input in a Llama layer.
 INPUT_OF = {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}
 

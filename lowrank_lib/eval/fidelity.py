@@ -21,6 +21,8 @@ from ..runtime.baselines import make_runner
 from ..runtime.engine import Engine
 from .perplexity import windows
 
+__all__ = ["audit", "perplexity_table", "PROMPTS", "reference_tokens", "runtime_perplexity"]
+
 PROMPTS = [
     "The capital of France is",
     "Write a short poem about the sea.",

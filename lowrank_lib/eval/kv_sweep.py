@@ -20,6 +20,11 @@ import torch
 from ..compat import cache_kw
 from ..kv import METHODS, make_method, method_kind
 
+__all__ = ["budget_sweep", "frontier_best", "FRONTIER_BUDGETS", "frontier_caches", "FRONTIER_COMPOSED",
+           "FRONTIER_EVICTION", "FRONTIER_LOWRANK", "frontier_method", "FRONTIER_QUICK", "FRONTIER_REPORT",
+           "frontier_rows", "frontier_table", "frontier_windows", "FrontierConfig", "kv_frontier", "merge_frontier",
+           "QUICK", "REPORT", "sweep_method", "SweepConfig", "table", "targets", "teacher_forced"]
+
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)
 QUICK = dict(prefill=[512], windows=2, cont=64, budgets=[1.0, 0.8, 0.6, 0.5, 0.25], lengths=[512], n_per=1)

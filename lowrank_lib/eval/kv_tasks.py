@@ -41,6 +41,10 @@ from ..kv import METHODS, method_kind
 from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, frontier_caches, frontier_method
 from .longctx import Sample, greedy_decode, make_sample, sample_ids, score, stop_ids
 
+__all__ = ["ADAPTERS", "answer", "BUDGETS", "build_task_samples", "check_policies", "DEFAULT_POLICIES",
+           "engine_answer", "evaluate_tasks", "merge_tasks", "policy_answers", "target_tokens", "task_rows", "TASKS",
+           "tasks_table"]
+
 TASKS = ("needle_single", "needle_multikey", "variable_tracking")
 BUDGETS = (0.5, 0.25)
 DEFAULT_POLICIES = ("dense", *FRONTIER_EVICTION, *FRONTIER_LOWRANK, *FRONTIER_COMPOSED)

@@ -19,6 +19,8 @@ from tqdm.auto import tqdm
 from ..compat import cache_kw
 from ..kv.hf_adapter import KVCache, dense_cache, record
 
+__all__ = ["continuation_by_rank", "continuation_quality", "QualityResult", "wikitext_windows"]
+
 
 @dataclass
 class QualityResult:

@@ -27,6 +27,9 @@ from tqdm.auto import tqdm
 from ..compat import cache_kw
 from ..kv.hf_adapter import KVCache, record
 
+__all__ = ["build_samples", "ByteTokenizer", "evaluate", "greedy_decode", "make_sample", "Sample", "sample_ids",
+           "score", "stop_ids", "TASKS"]
+
 TASKS = ("passkey", "needle_single", "needle_multikey", "variable_tracking")
 _WORDS = ["apple", "river", "silver", "garden", "violet", "harbor", "meadow", "copper", "falcon", "maple",
           "thunder", "crystal", "lantern", "orchid", "summit", "velvet", "willow", "ember", "glacier", "prairie"]

@@ -22,6 +22,9 @@ import torch
 from .. import families
 from ..geometry import geometry
 
+__all__ = ["compress_family", "dense_rows", "dir_bytes", "eval_tokens", "family_rows", "format_table", "METHOD_NAMES",
+           "QualityConfig", "run"]
+
 #: every compression method of the family registry, in table order (each is written in its own
 #: native format: ``families.get_format(name)``; "svd" = plain SVD, kept in our own format)
 METHOD_NAMES = tuple(f.name for f in families.methods())

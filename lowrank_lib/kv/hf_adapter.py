@@ -33,6 +33,8 @@ from ..hf.attention import routed_attention
 from .method import KVMethod, Prefill
 from .tiers import BACKENDS, TieredLayer
 
+__all__ = ["dense_cache", "KVCache", "MethodLayer", "probe_for", "record", "tiered_attention", "TieredRead"]
+
 
 class TieredRead:
     """What a fitted layer hands attention in place of K and V: its state, the method that reads it and the

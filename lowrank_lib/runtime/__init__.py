@@ -2,10 +2,10 @@
 packed projections, attention backends, graph modes, baselines on the same factors, profiling; the ``Runner``
 protocol every runner implements."""
 from ..generation import GenerateOutput, run_generation, sample_next
-from .config import EngineConfig, PRESETS
+from .config import EngineConfig, PRESETS, parse_dtype
 from .engine import Engine
 from .kv import CacheFullError, DenseKV, KVStore, RebuildKV
 from .runner import Runner
 
-__all__ = ["Engine", "EngineConfig", "PRESETS", "GenerateOutput", "run_generation", "sample_next",
+__all__ = ["Engine", "EngineConfig", "PRESETS", "parse_dtype", "GenerateOutput", "run_generation", "sample_next",
            "CacheFullError", "DenseKV", "KVStore", "RebuildKV", "Runner"]

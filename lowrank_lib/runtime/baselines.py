@@ -33,6 +33,8 @@ from .engine import Engine
 from .graphs import own_code
 from .runner import Runner
 
+__all__ = ["ENGINE_VARIANTS", "HFCompiledRunner", "HFRunner", "make_runner", "SYSTEMS"]
+
 SYSTEMS = ("engine", "engine_step", "engine_step_cpp", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
            "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
 ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"),

@@ -35,6 +35,8 @@ from torch import nn
 
 from ..factorized import LowRankLinear
 
+__all__ = ["gemm_operand", "LAYOUTS", "pick_layout", "ProjectionGroup", "rotate_half_rows"]
+
 
 def rotate_half_rows(R: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
     """P R for R [n_heads * head_dim, ...] (rows grouped by head; ``...`` empty for a bias)."""

@@ -15,6 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .runner import Runner
 
+__all__ = ["count_cuda_launches", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
+           "DispatchCounter", "op_class", "OP_CLASSES", "per_token_counts"]
+
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
     "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),

@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     from pathlib import Path
 
-    from ...runtime.config import parse_dtype
+    from ...runtime import parse_dtype
     from ..ablation import MECHANISMS, mechanism_table
     from ..models import load_bench_models
     from ..options import one

@@ -21,7 +21,7 @@ def run(a) -> int:
     from pathlib import Path
 
     from ...eval.fidelity import audit, perplexity_table
-    from ...runtime.config import parse_dtype
+    from ...runtime import parse_dtype
     from ..models import load_bench_models
     from ..options import one
     from ..results import ResultFiles, slug

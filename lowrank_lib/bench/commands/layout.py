@@ -16,8 +16,7 @@ def run(a) -> int:
     import time
     from pathlib import Path
 
-    from ...runtime import Engine, EngineConfig
-    from ...runtime.config import parse_dtype
+    from ...runtime import Engine, EngineConfig, parse_dtype
     from ..layout import engine_operand_shapes, format_layout_table, layout_bench
     from ..models import load_bench_models
     from ..options import one

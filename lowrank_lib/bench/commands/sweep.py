@@ -21,7 +21,7 @@ def run(a) -> int:
 
     from ... import models
     from ...data import tokens
-    from ...eval.sweep import ppl_vs_keep, sensitivity_by_type
+    from ...eval import ppl_vs_keep, sensitivity_by_type
     from ..options import one
     from ..results import write_result
 
