@@ -139,9 +139,9 @@ def placeholder_model(shape: str | dict, family: str, keep: float = 0.8, seed: i
     for mod in model.modules():                      # every dense parameter: a placeholder in the dense dtype
         if isinstance(mod, LowRankLinear):
             continue
-        for k, v in list(mod._parameters.items()):
-            if v is not None and v.is_meta:
-                mod._parameters[k] = nn.Parameter(zero_pages(v.shape, ddt), requires_grad=False)
+        for k, v in list(mod.named_parameters(recurse=False)):
+            if v.is_meta:
+                setattr(mod, k, nn.Parameter(zero_pages(v.shape, ddt), requires_grad=False))
     model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
     model.requires_grad_(False)
     model.lowrank_meta = meta
