@@ -2,9 +2,12 @@
 
 A kernel test decorated with :func:`needs_lrk` runs once per level this CPU has: ``"all"`` (its AVX-512 kernels,
 where the CPU has AVX512F/BW/VL) and ``"avx2"`` (the AVX2 + FMA kernels, forced with ``build.limit_isa`` on an
-AVX-512 CPU), so both code paths are checked wherever AVX-512 exists, and the AVX2 one on every AVX2 CPU.
+AVX-512 CPU), so both code paths are checked wherever AVX-512 exists, and the AVX2 one on every AVX2 CPU. The
+fused tier attention has both too. :data:`THREADS` / :func:`num_threads`: the thread counts the pool is checked at.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -17,8 +20,19 @@ AVX512 = ("avx512f", "avx512bw", "avx512vl")
 LEVELS = [lvl for lvl, ok in (("all", LIB.has(*AVX512)), ("avx2", LIB.has("avx2", "fma"))) if ok]
 #: a mark for a parameter: the kernels run here at the CPU's own level
 lrk_runs = pytest.mark.skipif(not LEVELS, reason=f"the kernel library cannot run here: {LIB.reason}, isa={LIB.isa}")
-#: the fused tier attention has AVX-512 code only
-needs_avx512 = pytest.mark.skipif(not LIB.has(*AVX512), reason=f"no AVX512F/BW/VL here: {LIB.reason}, isa={LIB.isa}")
+#: the thread counts the kernels' split is checked at (3 > this machine's cores: uneven splits, late workers)
+THREADS = (1, 2, 3)
+
+
+@contextlib.contextmanager
+def num_threads(n: int):
+    """``torch.set_num_threads(n)`` inside (the kernels' pool follows it), the previous count restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(params=LEVELS or ["none"])

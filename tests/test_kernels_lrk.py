@@ -21,7 +21,8 @@ from lowrank_lib.runtime import Engine, EngineConfig
 from lowrank_lib.runtime.kernels import build, select_gemv
 from lowrank_lib.runtime.kernels.gemv import lrk_unavailable
 
-from kernel_isa import LIB, gemv_backend, kernel_isa, needs_lrk, needs_lrk_native  # noqa: F401  (the fixture)
+from kernel_isa import (LIB, THREADS, gemv_backend, kernel_isa, needs_lrk, needs_lrk_native,  # noqa: F401  (the fixture)
+                        num_threads)
 
 # bf16 runs everywhere the kernels run: AVX512_BF16, else the AVX2 kernels (needs_lrk runs each level here)
 DTYPES = [torch.float32, torch.bfloat16]
@@ -96,7 +97,7 @@ def test_gemv_segmented_strided_and_threads(dtype):
     assert not x.is_contiguous()
     y = ops.gemv(x, Ps, [o for o, _ in shapes], [i for _, i in shapes], xoffs)
     _check_close(y, _ref_gemv(x, Ws, xoffs), dtype)
-    # enough bytes for the parallel split (> 256 KB): blocks are computed identically -> bitwise equal
+    # enough bytes for the default parallel split: blocks are computed identically -> bitwise equal
     W = torch.randn(1536, 576, generator=g).to(dtype)
     xw = torch.randn(2, 576, generator=g).to(dtype)
     P = ops.pack(W)
@@ -180,6 +181,173 @@ def test_attend_rejects_hostile_arguments():
 # --------------------------------------------------------------------------- ProjectionGroup
 def _lrk_choice(dtype=torch.float32):
     return select_gemv("lrk", torch.device("cpu"), dtype)
+
+
+# --------------------------------------------------------------------------- threads (the kernels' own pool)
+def _at_every_thread_count(call, split=True):
+    """call() at each of THREADS threads -> the results, with the pool's threshold at one byte, so every call that has
+    two jobs is split (tiny shapes, uneven cuts, more threads than cores); ``split``: it has, the pool must run."""
+    outs = []
+    with build.pool(min_bytes=1):
+        for n in THREADS:
+            before = build.pool_info()
+            with num_threads(n):
+                outs.append(call())
+            after = build.pool_info()
+            if split and n > 1:
+                assert after["parallel_calls"] > before["parallel_calls"], "the call was not split"
+    return outs
+
+
+def _same_bits(outs):
+    assert all(torch.equal(outs[0], o) for o in outs[1:]), "results differ across thread counts"
+
+
+@needs_lrk
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemv_every_thread_count_same_bits(dtype):
+    """Rows split over 1, 2, 3 threads: the same bits as one thread, equal to the reference, at odd shapes (rows not a
+    multiple of the 64-row block, rank 1 either way, one row) and for a segmented group (the split runs over the
+    group's total rows), N = 1 and several rows of x."""
+    ops = _ops()
+    g = _gen(31)
+    cases = [[(1, 1)], [(300, 1)], [(1, 300)], [(193, 37)], [(130, 77)], [(300, 37), (5, 21), (129, 64), (64, 3)]]
+    for shapes in cases:
+        xoffs = [0, 37, 10, 58][:len(shapes)] if len(shapes) > 1 else [0]
+        width = max(o + i for o, (_, i) in zip(xoffs, shapes))
+        Ws = [torch.randn(o, i, generator=g).to(dtype) for o, i in shapes]
+        Ps = [ops.pack(W) for W in Ws]
+        for N in (1, 3):
+            x = torch.randn(N, width, generator=g).to(dtype)
+            blocks = sum(-(-o // 64) for o, _ in shapes)
+            outs = _at_every_thread_count(lambda: ops.gemv(x, Ps, [o for o, _ in shapes], [i for _, i in shapes],
+                                                           xoffs), split=blocks > 1)
+            _same_bits(outs)
+            _check_close(outs[0], _ref_gemv(x, Ws, xoffs), dtype)
+
+
+@needs_lrk
+def test_gemv_threshold_one_thread_below_split_just_above():
+    """At the default threshold (min_bytes of weights per thread) a matrix of less than two shares runs on the caller
+    alone at any thread count, one just above it is split; both give the same bits as one thread."""
+    ops = _ops()
+    mb = build.pool_info()["min_bytes"]
+    g = _gen(32)
+    out = 128                                                    # two 64-row blocks (jobs), fp32
+    for inp, split in ((2 * mb // (out * 4) - 1, False), (2 * mb // (out * 4) + 1, True)):  # just below / above
+        W = torch.randn(out, inp, generator=g)
+        P = ops.pack(W)
+        x = torch.randn(1, inp, generator=g)
+        outs = []
+        for n in THREADS:
+            before = build.pool_info()
+            with num_threads(n):
+                outs.append(ops.gemv(x, [P], [out], [inp], [0]))
+            after = build.pool_info()
+            went = after["parallel_calls"] - before["parallel_calls"]
+            assert went == (1 if split and n > 1 else 0), (out, inp, n, went)
+        _same_bits(outs)
+        _check_close(outs[0], _ref_gemv(x, [W], [0]), torch.float32)
+
+
+@needs_lrk
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attend_every_thread_count_same_bits(dtype):
+    """The decode attention's (row, KV head) pairs split over 1, 2, 3 threads: the same bits, equal to the reference
+    (3 heads on 2 threads, more threads than pairs, left padding)."""
+    ops = _ops()
+    for B, H, G, D, S, length in [(1, 3, 3, 64, 40, 39), (2, 2, 2, 48, 70, 37), (1, 1, 4, 32, 9, 8)]:
+        g = _gen(B * 10 + H)
+        q = torch.randn(B, H, G, D, generator=g).to(dtype)
+        K = (2 * torch.randn(B, H, S, D, generator=g)).to(dtype)
+        V = torch.randn(B, H, S, D, generator=g).to(dtype)
+        pad = torch.tensor([3 * b for b in range(B)], dtype=torch.long)
+        L = torch.tensor([length], dtype=torch.long)
+        outs = _at_every_thread_count(lambda: ops.attend(q, K, V, L, pad, D ** -0.5), split=B * H > 1)
+        _same_bits(outs)
+        ref = _ref_attend(q, K, V, length, pad, D ** -0.5)
+        assert float((outs[0].double() - ref).abs().max()) <= (2e-6 if dtype == torch.float32 else 1e-2) * float(
+            ref.abs().max())
+
+
+@needs_lrk
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_certified_head_every_thread_count_same_bits(dtype):
+    """The certified head's int8 scoring and exact blocks split over 1, 2, 3 threads: the same bits and statistics."""
+    from lowrank_lib.runtime.lm_head import quantize_head
+
+    ops = _ops()
+    g = _gen(33)
+    V, d = 333, 70
+    W = torch.randn(V, d, generator=g).to(dtype)
+    x = torch.randn(2, d, generator=g).to(dtype)
+    Q, meta = quantize_head(W)
+    Qp, P = ops.pack(Q), ops.pack(W.contiguous())
+    stats = []
+
+    def call():
+        st = torch.zeros(5, dtype=torch.long)
+        y = ops.certified_head(x, Qp, meta, P, V, 0.5, st)
+        stats.append(st)
+        return y
+
+    _same_bits(_at_every_thread_count(call))
+    _same_bits(stats)
+
+
+@needs_lrk_native
+def test_pool_survives_fork_and_concurrent_callers():
+    """A forked child (whose parent's workers do not exist in it) builds a fresh pool on its first split call and gets
+    the parent's bits; two Python threads calling at once (one owns the workers, the other runs alone) both get them;
+    the OpenMP mode gives the same bits."""
+    import os
+    import threading
+    import time
+
+    ops = _ops()
+    g = _gen(34)
+    W = torch.randn(700, 300, generator=g)
+    P = ops.pack(W)
+    x = torch.randn(2, 300, generator=g)
+    with build.pool(threads=2, min_bytes=1):
+        want = ops.gemv(x, [P], [700], [300], [0])          # the parent's workers are running now
+        assert build.pool_info()["workers"] >= 1
+        pid = os.fork()
+        if pid == 0:         # the child: exit 0 only with the same bits and a chunk run by a (new) worker
+            code = 1
+            try:
+                before, t0 = build.pool_info()["chunks_off_caller"], time.monotonic()
+                code = 3
+                while time.monotonic() - t0 < 20:
+                    if not torch.equal(ops.gemv(x, [P], [700], [300], [0]), want):
+                        code = 2
+                        break
+                    if build.pool_info()["chunks_off_caller"] > before:
+                        code = 0
+                        break
+            finally:
+                os._exit(code)
+        deadline = time.monotonic() + 60
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child hung calling the kernel")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(status) == 0
+        results = []
+        threads = [threading.Thread(target=lambda: results.extend(ops.gemv(x, [P], [700], [300], [0])
+                                                                  for _ in range(20))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(results) == 40 and all(torch.equal(r, want) for r in results)
+    with build.pool(threads=2, min_bytes=1, mode="omp"):
+        assert torch.equal(ops.gemv(x, [P], [700], [300], [0]), want)
 
 
 @needs_lrk

@@ -5,9 +5,11 @@ Layouts are random and ragged: empty exact tiers, segments without runs, several
 included), rows that are no multiple of the vector width or of the kernel's 256-token chunk, int8 factors with
 fp16 and fp32 scales, zero or some appended rows, B = 2, G = 1..5, d = 16..128. fp32 must equal the portable path
 to 1e-5 relative; bf16 must be the correctly rounded float64 evaluation of the same stored values to one ulp.
-Also: the device-side appended count (garbage past it is never read), several threads (long segments split and merged),
+Also: the device-side appended count (garbage past it is never read), several threads (long segments split and merged;
+every layout split into pieces at 1, 2 and 3 threads; the same bits at every thread count when unsplit),
 ``torch.compile`` with no graph break and no recompile as the count grows, hostile layouts refused by name, and the
-backend choice with its reason (and the portable fallback without the library).
+backend choice with its reason (and the portable fallback without the library). The kernel's arithmetic runs under
+each ISA level the CPU has (``tests/kernel_isa.py``: its AVX-512 code and its AVX2 + FMA code).
 """
 from __future__ import annotations
 
@@ -20,10 +22,8 @@ from lowrank_lib.kv import tiers
 from lowrank_lib.kv.tiers import Run, Segment, TieredLayer, attend, attend_portable, select_backend
 from lowrank_lib.runtime.kernels import build
 
-LIB = build.load()
-needs_lrk = pytest.mark.skipif(not LIB.has("avx512f", "avx512bw", "avx512vl"),
-                               reason=f"kernel library cannot run here: {LIB.reason}, isa={LIB.isa}")
-needs_bf16 = pytest.mark.skipif(not LIB.has("avx512_bf16"), reason="no AVX512_BF16 on this CPU")
+from kernel_isa import LIB, THREADS, kernel_isa, needs_lrk, needs_lrk_native, num_threads  # noqa: F401 (the fixture)
+
 #: bf16: the kernel computes in fp32 and rounds the output once, so every element is within one bf16 ulp of the
 #: correctly rounded float64 evaluation of the same stored values (a fp32 rounding can only flip a near-tie), and
 #: nearly all are equal to it
@@ -134,7 +134,6 @@ def test_int8_fp32_scales_rank_zero_runs_and_segments_of_one_tier():
 
 
 @needs_lrk
-@needs_bf16
 @pytest.mark.parametrize("quant8", [False, True])
 def test_bf16_within_bound_of_the_exact_evaluation(quant8):
     """bf16 K / V / bases (and bf16 or int8 factors): every element within BF16_ULPS of the correctly rounded
@@ -172,26 +171,56 @@ def test_device_side_count_reads_only_the_rows_written():
 
 @needs_lrk
 def test_threads_split_long_segments_and_merge():
-    """Enough work for the parallel split (> 256 KB): pieces spanning tiers, merged by log-sum-exp, equal the
-    single-thread result and the portable path."""
+    """Enough work for the default parallel split: pieces spanning tiers, merged by log-sum-exp, equal the
+    single-thread result and the portable path at every thread count."""
     layer = make_layer(B=1, H=2, seed=7, quant8=True, max_exact=3000, max_run=4000, max_runs=2, appended=40)
     q = query(layer, 3)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = attend(layer, q, backend="cpu_lrk")
-        torch.set_num_threads(2)
-        two = attend(layer, q, backend="cpu_lrk")
-    finally:
-        torch.set_num_threads(before)
     ref = attend_portable(layer, q)
+    with num_threads(1):
+        one = attend(layer, q, backend="cpu_lrk")
     assert_rel(one, ref, 1e-5)
-    assert_rel(two, ref, 1e-5)
-    assert_rel(two, one, 1e-6)
+    for n in THREADS[1:]:
+        calls = build.pool_info()["parallel_calls"]
+        with num_threads(n):
+            got = attend(layer, q, backend="cpu_lrk")
+        assert build.pool_info()["parallel_calls"] == calls + 1, "the layer was not split"
+        assert_rel(got, ref, 1e-5)
+        assert_rel(got, one, 1e-6)
 
 
 @needs_lrk
-def test_compiled_step_calls_the_op_without_graph_break_or_recompile():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_thread_count_small_pieces_and_unsplit_bits(dtype):
+    """With the pool's threshold at one byte every layout is cut into pieces (pieces ending inside runs, in the
+    appended rows, single tokens) claimed by 1, 2, 3 threads: each result equals the portable path; unsplit (threshold
+    above the layer) the result is the same bits at every thread count."""
+    for seed, quant8 in ((0, False), (1, True), (2, True)):
+        layer = make_layer(seed=seed, quant8=quant8, dtype=dtype, max_exact=120, max_run=150, appended=3)
+        q = query(layer, 3, seed)
+        ref = attend_portable(layer, q) if dtype == torch.float32 else attend_portable(as_float64(layer), q.double())
+
+        def check(out):
+            if dtype == torch.float32:
+                assert_rel(out, ref, 1e-5)
+            else:
+                assert float(bf16_ulps(out, ref).max()) <= BF16_ULPS
+        with build.pool(min_bytes=1):
+            for n in THREADS:
+                calls = build.pool_info()["parallel_calls"]
+                with num_threads(n):
+                    check(attend(layer, q, backend="cpu_lrk"))
+                assert build.pool_info()["parallel_calls"] == calls + (n > 1)
+        with build.pool(min_bytes=1 << 60):
+            outs = []
+            for n in THREADS:
+                with num_threads(n):
+                    outs.append(attend(layer, q, backend="cpu_lrk"))
+            check(outs[0])
+            assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_lrk_native
+def test_compiled_step_calls_the_op_without_graph_break_or_recompile(request):
     """A compiled function around the attention (fullgraph: a graph break raises) equals eager, and replays as the
     device-side count grows (the count is read by the kernel, not baked into the graph)."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -199,6 +228,9 @@ def test_compiled_step_calls_the_op_without_graph_break_or_recompile():
     layer = make_layer(B=1, seed=2, quant8=True, appended=0, cap=8)
     q = query(layer, 3)
     n = torch.zeros(1, dtype=torch.long)
+    pool = build.pool(threads=2, min_bytes=1)              # the kernel's pool split every call, from inductor's code
+    pool.__enter__()
+    request.addfinalizer(lambda: pool.__exit__(None, None, None))
 
     def step(q, k, v, n):
         layer.k_new.index_copy_(2, n, k)
@@ -210,17 +242,19 @@ def test_compiled_step_calls_the_op_without_graph_break_or_recompile():
     compiled = torch.compile(step, backend=counter, fullgraph=True)
     g = torch.Generator().manual_seed(4)
     for i in range(3):
+        calls = build.pool_info()["parallel_calls"]
         k, v = torch.randn(1, 3, 1, 64, generator=g), torch.randn(1, 3, 1, 64, generator=g)
         got = compiled(q, k, v, n)
         layer.n_new = i + 1
         want = attend_portable(layer, q * 1.5)
         assert_rel(got, want.sum(-1) + want.amax(-1), 1e-5)
+        assert build.pool_info()["parallel_calls"] > calls     # the pool ran inside the compiled code
         n += 1
     assert counter.frame_count == 1
 
 
 # --------------------------------------------------------------------------- hostile inputs
-@needs_lrk
+@needs_lrk_native
 def test_hostile_layouts_are_refused_by_name():
     from lowrank_lib.runtime.kernels import ops
 
@@ -271,9 +305,14 @@ def test_backend_choice_says_why():
     assert "fp32 and bf16" in select_backend("auto", cpu, 64, torch.float16).reason
     with pytest.raises(ValueError, match="unknown tiered attention"):
         select_backend("fast", cpu, 64, torch.float32)
-    if LIB.has("avx512f", "avx512bw", "avx512vl"):
+    for level in ("all", "avx2") if LIB.has("avx2", "fma") else ():
+        with build.limit_isa(level):                       # AVX2 CPUs get the fused kernel too
+            for dtype in (torch.float32, torch.bfloat16):
+                ch = select_backend("auto", cpu, 64, dtype)
+                assert ch.name == "cpu_lrk" and ch.reason.startswith("auto: our fused tier attention"), ch.reason
+    with build.limit_isa("none"):
         ch = select_backend("auto", cpu, 64, torch.float32)
-        assert ch.name == "cpu_lrk" and ch.reason.startswith("auto: our fused tier attention")
+        assert ch.name == "portable" and "AVX2 + FMA" in ch.reason
 
 
 def test_without_the_library_auto_runs_the_portable_path(monkeypatch):
@@ -290,8 +329,13 @@ def test_without_the_library_auto_runs_the_portable_path(monkeypatch):
 
 
 def test_the_library_is_built_from_every_source():
-    """Both translation units and the shared header are in the build and in the tag (an edited file rebuilds)."""
+    """Every translation unit and header is in the build and in the tag (an edited file rebuilds)."""
+    from pathlib import Path
+
     names = [p.name for p in build.SOURCES]
-    assert names == ["lrk.cpp", "tiers.cpp"] and [p.name for p in build.HEADERS] == ["lrk_simd.h"]
+    assert names == ["lrk.cpp", "tiers.cpp", "pool.cpp"]
+    here = Path(build.__file__).parent
+    assert sorted(p.name for p in build.SOURCES + build.HEADERS) == sorted(
+        p.name for p in list(here.glob("*.cpp")) + list(here.glob("*.h")))
     assert all(p.exists() for p in build.SOURCES + build.HEADERS)
     assert build.extension_kwargs()["sources"] == [str(p) for p in build.SOURCES]

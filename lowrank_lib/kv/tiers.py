@@ -498,11 +498,11 @@ def reads_device_layout(backend: str) -> bool:
 
 def cpu_lrk_unavailable(device, head_dim: int, dtype: torch.dtype) -> str | None:
     """Why the fused kernel cannot run (None: it can): a CPU device, fp32 / bf16, head_dim a multiple of 16 up to
-    128, the kernel library loaded (built on first use) and AVX512F/BW/VL (+ AVX512_BF16 for bf16): the fused
-    kernel has no AVX2 code (the GEMV and dense decode attention do)."""
+    128, the kernel library loaded (built on first use) and AVX2 + FMA or the dtype's AVX-512 subset (AVX512F/BW/VL,
+    + AVX512_BF16 for bf16): the fused kernel has both codes, as the GEMV and dense decode attention."""
     if head_dim % 16 or not 16 <= head_dim <= 128:
         return f"head_dim {head_dim}: the fused kernel serves multiples of 16 up to 128"
-    return lrk_unavailable(device, dtype, avx512=True)
+    return lrk_unavailable(device, dtype)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:

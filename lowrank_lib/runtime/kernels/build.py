@@ -1,8 +1,8 @@
 """The compiled kernels' library: found ahead-of-time built, else built just in time, else absent (with why).
 
 ONE library from the sources beside this module (:data:`SOURCES`: ``lrk.cpp``, packed GEMV and dense decode
-attention; ``tiers.cpp``, the fused attention over a tiered KV layer; both include ``lrk_simd.h``; all shipped
-as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
+attention; ``tiers.cpp``, the fused attention over a tiered KV layer; ``pool.cpp``, the thread pool both use; the
+headers of :data:`HEADERS`; all shipped as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
 
 - **ahead of time**: ``pip install`` (``setup.py``) compiles it when torch is importable in the build
   environment (``make`` installs torch first and the package with ``--no-build-isolation``), as the
@@ -13,8 +13,12 @@ as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
   extension folder; once per torch version and source; needs a C++ compiler and ninja);
 - **absent**: no compiler or a failed build: :func:`load` returns a :class:`KernelLibrary` with
   ``available=False`` and the reason, and the engine runs the portable path. A loaded library on a CPU
-  without AVX-512 runs its AVX2 + FMA kernels (GEMV, dense decode attention, certified head; not the fused
-  tier attention); with neither, every kernel refuses and the portable path runs.
+  without AVX-512 runs its AVX2 + FMA kernels (GEMV, dense decode attention, certified head, fused tier
+  attention); with neither, every kernel refuses and the portable path runs.
+
+Threads: every kernel call splits its rows / heads / tier pieces over the library's own thread pool
+(``pool.cpp``; as many threads as ``torch.get_num_threads()``, one below a size threshold); :func:`pool` changes its
+settings (tests force splits of tiny shapes with it), :func:`pool_info` reports them and its counters.
 
 Which features the kernels may use: all the CPU has, unless ``$LOWRANK_LIB_ISA=avx2`` (read by :func:`load`)
 or :func:`limit_isa` lowers them, so the AVX2 kernels can be tested and measured on an AVX-512 CPU.
@@ -37,9 +41,9 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 #: the translation units of the one library (ops of both in the lowrank_lrk namespace)
-SOURCES = [HERE / "lrk.cpp", HERE / "tiers.cpp"]
+SOURCES = [HERE / "lrk.cpp", HERE / "tiers.cpp", HERE / "pool.cpp"]
 #: included by the sources: part of the tag, so an edited header rebuilds
-HEADERS = [HERE / "lrk_simd.h"]
+HEADERS = [HERE / "lrk_simd.h", HERE / "lrk_simd2.h", HERE / "lrk_pool.h", HERE / "tiers_item.h"]
 NAMESPACE = "lowrank_lrk"
 #: the compile flags of BOTH routes (no -march: the AVX-512 code is selected by target pragmas and a
 #: run-time CPUID check, so the library builds and loads on any x86-64)
@@ -203,6 +207,10 @@ def load(jit: bool = True, log=None) -> KernelLibrary:
     if level not in ISA_LEVELS:
         raise ValueError(f"LOWRANK_LIB_ISA={level!r}: use one of {sorted(ISA_LEVELS)}")
     _set_level(level)
+    mode = os.environ.get("LOWRANK_LIB_POOL", "own")
+    if mode not in POOL_MODES:
+        raise ValueError(f"LOWRANK_LIB_POOL={mode!r}: use one of {sorted(POOL_MODES)}")
+    getattr(torch.ops, NAMESPACE).set_pool(-1, -1, -1, POOL_MODES[mode])
     return _LIB
 
 
@@ -232,6 +240,55 @@ def limit_isa(level: str):
         _set_level(prev)
 
 
+#: the kernel pool's modes (``set_pool``'s ``mode``; ``$LOWRANK_LIB_POOL`` at load)
+POOL_MODES = {"own": 0, "omp": 1}
+
+
+def _pool_settings() -> dict:
+    import torch
+
+    threads, min_bytes, spin_us, mode = getattr(torch.ops, NAMESPACE).set_pool(-1, -1, -1, -1)
+    return {"threads": int(threads) or "torch", "min_bytes": int(min_bytes), "spin_us": int(spin_us),
+            "mode": next(k for k, v in POOL_MODES.items() if v == mode)}
+
+
+@contextlib.contextmanager
+def pool(threads: int | None = None, min_bytes: int | None = None, spin_us: int | None = None,
+         mode: str | None = None):
+    """``with pool(min_bytes=1):`` the kernels' thread pool (``pool.cpp``) with other settings, restored on exit.
+    threads: the threads a call may use (0: ``torch.get_num_threads()``, the default); min_bytes: streamed bytes per
+    thread below which a call runs on one thread (32 KB; 1: split whatever can be split); spin_us: how long an idle
+    worker spins before sleeping (50; ``$LOWRANK_LIB_SPIN_US``); mode: ``"own"`` (the library's workers) or ``"omp"``
+    (the same chunks in an OpenMP region: torch's intra-op threads; ``$LOWRANK_LIB_POOL``)."""
+    import torch
+
+    lib = load()
+    if not lib.available:
+        raise RuntimeError(f"pool: {lib.reason}")
+    if mode is not None and mode not in POOL_MODES:
+        raise ValueError(f"pool(mode={mode!r}): use one of {sorted(POOL_MODES)}")
+    ops = getattr(torch.ops, NAMESPACE)
+    new = [-1 if v is None else int(v) for v in (threads, min_bytes, spin_us)] + [POOL_MODES.get(mode, -1)]
+    prev = ops.set_pool(*new)
+    try:
+        yield lib
+    finally:
+        ops.set_pool(*prev)
+
+
+def pool_info() -> dict:
+    """The pool's settings and counters: threads a call may use now, workers started, parallel calls, chunks run by a
+    thread other than the caller, calls run on the caller alone (below the threshold or the workers busy)."""
+    import torch
+
+    load()
+    now, workers, par, off, alone = getattr(torch.ops, NAMESPACE).pool_info()
+    return {**_pool_settings(), "threads_now": now, "workers": workers, "parallel_calls": par,
+            "chunks_off_caller": off, "calls_alone": alone}
+
+
 def status() -> dict:
-    """The library as :meth:`Engine.report` shows it (without loading it)."""
-    return _LIB.to_dict() if _LIB is not None else {"available": None, "reason": "not loaded yet"}
+    """The library as :meth:`Engine.report` shows it (without loading it), with the pool's settings."""
+    if _LIB is None:
+        return {"available": None, "reason": "not loaded yet"}
+    return {**_LIB.to_dict(), **({"pool": _pool_settings()} if _LIB.available else {})}

@@ -77,7 +77,7 @@ def lrk_isa(dtype) -> str | None:
 
 def lrk_unavailable(device, dtype, avx512: bool = False) -> str | None:
     """Why the packed kernels cannot run here (None: they can). Loads (or builds) the library once.
-    ``avx512``: the op has no AVX2 code (the fused tier attention), so the AVX-512 subset is required."""
+    ``avx512``: the op has no AVX2 code (a backend declaring ``isa="avx512"``), so the AVX-512 subset is required."""
     if torch.device(device).type != "cpu":
         return f"device {torch.device(device).type}: the packed kernel is CPU-only"
     if dtype not in (torch.float32, torch.bfloat16):

@@ -20,7 +20,13 @@
 //        (block-diagonal: each member reads its slice of the stage-1 output, shared bases included).
 //   attend(q [B, Hkv, G, D], K, V [>=B, Hkv, S, D], length [1], pad [>=B], scale) -> o [B, Hkv*G*D]
 //        decode attention of the token at slot `length` over the slots pad[b] <= s <= length.
-//   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp (AVX-512 only)
+//   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp
+//   set_pool(threads, min_bytes, spin_us, mode) -> int[]   the thread pool's settings (pool.cpp; -1: unchanged)
+//   pool_info() -> int[]                     its counters
+//
+// Threads: gemv (and the certified head) cut their block jobs into contiguous runs of about equal weight bytes,
+// attend its (row, KV head) pairs; the calling thread and the kernel pool's workers claim the runs (lrk_pool.h).
+// Every output row / head is computed by the same code whichever thread runs it: the same bits at every thread count.
 //   certified_head(x [N, d], Q, meta [V, 3], P, V, max_fraction, stats [5]) -> logits [N, V]
 //        the LM head whose argmax is provably the exact head's (runtime/lm_head.py): an int8 copy Q of
 //        the head scores every row (integer dot products with x quantised to int16), per-row bounds
@@ -41,6 +47,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "lrk_pool.h"
 
 #include <atomic>
 #include <cmath>
@@ -482,24 +490,8 @@ static const attn_bf16_fn ATTN_BF16[8] = {attend_head<uint16_t, 1>, attend_head<
 #pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
 #endif
 
-static inline __m256i lanes8(int64_t m) {      // lane i set when i < m (m <= 8)
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(m < 8 ? m : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-static inline float bits_f(uint32_t b) {
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-// fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), 8 lanes -> 8 uint16 in the low 128 bits
-static inline __m128i to_bf16x8(__m256 a) {
-  const __m256i b = _mm256_castps_si256(a);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
-  r = _mm256_packus_epi32(r, r);                                   // [r0..r3 r0..r3 | r4..r7 r4..r7]
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));  // qwords 0, 2
-}
+#include "lrk_simd2.h"  // lanes8, to_bf16x8, exp256, ld8 / st8 (fp32, bf16), hsum8, hsum8x8: shared with tiers.cpp
+
 static inline void store_f32(float* y, __m256 a, int64_t m) {
   if (m >= 8)
     _mm256_storeu_ps(y, a);
@@ -587,36 +579,6 @@ static void run_block2(Kind k, const char* blk, const void* const* xr, int64_t K
 
 LRK_BOUND_PASS(bound_pass2)
 
-static inline float hsum8(__m256 a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-// e^x for x <= 0 (exp512's Cody-Waite + degree-6 Taylor; 2^n built in the exponent bits, n >= -126)
-static inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-static inline void st8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
-
 // o[g0 .. g0 + GB) += P V over chunks of CB 8-float columns: GB * CB <= 12 accumulators stay in registers, and
 // each V row chunk is loaded (and widened) once for the GB queries
 template <typename T, int GB>
@@ -644,13 +606,6 @@ static void pv_block2(const float* sc, int64_t np, const T* V, int64_t sv, int64
       for (int c = 0; c < CB; c++)
         if (c < cn) st8(o + g * D + (c0 + c) * 8, _mm256_mul_ps(acc[g][c], _mm256_set1_ps(inv[g])));
   }
-}
-
-// lane i = the sum of a[i]'s lanes, for 8 vectors
-static inline __m256 hsum8x8(const __m256* a) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // decode attention of one (batch row, kv head), attend_head's contract: G queries of dim D (a multiple of 16,
@@ -743,29 +698,23 @@ struct Job {
   int64_t r0;     // first row of x
 };
 
-// splits [0, n) jobs into at most `tasks` contiguous ranges of about equal weight bytes; runs them
+// Runs f on every job: one thread below the pool's threshold, else contiguous runs of jobs of about equal weight
+// bytes (CHUNKS_PER_THREAD per thread) claimed by the caller and the pool's workers. A job writes its own outputs
+// with the same code whichever thread runs it, so the result is the same bits at every thread count.
 template <typename F>
 static void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& bytes, F&& f) {
   const int64_t n = (int64_t)jobs.size();
   int64_t total = 0;
   for (auto b : bytes) total += b;
-  // below ~256 KB of weights a parallel region costs more than it saves
-  const int64_t threads = at::get_num_threads();
-  const int64_t tasks = imin(threads, imin(n, total / (256 << 10)));
-  if (tasks <= 1) {
+  const int64_t tu = imin(pool::threads_for(total), n);
+  if (tu <= 1) {
     for (int64_t j = 0; j < n; j++) f(jobs[j]);
     return;
   }
-  std::vector<int64_t> cut(tasks + 1, n);
-  cut[0] = 0;
-  int64_t acc = 0, t = 1;
-  for (int64_t j = 0; j < n && t < tasks; j++) {
-    acc += bytes[j];
-    if (acc * tasks >= total * t) cut[t++] = j + 1;
-  }
-  at::parallel_for(0, tasks, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++)
-      for (int64_t j = cut[t]; j < cut[t + 1]; j++) f(jobs[j]);
+  const std::vector<int64_t> cut = pool::cuts(std::vector<double>(bytes.begin(), bytes.end()),
+                                              tu * pool::CHUNKS_PER_THREAD);
+  pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) {
+    for (int64_t j = cut[c]; j < cut[c + 1]; j++) f(jobs[j]);
   });
 }
 
@@ -1019,10 +968,16 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
   auto qc = q.contiguous();
   auto o = at::empty({B, H * G * D}, q.options());
   const int64_t es = bf ? 2 : 4;
-  const int64_t work = B * H * (hi + 1) * D * 2 * es;
-  const int64_t grain = work > (128 << 10) ? 1 : B * H;
+  // threads: contiguous runs of (batch row, KV head) pairs, weighted by the K / V bytes each reads; each pair's
+  // output is computed by the same code whichever thread runs it (the same bits at every thread count)
+  std::vector<double> wt(B * H);
+  for (int64_t i = 0; i < B * H; i++) wt[i] = (double)(hi + 1 - std::min(pd[i / H], hi + 1)) * D * 2 * es;
+  double work = 0;
+  for (double w : wt) work += w;
+  const int64_t tu = imin(pool::threads_for((int64_t)work), B * H);
+  const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::CHUNKS_PER_THREAD);
 #if LRK_X86
-  at::parallel_for(0, B * H, grain, [&](int64_t i0, int64_t i1) {
+  auto heads = [&](int64_t i0, int64_t i1) {
     // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows
     std::vector<float> sc(w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
     for (int64_t i = i0; i < i1; i++) {
@@ -1049,7 +1004,8 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
         ATTN_F32[D / 16 - 1]((const float*)qp, (const float*)kp, (const float*)vp, K.stride(2), V.stride(2), lo, hi, G,
                              (float)scale, (float*)op, sc.data());
     }
-  });
+  };
+  pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) { heads(cut[c], cut[c + 1]); });
 #endif
   return o;
 }
@@ -1067,6 +1023,8 @@ TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("gemv(Tensor x, Tensor[] Ps, int[] outs, int[] ins, int[] xoffs) -> Tensor");
   m.def("attend(Tensor q, Tensor K, Tensor V, Tensor length, Tensor pad, float scale) -> Tensor");
   m.def("certified_head(Tensor x, Tensor Q, Tensor meta, Tensor P, int V, float max_fraction, Tensor(a!) stats) -> Tensor");
+  m.def("set_pool(int threads, int min_bytes, int spin_us, int mode) -> int[]", &lrk::pool::set_pool);
+  m.def("pool_info() -> int[]", &lrk::pool::pool_info);
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {

@@ -1,7 +1,10 @@
 // lowrank_lib's fused decode attention over a tiered KV layer (the layout of lowrank_lib/kv/tiers.py).
 //
 // Compiled into the same library as lrk.cpp (same flags, ops in the same namespace lowrank_lrk, the same
-// run-time ISA check; the AVX-512 helpers are shared through lrk_simd.h).
+// run-time ISA check and mask): the AVX-512 code where the CPU has q's dtype's AVX-512 subset (fp32: AVX512F/BW/VL,
+// bf16: + AVX512_BF16), else the AVX2 + FMA code (+ F16C for fp16 scales), else the op refuses. Both share their
+// control flow (tiers_item.h, included once per ISA) and their vector helpers with lrk.cpp (lrk_simd.h,
+// lrk_simd2.h); threads come from the kernel pool (lrk_pool.h).
 //
 // Op:
 //   tier_attend(q [B, H, G, d], k_exact, v_exact [N_e, d], e_off [B*H+1], runs [R, 9], r_off [B*H+1],
@@ -22,13 +25,14 @@
 //            m_g, denominator l_g, output accumulator [d] rescaled when the max grows)
 //   values   exact / appended: acc_g += p_gi v_i; run j: pa_g = sum_i p_gi v_scale_i A_V[:, i] summed in rank
 //            space over the run (rescaled with acc), then acc_g += pa_g B_V once per run
-//   threads  1 thread: the segments one after another. More (at::get_num_threads()) and enough work: every
-//            segment is cut into pieces of about equal cost (a piece may span tiers), the pieces are spread over
-//            the threads in contiguous groups of equal cost, and the pieces of a segment are merged by their
-//            (m, l, acc) states (log-sum-exp), so long segments are split (flash-decoding).
+//   threads  1 thread (or a small layer): the segments one after another. More (pool::threads_for): every
+//            segment is cut into pieces of about equal cost (a piece may span tiers), the caller and the pool's
+//            workers claim pieces, and the pieces of a segment are merged by their (m, l, acc) states
+//            (log-sum-exp), so long segments are split (flash-decoding).
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "lrk_pool.h"
 
 #include <algorithm>
 #include <cmath>
@@ -76,7 +80,7 @@ struct Layer {
   int64_t H, kn_sb, kn_sh, kn_ss, vn_sb, vn_sh, vn_ss, nn;
 };
 
-// Per-call scratch of one thread (allocated by the driver, outside the AVX-512 region).
+// Per-call scratch of one thread (allocated by the driver, outside the ISA regions).
 struct Scratch {
   float* qs;   // [G, D]  scaled queries
   float* sc;   // [G, CH] scores, then probabilities
@@ -86,6 +90,10 @@ struct Scratch {
 };
 
 #if LRK_X86
+static inline void prefetch_row(const void* p, int64_t bytes) {   // SSE: inlined into both ISAs' code
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,fma,avx2")
 #if defined(__clang__)
@@ -96,6 +104,7 @@ struct Scratch {
 }  // namespace tiers
 #include "lrk_simd.h"  // lanes, exp512, ld / st (fp32, bf16), hsum16 (namespace lrk)
 namespace tiers {
+namespace a512 {
 
 // masked (tail) loads of 16 elements widened to fp32: fp32, bf16, int8; per-token scales fp16 / fp32
 static inline __m512 ldm(const float* p, __mmask16 k) { return _mm512_maskz_loadu_ps(k, p); }
@@ -109,6 +118,11 @@ static inline __m512 ldm(const int8_t* p, __mmask16 k) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
 }
 using lrk::ld;
+template <typename T>
+static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs = scale q (n: a multiple of 16)
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(qs + i, _mm512_mul_ps(ld(q + i), sv));
+}
 static inline __m512 ld_scale(const void* base, bool s32, int64_t i, __mmask16 k) {
   return s32 ? _mm512_maskz_loadu_ps(k, (const float*)base + i)
              : _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, (const uint16_t*)base + i));
@@ -116,10 +130,6 @@ static inline __m512 ld_scale(const void* base, bool s32, int64_t i, __mmask16 k
 template <typename F>
 static inline __m512 ld_tail(const F* p, int64_t left) {  // 16 elements, or the `left` < 16 of a tail
   return left >= 16 ? ld(p) : ldm(p, lanes(left));
-}
-
-static inline void prefetch_row(const void* p, int64_t bytes) {
-  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
 }
 
 // ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. pf (or null): rows
@@ -279,115 +289,243 @@ static void basis_acc(const float* pr, int64_t G, int64_t rv, const T* bv, int64
     }
 }
 
-// one run's tokens [a, b) of the current item
-template <typename T, typename F>
-static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, float* m, float* l, float* acc,
-                      const Scratch& S) {
-  const int64_t G = L.G, D = L.D, n = R[N], rk = R[RK], rv = R[RV], tok = R[TOK_OFF];
-  const F* ak = (const F*)L.ak + R[AK_OFF];
-  const F* av = (const F*)L.av + R[AV_OFF];
-  const T* bk = (const T*)L.bk + R[BK_OFF];
-  const T* bv = (const T*)L.bv + R[BV_OFF];
-  project<T>(S.qs, G, D, bk, rk, S.qb);
-  for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
-  for (int64_t c0 = a; c0 < b; c0 += CH) {
-    const int64_t cn = b - c0 < CH ? b - c0 : CH;
-    const void* ks = nullptr;
-    if (L.q8) ks = L.s32 ? (const void*)((const float*)L.ks + tok + c0) : (const void*)((const uint16_t*)L.ks + tok + c0);
-    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
-      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
-      const float* qb = S.qb + g0 * rk;
-      float* sc = S.sc + g0 * CH;
-      switch (ng) {
-        case 1: run_scores<F, 1>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
-        case 2: run_scores<F, 2>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
-        case 3: run_scores<F, 3>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
-        default: run_scores<F, 4>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
-      }
-    }
-    const void* vs = nullptr;
-    if (L.q8) vs = L.s32 ? (const void*)((const float*)L.vs + tok + c0) : (const void*)((const uint16_t*)L.vs + tok + c0);
-    softmax_chunk(S.sc, G, cn, D, m, l, acc, S.pr, rv, vs, L.s32);       // sc: p_i (* v_scale_i)
-    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
-      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
-      const float* p = S.sc + g0 * CH;
-      switch (ng) {
-        case 1: run_values<F, 1>(p, rv, av + c0, n, cn, S.pa); break;
-        case 2: run_values<F, 2>(p, rv, av + c0, n, cn, S.pa); break;
-        case 3: run_values<F, 3>(p, rv, av + c0, n, cn, S.pa); break;
-        default: run_values<F, 4>(p, rv, av + c0, n, cn, S.pa); break;
-      }
-      for (int64_t r = 0; r < rv; r++)
-        for (int g = 0; g < ng; g++) S.pr[(g0 + g) * rv + r] += S.pa[r * ng + g];
-    }
-  }
-  basis_acc<T>(S.pr, G, rv, bv, D, acc);
+#include "tiers_item.h"  // run_item<T> and its pieces, on the primitives above
+}  // namespace a512
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif
+#pragma GCC pop_options
+
+// ------------------------------------------------------------------------------------ AVX2 + FMA code
+// The same primitives with 8-lane vectors, for CPUs without the AVX-512 subset a dtype needs (or an AVX-512 CPU
+// limited by set_isa_mask): same layout, same chunking and online softmax, the same order of accumulation per score
+// (d in order), per output element (tokens in order) and per rank-space sum; 8 tokens per transpose-add instead of
+// 16, so the fp32 roundings of a score's partial sums differ from the AVX-512 code's. Tails (fewer than 8 elements)
+// are loaded through a zeroed buffer (AVX2 has no masked 16-bit or 8-bit loads). fp16 scales need F16C.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#endif
+
+}  // namespace tiers
+#include "lrk_simd2.h"  // lanes8, exp256, ld8 (fp32, bf16), hsum8, hsum8x8 (namespace lrk)
+namespace tiers {
+namespace a2 {
+
+using lrk::ld8;
+static inline __m256 ld8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+// 8 elements widened to fp32, or the `left` < 8 of a tail (zeros past it; left <= 0: all zeros)
+static inline __m256 ld_tail8(const float* p, int64_t left) {
+  return left >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes8(left > 0 ? left : 0));
+}
+template <typename F>
+static inline __m256 ld_tail8(const F* p, int64_t left) {
+  if (left >= 8) return ld8(p);
+  F t[8] = {};
+  for (int64_t i = 0; i < left; i++) t[i] = p[i];
+  return ld8(t);
+}
+static inline __m256 ld_scale8(const void* base, bool s32, int64_t i, int64_t left) {
+  if (s32) return ld_tail8((const float*)base + i, left);
+  const uint16_t* p = (const uint16_t*)base + i;
+  if (left >= 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+  uint16_t t[8] = {};
+  for (int64_t k = 0; k < left; k++) t[k] = p[k];
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)t));
+}
+static inline float hmax8(__m256 a) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  return _mm_cvtss_f32(m4);
+}
+template <typename T>
+static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs = scale q (n: a multiple of 8)
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(qs + i, _mm256_mul_ps(ld8(q + i), sv));
 }
 
-// rows [a, b) of an exact block (the exact tier or the appended rows)
-template <typename T>
-static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a, int64_t b, float* m,
-                       float* l, float* acc, const Scratch& S) {
-  typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
-  typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
-  static const sc_fn SC[8] = {exact_scores<T, 1>, exact_scores<T, 2>, exact_scores<T, 3>, exact_scores<T, 4>,
-                              exact_scores<T, 5>, exact_scores<T, 6>, exact_scores<T, 7>, exact_scores<T, 8>};
-  static const va_fn VA[8] = {exact_values<T, 1>, exact_values<T, 2>, exact_values<T, 3>, exact_values<T, 4>,
-                              exact_values<T, 5>, exact_values<T, 6>, exact_values<T, 7>, exact_values<T, 8>};
-  const int64_t G = L.G, D = L.D;
-  for (int64_t c0 = a; c0 < b; c0 += CH) {
-    const int64_t cn = b - c0 < CH ? b - c0 : CH;
-    const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
-    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
-    softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
-    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
+// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH), 8 rows per transpose-add (lanes >= n hold
+// copies of a real row's score: the softmax masks them). pf (or null): rows at stride spf prefetched alongside
+template <typename T, int DC>
+static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
+                         int64_t spf) {
+  constexpr int D = DC * 16;
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    const int64_t m = n - t0 < 8 ? n - t0 : 8;
+    if (LRK_TIER_PF && pf)
+      for (int64_t i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * sizeof(T));
+    const T* k[8];
+    for (int i = 0; i < 8; i++) k[i] = K + (t0 + (i < m ? i : m - 1)) * sk;
+    for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
+      __m256 part[8];
+      for (int i = 0; i < 8; i++) part[i] = _mm256_setzero_ps();
+      for (int c = 0; c < 2 * DC; c++) {
+        const __m256 qv = _mm256_loadu_ps(qs + g * D + c * 8);
+        for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qv, ld8(k[i] + c * 8), part[i]);
+      }
+      _mm256_storeu_ps(sc + g * CH + t0, hsum8x8(part));
+    }
   }
 }
 
-// One item: segment s, tokens [lo, hi) of [exact | runs | appended]; st = m [G], l [G], acc [G * D] (written).
-template <typename T>
-static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* st, const Scratch& S) {
-  const int64_t G = L.G, D = L.D;
-  float *m = st, *l = st + G, *acc = st + 2 * G;
+// acc[g0 + g][:] += sum_{t < n} p[(g0 + g) * CH + t] V_t for GB heads, CB 8-float column chunks per pass
+template <typename T, int DC, int GB>
+static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                         int64_t spf, int64_t npf) {
+  constexpr int D = DC * 16, NC = 2 * DC, CB = 12 / GB;
+  for (int c0 = 0; c0 < NC; c0 += CB) {
+    const int cn = NC - c0 < CB ? NC - c0 : CB;
+    __m256 a[GB][CB];
+    for (int g = 0; g < GB; g++)
+      for (int c = 0; c < CB; c++)
+        if (c < cn) a[g][c] = _mm256_loadu_ps(acc + (g0 + g) * D + (c0 + c) * 8);
+    for (int64_t t = 0; t < n; t++) {
+      if (LRK_TIER_PF && pf && g0 == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+      const T* v = V + t * sv + c0 * 8;
+      __m256 pb[GB];
+      for (int g = 0; g < GB; g++) pb[g] = _mm256_set1_ps(p[(g0 + g) * CH + t]);
+      for (int c = 0; c < CB; c++)
+        if (c < cn) {
+          const __m256 vv = ld8(v + c * 8);
+          for (int g = 0; g < GB; g++) a[g][c] = _mm256_fmadd_ps(pb[g], vv, a[g][c]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+      for (int c = 0; c < CB; c++)
+        if (c < cn) _mm256_storeu_ps(acc + (g0 + g) * D + (c0 + c) * 8, a[g][c]);
+  }
+}
+
+// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside
+template <typename T, int DC>
+static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                         int64_t spf, int64_t npf) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (G - g0 < 4 ? G - g0 : 4) {
+      case 1: values_group<T, DC, 1>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      case 2: values_group<T, DC, 2>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      case 3: values_group<T, DC, 3>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      default: values_group<T, DC, 4>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+    }
+  }
+}
+
+// ---- the online softmax of one chunk (the AVX-512 softmax_chunk's contract; lanes >= n of the last 8 are 0)
+static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, float* l, float* acc, float* pr,
+                          int64_t rv, const void* vs, bool s32) {
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
   for (int64_t g = 0; g < G; g++) {
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
-  }
-  for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
-  const T* q = (const T*)L.q + s * G * D;
-  const __m512 sv = _mm512_set1_ps(L.scale);
-  for (int64_t i = 0; i < G * D; i += 16) _mm512_storeu_ps(S.qs + i, _mm512_mul_ps(ld(q + i), sv));
-  // exact tier
-  const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
-  if (lo < ne)
-    rows_piece<T>(L, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m,
-                  l, acc, S);
-  int64_t base = ne;          // first token index of the next tier
-  // runs
-  for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
-    const int64_t* R = L.runs + j * NCOL;
-    const int64_t a = lo > base ? lo - base : 0, b = hi - base < R[N] ? hi - base : R[N];
-    if (a < b) {
-      if (L.q8)
-        run_piece<T, int8_t>(L, R, a, b, m, l, acc, S);
-      else
-        run_piece<T, T>(L, R, a, b, m, l, acc, S);
+    float* s = sc + g * CH;
+    __m256 mx = ninf;
+    for (int64_t t0 = 0; t0 < n; t0 += 8)
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t0), _mm256_castsi256_ps(lanes8(n - t0))));
+    const float mc = hmax8(mx);
+    if (mc > m[g]) {
+      const float alpha = expf(m[g] - mc);          // 0 on the first chunk (m = -inf)
+      l[g] *= alpha;
+      const __m256 av = _mm256_set1_ps(alpha);
+      for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(acc + g * D + c, _mm256_mul_ps(_mm256_loadu_ps(acc + g * D + c), av));
+      if (pr)
+        for (int64_t r = 0; r < rv; r++) pr[g * rv + r] *= alpha;
+      m[g] = mc;
     }
-    base += R[N];
-  }
-  // appended rows
-  if (hi > base && L.nn) {
-    const int64_t bb = s / L.H, hh = s % L.H;
-    const T* kn = (const T*)L.kn + bb * L.kn_sb + hh * L.kn_sh;
-    const T* vn = (const T*)L.vn + bb * L.vn_sb + hh * L.vn_sh;
-    const int64_t a = lo > base ? lo - base : 0, b = hi - base < L.nn ? hi - base : L.nn;
-    if (a < b) rows_piece<T>(L, kn, L.kn_ss, vn, L.vn_ss, a, b, m, l, acc, S);
+    const __m256 mb = _mm256_set1_ps(m[g]);
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mb)),
+                                     _mm256_castsi256_ps(lanes8(n - t0)));
+      _mm256_storeu_ps(s + t0, vs ? _mm256_mul_ps(e, ld_scale8(vs, s32, t0, n - t0)) : e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    l[g] += hsum8(sum);
   }
 }
 
-typedef void (*item_fn)(const Layer&, int64_t, int64_t, int64_t, float*, const Scratch&);
-static const item_fn ITEM_F32 = run_item<float>;
-static const item_fn ITEM_BF16 = run_item<uint16_t>;
+// ---- runs: qb[g * rk + r] = qs_g . B_K[r] (B_K [rk, D] in T)
+template <typename T>
+static void project(const float* qs, int64_t G, int64_t D, const T* bk, int64_t rk, float* qb) {
+  for (int64_t r = 0; r < rk; r++)
+    for (int64_t g = 0; g < G; g++) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t c = 0; c < D; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qs + g * D + c), ld8(bk + r * D + c), a);
+      qb[g * rk + r] = hsum8(a);
+    }
+}
+
+// sc[g * CH + i] = k_scale_i * sum_r qb[g * rk + r] A[r * lda + i]  (i < n; NG heads; ks null: no scale); 16 tokens
+// per pass (two independent accumulators per head)
+template <typename F, int NG>
+static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, const void* ks, bool s32, int64_t n,
+                       float* sc) {
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    __m256 acc[2][NG];
+    for (int h = 0; h < 2; h++)
+      for (int g = 0; g < NG; g++) acc[h][g] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rk; r++) {
+      const __m256 a0 = ld_tail8(A + r * lda + t0, n - t0), a1 = ld_tail8(A + r * lda + t0 + 8, n - t0 - 8);
+      for (int g = 0; g < NG; g++) {
+        const __m256 qv = _mm256_set1_ps(qb[g * rk + r]);
+        acc[0][g] = _mm256_fmadd_ps(qv, a0, acc[0][g]);
+        acc[1][g] = _mm256_fmadd_ps(qv, a1, acc[1][g]);
+      }
+    }
+    if (ks) {
+      const __m256 s0 = ld_scale8(ks, s32, t0, n - t0), s1 = ld_scale8(ks, s32, t0 + 8, n - t0 - 8);
+      for (int g = 0; g < NG; g++) acc[0][g] = _mm256_mul_ps(acc[0][g], s0), acc[1][g] = _mm256_mul_ps(acc[1][g], s1);
+    }
+    for (int g = 0; g < NG; g++) {
+      _mm256_storeu_ps(sc + g * CH + t0, acc[0][g]);
+      _mm256_storeu_ps(sc + g * CH + t0 + 8, acc[1][g]);
+    }
+  }
+}
+
+// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0)
+template <typename F, int NG>
+static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
+  __m256 part[8];
+  int cnt = 0;
+  float* out = pa;
+  for (int64_t r = 0; r < rv; r++) {
+    __m256 acc[NG];
+    for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const __m256 a = ld_tail8(A + r * lda + t0, n - t0);
+      for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(p + g * CH + t0), a, acc[g]);
+    }
+    for (int g = 0; g < NG; g++) {
+      part[cnt++] = acc[g];
+      if (cnt == 8) {
+        _mm256_storeu_ps(out, hsum8x8(part));
+        out += 8;
+        cnt = 0;
+      }
+    }
+  }
+  if (cnt) {
+    for (int i = cnt; i < 8; i++) part[i] = _mm256_setzero_ps();
+    _mm256_storeu_ps(out, hsum8x8(part));      // pa holds 16 spare floats for this
+  }
+}
+
+// acc[g * D + :] += sum_r pr[g * rv + r] B_V[r, :]   (B_V [rv, D] in T; once per run piece)
+template <typename T>
+static void basis_acc(const float* pr, int64_t G, int64_t rv, const T* bv, int64_t D, float* acc) {
+  for (int64_t g = 0; g < G; g++)
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 v = _mm256_loadu_ps(acc + g * D + c);
+      for (int64_t r = 0; r < rv; r++) v = _mm256_fmadd_ps(_mm256_set1_ps(pr[g * rv + r]), ld8(bv + r * D + c), v);
+      _mm256_storeu_ps(acc + g * D + c, v);
+    }
+}
+
+#include "tiers_item.h"  // run_item<T> and its pieces, on the primitives above
+}  // namespace a2
 
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -395,10 +533,15 @@ static const item_fn ITEM_BF16 = run_item<uint16_t>;
 #pragma GCC pop_options
 #endif  // LRK_X86
 
+typedef void (*item_fn)(const Layer&, int64_t, int64_t, int64_t, float*, const Scratch&);
+#if LRK_X86
+static const item_fn ITEM512_F32 = a512::run_item<float>, ITEM512_BF16 = a512::run_item<uint16_t>;
+static const item_fn ITEM2_F32 = a2::run_item<float>, ITEM2_BF16 = a2::run_item<uint16_t>;
+#endif
+
 // ------------------------------------------------------------------------------------ driver
 struct Item {
   int64_t s, lo, hi;
-  double cost;
 };
 
 static bool is_float_or_bf16(const at::Tensor& t) {
@@ -423,8 +566,11 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   TORCH_CHECK(q.dim() == 4 && q.device().is_cpu() && is_float_or_bf16(q), OP,
               "q must be a CPU [B, H, G, d] fp32 / bf16 tensor, got ", q.sizes(), " ", q.scalar_type());
   const bool bf = q.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((isa_flags() & (bf ? 15 : 7)) == (bf ? 15 : 7), OP, "this CPU lacks ",
-              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa_flags(), ")");
+  // the AVX-512 code where the CPU has this dtype's subset (as lrk.cpp's kinds), else the AVX2 + FMA code
+  const int64_t isa = isa_flags(), need = bf ? 15 : 7;
+  const bool w512 = (isa & need) == need;
+  TORCH_CHECK(w512 || (isa & 96) == 96, OP, "this CPU lacks AVX2 + FMA and ",
+              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa, ")");
   const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = B * H;
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, OP, "head_dim must be a multiple of 16 up to 128, got ", D);
   TORCH_CHECK(G >= 1, OP, "q has no query head per KV head (G = 0)");
@@ -461,6 +607,9 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
     TORCH_CHECK((st == at::kHalf || st == at::kFloat) && v_scale->scalar_type() == st, OP,
                 "k_scale / v_scale must both be fp16 or both fp32, got ", st, " / ", v_scale->scalar_type());
     s32 = st == at::kFloat;
+#if LRK_X86
+    TORCH_CHECK(w512 || s32 || __builtin_cpu_supports("f16c"), OP, "fp16 scales need F16C on the AVX2 path");
+#endif
   }
   const int64_t* eo = e_off.data_ptr<int64_t>();
   const int64_t* ro = r_off.data_ptr<int64_t>();
@@ -541,14 +690,20 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   };
   double total = 0;
   for (int64_t s = 0; s < S; s++) for_each_tier(s, [&](int64_t n, double w) { total += n * w; });
-  const int64_t nt = at::get_num_threads();
-  const bool split = nt > 1 && total > (double)(256 << 10);
-  const double target = split ? std::max(total / (4.0 * nt), (double)(32 << 10)) : 0.0;
+  // threads (the kernel pool): one when the layer is small (pool::threads_for), else every segment is cut into
+  // pieces of about total / (4 threads) cost (at least the pool's min_bytes, 32 KB-equivalent: a run piece projects
+  // the queries onto its bases and back once; a piece may span tiers), each piece is a
+  // chunk the caller and the workers claim, and the pieces of a segment are merged by their (m, l, acc) states
+  // (flash-decoding). The pieces depend on the thread count, so a split layer's result differs across thread counts
+  // by fp32 rounding; an unsplit one (1 thread, or below the threshold) is the same bits.
+  const int64_t tu = pool::threads_for((int64_t)total);
+  const bool split = tu > 1;
+  const double target = split ? std::max(total / (4.0 * tu), (double)pool::min_bytes()) : 0.0;
   std::vector<Item> items;
-  items.reserve(split ? S + 4 * nt + 1 : S);
+  items.reserve(split ? S + 4 * tu + 1 : S);
   for (int64_t s = 0; s < S; s++) {
     if (!split) {
-      items.push_back({s, 0, seg_tokens[s] + nn, 0.0});
+      items.push_back({s, 0, seg_tokens[s] + nn});
       continue;
     }
     int64_t idx = 0, lo = 0;
@@ -558,40 +713,26 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
         const int64_t take = std::min(rem, std::max<int64_t>(1, (int64_t)std::ceil((target - acc) / w)));
         idx += take, rem -= take, acc += take * w;
         if (acc >= target) {
-          items.push_back({s, lo, idx, acc});
+          items.push_back({s, lo, idx});
           lo = idx, acc = 0;
         }
       }
     });
-    if (idx > lo) items.push_back({s, lo, idx, acc});
+    if (idx > lo) items.push_back({s, lo, idx});
   }
   const int64_t NI = (int64_t)items.size(), ST = 2 * G + G * D;
   std::vector<float> state(NI * ST);
 
 #if LRK_X86
-  const item_fn fn = bf ? ITEM_BF16 : ITEM_F32;
-  auto run_range = [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(G * D + G * CH + 3 * G * rmax + 16);
+  const item_fn fn = w512 ? (bf ? ITEM512_BF16 : ITEM512_F32) : (bf ? ITEM2_BF16 : ITEM2_F32);
+  const int64_t need_sc = G * D + G * CH + 3 * G * rmax + 16;
+  pool::run(NI, tu, [&](int64_t i) {
+    thread_local std::vector<float> buf;              // this thread's scratch, grown as needed
+    if ((int64_t)buf.size() < need_sc) buf.resize(need_sc);
     float* p = buf.data();
     Scratch sc{p, p + G * D, p + G * D + G * CH, p + G * D + G * CH + G * rmax, p + G * D + G * CH + 2 * G * rmax + 16};
-    for (int64_t i = i0; i < i1; i++) fn(L, items[i].s, items[i].lo, items[i].hi, state.data() + i * ST, sc);
-  };
-  if (!split) {
-    run_range(0, NI);
-  } else {       // contiguous groups of about equal cost, one per thread
-    std::vector<int64_t> cut(nt + 1, NI);
-    cut[0] = 0;
-    double acc = 0;
-    int64_t t = 1;
-    for (int64_t i = 0; i < NI && t < nt; i++) {
-      acc += items[i].cost;
-      if (acc * nt >= total * t) cut[t++] = i + 1;
-    }
-    at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
-      for (int64_t t = t0; t < t1; t++)
-        if (cut[t] < cut[t + 1]) run_range(cut[t], cut[t + 1]);
-    });
-  }
+    fn(L, items[i].s, items[i].lo, items[i].hi, state.data() + i * ST, sc);
+  });
 #endif
 
   // ---- merge the pieces of each segment (log-sum-exp of their states) and normalise

@@ -1,0 +1,63 @@
+// lowrank_lib's AVX2 + FMA helpers shared by the AVX2 kernels of lrk.cpp and tiers.cpp (lane masks, e^x, fp32 /
+// bf16 loads and stores of 8 lanes, horizontal sums).
+//
+// Include ONLY inside an AVX2 target region (`#pragma GCC push_options` + `#pragma GCC target("avx2,fma")` and
+// `pop_options`, inside namespace lrk), after <immintrin.h> and <cstring>: every function here is static inline and
+// gets AVX2 code, so none may be compiled outside such a region. This header includes nothing itself.
+#pragma once
+
+static inline __m256i lanes8(int64_t m) {      // lane i set when i < m (m <= 8)
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(m < 8 ? m : 8)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline float bits_f(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+// fp32 -> bf16, round to nearest even (NaN stays a quiet NaN), 8 lanes -> 8 uint16 in the low 128 bits
+static inline __m128i to_bf16x8(__m256 a) {
+  const __m256i b = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x40)), nan);
+  r = _mm256_packus_epi32(r, r);                                   // [r0..r3 r0..r3 | r4..r7 r4..r7]
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(r, 0x08));  // qwords 0, 2
+}
+static inline float hsum8(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+// e^x for x <= 0 (exp512's Cody-Waite + degree-6 Taylor; 2^n built in the exponent bits, n >= -126)
+static inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void st8(uint16_t* p, __m256 v) { _mm_storeu_si128((__m128i*)p, to_bf16x8(v)); }
+
+// lane i = the sum of a[i]'s lanes, for 8 vectors
+static inline __m256 hsum8x8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+

@@ -1,0 +1,109 @@
+// The control flow of tiers.cpp's fused tier attention, written once and compiled once per ISA: tiers.cpp includes
+// this file inside each ISA's target region and namespace (a512: AVX-512, a2: AVX2 + FMA), after that namespace's
+// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values, basis_acc),
+// which the unqualified calls below resolve to. No include guard: it is meant to be included twice.
+
+// one run's tokens [a, b) of the current item
+template <typename T, typename F>
+static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, float* m, float* l, float* acc,
+                      const Scratch& S) {
+  const int64_t G = L.G, D = L.D, n = R[N], rk = R[RK], rv = R[RV], tok = R[TOK_OFF];
+  const F* ak = (const F*)L.ak + R[AK_OFF];
+  const F* av = (const F*)L.av + R[AV_OFF];
+  const T* bk = (const T*)L.bk + R[BK_OFF];
+  const T* bv = (const T*)L.bv + R[BV_OFF];
+  project<T>(S.qs, G, D, bk, rk, S.qb);
+  for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
+  for (int64_t c0 = a; c0 < b; c0 += CH) {
+    const int64_t cn = b - c0 < CH ? b - c0 : CH;
+    const void* ks = nullptr;
+    if (L.q8) ks = L.s32 ? (const void*)((const float*)L.ks + tok + c0) : (const void*)((const uint16_t*)L.ks + tok + c0);
+    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
+      const float* qb = S.qb + g0 * rk;
+      float* sc = S.sc + g0 * CH;
+      switch (ng) {
+        case 1: run_scores<F, 1>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        case 2: run_scores<F, 2>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        case 3: run_scores<F, 3>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+        default: run_scores<F, 4>(qb, rk, ak + c0, n, ks, L.s32, cn, sc); break;
+      }
+    }
+    const void* vs = nullptr;
+    if (L.q8) vs = L.s32 ? (const void*)((const float*)L.vs + tok + c0) : (const void*)((const uint16_t*)L.vs + tok + c0);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, S.pr, rv, vs, L.s32);       // sc: p_i (* v_scale_i)
+    for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+      const int ng = (int)(G - g0 < NG_MAX ? G - g0 : NG_MAX);
+      const float* p = S.sc + g0 * CH;
+      switch (ng) {
+        case 1: run_values<F, 1>(p, rv, av + c0, n, cn, S.pa); break;
+        case 2: run_values<F, 2>(p, rv, av + c0, n, cn, S.pa); break;
+        case 3: run_values<F, 3>(p, rv, av + c0, n, cn, S.pa); break;
+        default: run_values<F, 4>(p, rv, av + c0, n, cn, S.pa); break;
+      }
+      for (int64_t r = 0; r < rv; r++)
+        for (int g = 0; g < ng; g++) S.pr[(g0 + g) * rv + r] += S.pa[r * ng + g];
+    }
+  }
+  basis_acc<T>(S.pr, G, rv, bv, D, acc);
+}
+
+// rows [a, b) of an exact block (the exact tier or the appended rows)
+template <typename T>
+static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a, int64_t b, float* m,
+                       float* l, float* acc, const Scratch& S) {
+  typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
+  typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
+  static const sc_fn SC[8] = {exact_scores<T, 1>, exact_scores<T, 2>, exact_scores<T, 3>, exact_scores<T, 4>,
+                              exact_scores<T, 5>, exact_scores<T, 6>, exact_scores<T, 7>, exact_scores<T, 8>};
+  static const va_fn VA[8] = {exact_values<T, 1>, exact_values<T, 2>, exact_values<T, 3>, exact_values<T, 4>,
+                              exact_values<T, 5>, exact_values<T, 6>, exact_values<T, 7>, exact_values<T, 8>};
+  const int64_t G = L.G, D = L.D;
+  for (int64_t c0 = a; c0 < b; c0 += CH) {
+    const int64_t cn = b - c0 < CH ? b - c0 : CH;
+    const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
+    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
+    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
+  }
+}
+
+// One item: segment s, tokens [lo, hi) of [exact | runs | appended]; st = m [G], l [G], acc [G * D] (written).
+template <typename T>
+static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* st, const Scratch& S) {
+  const int64_t G = L.G, D = L.D;
+  float *m = st, *l = st + G, *acc = st + 2 * G;
+  for (int64_t g = 0; g < G; g++) {
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
+  scale_query((const T*)L.q + s * G * D, G * D, L.scale, S.qs);
+  // exact tier
+  const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
+  if (lo < ne)
+    rows_piece<T>(L, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m,
+                  l, acc, S);
+  int64_t base = ne;          // first token index of the next tier
+  // runs
+  for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
+    const int64_t* R = L.runs + j * NCOL;
+    const int64_t a = lo > base ? lo - base : 0, b = hi - base < R[N] ? hi - base : R[N];
+    if (a < b) {
+      if (L.q8)
+        run_piece<T, int8_t>(L, R, a, b, m, l, acc, S);
+      else
+        run_piece<T, T>(L, R, a, b, m, l, acc, S);
+    }
+    base += R[N];
+  }
+  // appended rows
+  if (hi > base && L.nn) {
+    const int64_t bb = s / L.H, hh = s % L.H;
+    const T* kn = (const T*)L.kn + bb * L.kn_sb + hh * L.kn_sh;
+    const T* vn = (const T*)L.vn + bb * L.vn_sb + hh * L.vn_sh;
+    const int64_t a = lo > base ? lo - base : 0, b = hi - base < L.nn ? hi - base : L.nn;
+    if (a < b) rows_piece<T>(L, kn, L.kn_ss, vn, L.vn_ss, a, b, m, l, acc, S);
+  }
+}
+
