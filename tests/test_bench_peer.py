@@ -168,6 +168,23 @@ def test_met_is_the_direction_of_the_bound():
         peer_base.met(1.0, 1.0, ">")
 
 
+def test_generated_files_are_made_once_and_remade_when_their_marker_disagrees(tmp_path):
+    calls = []
+
+    def make(text="abc"):
+        calls.append(text)
+        (tmp_path / "f.gguf").write_text(text)
+        return {"verify": len(calls)}
+
+    p = tmp_path / "f.gguf"
+    assert peer_base.generated(p, "bf16", make, source="s1") == {"source": "s1", "verify": 1, "size": 3}
+    assert peer_base.generated(p, "bf16", make, source="s1")["verify"] == 1 and len(calls) == 1      # reused
+    assert peer_base.generated(p, "bf16", make, source="s2")["verify"] == 2                         # other source
+    p.write_text("abcd")                                                                            # other size
+    assert peer_base.generated(p, "bf16", make, source="s2")["verify"] == 3
+    assert json.loads((tmp_path / peer_base.MARKER).read_text())["bf16"]["verify"] == 3
+
+
 def test_compare_greedy_reports_first_divergence():
     V = 7
     la = torch.stack([torch.eye(V)[i % V] * 3 for i in range(5)])

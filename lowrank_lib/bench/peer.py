@@ -39,9 +39,8 @@ from tqdm.auto import tqdm
 
 from ..runtime import run_generation
 from .host import copy_bandwidth, machine, read_bandwidth
-from .peer_base import (LM_HEADS, MARKER, MARKERS, COLORS, SYSTEMS, Timed, compare_greedy, comparisons,
-                        draw_decode_vs_bytes, engine, equivalence_line, evaluate, format_table, llama_runner,
-                        save_figure)
+from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes,
+                        engine, equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
 from .results import ResultFiles, load_average
 from .timing import interleaved, interleaved_samples, summary
 
@@ -105,20 +104,17 @@ def peer_ggufs(dtypes=("fp32", "bf16"), cache_dir: str | Path | None = None, log
     if models.sha256_file(src) != info["gguf_sha256"]:
         raise GGUFExportError(f"{src} is not the GGUF the model cache {model_dir} was made from "
                               f"(sha256 {info['gguf_sha256'][:12]}); delete it")
-    marker_p = out_dir / MARKER
-    marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
     want = {"source_sha256": info["gguf_sha256"], "weights_sha256": info["weights_sha256"]}
     paths = {}
     for dt in dtypes:
         dst = paths[dt] = out_dir / models.SMOLLM2_GGUF.replace(".Q4_1.", f".{DTYPE_TYPES[dt]}.")
-        rec = marker.get(dt, {})
-        if not (dst.exists() and rec.get("size") == dst.stat().st_size and all(rec.get(k) == v for k, v in
-                                                                                want.items())):
+
+        def make(dst=dst, dt=dt):
             log(f"[peer] exporting {dst.name} from {src.name} (dequantise + write {DTYPE_TYPES[dt]})")
             export_gguf(src, dst, dt)
-            res = verify_gguf(dst, load_file(str(model_dir / "model.safetensors")), dt)
-            marker[dt] = {**want, "size": dst.stat().st_size, "verify": res}
-            marker_p.write_text(json.dumps(marker, indent=1))
+            return {"verify": verify_gguf(dst, load_file(str(model_dir / "model.safetensors")), dt)}
+
+        generated(dst, dt, make, **want)
     return paths
 
 

@@ -17,6 +17,7 @@ geometries, one system per process) both build on this module and on nothing of 
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,19 @@ LM_HEADS = ("exact", "certified")
 KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
 #: the JSON marker beside generated GGUFs (size, verification) that lets a later run reuse them
 MARKER = "lowrank_lib_gguf.json"
+
+
+def generated(path: Path, key: str, make, **want) -> dict:
+    """A generated file (a GGUF) made once: reused while the marker beside it (:data:`MARKER`) records its size and
+    ``want``; else ``make()`` writes it and returns what else to record (e.g. its verification). Returns the record."""
+    marker_p = Path(path).parent / MARKER
+    marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
+    rec = marker.get(key, {})
+    if path.exists() and rec.get("size") == path.stat().st_size and all(rec.get(k) == v for k, v in want.items()):
+        return rec
+    rec = marker[key] = {**want, **make(), "size": path.stat().st_size}
+    marker_p.write_text(json.dumps(marker, indent=1))
+    return rec
 
 
 def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool) -> LlamaCppRunner:

@@ -41,8 +41,8 @@ from ..models import SHAPES, load_shape_model, proj_shapes, shape_config, shape_
 from ..ranks import keep_rank
 from .child import run_child
 from .host import copy_bandwidth, machine, read_bandwidth
-from .peer_base import (KV_FOR_DTYPE, MARKER, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes,
-                        engine, equivalence_line, evaluate, format_table, llama_runner, save_figure)
+from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes, engine,
+                        equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
 from .results import load_average, slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
@@ -135,26 +135,22 @@ def prepare(config: dict) -> dict:
     for k in (None, *cfg.keeps):
         if k is None or "lowrank_lib_lowrank" in cfg.systems:
             write_shape_weights(cfg.shape, k, cfg.seed, cfg.layers, cfg.cache_dir, overrides=cfg.overrides)
-    marker_p = gguf_path(cfg, "bf16").parent / MARKER
-    marker_p.parent.mkdir(parents=True, exist_ok=True)
-    marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
     want = sorted(set(cfg.dtypes) | ({"bf16"} if cfg.quants else set())) if "llamacpp_dense" in cfg.systems else []
     model = None
-    for dt in [*want, *(cfg.quants if want else ())]:
+
+    def make(dt: str) -> dict:
+        nonlocal model
         p = gguf_path(cfg, dt)
-        if p.exists() and marker.get(dt, {}).get("size") == p.stat().st_size:
-            continue
         print(f"[peer-scale] writing {p} ({dt})", flush=True)
         if dt in QUANTS:
             quantize(gguf_path(cfg, "bf16"), p, dt)
-            marker[dt] = {"from": gguf_path(cfg, "bf16").name}
-        else:
-            model = model or load_shape_model(cfg.shape, None, cfg.seed, cfg.layers, cfg.cache_dir,
-                                              overrides=cfg.overrides)
-            write_hf_gguf(model, p, GGUF_NAMES[dt], name=f"random {cfg.shape}", progress=True)
-            marker[dt] = {"verify": verify_gguf(p, model.state_dict(), dt)}
-        marker[dt]["size"] = p.stat().st_size
-        marker_p.write_text(json.dumps(marker, indent=1))
+            return {"from": gguf_path(cfg, "bf16").name}
+        model = model or load_shape_model(cfg.shape, None, cfg.seed, cfg.layers, cfg.cache_dir, overrides=cfg.overrides)
+        write_hf_gguf(model, p, GGUF_NAMES[dt], name=f"random {cfg.shape}", progress=True)
+        return {"verify": verify_gguf(p, model.state_dict(), dt)}
+
+    marker = {dt: generated(gguf_path(cfg, dt), dt, lambda dt=dt: make(dt)) for dt in [*want, *(cfg.quants if want
+                                                                                                  else ())]}
     return {"seconds": time.perf_counter() - t0, "gguf": marker}
 
 
