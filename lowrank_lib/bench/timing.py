@@ -5,7 +5,7 @@ system is timed in rounds, in a rotated order per round (a slow spell of a share
 summarised by the median with the inter-quartile range.
 
     >>> t = interleaved({"dense": step_dense, "composed": step_composed}, rounds=3, calls=32)
-    >>> summary(t["dense"])            # {'median_ms': ..., 'q1_ms': ..., 'q3_ms': ..., 'n': 96}
+    >>> summary(t["dense"])            # {'median_ms': ..., 'q1_ms': ..., 'q3_ms': ..., 'p10_ms': ..., 'p90_ms': ..., 'n': 96}
 
 On CUDA pass ``sync=torch.cuda.synchronize`` (each sample is bracketed by it) and ``inner`` > 1 to amortise the
 host sync over back-to-back calls. A function that measures its own samples (the shared decode loop
