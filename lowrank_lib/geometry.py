@@ -29,10 +29,6 @@ class Geometry:
         return self.n_heads // self.n_kv_heads
 
     @property
-    def q_dim(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
 

@@ -1,5 +1,5 @@
-"""The composed cache's math (lowrank_lib.composed) and its KV methods: exact tier + AttSVD low-rank tier + dropped,
-at a byte budget.
+"""The composed cache's math and its KV methods (lowrank_lib.kv.methods.composed): exact tier + AttSVD low-rank
+tier + dropped, at a byte budget.
 
 Full budget = dense; bytes held = the plan's bytes <= the budget (positions counted); int8 factors really int8;
 head-wise eviction keeps the scorer's top tokens + the window; a full-rank low-rank tier is exact; KVzip's global
@@ -11,7 +11,7 @@ import torch
 
 from lowrank_lib import models
 from lowrank_lib.compat import cache_kw
-from lowrank_lib.composed import TierBytes, allocate, importance, plan_bytes, segments
+from lowrank_lib.kv.methods.composed import TierBytes, allocate, importance, plan_bytes, segments
 from lowrank_lib.eviction import SCORERS
 from lowrank_lib.kv import make_method
 from lowrank_lib.kv.hf_adapter import KVCache, dense_cache, record, tiered_attention

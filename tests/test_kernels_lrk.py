@@ -404,7 +404,7 @@ def test_engine_lrk_equals_portable_fp32(preset, extra):
     out = eng.generate(ids, 8, return_logits=True)
     rep = eng.report()
     assert rep["gemv"] == gemv_backend(torch.float32) and "requested" in rep["gemv_reason"]
-    assert rep["backend"] == "cpu_lrk" and rep["kernels"]["available"]
+    assert rep["backend"] == "lrk_attend" and rep["kernels"]["available"]
     assert torch.equal(out.tokens, ref.tokens)
     assert _max_err(out, ref) < 1e-4
 
@@ -429,7 +429,7 @@ def test_engine_lrk_dense_model_mixed_and_odd_shapes():
     rep = eng.report()
     assert rep["backend"] == "sdpa" and "head_dim 24" in rep["backend_reason"]
     with pytest.raises(RuntimeError, match="head_dim 24"):
-        Engine(odd, EngineConfig(max_seq_len=24, attention="cpu_lrk"))
+        Engine(odd, EngineConfig(max_seq_len=24, attention="lrk_attend"))
 
 
 @needs_lrk_native

@@ -1,4 +1,4 @@
-"""The fused tier attention (``runtime/kernels/tiers.cpp``, ``kv.tiers`` backend ``cpu_lrk``) against the portable
+"""The fused tier attention (``runtime/kernels/tiers.cpp``, ``kv.tiers`` backend ``lrk_tiers``) against the portable
 path that defines the result (``kv.tiers.attend_portable``).
 
 Layouts are random and ragged: empty exact tiers, segments without runs, several runs of different ranks (rank 0
@@ -97,7 +97,7 @@ def test_fp32_equals_portable_ragged_layouts(quant8, seed):
     for appended in (0, 7):
         layer = make_layer(seed=seed, quant8=quant8, appended=appended)
         q = query(layer, 3, seed)
-        assert_rel(attend(layer, q, backend="cpu_lrk"), attend_portable(layer, q), 1e-5)
+        assert_rel(attend(layer, q, backend="lrk_tiers"), attend_portable(layer, q), 1e-5)
 
 
 @needs_lrk
@@ -107,7 +107,7 @@ def test_fp32_head_dims_group_sizes_and_long_runs(d, G, B, H):
     for quant8 in (False, True):
         layer = make_layer(B, H, d, seed=d + G, quant8=quant8, max_exact=700, max_run=900, max_rank=16, appended=3)
         q = query(layer, G, d)
-        assert_rel(attend(layer, q, 0.3, backend="cpu_lrk"), attend_portable(layer, q, 0.3), 1e-5)
+        assert_rel(attend(layer, q, 0.3, backend="lrk_tiers"), attend_portable(layer, q, 0.3), 1e-5)
 
 
 @needs_lrk
@@ -118,7 +118,7 @@ def test_int8_fp32_scales_rank_zero_runs_and_segments_of_one_tier():
     layer = make_layer(seed=3, quant8=True, big_scale=True)
     assert layer.k_scale.dtype == torch.float32
     q = query(layer, 3)
-    assert_rel(attend(layer, q, backend="cpu_lrk"), attend_portable(layer, q), 1e-5)
+    assert_rel(attend(layer, q, backend="lrk_tiers"), attend_portable(layer, q), 1e-5)
     d = 32
     g = torch.Generator().manual_seed(0)
     rnd = lambda *s: torch.randn(*s, generator=g)
@@ -130,7 +130,7 @@ def test_int8_fp32_scales_rank_zero_runs_and_segments_of_one_tier():
         layer = TieredLayer.build(segs, quant8=quant8)
         layer.append(rnd(1, 3, 2, d), rnd(1, 3, 2, d))
         q = torch.randn(1, 6, 1, d, generator=g)
-        assert_rel(attend(layer, q, backend="cpu_lrk"), attend_portable(layer, q), 1e-5)
+        assert_rel(attend(layer, q, backend="lrk_tiers"), attend_portable(layer, q), 1e-5)
 
 
 @needs_lrk
@@ -142,7 +142,7 @@ def test_bf16_within_bound_of_the_exact_evaluation(quant8):
     for seed in range(3):
         layer = make_layer(seed=seed, dtype=torch.bfloat16, quant8=quant8)
         q = query(layer, 3, seed)
-        out = attend(layer, q, backend="cpu_lrk")
+        out = attend(layer, q, backend="lrk_tiers")
         assert out.dtype == torch.bfloat16
         ulps = bf16_ulps(out, attend_portable(as_float64(layer), q.double()))
         assert float(ulps.max()) <= BF16_ULPS and float((ulps == 0).double().mean()) >= BF16_EQUAL, \
@@ -162,10 +162,10 @@ def test_device_side_count_reads_only_the_rows_written():
         layer.v_new[:, :, i + 1:] = float("nan")
         layer.append(k, v, slot=n.clone())
         n += 1
-        out = attend(layer, q, n_new=n, backend="cpu_lrk")
+        out = attend(layer, q, n_new=n, backend="lrk_tiers")
         assert torch.isfinite(out).all()
         assert_rel(out, attend_portable(layer, q, n_new=int(n)), 1e-5)
-    assert_rel(attend(layer, q, n_new=torch.zeros(1, dtype=torch.long), backend="cpu_lrk"),
+    assert_rel(attend(layer, q, n_new=torch.zeros(1, dtype=torch.long), backend="lrk_tiers"),
                attend_portable(layer, q, n_new=0), 1e-5)
 
 
@@ -177,12 +177,12 @@ def test_threads_split_long_segments_and_merge():
     q = query(layer, 3)
     ref = attend_portable(layer, q)
     with num_threads(1):
-        one = attend(layer, q, backend="cpu_lrk")
+        one = attend(layer, q, backend="lrk_tiers")
     assert_rel(one, ref, 1e-5)
     for n in THREADS[1:]:
         calls = build.pool_info()["parallel_calls"]
         with num_threads(n):
-            got = attend(layer, q, backend="cpu_lrk")
+            got = attend(layer, q, backend="lrk_tiers")
         assert build.pool_info()["parallel_calls"] == calls + 1, "the layer was not split"
         assert_rel(got, ref, 1e-5)
         assert_rel(got, one, 1e-6)
@@ -208,13 +208,13 @@ def test_every_thread_count_small_pieces_and_unsplit_bits(dtype):
             for n in THREADS:
                 calls = build.pool_info()["parallel_calls"]
                 with num_threads(n):
-                    check(attend(layer, q, backend="cpu_lrk"))
+                    check(attend(layer, q, backend="lrk_tiers"))
                 assert build.pool_info()["parallel_calls"] == calls + (n > 1)
         with build.pool(min_bytes=1 << 60):
             outs = []
             for n in THREADS:
                 with num_threads(n):
-                    outs.append(attend(layer, q, backend="cpu_lrk"))
+                    outs.append(attend(layer, q, backend="lrk_tiers"))
             check(outs[0])
             assert all(torch.equal(outs[0], o) for o in outs[1:])
 
@@ -235,7 +235,7 @@ def test_compiled_step_calls_the_op_without_graph_break_or_recompile(request):
     def step(q, k, v, n):
         layer.k_new.index_copy_(2, n, k)
         layer.v_new.index_copy_(2, n, v)
-        o = attend(layer, q * 1.5, n_new=n + 1, backend="cpu_lrk")
+        o = attend(layer, q * 1.5, n_new=n + 1, backend="lrk_tiers")
         return o.sum(-1) + o.amax(-1)
 
     counter = CompileCounterWithBackend("inductor")
@@ -289,9 +289,9 @@ def test_hostile_layouts_are_refused_by_name():
     empty = TieredLayer.build([[Segment(torch.zeros(0, 16), torch.zeros(0, 16)), Segment(torch.ones(1, 16),
                                                                                        torch.ones(1, 16))]])
     with pytest.raises(RuntimeError, match=r"segment 0 \(row 0, KV head 0\) holds no token"):
-        attend(empty, torch.zeros(1, 2, 1, 16), backend="cpu_lrk")
+        attend(empty, torch.zeros(1, 2, 1, 16), backend="lrk_tiers")
     with pytest.raises(ValueError, match="one query row"):
-        attend(layer, torch.zeros(1, 4, 2, 32), backend="cpu_lrk")
+        attend(layer, torch.zeros(1, 4, 2, 32), backend="lrk_tiers")
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -301,15 +301,15 @@ def test_backend_choice_says_why():
     ch = select_backend("auto", cpu, 24, torch.float32)
     assert ch.name == "portable" and "head_dim 24" in ch.reason
     with pytest.raises(RuntimeError, match="head_dim 24"):
-        select_backend("cpu_lrk", cpu, 24, torch.float32)
-    assert "fp32 and bf16" in select_backend("auto", cpu, 64, torch.float16).reason
+        select_backend("lrk_tiers", cpu, 24, torch.float32)
+    assert "dtype torch.float16: serves float32, bfloat16" in select_backend("auto", cpu, 64, torch.float16).reason
     with pytest.raises(ValueError, match="unknown tiered attention"):
         select_backend("fast", cpu, 64, torch.float32)
     for level in ("all", "avx2") if LIB.has("avx2", "fma") else ():
         with build.limit_isa(level):                       # AVX2 CPUs get the fused kernel too
             for dtype in (torch.float32, torch.bfloat16):
                 ch = select_backend("auto", cpu, 64, dtype)
-                assert ch.name == "cpu_lrk" and ch.reason.startswith("auto: our fused tier attention"), ch.reason
+                assert ch.name == "lrk_tiers" and ch.reason.startswith("auto: our fused tier attention"), ch.reason
     with build.limit_isa("none"):
         ch = select_backend("auto", cpu, 64, torch.float32)
         assert ch.name == "portable" and "AVX2 + FMA" in ch.reason
@@ -320,12 +320,12 @@ def test_without_the_library_auto_runs_the_portable_path(monkeypatch):
     ch = select_backend("auto", torch.device("cpu"), 64, torch.float32)
     assert ch.name == "portable" and "simulated" in ch.reason
     with pytest.raises(RuntimeError, match="cannot run: kernel library unavailable: simulated"):
-        select_backend("cpu_lrk", torch.device("cpu"), 64, torch.float32)
+        select_backend("lrk_tiers", torch.device("cpu"), 64, torch.float32)
     layer = make_layer(B=1, H=1, d=16, seed=0)
     q = query(layer, 2)
     torch.testing.assert_close(attend(layer, q, backend="auto"), attend_portable(layer, q))
     with pytest.raises(RuntimeError, match="simulated"):
-        attend(layer, q, backend="cpu_lrk")
+        attend(layer, q, backend="lrk_tiers")
 
 
 def test_the_library_is_built_from_every_source():

@@ -234,9 +234,9 @@ def test_requests_of_other_lengths_share_a_compiled_step_only_where_it_is_correc
     compiled step, and both decode as the eager engine does (the prompt length is read from device memory); a
     host-slicing reader keys its capture by the layout too. (AttSVD: its layout is a function of the length; a
     budget-allocating method's split moves with the content, so its requests share a step only by chance.)"""
-    from lowrank_lib.kv.tiers import cpu_lrk_unavailable
+    from lowrank_lib.kv.tiers import lrk_tiers_unavailable
 
-    if cpu_lrk_unavailable(torch.device("cpu"), 16, torch.float32):
+    if lrk_tiers_unavailable(torch.device("cpu"), 16, torch.float32):
         pytest.skip("the fused tier kernel cannot run here")
     ecfg = EngineConfig(max_batch=B, max_seq_len=T + 24, graph="whole-step", compile_backend="aot_eager")
     comp = Engine(model, ecfg, kv=MethodStore(method(name)))
@@ -349,3 +349,49 @@ def test_smollm2_engine_adapter_equals_the_transformers_adapter(smollm2, name, b
     assert torch.equal(got.tokens, out.sequences[:, 300:])
     assert rel_err(torch.stack(got.logits, 1), torch.stack(out.scores, 1)) < 1e-4
     assert eng.kv.report()["fit"]["bytes_ratio"] == pytest.approx(hf.describe()["bytes_ratio"], rel=1e-12)
+
+
+def test_every_method_reports_the_budget_it_really_holds(model):
+    """``describe()["budget"]`` is the bytes held over the dense prompt bytes for every registered method, also where
+    a rank or the energy rule sized the cache (whose requested budget, ``budget_target``, is then None): one meaning
+    of the word everywhere."""
+    ids, _, _ = batch(13)
+    rec = record(model, ids[:1])
+    dense = sum(2 * k.numel() * k.element_size() for k in rec.keys)
+    cases = {name: make_method(name, 0.5, **OPTS.get(name, {})) for name in sorted(METHODS)}
+    cases |= {"attsvd-tau": make_method("attsvd", tau=0.9), "attsvd-full-rank": make_method("attsvd", rank=16)}
+    for label, m in cases.items():
+        cache = KVCache.from_prefill(m, rec, model)
+        d = cache.describe()
+        held = sum(l.tier_nbytes for l in cache.states)
+        assert d["budget"] == pytest.approx(held / dense, rel=1e-12) and d["bytes_held"] == held, label
+    assert cases["attsvd-tau"].budget is None and KVCache.from_prefill(cases["attsvd-tau"], rec, model).describe()[
+        "budget_target"] is None
+    full = KVCache.from_prefill(cases["attsvd-full-rank"], rec, model).describe()["budget"]
+    assert full > 1.0                                    # full rank holds more than the dense cache (Eq. 6: 1 + d / S)
+    assert make_method("attsvd", 0.5).budget == 0.5 and make_method("dense").budget == 1.0
+
+
+def test_scorer_options_reach_the_scorer_and_every_scorer_is_a_method(monkeypatch):
+    """``scorer_options`` are the scorer's own fields, handed to it at every fit (and memoised apart); an unknown
+    option is refused. Every ``SCORERS`` entry is an eviction method, its allocation the scorer's declared one."""
+    from lowrank_lib.eviction import SCORERS, SnapKV
+    from lowrank_lib.kv import EVICTION_MODES
+
+    g = torch.Generator().manual_seed(1)
+    L, H, G, S, d = 2, 2, 2, 256, 16
+    rnd = lambda *s: torch.randn(*s, generator=g)
+    pre = Prefill([rnd(1, H, S, d) for _ in range(L)], [rnd(1, H, S, d) for _ in range(L)],
+                  [rnd(1, H * G, S, d) for _ in range(L)], d ** -0.5)
+    seen, orig = [], SnapKV.score
+    monkeypatch.setattr(SnapKV, "score", lambda self, K, V, obs: seen.append((self.kernel, self.obs_window))
+                        or orig(self, K, V, obs))
+    mine = make_method("snapkv", 0.25, scorer_options={"kernel": 3, "obs_window": 16}).fit(pre)
+    assert seen and set(seen) == {(3, 16)}
+    default = make_method("snapkv", 0.25).fit(pre)                   # the same prefill: scored again, not memoised
+    assert set(seen) == {(3, 16), (5, 64)}
+    assert any(not torch.equal(a.pos_exact, b.pos_exact) for a, b in zip(mine, default))
+    with pytest.raises(ValueError, match="no option"):
+        make_method("snapkv", 0.25, scorer_options={"window": 3})
+    assert EVICTION_MODES == {n: c.allocation for n, c in SCORERS.items()} and set(SCORERS) <= set(METHODS)
+    assert EVICTION_MODES["kvzip"] == "global" and method_kind("kvzip") == "eviction"

@@ -157,9 +157,9 @@ def test_rebuild_path_is_the_same_function():
 def test_every_backend_declares_how_it_reads_the_layout():
     """The engine adapter keys compiled steps by the layout unless the backend reads it from device tensors: that
     fact comes from the registry (an unknown backend is refused, not silently keyed by the host layout)."""
-    from lowrank_lib.kv.tiers import BACKENDS, DEVICE_LAYOUT_BACKENDS, reads_device_layout
+    from lowrank_lib.kv.tiers import BACKENDS, reads_device_layout
 
-    assert DEVICE_LAYOUT_BACKENDS <= set(BACKENDS)
-    assert [reads_device_layout(b) for b in ("portable", "rebuild", "cpu_lrk")] == [False, False, True]
+    assert [reads_device_layout(b) for b in ("portable", "rebuild", "lrk_tiers")] == [False, False, True]
+    assert all(reads_device_layout(n) == b.caps.reads_device_layout for n, b in BACKENDS.items())
     with pytest.raises(ValueError, match="unknown tiered attention"):
         reads_device_layout("triton")

@@ -8,7 +8,7 @@ from torch import nn
 from lowrank_lib import models
 from lowrank_lib.compress import compress_svd
 from lowrank_lib.factorized import LowRankLinear, factorize, svd_factors
-from lowrank_lib.runtime import CacheFullError, Engine, EngineConfig, run_generation
+from lowrank_lib.runtime import CacheFullError, Engine, EngineConfig, Runner, run_generation
 from lowrank_lib.runtime.baselines import HFRunner, make_runner
 
 CONFIGS = {
@@ -293,8 +293,9 @@ def test_graph_regions_compose_to_one_step(mode):
     stages = decode_stages(eng, mode, 2, tokens)
     assert len(stages) == {"split": 2 * 2 + 2, "per-layer": 2 + 2, "whole-step": 1}[mode]
 
-    class StageRunner:               # replays the regions in order with static token input
+    class StageRunner(Runner):       # replays the regions in order with static token input (eager defaults)
         device = eng.device
+        lm_head_mode = "exact"
 
         def prefill(self, x, m):
             return eng.prefill(x, m)

@@ -133,4 +133,4 @@ def test_triton_needs_the_interpreter_or_cuda_on_cpu():
         pytest.skip("this process runs the interpreter")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1 on CPU"):
         select_backend("triton", torch.device("cpu"), 64, torch.float32)
-    assert select_backend("auto", torch.device("cpu"), 64, torch.float32).name in ("sdpa", "cpu_lrk")   # never triton
+    assert select_backend("auto", torch.device("cpu"), 64, torch.float32).name in ("sdpa", "lrk_attend")   # never triton

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from .kv import LowRankKV, Run
+from .kv import FactorRun, LowRankKV
 
 
 # --------------------------------------------------------------------------- helpers
@@ -69,7 +69,7 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, g: int, q_len: 
 
 
 # --------------------------------------------------------------------------- the kernels
-def attend_factors(q: torch.Tensor, runs: Sequence[Run], k_exact: torch.Tensor | None,
+def attend_factors(q: torch.Tensor, runs: Sequence[FactorRun], k_exact: torch.Tensor | None,
                    v_exact: torch.Tensor | None, mask: torch.Tensor | None = None,
                    scale: float | None = None) -> torch.Tensor:
     """Attention over factored runs + exact rows given as tensors (the kernel of

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-Run = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]   # (a_k, b_k, a_v, b_v)
+#: one batched run of factors (a_k [B, H, n, r_k], b_k [B, H, r_k, d], a_v, b_v): the algorithm's output, not the
+#: per-segment ``kv.tiers.Run`` a KV method hands the tiered state
+FactorRun = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]   # (a_k, b_k, a_v, b_v)
 
 
 @dataclass
@@ -43,7 +45,7 @@ class LowRankKV:
     ``info`` describes how the first run's ranks were chosen (diagnostics, not counted in ``nbytes``).
     """
 
-    runs: list[Run] = field(default_factory=list)
+    runs: list[FactorRun] = field(default_factory=list)
     k_exact: torch.Tensor | None = None
     v_exact: torch.Tensor | None = None
     info: Spectra | None = None

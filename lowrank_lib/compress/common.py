@@ -44,11 +44,5 @@ def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict
     return replace_with_factors(m, new, meta)
 
 
-def layer_index(name: str) -> int:
-    """``model.layers.12.mlp.up_proj`` -> 12."""
-    parts = name.split(".")
-    return int(parts[parts.index("layers") + 1])
-
-
 def leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]

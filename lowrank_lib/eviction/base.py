@@ -9,6 +9,8 @@ A scorer ranks a prefill's tokens (higher = keep). Like kvpress's ``ScorerPress`
     scope         : "layer" (``score(K, V, obs)`` per layer) or "model" (``score_prefill(prefill)``: it runs a
                     forward of the model on top of the prefill, KVzip's reconstruction)
     forced_window : newest tokens always kept (None: the method's default window; 0: the score ranks them itself)
+    allocation    : how its eviction method spreads the byte budget ("head": every (layer, head) the same share;
+                    "global": one ranking across layers and heads, KVzip's): the registry's ``EVICTION_MODES``
 
 Scorers see ONE sequence without padding (the KV methods fit every batch row on its own valid tokens), so
 positions are plain ``0 .. S-1``.
@@ -86,6 +88,7 @@ class Scorer:
     needs_rope: ClassVar[bool] = False
     scope: ClassVar[str] = "layer"
     forced_window: ClassVar[int | None] = None
+    allocation: ClassVar[str] = "head"
 
     def score(self, K: torch.Tensor, V: torch.Tensor, obs: Observation) -> torch.Tensor:
         """K, V [B, H, S, d] of one layer -> scores [B, H, S] (layer scope)."""

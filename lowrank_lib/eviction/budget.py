@@ -1,6 +1,6 @@
 """Token budgets of eviction at a BYTE budget: how many tokens each (layer, batch row, KV head) keeps.
 
-Bytes are the bytes really held by a ragged cache (:mod:`lowrank_lib.composed`): per kept token its key
+Bytes are the bytes really held by a ragged cache (:mod:`lowrank_lib.kv.methods.composed`): per kept token its key
 and value rows plus its position, stored in the smallest integer type that holds every position
 (:func:`index_dtype`). Three allocations:
 
@@ -75,8 +75,3 @@ def select(score: torch.Tensor, counts: torch.Tensor) -> list[list[torch.Tensor]
     B, H, S = score.shape
     s = _tiebreak(score)
     return [[s[b, h].topk(int(counts[b, h])).indices.sort().values for h in range(H)] for b in range(B)]
-
-
-def tokens_for_bytes(budget_bytes: float, head_dim: int, elt: int, S: int) -> int:
-    """Tokens (summed over layers, rows and heads) whose exact rows and positions fit ``budget_bytes``."""
-    return int(budget_bytes // token_bytes(head_dim, elt, S))

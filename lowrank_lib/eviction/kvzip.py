@@ -13,7 +13,7 @@ input's positions. The forward itself attends to the whole cache, as in normal d
 
 KVzip's non-uniform allocation ranks the scores of ALL layers and heads together
 (:func:`lowrank_lib.eviction.budget.keep_counts` with ``mode="global"``); a head-wise budget needs a
-ragged cache to be a real saving (:mod:`lowrank_lib.composed`).
+ragged cache to be a real saving (:mod:`lowrank_lib.kv.methods.composed`).
 
 Besides the max score, :meth:`KVzip.score_context` returns what the reconstruction queries saw: the
 attention mass each pair received and the query Gram matrix per KV head (``sum q^T q``), the
@@ -54,6 +54,7 @@ class KVzip(Scorer):
     q_chunk: int = 256          # query rows per softmax block (memory bound, not a result knob)
     scope: ClassVar[str] = "model"
     forced_window: ClassVar[int | None] = 0
+    allocation: ClassVar[str] = "global"
 
     def inputs(self, tok, ids: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
         """[(start, end, input ids [1, n_in])]: one reconstruction input per context chunk."""

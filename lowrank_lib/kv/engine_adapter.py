@@ -31,7 +31,7 @@ import torch
 
 from ..runtime.kv import KVSpec, StepContext
 from .method import KVMethod, Prefill
-from .tiers import TieredLayer, reads_device_layout, select_backend
+from .tiers import BACKENDS, TieredLayer, select_backend
 
 
 @dataclass
@@ -53,13 +53,24 @@ class MethodStore:
         self.name = method.name or type(method).__name__
         self.capturable = method.capturable
         self.backend = None
+        self._tier = None                     # the chosen kv.tiers.TierBackend, resolved once at allocation
         self.layers: list[TieredLayer] = []
         self.fit_info: dict = {}
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, spec: KVSpec) -> None:
+        """Choose the tiered attention (``self.attention`` under the engine's ``kernels`` policy: ``"portable"`` turns
+        the fused kernel off, ``"lrk"`` requires it) and the device-side prompt length. ``EngineConfig.attention``
+        names a dense-cache backend, which this store does not run: anything but ``"auto"`` is refused (pass the
+        tiered one as ``MethodStore(method, attention=...)``)."""
+        if spec.attention != "auto":
+            raise ValueError(f"EngineConfig(attention={spec.attention!r}) names a dense-cache attention; a MethodStore "
+                             f"reads its tiers with MethodStore(..., attention=...) (one of 'auto', {', '.join(BACKENDS)})")
         self.spec, self.cursor = spec, spec.cursor
-        self.backend = select_backend(self.attention, spec.device, spec.head_dim, spec.dtype)
+        self.backend = select_backend(self.attention, spec.device, spec.head_dim, spec.dtype, spec.kernels)
+        self._tier = BACKENDS[self.backend.name]
+        if spec.graphs and not self.backend.caps.capturable:
+            raise ValueError(f"tiered attention {self.backend.name!r} reads host counts (eager only): use graph='none'")
         self._slots = torch.arange(spec.max_seq_len, device=spec.device)
         # the prompt length as a device scalar, filled in place per request: a captured / compiled step reads it
         # (a host int would be baked in, and requests of another length sharing the capture would write and read
@@ -82,9 +93,9 @@ class MethodStore:
 
     @property
     def device_layout(self) -> bool:
-        """The backend reads the layout from device tensors (``kv.tiers.reads_device_layout``: the fused kernel);
-        others slice with host ints."""
-        return self.backend is not None and reads_device_layout(self.backend.name)
+        """The backend reads the layout from device tensors (its declared ``caps.reads_device_layout``: the fused
+        kernel); others slice with host ints."""
+        return self.backend is not None and self.backend.caps.reads_device_layout
 
     def shape_key(self):
         """The layers' shapes (bucketed under the fused kernel); with a host-slicing backend the layout too, so a
@@ -146,6 +157,5 @@ class MethodStore:
     def attend(self, layer: int, q: torch.Tensor, ctx: TierStep) -> torch.Tensor:
         """q [B, Hkv, G, D] -> [B, Hq * D]: every tier and the appended rows, one softmax."""
         B, Hkv, G, D = q.shape
-        o = self.method.attend(self.layers[layer], q.reshape(B, Hkv * G, 1, D), D ** -0.5, ctx.n_new,
-                               self.backend.name)
+        o = self.method.attend(self.layers[layer], q.reshape(B, Hkv * G, 1, D), D ** -0.5, ctx.n_new, self._tier)
         return o.reshape(B, Hkv * G * D)

@@ -30,7 +30,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..eviction.base import Observation, Rope
-from .tiers import Segment, TieredLayer, attend
+from .tiers import Segment, TieredLayer, TierBackend, attend
 
 #: (row b, input ids [1, n]) -> per layer (q [1, Hq, n, d], k [1, H, n, d]): post-RoPE queries and the input's own
 #: keys of a forward of ``ids`` on top of row b's whole prefill (positions continue after it); nothing is kept
@@ -148,8 +148,9 @@ class RowFit:
 class KVMethod:
     """Base of every KV method (see the module docstring).
 
-    budget : fraction of the dense KV bytes of the prompt held after the prefill (None where the method has its
-        own rule, e.g. AttSVD's energy rule; the bytes then are an outcome, reported).
+    budget : fraction of the dense KV bytes of the prompt the method may hold after the prefill (None where the
+        method has its own rule, e.g. AttSVD's rank or energy rule; the bytes then are an outcome). What it really
+        holds is reported as ``describe()["budget"]``.
     window : newest prefill tokens kept exact (None: the method's default, resolved at construction).
     """
 
@@ -196,8 +197,9 @@ class KVMethod:
         layer.append(k, v, slot)
 
     def attend(self, layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new=None,
-               backend: str = "portable") -> torch.Tensor:
-        """q [B, Hq, q_len, d] over the layer's tiers and appended rows -> [B, Hq, q_len, d]."""
+               backend: str | TierBackend = "portable") -> torch.Tensor:
+        """q [B, Hq, q_len, d] over the layer's tiers and appended rows -> [B, Hq, q_len, d] (``backend``: a
+        :class:`~lowrank_lib.kv.tiers.TierBackend` or its name, see :func:`~lowrank_lib.kv.tiers.attend`)."""
         return attend(layer, q, scale, n_new, backend)
 
     def nbytes(self, layers: list[TieredLayer]) -> int:
@@ -208,11 +210,13 @@ class KVMethod:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def describe(self, layers: list[TieredLayer], prefill: Prefill) -> dict:
-        """What the fitted state is: bytes held over the dense prompt bytes (the budget's meaning), tier counts,
-        and each method's own derived knobs (subclasses add them)."""
+        """What the fitted state is: ``budget``, the fraction of the dense prompt bytes it really holds (bytes held
+        over dense bytes, = ``bytes_ratio``), ``budget_target`` the budget it was asked for (None where a rank or
+        an energy rule sized it), tier counts, and each method's own derived knobs (subclasses add them)."""
         dense = prefill.dense_nbytes()
-        held = sum(l.nbytes - 2 * l.B * l.H * l.n_new * l.d * l.k_exact.element_size() for l in layers)
+        held = sum(l.tier_nbytes for l in layers)
         c = [l.counts() for l in layers]
-        return {"method": self.name, "kind": self.kind, "budget": self.budget, "bytes_held": held,
-                "dense_bytes": dense, "bytes_ratio": held / max(1, dense),
+        ratio = held / max(1, dense)
+        return {"method": self.name, "kind": self.kind, "budget": ratio, "budget_target": self.budget,
+                "bytes_held": held, "dense_bytes": dense, "bytes_ratio": ratio,
                 "tokens_exact": sum(x["exact"] for x in c), "tokens_lowrank": sum(x["mid"] for x in c)}

@@ -20,18 +20,19 @@ counted as written; ``allocated_nbytes`` counts the appended capacity instead.
 
 Attention (:func:`attend`): per segment, ONE softmax (fp32) over the exact rows, every run in factor space and
 the appended rows (causal among the newest ``q_len`` of them). :func:`attend_portable` defines the result;
-a fused kernel (``runtime/kernels``) is chosen by :func:`select_backend` and must match it.
+a fused kernel (``runtime/kernels``, ``lrk_tiers``) is chosen by :func:`select_backend` and must match it. Each
+backend declares what it can do in :data:`BACKENDS`; callers read those fields.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..runtime.kernels import build as kernel_build
 from ..runtime.kernels import ops as kernel_ops
-from ..runtime.kernels.gemv import lrk_unavailable
-from ..runtime.kv import BackendChoice
+from ..runtime.kv import BackendCaps, BackendChoice
 
 #: columns of ``TieredLayer.runs``
 SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF = range(9)
@@ -454,7 +455,7 @@ def attend_rebuild(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     return out
 
 
-def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = None,
+def attend_lrk_tiers(layer: TieredLayer, q: torch.Tensor, scale: float | None = None,
                    n_new: int | torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernel (``runtime/kernels/tiers.cpp``, ``lowrank_lrk::tier_attend``): decode, q [B, Hq, 1, d] ->
     [B, Hq, 1, d]. Every segment's exact rows, runs in factor space (int8 factors dequantised in registers) and
@@ -465,7 +466,7 @@ def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     if not torch.compiler.is_compiling():
         lib = kernel_build.load()                    # loads (or builds) the library once
         if not lib.available:
-            raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {lib.reason}")
+            raise RuntimeError(f"tiered attention 'lrk_tiers' cannot run: {lib.reason}")
     B, Hq, ql, d = q.shape
     if ql != 1:
         raise ValueError(f"the fused tier attention serves one query row (decode), got q_len {ql}: "
@@ -479,55 +480,96 @@ def attend_cpu_lrk(layer: TieredLayer, q: torch.Tensor, scale: float | None = No
     return o.view(B, Hq, 1, d)
 
 
-#: decode-attention backends over a TieredLayer: name -> fn(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape
-#: (cpu_lrk: decode only, q_len 1)
-BACKENDS = {"portable": attend_portable, "rebuild": attend_rebuild, "cpu_lrk": attend_cpu_lrk}
-#: the backends of BACKENDS that read the layout (e_off, runs, r_off, the appended count) from device tensors at run
-#: time, so one compiled / captured step serves every layout whose buffers share a bucket; the others slice with host
-#: ints, which a compiled step bakes in (their captures must be keyed by the layout). A new backend declares itself.
-DEVICE_LAYOUT_BACKENDS = frozenset({"cpu_lrk"})
-assert DEVICE_LAYOUT_BACKENDS <= set(BACKENDS)
+@dataclass(frozen=True)
+class TierBackend:
+    """One tiered attention: its function ``(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape``, what it can
+    do (:class:`~lowrank_lib.runtime.kv.BackendCaps`; callers read the fields, never the name), what it is
+    (reported) and the head dims it serves."""
+
+    name: str
+    attend: Callable
+    caps: BackendCaps
+    about: str
+    head_dim: Callable[[int], str | None] = lambda d: None
+
+    def unavailable(self, device, head_dim: int, dtype: torch.dtype, kernels: str = "auto", explicit: bool = False,
+                    q_len: int = 1) -> str | None:
+        """Why it cannot run here (None: it can): the declared capabilities, the head dim, one query row for a
+        decode-only backend."""
+        if self.caps.decode_only and q_len != 1:
+            return f"q_len {q_len}: serves one query row (decode)"
+        return self.caps.unavailable(device, dtype, kernels, explicit) or self.head_dim(head_dim)
+
+
+def _lrk_head_dim(d: int) -> str | None:
+    return None if d % 16 == 0 and 16 <= d <= 128 else f"head_dim {d}: the fused kernel serves multiples of 16 up to 128"
+
+
+#: the tiered attentions over a TieredLayer (a new one is one entry, its capabilities declared):
+#: ``portable`` the reference; ``rebuild`` the paper's rebuild-then-attend (host counts: eager only); ``lrk_tiers``
+#: our fused CPU kernel (decode only; reads the layout, e_off / runs / r_off and the appended count, from device
+#: tensors at run time, so one compiled / captured step serves every layout whose buffers share a bucket; the others
+#: slice with host ints, which a compiled step bakes in: their captures are keyed by the layout)
+BACKENDS: dict[str, TierBackend] = {b.name: b for b in (
+    TierBackend("portable", attend_portable, BackendCaps(),
+                "the portable per-segment path (kv.tiers.attend_portable)"),
+    TierBackend("rebuild", attend_rebuild, BackendCaps(capturable=False),
+                "the paper's rebuild-then-attend (kv.tiers.attend_rebuild)"),
+    TierBackend("lrk_tiers", attend_lrk_tiers, BackendCaps(
+        devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True,
+        decode_only=True), "our fused tier attention (runtime/kernels/tiers.cpp, AVX-512 or AVX2 + FMA: exact rows, "
+                          "runs in factor space, appended rows, one softmax)", _lrk_head_dim),
+)}
+#: ``"auto"``: the first of these that can run
+AUTO_ORDER = ("lrk_tiers", "portable")
 
 
 def reads_device_layout(backend: str) -> bool:
-    """Whether the tiered attention ``backend`` reads its layout from device tensors (see DEVICE_LAYOUT_BACKENDS)."""
+    """Whether the tiered attention ``backend`` reads its layout from device tensors (its declared capability)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown tiered attention {backend!r}; choose from {tuple(BACKENDS)}")
-    return backend in DEVICE_LAYOUT_BACKENDS
+    return BACKENDS[backend].caps.reads_device_layout
 
 
-def cpu_lrk_unavailable(device, head_dim: int, dtype: torch.dtype) -> str | None:
-    """Why the fused kernel cannot run (None: it can): a CPU device, fp32 / bf16, head_dim a multiple of 16 up to
-    128, the kernel library loaded (built on first use) and AVX2 + FMA or the dtype's AVX-512 subset (AVX512F/BW/VL,
-    + AVX512_BF16 for bf16): the fused kernel has both codes, as the GEMV and dense decode attention."""
-    if head_dim % 16 or not 16 <= head_dim <= 128:
-        return f"head_dim {head_dim}: the fused kernel serves multiples of 16 up to 128"
-    return lrk_unavailable(device, dtype)
+def lrk_tiers_unavailable(device, head_dim: int, dtype: torch.dtype, kernels: str = "auto") -> str | None:
+    """Why the fused kernel ``lrk_tiers`` cannot run (None: it can): ``kernels`` not ``"portable"``, a CPU device,
+    fp32 / bf16, head_dim a multiple of 16 up to 128, the kernel library loaded (built on first use) and the ISA
+    its capabilities declare (AVX2 + FMA, or the dtype's AVX-512 subset: AVX512F/BW/VL, + AVX512_BF16 for bf16)."""
+    return BACKENDS["lrk_tiers"].unavailable(device, head_dim, dtype, kernels)
 
 
-def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype) -> BackendChoice:
-    """The tiered decode attention to run, and why: ``"auto"`` takes the fused kernel ``cpu_lrk`` where it can run
-    (:func:`cpu_lrk_unavailable`), else the portable path with the reason; ``"portable"`` and ``"rebuild"`` run as
-    requested; a requested ``"cpu_lrk"`` that cannot run raises, saying why."""
-    if requested not in ("auto", *BACKENDS):
+def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto",
+                   q_len: int = 1) -> BackendChoice:
+    """The tiered attention to run, and why. ``"auto"``: the first of :data:`AUTO_ORDER` that can run here (its
+    declared capabilities against the device, dtype, ``kernels`` = ``EngineConfig.kernels``: ``"portable"`` rules out
+    every native backend, ``"lrk"`` requires the native one where it serves the device; ``q_len``: the query rows);
+    a backend requested by name runs or raises, saying why."""
+    if requested != "auto" and requested not in BACKENDS:
         raise ValueError(f"unknown tiered attention {requested!r}; choose from {('auto', *BACKENDS)}")
-    if requested in ("portable", "rebuild"):
-        return BackendChoice(requested, "requested")
-    why = cpu_lrk_unavailable(device, head_dim, dtype)
-    if why is None:
-        return BackendChoice("cpu_lrk", f"{requested}: our fused tier attention (runtime/kernels/tiers.cpp, AVX-512: "
-                                        f"exact rows, runs in factor space, appended rows, one softmax)")
-    if requested == "cpu_lrk":
-        raise RuntimeError(f"tiered attention 'cpu_lrk' cannot run: {why}")
-    return BackendChoice("portable", f"auto: the portable per-segment path (kv.tiers.attend_portable; cpu_lrk: {why})")
+    explicit = requested != "auto"
+    skipped = []
+    for name in (requested,) if explicit else AUTO_ORDER:
+        b = BACKENDS[name]
+        why = b.unavailable(device, head_dim, dtype, kernels, explicit, q_len)
+        if why is None:
+            return BackendChoice(name, f"{'requested' if explicit else 'auto'}: {b.about}" +
+                                 (f" ({'; '.join(skipped)})" if skipped else ""), b.caps)
+        if explicit:
+            raise RuntimeError(f"tiered attention {name!r} cannot run: {why}")
+        if b.caps.native and kernels == "lrk" and torch.device(device).type in b.caps.devices:
+            raise RuntimeError(f"kernels='lrk': tiered attention {name!r} cannot run: {why}")
+        skipped.append(f"{name}: {why}")
+    raise RuntimeError(f"no tiered attention can run here: {'; '.join(skipped)}")
 
 
 def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | torch.Tensor | None = None,
-           backend: str = "portable") -> torch.Tensor:
-    """:func:`attend_portable` or the named backend -> [B, Hq, q_len, d]. ``"auto"``: :func:`select_backend`'s
-    choice for a decode query (q_len 1), the portable path otherwise (a compiled step passes the chosen name)."""
-    if backend == "auto":
-        backend = (select_backend("auto", q.device, q.shape[-1], q.dtype).name if q.shape[2] == 1 else "portable")
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown tiered attention {backend!r}; choose from {('auto', *BACKENDS)}")
-    return BACKENDS[backend](layer, q, scale, n_new)
+           backend: str | TierBackend = "portable") -> torch.Tensor:
+    """The tiered attention -> [B, Hq, q_len, d]: ``backend`` a :class:`TierBackend` (an adapter resolves it once),
+    a name of :data:`BACKENDS`, or ``"auto"`` (:func:`select_backend`'s choice for these queries)."""
+    if isinstance(backend, str):
+        name = select_backend(backend, q.device, q.shape[-1], q.dtype, q_len=q.shape[2]).name \
+            if backend == "auto" else backend
+        if name not in BACKENDS:
+            raise ValueError(f"unknown tiered attention {name!r}; choose from {('auto', *BACKENDS)}")
+        backend = BACKENDS[name]
+    return backend.attend(layer, q, scale, n_new)

@@ -11,84 +11,83 @@ written the current token's k/v at slot ``cursor.length``: one place appends, no
 
 Backends: ``flash_attn`` (``flash_attn_with_kvcache`` over ``length + 1`` slots from device memory,
 left padding via ``cache_leftpad``), ``triton`` (our graph-safe decode kernel: reads the length and
-pad counts from device memory, loops only over live slots), ``cpu_lrk`` (our compiled AVX-512 or AVX2 CPU
+pad counts from device memory, loops only over live slots), ``lrk_attend`` (our compiled AVX-512 or AVX2 CPU
 kernel, ``runtime/kernels``: reads the length and pad counts, loops only over live slots) and
 ``sdpa`` (portable; under graphs it attends over all Smax slots with a
 device-built mask). CUDA-only modules are imported lazily: the CPU path never touches them.
+
+Each backend declares what it can do in :data:`BACKENDS` (a :class:`~lowrank_lib.runtime.kv.BackendCaps`: devices,
+dtypes, ISA, native kernel or not, packages, whether it reads lengths from device memory or needs the store's
+mask, its KV layout) and ``select_backend`` and the stores read those fields: no behaviour is chosen by name.
 """
 from __future__ import annotations
 
-import importlib.util
-import os
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .kv.base import BackendChoice
+from .backend import BackendCaps, BackendChoice
 
 
-def _has(mod: str) -> bool:
-    try:
-        return importlib.util.find_spec(mod) is not None
-    except (ImportError, ValueError):
-        return False
+def _lrk_head_dim(d: int) -> str | None:
+    return None if d % 16 == 0 and d <= 128 else f"head_dim {d}: the kernel serves multiples of 16 up to 128"
 
 
-def cpu_lrk_unavailable(device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto") -> str | None:
-    """Why our compiled CPU decode-attention kernel cannot run (None: it can)."""
-    if kernels == "portable":
-        return "kernels='portable'"
-    if head_dim % 16 or head_dim > 128:
-        return f"head_dim {head_dim}: the kernel serves multiples of 16 up to 128"
-    from .kernels.gemv import lrk_unavailable
+def _pow2_head_dim(d: int) -> str | None:
+    return None if d in (16, 32, 64, 128, 256) else f"head_dim {d}: the kernel serves powers of two from 16 to 256"
 
-    return lrk_unavailable(device, dtype)
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """One decode-attention backend: its kernel, what it can do (:class:`~lowrank_lib.runtime.kv.BackendCaps`), the
+    head dims it serves, what it is (reported), and the form a ``torch.compile``-d CPU step traces instead where
+    it has one (``EngineConfig.fused_compile``)."""
+
+    name: str
+    decode: Callable
+    caps: BackendCaps
+    about: str
+    head_dim: Callable[[int], str | None] = lambda d: None
+    compiled_decode: Callable | None = None
+
+    def unavailable(self, device, head_dim: int, dtype, kernels: str = "auto", explicit: bool = False) -> str | None:
+        """Why it cannot run here (None: it can): the declared capabilities, then the head dim."""
+        return self.caps.unavailable(device, dtype, kernels, explicit) or self.head_dim(head_dim)
+
+
+def lrk_attend_unavailable(device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto") -> str | None:
+    """Why our compiled CPU decode-attention kernel (``lrk_attend``) cannot run (None: it can)."""
+    return BACKENDS["lrk_attend"].unavailable(device, head_dim, dtype, kernels)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype,
                    kernels: str = "auto") -> BackendChoice:
-    """Pick a backend and say why. Raises if an explicitly requested backend cannot run. ``kernels``:
-    ``EngineConfig.kernels`` (``"portable"`` rules out ``cpu_lrk``; ``"lrk"`` makes ``auto`` require it on CPU)."""
-    cuda = device.type == "cuda"
-    if requested == "cpu_lrk" or (requested == "auto" and not cuda):
-        why = cpu_lrk_unavailable(device, head_dim, dtype, kernels)
+    """Pick a backend and say why. ``"auto"``: the first of :data:`AUTO_ORDER` that can run here (every declared
+    capability checked, :meth:`AttentionBackend.unavailable`); a named one runs or raises, saying why. ``kernels``:
+    ``EngineConfig.kernels`` (``"portable"`` rules out every native backend; ``"lrk"`` makes ``auto`` require the
+    native one on a device it serves)."""
+    if requested != "auto" and requested not in BACKENDS:
+        raise ValueError(f"attention={requested!r}: use 'auto' or one of {tuple(BACKENDS)}")
+    explicit = requested != "auto"
+    skipped = []
+    for name in (requested,) if explicit else AUTO_ORDER:
+        b = BACKENDS[name]
+        why = b.unavailable(device, head_dim, dtype, kernels, explicit)
         if why is None:
-            return BackendChoice("cpu_lrk", ("requested" if requested == "cpu_lrk" else "auto") +
-                                 ": our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)",
-                                 "bhsd")
-        if requested == "cpu_lrk" or kernels == "lrk":
-            raise RuntimeError(f"attention='cpu_lrk' cannot run: {why}")
-        if not cuda:
-            return BackendChoice("sdpa", f"auto: portable path (CPU device; cpu_lrk: {why})", "bhsd")
-    fa_ok = cuda and _has("flash_attn") and dtype in (torch.float16, torch.bfloat16)
-    tr_ok = cuda and _has("triton") and head_dim in (16, 32, 64, 128, 256)
-    # Triton's interpreter runs the same kernel on CPU tensors (correctness checks only: slow). It is set
-    # for the whole process by TRITON_INTERPRET=1 before triton compiles anything, so it is read here,
-    # once per engine, and only for an explicit request.
-    interp = (not cuda and requested == "triton" and os.environ.get("TRITON_INTERPRET") == "1"
-              and _has("triton") and head_dim in (16, 32, 64, 128, 256))
-    if requested == "flash_attn":
-        if not fa_ok:
-            raise RuntimeError(f"attention='flash_attn' needs CUDA, the flash_attn package and fp16/bf16 "
-                               f"(device={device.type}, installed={_has('flash_attn')}, dtype={dtype})")
-        return BackendChoice("flash_attn", "requested", "bshd")
-    if requested == "triton":
-        if interp:
-            return BackendChoice("triton", "requested; Triton interpreter on CPU (TRITON_INTERPRET=1): "
-                                           "correctness checks only", "bhsd")
-        if not tr_ok:
-            raise RuntimeError(f"attention='triton' needs CUDA (or TRITON_INTERPRET=1 on CPU), triton and a power-of-two head_dim "
-                               f"(device={device.type}, installed={_has('triton')}, head_dim={head_dim})")
-        return BackendChoice("triton", "requested", "bhsd")
-    if requested == "sdpa":
-        return BackendChoice("sdpa", "requested", "bhsd")
-    if fa_ok:
-        return BackendChoice("flash_attn", "auto: CUDA + flash_attn importable + half precision", "bshd")
-    if tr_ok:
-        why = "flash_attn not importable" if not _has("flash_attn") else f"flash_attn needs fp16/bf16, got {dtype}"
-        return BackendChoice("triton", f"auto: CUDA + triton ({why})", "bhsd")
-    return BackendChoice("sdpa", "auto: portable path" + (" (CPU device)" if not cuda else " (no flash_attn/triton)"),
-                         "bhsd")
+            how = "requested" if explicit else "auto"
+            note = (f"; {b.caps.interpreter_env}=1: interpreter on CPU, correctness checks only"
+                    if torch.device(device).type not in b.caps.devices else "")
+            return BackendChoice(name, f"{how}: {b.about}{note}" + (f" ({'; '.join(skipped)})" if skipped else ""),
+                                 b.caps)
+        if explicit:
+            raise RuntimeError(f"attention={name!r} cannot run: {why}")
+        if b.caps.native and kernels == "lrk" and torch.device(device).type in b.caps.devices:
+            raise RuntimeError(f"kernels='lrk': attention {name!r} cannot run: {why}")
+        if torch.device(device).type in b.caps.devices:          # only what could have run here is worth saying
+            skipped.append(f"{name}: {why}")
+    raise RuntimeError(f"no attention backend can run here: {'; '.join(skipped)}")
 
 
 # --------------------------------------------------------------------------- sdpa
@@ -209,8 +208,8 @@ def triton_decode(q, K, V, cursor, mask):
     return o.view(B, Hkv * G * D)
 
 
-# --------------------------------------------------------------------------- cpu_lrk
-def cpu_lrk_decode(q, K, V, cursor, mask):
+# --------------------------------------------------------------------------- lrk_attend
+def lrk_attend_decode(q, K, V, cursor, mask):
     """Our AVX-512 / AVX2 kernel (``runtime/kernels/lrk.cpp``): slots ``pad[b] <= s <= length`` of each row,
     scores and softmax in fp32, G query heads per KV head (GQA native), any head_dim multiple of 16."""
     from .kernels.ops import attend
@@ -218,7 +217,23 @@ def cpu_lrk_decode(q, K, V, cursor, mask):
     return attend(q, K, V, cursor.length, cursor.pad, q.shape[-1] ** -0.5)
 
 
-DECODE = {"sdpa": sdpa_decode, "cpu_lrk": cpu_lrk_decode, "flash_attn": flash_decode, "triton": triton_decode}
+_HALF = (torch.float16, torch.bfloat16)
+#: the decode-attention backends: name -> kernel and capabilities (a new backend is one entry)
+BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
+    AttentionBackend("lrk_attend", lrk_attend_decode, BackendCaps(
+        devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True),
+        "our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)", _lrk_head_dim),
+    AttentionBackend("flash_attn", flash_decode, BackendCaps(
+        devices=("cuda",), dtypes=_HALF, packages=("flash_attn",), reads_device_layout=True, layout="bshd"),
+        "flash_attn_with_kvcache (half precision, lengths and left padding from device memory)"),
+    AttentionBackend("triton", triton_decode, BackendCaps(
+        devices=("cuda",), packages=("triton",), interpreter_env="TRITON_INTERPRET", reads_device_layout=True),
+        "our Triton decode kernel (lengths and pad counts from device memory)", _pow2_head_dim),
+    AttentionBackend("sdpa", sdpa_decode, BackendCaps(needs_mask=True),
+                     "portable path (torch sdpa over the store's slot mask)", compiled_decode=fused_decode),
+)}
+#: ``attention="auto"``: the first of these that can run here
+AUTO_ORDER = ("lrk_attend", "flash_attn", "triton", "sdpa")
 
 
 def prefill_attention(q, k, v, mask):

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .attention import BACKENDS as ATTENTION_REGISTRY
 from .kernels.gemv import KERNEL_MODES
 from .kv import STORES
 from .lm_head import LM_HEADS
@@ -12,7 +13,7 @@ from .packing import LAYOUTS
 
 GRAPH_MODES = ("none", "split", "per-layer", "whole-step")
 KV_MODES = tuple(STORES)
-ATTENTION_BACKENDS = ("auto", "sdpa", "cpu_lrk", "triton", "flash_attn")
+ATTENTION_BACKENDS = ("auto", *ATTENTION_REGISTRY)
 
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
            "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -54,13 +55,14 @@ class EngineConfig:
         how each GEMM operand is stored (``runtime.packing.pick_layout``). Same bytes and dot
         products; on CPU a one-row GEMM over a wide matrix runs ~2x faster with the long side
         contiguous, so ``auto`` stores those [in, out]. On CUDA ``auto`` keeps out_major.
-    attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA; on CPU ``cpu_lrk``, our
+    attention : backend name or ``"auto"`` (flash_attn > triton > sdpa on CUDA; on CPU ``lrk_attend``, our
         compiled decode-attention kernel, when ``kernels`` allows it and it can run, else sdpa).
     kernels : our compiled CPU kernels (``runtime/kernels``): ``"auto"`` (where they can run: the
         library loads or builds, the CPU has the ISA, fp32/bf16; else the portable path, and
         ``Engine.report()`` says why), ``"portable"`` (never: aten / inductor only) or ``"lrk"`` (always;
-        an error says why when they cannot run). Covers the decode GEMVs and, with
-        ``attention="auto"``, the decode attention.
+        an error says why when they cannot run). Covers EVERY native kernel: the decode GEMVs, the
+        certified head's kernel, and with ``attention="auto"`` the decode attention and a ``MethodStore``'s
+        tiered attention (``"portable"`` with a native backend requested by name is an error).
     graph : ``"none"``, ``"split"`` (attention and MLP captured apart), ``"per-layer"``,
         ``"whole-step"`` (embedding to logits). CUDA graphs on CUDA; on CPU the same regions are
         ``torch.compile``-d (inductor, fixed shapes, ``fullgraph=True``); compile/capture time is

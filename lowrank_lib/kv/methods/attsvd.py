@@ -42,8 +42,11 @@ def rank_for_budget(budget: float, S: int, d: int, window: int, overhead: float 
 
 @dataclass
 class AttSVD(KVMethod):
-    """AttSVD (see the module docstring); options as :class:`~lowrank_lib.attsvd.config.AttSVDConfig` names them."""
+    """AttSVD (see the module docstring); options as :class:`~lowrank_lib.attsvd.config.AttSVDConfig` names them.
+    ``budget`` sizes the rank; an explicit ``rank`` or ``tau`` sizes it instead (``budget`` is then None: the bytes
+    are an outcome, reported by ``describe()["budget"]`` as for every method)."""
 
+    budget: float | None = None
     window: int | None = 32
     mode: str = "accumulate"
     chunk: int = 128
@@ -66,6 +69,8 @@ class AttSVD(KVMethod):
             raise ValueError(f"AttSVD mode must be one of {MODES}, got {self.mode!r}")
         if self.budget is None and self.rank is None and self.tau is None:
             raise ValueError("AttSVD needs a budget, an explicit rank or the energy rule's tau")
+        if self.rank is not None or self.tau is not None:
+            self.budget = None                          # the rank (or the energy rule) decides the bytes held
         self.needs_queries = self.attention_aware
         self.capturable = self.mode == "accumulate"      # stream mode reshapes its state every chunk tokens
 

@@ -5,6 +5,7 @@
 in through this protocol (every KV method, through :class:`lowrank_lib.kv.engine_adapter.MethodStore`);
 nothing in ``runtime/`` imports them.
 """
+from ..backend import BackendCaps
 from .base import (BackendChoice, CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask,
                    slot_mask)
 from .dense import DenseKV, DenseStep
@@ -20,5 +21,5 @@ def make_store(name: str) -> KVStore:
     return STORES[name]()
 
 
-__all__ = ["BackendChoice", "CacheFullError", "Cursor", "DenseKV", "DenseStep", "KVSpec", "KVStore", "RebuildKV",
+__all__ = ["BackendCaps", "BackendChoice", "CacheFullError", "Cursor", "DenseKV", "DenseStep", "KVSpec", "KVStore", "RebuildKV",
            "STORES", "StepContext", "additive_mask", "make_store", "slot_mask"]

@@ -27,6 +27,8 @@ from typing import Callable, Hashable, Protocol, runtime_checkable
 
 import torch
 
+from ..backend import BackendChoice
+
 NEG_INF = float("-inf")
 
 
@@ -71,15 +73,6 @@ class Cursor:
             raise CacheFullError(
                 f"request needs {needed} cache slots (prompt + new tokens) but the engine holds "
                 f"max_seq_len={self.capacity}; build the Engine with a larger EngineConfig.max_seq_len")
-
-
-@dataclass
-class BackendChoice:
-    """Which attention kernel a store runs, and why (the engine reports it)."""
-
-    name: str
-    reason: str
-    layout: str = "bhsd"  # KV layout the kernel reads
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import DECODE, fused_decode, select_backend
+from ..attention import BACKENDS, select_backend
 from .base import BackendChoice, KVSpec, StepContext, slot_mask
 
 
@@ -47,9 +47,11 @@ class DenseKV:
         views = self.kv.unbind(0)
         self.k, self.v = list(views[0::2]), list(views[1::2])
         self._slots = torch.arange(S, device=spec.device)
-        self._decode = DECODE[self.backend.name]
-        self._fused = spec.fused_compile and self.backend.name == "sdpa"
-        self._needs_mask = self.backend.name != "cpu_lrk"
+        impl = BACKENDS[self.backend.name]
+        self._decode = impl.decode
+        # the form a torch.compile-d step traces instead (sdpa's broadcast-multiply-reduce), where the backend has one
+        self._compiled_decode = impl.compiled_decode if spec.fused_compile else None
+        self._needs_mask = self.backend.caps.needs_mask
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +99,7 @@ class DenseKV:
 
     def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> DenseStep:
         Ks, Vs = self.views(B, live)
-        # cpu_lrk reads the cursor's length and pad counts, no mask
+        # a backend that reads the cursor's length and pad counts from device memory needs no mask
         mask = slot_mask(self.cursor, self._slots, B, live, self.spec.dtype) if self._needs_mask else None
         return DenseStep(B, 1, False, rope, mask, self.cursor.length, live, Ks, Vs)
 
@@ -107,5 +109,5 @@ class DenseKV:
 
     def attend(self, layer: int, q: torch.Tensor, ctx: DenseStep) -> torch.Tensor:
         """q [B, Hkv, G, D] over this layer's slots -> [B, Hq * D] (the backend's kernel)."""
-        attn = fused_decode if self._fused and torch.compiler.is_compiling() else self._decode
+        attn = self._compiled_decode if self._compiled_decode and torch.compiler.is_compiling() else self._decode
         return attn(q, ctx.k[layer], ctx.v[layer], self.cursor, ctx.mask)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..attention import BACKENDS
 from ..rope import rotate_half
 from .base import BackendChoice, KVSpec, StepContext, slot_mask
 
@@ -21,7 +22,8 @@ class RebuildKV:
     capturable = False
 
     def __init__(self):
-        self.backend = BackendChoice("sdpa", "kv='rebuild' rebuilds K/V in torch and attends with sdpa", "bhsd")
+        self.backend = BackendChoice("sdpa", "kv='rebuild' rebuilds K/V in torch and attends with sdpa",
+                                     BACKENDS["sdpa"].caps)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
 

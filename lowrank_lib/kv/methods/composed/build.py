@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attsvd.basis import attention_svd, ridge_metric
-from ..eviction.base import Scorer
-from ..eviction.budget import index_dtype, with_window
-from ..kv.tiers import Run, Segment, descriptor_nbytes
+from ....attsvd.basis import attention_svd, ridge_metric
+from ....eviction.base import Scorer
+from ....eviction.budget import index_dtype, with_window
+from ...tiers import Run, Segment, descriptor_nbytes
 from .plan import HeadPlan, TierBytes, allocate
 
 DEFAULT_WINDOW = 32     # recent tokens forced exact for scorers without their own rule

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..eviction.budget import index_dtype, keep_counts, token_bytes
+from ....eviction.budget import index_dtype, keep_counts, token_bytes
 
 
 @dataclass
