@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lowrank_lib.bench import peer
+from lowrank_lib.bench import peer, peer_base
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -70,10 +70,14 @@ def _direction(target: dict) -> str:
     recorded) read from the name: a speed-up (faster = larger) must reach its bound; a ratio of times
     (``dense_ratio``: ours / llama.cpp) or a roofline factor (time / bytes-bound time) must stay under it."""
     name = target["target"]
-    by_name = ">=" if "speedup" in name else "<=" if ("ratio" in name or "roofline_x" in name) else None
+    words = f"{name} {target.get('key', '')}"
+    by_name = ">=" if "speedup" in words else "<=" if ("ratio" in words or "roofline" in words) else None
     op = target.get("op", by_name)
     assert op in (">=", "<="), f"no direction for target {name!r}: record its op"
     assert by_name in (None, op), f"target {name!r}: op {op} contradicts its name"
+    declared = {t.name: t for t in peer_base.TARGETS}          # the targets as data (bench/peer_base.py)
+    if name in declared:
+        assert (op, target["bound"]) == (declared[name].op, declared[name].bound), target
     return op
 
 
@@ -98,7 +102,9 @@ def _measured(res: dict, t: dict) -> float:
         if name == "dense_speedup_vs_llamacpp_dense":
             return ll / _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=1)["decode_ms_per_token"]
         lr = _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=1, keep=t["keep"])
-        return {"roofline_x": lr["roofline_x"], "speedup_vs_llamacpp_dense": ll / lr["decode_ms_per_token"]}[name]
+        values = {"roofline_x": lr["roofline_x"], "speedup_vs_llamacpp_dense": ll / lr["decode_ms_per_token"]}
+        assert name in values, f"target {name!r}: a new kind, teach _measured to recompute it from the rows"
+        return values[name]
     th = t["threads"]                                          # bench/peer.py
     ll = _decode(rows, system="llamacpp_dense", dtype=dt, threads=th)["decode_ms_per_token"]
     de = _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=th)
@@ -106,9 +112,10 @@ def _measured(res: dict, t: dict) -> float:
     if name == "certified_speedup_vs_llamacpp":
         return ll / _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=th,
                             lm_head="certified")["decode_ms_per_token"]
-    return {"lowrank_speedup_vs_llamacpp": ll / lr["decode_ms_per_token"],
-            "dense_ratio_vs_llamacpp": de["decode_ms_per_token"] / ll,
-            "lowrank_roofline_x": lr["roofline_x"]}[name]
+    values = {"lowrank_speedup_vs_llamacpp": ll / lr["decode_ms_per_token"],
+              "dense_ratio_vs_llamacpp": de["decode_ms_per_token"] / ll, "lowrank_roofline_x": lr["roofline_x"]}
+    assert name in values, f"target {name!r}: a new kind, teach _measured to recompute it from the rows"
+    return values[name]
 
 
 _WITH_TARGETS = [p for p in sorted(RESULTS.glob("*.json")) if isinstance(json.loads(p.read_text()).get("targets"), list)]
