@@ -121,11 +121,6 @@ def checks_markdown(report: dict) -> str:
 
 
 # --------------------------------------------------------------------------- factor-space checks
-GEOMETRIES = {"llama7b": dict(q_heads=32, kv_heads=32, head_dim=128, layers=32),
-              "llama3_8b_gqa": dict(q_heads=32, kv_heads=8, head_dim=128, layers=32)}
-CONTEXTS = [1024, 2048, 4096, 8192, 16384, 32768]
-
-
 def factor_correctness(dev: str, n: int = 4096) -> dict:
     """Factor space vs rebuild-then-attend on two factored runs + exact rows, fp32 and bf16."""
     out = {}
@@ -180,6 +175,23 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
 
 
 # --------------------------------------------------------------------------- one device call
+#: what the session runs: on the GPU, and in the CPU dry run (the same pipeline at tiny sizes)
+PROFILES = {
+    "cuda": dict(model="llama7b-random", dtype="bf16", settings={"speed_p512": (512, 32), "speed_p2048": (2048, 128)},
+                 systems=("hf_static", "hf_dynamic", "dense_kv", *GRAPH_SYSTEMS, "dense_hf_static", "dense_hf_compiled"),
+                 backends=("sdpa", "triton", "flash_attn"), graphs=("none", "split", "per-layer", "whole-step"),
+                 contexts=[1024, 2048, 4096, 8192, 16384, 32768], factor_dtype="bfloat16", factor_n=4096,
+                 geometries={"factor_llama7b": ("llama7b", dict(q_heads=32, kv_heads=32, head_dim=128, layers=32)),
+                             "factor_gqa": ("llama3_8b_gqa", dict(q_heads=32, kv_heads=8, head_dim=128, layers=32))},
+                 engine_graphs=("none", "whole-step", "per-layer"), compile_backend="inductor", cuda_graphs=(False, True),
+                 timing=dict(repeats=30, warmup=5, inner=20)),
+    "dry-run": dict(model="tiny-smol", dtype="fp32", settings={"speed_p512": (32, 4), "speed_p2048": (64, 6)},
+                    systems=("hf_static", "hf_dynamic", "dense_kv", "engine", "dense_hf_static"),
+                    backends=("sdpa",), graphs=("none",), contexts=[256, 512], factor_dtype="float32", factor_n=512,
+                    geometries={"factor_llama7b": ("gqa_small", dict(q_heads=8, kv_heads=2, head_dim=128, layers=4))},
+                    engine_graphs=("none", "whole-step"), compile_backend="aot_eager", cuda_graphs=(False,),
+                    timing=dict(repeats=3, warmup=1, inner=1)),
+}
 #: (stage, seconds it needs at least on an H200, estimated) in the order the session runs them: the
 #: correctness checks first, then the 512/32 speed setting, then what only adds numbers
 SESSION_STAGES = (("correctness", 60), ("factor_correctness", 30), ("engine_graphs", 60), ("speed_p512", 150),
@@ -194,30 +206,15 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
     budget is recorded as skipped, so the call returns in time with everything that ran. Results are
     rewritten after every stage (``gpu_checks_<tag>.json/.md``, ``factor_space_gpu_<tag>.json/.md``), so a
     killed call still leaves what finished. ``stages``: run only these (a rerun of what failed).
-    ``dry_run``: the same pipeline on the CPU with tiny sizes."""
+    ``dry_run``: the same pipeline on the CPU with tiny sizes (:data:`PROFILES`)."""
     from .results import ResultFiles
 
     t0 = time.time()
-    if dry_run:
-        device, model, dtype, settings = "cpu", "tiny-smol", "fp32", {"speed_p512": (32, 4), "speed_p2048": (64, 6)}
-        systems = ("hf_static", "hf_dynamic", "dense_kv", "engine", "dense_hf_static")
-        backends, graphs, dev_name = ("sdpa",), ("none",), "cpu (dry run)"
-        contexts, geoms = [256, 512], {"factor_llama7b": ("gqa_small", dict(q_heads=8, kv_heads=2, head_dim=128,
-                                                                              layers=4))}
-        fs_graph_modes, cuda_graphs, kw = ("none", "whole-step"), (False,), dict(repeats=3, warmup=1, inner=1)
-    else:
-        if not torch.cuda.is_available():
-            raise RuntimeError("no CUDA device: use --dry-run on CPU")
-        device, model, dtype = "cuda", "llama7b-random", "bf16"
-        settings = {"speed_p512": (512, 32), "speed_p2048": (2048, 128)}
-        systems = ("hf_static", "hf_dynamic", "dense_kv") + GRAPH_SYSTEMS + ("dense_hf_static", "dense_hf_compiled")
-        backends, graphs, dev_name = ("sdpa", "triton", "flash_attn"), ("none", "split", "per-layer", "whole-step"), \
-            torch.cuda.get_device_name()
-        contexts = CONTEXTS
-        geoms = {"factor_llama7b": ("llama7b", GEOMETRIES["llama7b"]),
-                 "factor_gqa": ("llama3_8b_gqa", GEOMETRIES["llama3_8b_gqa"])}
-        fs_graph_modes, cuda_graphs, kw = ("none", "whole-step", "per-layer"), (False, True), dict(repeats=30, warmup=5,
-                                                                                                 inner=20)
+    if not dry_run and not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device: use --dry-run on CPU")
+    P = PROFILES["dry-run" if dry_run else "cuda"]
+    device, model, dtype = "cpu" if dry_run else "cuda", P["model"], P["dtype"]
+    dev_name = "cpu (dry run)" if dry_run else torch.cuda.get_device_name()
     tag = "dry-run" if dry_run else f"{model}_{dtype}"
     checks_f, fs_f = ResultFiles(out_dir, "gpu_checks", tag), ResultFiles(out_dir, "factor_space_gpu", tag)
     checks = {"device": dev_name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,
@@ -239,8 +236,9 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
 
     for stage, need in SESSION_STAGES:
         left = budget_s - (time.time() - t0)
-        rec = checks["stages"] if stage in ("correctness",) or stage.startswith("speed") else fs["stages"]
-        if (stage in ("factor_gqa", "factor_llama7b") and stage not in geoms) or (stages and stage not in stages):
+        rec = checks["stages"] if stage == "correctness" or stage.startswith("speed") else fs["stages"]
+        if (stage.startswith("factor_") and stage != "factor_correctness" and stage not in P["geometries"]) or \
+                (stages and stage not in stages):
             continue
         if left < need:
             rec[stage] = f"skipped: {left:.0f} s of the {budget_s:.0f} s budget left, needs ~{need} s"
@@ -250,30 +248,31 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
             print(f"[gpu-session] {stage} ({left:.0f} s left)", flush=True)
         try:
             if stage == "correctness":
-                checks["correctness"] = correctness(device, backends, graphs)
+                checks["correctness"] = correctness(device, P["backends"], P["graphs"])
             elif stage == "factor_correctness":
-                fs["correctness"] = factor_correctness(device, 512 if dry_run else 4096)
+                fs["correctness"] = factor_correctness(device, P["factor_n"])
             elif stage == "engine_graphs":
-                fs["engine_graphs"] = engine_graphs(device, fs_graph_modes, "aot_eager" if dry_run else "inductor")
+                fs["engine_graphs"] = engine_graphs(device, P["engine_graphs"], P["compile_backend"])
             elif stage.startswith("speed"):
                 if models_ is None:
                     from .models import load_bench_models
 
                     models_ = load_bench_models(model, "svd", 0.5, None, device)
                     n_layers = models_[1].config.num_hidden_layers
-                p, g = settings[stage]
-                sys_ = tuple(s for s in systems if stage == "speed_p512" or s != "dense_hf_static")
+                p, g = P["settings"][stage]
+                sys_ = tuple(s for s in P["systems"] if stage == "speed_p512" or s != "dense_hf_static")
                 checks["speed"] += speed_setting(models_, model, p, g, sys_, dtype, device, repeats, progress)
             else:
-                name, geo = geoms[stage]
-                for cg in cuda_graphs:
-                    cfg = AttnBenchConfig(contexts=contexts, rank_fracs=[0.5, 0.25], window=32,
-                                          dtype="float32" if dry_run else "bfloat16", device=device, cuda_graphs=cg,
-                                          **kw, **geo)
+                name, geo = P["geometries"][stage]
+                for cg in P["cuda_graphs"]:
+                    cfg = AttnBenchConfig(contexts=P["contexts"], rank_fracs=[0.5, 0.25], window=32,
+                                          dtype=P["factor_dtype"], device=device, cuda_graphs=cg, **P["timing"], **geo)
                     rows = bench_attention(cfg, progress=False)
                     key = f"{name}_{'graphs' if cg else 'eager'}"
                     fs["runs"][key] = {"config": cfg.__dict__, "rows": rows, "ratios": attention_ratios(rows)}
-                    md_fs.extend(_factor_md(key, geo, cfg, fs["runs"][key]["ratios"]))
+                    md_fs += [f"## {key}: {geo['q_heads']} q / {geo['kv_heads']} kv heads, d={geo['head_dim']}, "
+                              f"{cfg.dtype}, per layer per step (ms), x{geo['layers']} layers for the per-token "
+                              "estimate", "", *attention_table(fs["runs"][key]["ratios"], geo["layers"], 4), ""]
             rec[stage] = f"done in {time.time() - ts:.1f} s"
         except Exception:
             rec[stage] = "error: " + traceback.format_exc()[-1500:]
@@ -292,8 +291,3 @@ def speed_setting(models_, model: str, p: int, g: int, systems, dtype: str, devi
         return [run_decode_bench(cfg, models=models_, progress=progress)]
     except Exception:
         return [{"config": {"prompt_len": p, "gen_len": g}, "error": traceback.format_exc()[-2000:]}]
-
-
-def _factor_md(key: str, g: dict, cfg, ratios) -> list[str]:
-    return [f"## {key}: {g['q_heads']} q / {g['kv_heads']} kv heads, d={g['head_dim']}, {cfg.dtype}, per layer per "
-            f"step (ms), x{g['layers']} layers for the per-token estimate", "", *attention_table(ratios, g["layers"], 4), ""]

@@ -86,6 +86,10 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
 
         for th in cfg.threads:
             torch.set_num_threads(th)
+            if th != cfg.threads[0]:        # a compiled step keeps the thread count it was compiled with
+                for eng in engines.values():
+                    eng.invalidate()
+                    eng.prepare(1)
             with torch.no_grad():
                 steps = interleaved({k: stepper(k) for k in engines}, cfg.repeats, cfg.gen_len,
                                     progress=lambda r: print(f"context {C}, {th} thread(s): round {r + 1}/"

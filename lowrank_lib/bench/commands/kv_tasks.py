@@ -68,7 +68,7 @@ def run(a) -> int:
     model.eval()
     tok = tok if tok is not None else ByteTokenizer()
     samples = build_task_samples(tok, a.tasks, lengths, n_per, a.seed,
-                                 getattr(model.config, "max_position_embeddings", None), max_new)
+                                 model.config.max_position_embeddings, max_new)
     args = dict(model=model_name, lengths=lengths, n_per=n_per, tasks=a.tasks, budgets=a.budget,
                 policies=a.policies, max_new=max_new, window=a.window, seed=a.seed, adapter=a.adapter)
     meta = {"args": args, "command": a.command_line, "torch_threads": torch.get_num_threads(),
