@@ -1,7 +1,32 @@
 """Dobi-SVD (Wang et al., ICLR'25): stored forms and an activation-energy rank rule.
 
-Dobi's differentiable rank training (the gamma search) is out of scope. Ranks come from this
-DOCUMENTED rule instead: for each Linear W [m, n] let A = X W^T (its outputs on calibration data)
+What the paper's method is, and what of it this module reproduces without training (issue 31)
+---------------------------------------------------------------------------------------------
+Dobi-SVD has three parts (paper §3; official code ``svd_trainer.py``, ``weight_updater.py``,
+``modules/remapping.py``):
+
+1. **Differentiable truncation search (needs training).** Every Linear gets a truncation value gamma,
+   applied as the soft mask T_i = 0.5 tanh(beta (gamma - i)) + 0.5 (beta = 10) on the singular values of
+   its activations A = X W^T; the gammas are trained by gradient descent on the LM loss plus a penalty
+   pulling the parameter ratio to ``target_ratio`` (256 x 2048 WikiText-2 tokens, back-propagation
+   through the SVD). This is a training run; we do NOT reproduce it. Instead the ranks come from the
+   documented rule below (a global activation-energy threshold). Consequence: our ranks, and hence our
+   perplexities, are not the paper's; the released gammas (``best_gamma.json``) are not derivable here.
+   Dobi checkpoints that carry the paper's trained ranks are read exactly by :mod:`lowrank_lib.formats.dobi`.
+2. **Weight update from the activations (training-free, reproduced).** W_new = P_k P_k^T W with P the
+   principal directions of A (the paper: IncrementalPCA over the calibration activations; here the exact
+   eigen-decomposition of A^T A = W X^T X W^T from the same statistics, a hard mask instead of the soft one
+   at the trained gamma). Same projection for the same data, up to IPCA's streaming approximation.
+3. **Remapping storage (training-free, reproduced byte for byte).** The 8-bit bitsandbytes dynamic-map
+   quantisation of the first min(m, n) entries of each component plus the fp16 tail, with the
+   k * max(m, n) budget that lets a remapped model keep more ranks at the same bytes.
+
+So "Dobi-SVD" rows measured with this compressor are Dobi's update + storage at energy-rule ranks; the
+gain that the paper attributes to the learned ranks is not in them.
+
+The rank rule
+-------------
+For each Linear W [m, n] let A = X W^T (its outputs on calibration data)
 and lambda_1 >= ... the eigenvalues of A^T A = W (X^T X) W^T. Matrix i keeps the smallest k_i
 whose energy fraction sum_{j<=k} lambda_j / sum lambda reaches a global threshold tau; tau is
 bisected so that sum_i k_i * cost_i <= keep * sum_i m_i n_i (cost = m + n for the no-remap
