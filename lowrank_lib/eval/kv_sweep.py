@@ -23,7 +23,8 @@ from ..kv import METHODS, make_method, method_kind
 __all__ = ["budget_sweep", "frontier_best", "FRONTIER_BUDGETS", "frontier_caches", "FRONTIER_COMPOSED",
            "FRONTIER_EVICTION", "FRONTIER_LOWRANK", "frontier_method", "FRONTIER_QUICK", "FRONTIER_REPORT",
            "frontier_rows", "frontier_table", "frontier_windows", "FrontierConfig", "kv_frontier", "merge_frontier",
-           "QUICK", "REPORT", "sweep_method", "SweepConfig", "table", "targets", "teacher_forced"]
+           "merge_sweep", "QUICK", "REPORT", "sweep_method", "sweep_part", "sweep_tasks", "SweepConfig", "table",
+           "targets", "teacher_forced"]
 
 REPORT = dict(prefill=[2048, 4096, 8192], windows=8, cont=128, budgets=[1.0, 0.8, 0.6, 0.5, 0.25],
               lengths=[1024, 2048, 4096, 8192], n_per=2)
@@ -149,6 +150,38 @@ def budget_sweep(cfg: SweepConfig, progress: bool = True, checkpoint=None) -> di
         res["timing_s"]["longctx"] = time.perf_counter() - t0
     for P, q in res["quality"].items():
         res["targets"][P] = targets(q, lc, 0.5)
+    return res
+
+
+def sweep_tasks(cfg: SweepConfig) -> list:
+    """:func:`budget_sweep` as sweep tasks (:mod:`lowrank_lib.executor`): one per prompt length, one for the
+    long-context tasks; :func:`merge_sweep` joins their results."""
+    from ..executor import Task
+
+    tasks = [Task(f"quality_{P}", sweep_part, (cfg, [P], [])) for P in cfg.prompt_len]
+    if cfg.lengths and cfg.tasks:
+        tasks.append(Task("longctx", sweep_part, (cfg, [], cfg.lengths)))
+    return tasks
+
+
+def sweep_part(cfg: SweepConfig, prompt_len: list[int], lengths: list[int]) -> dict:
+    """One sweep task: :func:`budget_sweep` on some prompt lengths and/or the long-context lengths."""
+    from dataclasses import replace
+
+    return budget_sweep(replace(cfg, prompt_len=prompt_len, lengths=lengths))
+
+
+def merge_sweep(parts: list[dict]) -> dict:
+    """Finished :func:`sweep_part` results (in task order) as one :func:`budget_sweep` result, the targets
+    recomputed with the long-context part."""
+    res: dict = {"quality": {}, "targets": {}, "timing_s": {}}
+    for p in parts:
+        res["quality"] |= p["quality"]
+        res["timing_s"] |= p["timing_s"]
+        if "longctx" in p:
+            res["longctx"] = p["longctx"]
+    for P, q in res["quality"].items():
+        res["targets"][P] = targets(q, res.get("longctx"), 0.5)
     return res
 
 

@@ -37,8 +37,8 @@ def add_arguments(p) -> None:
 def run(a) -> int:
     import torch
 
-    from ...eval.kv_sweep import QUICK, REPORT, SweepConfig, table
-    from ...executor import SweepError, Task, from_args, run_sweep
+    from ...eval.kv_sweep import QUICK, REPORT, SweepConfig, merge_sweep, sweep_tasks, table
+    from ...executor import SweepError, from_args, run_sweep
     from ..options import one
     from ..results import ResultFiles, slug
     from . import report, sweep_failed
@@ -52,44 +52,19 @@ def run(a) -> int:
     files = ResultFiles(a.out, "attsvd", slug(a.model, "p" + "-".join(map(str, cfg.prompt_len)), f"n{cfg.windows}"))
     meta = {"args": cfg.to_dict(), "torch_threads": torch.get_num_threads(), "command": a.command_line,
             "executor": a.executor}
-    tasks = [Task(f"quality_{P}", stage, (cfg, [P], [])) for P in cfg.prompt_len]
-    if cfg.lengths and cfg.tasks:
-        tasks.append(Task("longctx", stage, (cfg, [], cfg.lengths)))
-    done: dict = {}
+    tasks, done = sweep_tasks(cfg), {}
+
+    def merged() -> dict:           # the finished tasks' results, in task order
+        return merge_sweep([done[t.name] for t in tasks if t.name in done]) | meta
 
     def finished(name, part):       # the result so far, rewritten after every task
         done[name] = part
-        files.write(merge(done, [t.name for t in tasks]) | meta)
+        files.write(merged())
 
     try:
         run_sweep(tasks, from_args(a), on_result=finished, desc="attsvd")
     except SweepError as e:
         return sweep_failed(e, files)
-    res = merge(done, [t.name for t in tasks]) | meta
+    res = merged()
     return report(files, res, txt=table(res))
 
-
-def stage(cfg, prompt_len: list[int], lengths: list[int]) -> dict:
-    """One sweep task: :func:`budget_sweep` on some prompt lengths and/or the long-context lengths."""
-    from dataclasses import replace
-
-    from ...eval.kv_sweep import budget_sweep
-
-    return budget_sweep(replace(cfg, prompt_len=prompt_len, lengths=lengths))
-
-
-def merge(parts: dict, order: list[str]) -> dict:
-    """The finished stages as one :func:`budget_sweep` result (targets recomputed with the long-context part)."""
-    from ...eval.kv_sweep import targets
-
-    res: dict = {"quality": {}, "targets": {}, "timing_s": {}}
-    for name in order:
-        if name in parts:
-            p = parts[name]
-            res["quality"] |= p["quality"]
-            res["timing_s"] |= p["timing_s"]
-            if "longctx" in p:
-                res["longctx"] = p["longctx"]
-    for P, q in res["quality"].items():
-        res["targets"][P] = targets(q, res.get("longctx"), 0.5)
-    return res
