@@ -34,6 +34,7 @@ from torch import nn
 from ..factorized import LLAMA_PARENT, LLAMA_PROJ, LowRankLinear, set_module
 from ..ranks import basis_sharing_num_basis, keep_rank
 from ..models import LLAMA7B
+from ..models import SHAPES as MODEL_SHAPES
 
 GB = 1 << 30          # GiB: sizes in the tables; throughput is file bytes / 1e9 per second
 
@@ -44,9 +45,7 @@ SHAPES: dict[str, dict] = {
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256),
     "test": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                  num_key_value_heads=4, vocab_size=16000, max_position_embeddings=2048),
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=2048,
-                         rope_theta=500000.0, rms_norm_eps=1e-5),
+    "llama-3.2-1b": dict(MODEL_SHAPES["llama3.2-1b"], max_position_embeddings=2048),
     "llama-7b": dict(LLAMA7B, max_position_embeddings=2048),
 }
 MODEL_NAMES = {"quick": "org/tiny", "test": "org/test-llama", "llama-3.2-1b": "meta-llama/Llama-3.2-1B",
@@ -95,7 +94,7 @@ def placeholder_model(shape: str | dict, family: str, keep: float = 0.8, seed: i
     from ..geometry import geometry
 
     geo = SHAPES[shape] if isinstance(shape, str) else shape
-    cfg = LlamaConfig(**geo, tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = LlamaConfig(**{**geo, "tie_word_embeddings": False}, attn_implementation="sdpa")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg).eval()
     fdt, ddt = NATIVE_DTYPES[family]
