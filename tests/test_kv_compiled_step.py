@@ -29,6 +29,12 @@ def model():
     return models.tiny_model("tiny-gqa", seed=0).eval()
 
 
+@pytest.fixture(scope="module")
+def reference(model):
+    """The eager portable engine (graph none, kernels portable): logits, fused calls, report."""
+    return _run(model, "portable", "none")
+
+
 def _run(model, kernels: str, graph: str):
     """Prefill + STEPS decode steps (batch 1): the logits, the fused kernel's calls during the decode steps after
     the first (which compiles), the engine's report."""
@@ -51,10 +57,10 @@ def _fused_unavailable(model) -> str | None:
 
 
 @pytest.mark.parametrize("kernels", ["auto", "portable"])
-def test_compiled_whole_step_composed_cache_equals_the_eager_portable_engine(model, kernels):
+def test_compiled_whole_step_composed_cache_equals_the_eager_portable_engine(model, reference, kernels):
     if kernels == "auto" and (why := _fused_unavailable(model)):
         pytest.skip(f"the fused tier kernel cannot run here: {why}")
-    ref, ref_calls, ref_rep = _run(model, "portable", "none")
+    ref, ref_calls, ref_rep = reference
     out, calls, rep = _run(model, kernels, "whole-step")
     assert ref_calls == 0 and ref_rep["kv_store"]["attention"] == "portable"
     assert rep["graph"] == "whole-step" and rep["config"]["compile_backend"] == "inductor" and rep["compiles"], rep

@@ -231,8 +231,10 @@ def _quantization_error(term):
 def test_production_bound_each_term_decides(case):
     """One input per term of the bound, each one the term decides: without it the wrong row wins (checked by
     removing each term from ``runtime/lm_head.py``). gamma and bf16 at rounding scale (top two logits apart by
-    less than the term, by far more than 8u |zh|). The 8u term is not among them: gamma |w| |x| >= (d + 2) u |zh|
-    already exceeds the roundings of zh and of zh +- bound unless all of them are worst-case at once."""
+    less than the term, by far more than 8u |zh|). The 8u term is not among them: no input found makes it decide.
+    gamma |w| |x| >= (d + 2) u |w . x| is at least 4u |zh| (to within the e and r terms), while zh is rounded at
+    most three times; the 8u term is needed only if the exact head's accumulation error also nearly reaches gamma
+    |w| |x| on both rows, with every rounding of zh and of zh +- bound worst-case."""
     if case == "gamma_fp32":
         W, x, dtype, order = _cancellation(_Fixed(pairs=5, t_b=3, quarters=2, b=BLOCK, small_at=5))
     elif case == "gamma_bf16":
