@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 from ..runtime import PRESETS, Engine, EngineConfig, run_generation
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts
+from .decode import greedy_steps
 from .timing import interleaved, interleaved_samples, summary
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
@@ -147,13 +148,7 @@ def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv
     for n in tqdm(context_lens, desc="step latency", disable=not progress):
         ids = _prompt(model.config.vocab_size, n)
         tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
-
-        def stepper(s):
-            def step():
-                tok[s] = runners[s].step(tok[s]).argmax(-1)
-            return step
-
-        ts = interleaved({s: stepper(s) for s in runners}, rounds=steps - 1, warmup=1)
+        ts = interleaved(greedy_steps(runners, tok), rounds=steps - 1, warmup=1)
         for s in systems:
             st = summary(ts[s])
             by[(s, n)] = {"system": s, "cached_len": n, "step_ms": st["median_ms"], "step_ms_q1": st["q1_ms"],

@@ -68,6 +68,19 @@ def weight_bytes(runner) -> int:
     return runner.weight_bytes_per_token() if isinstance(runner, Engine) else model_weight_bytes_per_token(runner.model)
 
 
+def greedy_steps(runners: dict, tokens: dict, seen: dict | None = None) -> dict:
+    """Per runner (a :class:`~lowrank_lib.runtime.Runner`) a function running one greedy decode step, the unit the
+    interleaved step timings call: it feeds the runner's last token ``tokens[k]`` (updated in place) and, given
+    ``seen``, appends the new token to ``seen[k]``."""
+    def stepper(k):
+        def step():
+            tokens[k] = runners[k].step(tokens[k]).argmax(-1)
+            if seen is not None:
+                seen[k].append(int(tokens[k]))
+        return step
+    return {k: stepper(k) for k in runners}
+
+
 def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
     """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
     from .models import load_bench_models

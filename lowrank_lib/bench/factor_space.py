@@ -28,6 +28,7 @@ from ..compat import cache_kw
 from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
 from ..geometry import geometry
 from .cost import step_cost
+from .decode import greedy_steps
 from .timing import interleaved, summary
 
 
@@ -250,16 +251,9 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
             state[k] = eng.prefill(ids).argmax(-1)                    # [1]
             prefill_s[k] = time.perf_counter() - t0
         toks = {k: [int(state[k])] for k in engines}
-
-        def stepper(k, engines=engines):
-            def step():
-                state[k] = engines[k].step(state[k]).argmax(-1)
-                toks[k].append(int(state[k]))
-            return step
-
-        times = interleaved({k: stepper(k) for k in engines}, gen_tokens, warmup=1)   # rotated order (timing)
+        times = interleaved(greedy_steps(engines, state, toks), gen_tokens, warmup=1)   # rotated order (timing)
         for (route, r), eng in engines.items():
-            fit = eng.kv.report().get("fit", {})
+            fit = eng.report()["kv_store"].get("fit", {})
             st = summary(times[(route, r)])
             rows.append({"context": n, "route": route, "rank": r, "ms_token": st["median_ms"],
                          "ms_token_q1": st["q1_ms"], "ms_token_q3": st["q3_ms"], "prefill_s": prefill_s[(route, r)],

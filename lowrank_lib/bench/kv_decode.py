@@ -61,6 +61,7 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
     from .. import models
     from ..eval.kv_sweep import frontier_windows
     from ..runtime.profiling import decode_attention
+    from .decode import greedy_steps
     from .host import copy_bandwidth
     from .results import ResultFiles, load_average
     from .timing import interleaved, summary
@@ -77,13 +78,6 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
         engines = build_engines(cfg, model, tok, ids, C)
         tok_next = {k: ids[:, C] for k in engines}
 
-        def stepper(key, engines=engines):
-            eng = engines[key]
-
-            def step():
-                tok_next[key] = eng.step(tok_next[key]).argmax(-1)
-            return step
-
         for th in cfg.threads:
             torch.set_num_threads(th)
             if th != cfg.threads[0]:        # a compiled step keeps the thread count it was compiled with
@@ -91,7 +85,7 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
                     eng.invalidate()
                     eng.prepare(1)
             with torch.no_grad():
-                steps = interleaved({k: stepper(k) for k in engines}, cfg.repeats, cfg.gen_len,
+                steps = interleaved(greedy_steps(engines, tok_next), cfg.repeats, cfg.gen_len,
                                     progress=lambda r: print(f"context {C}, {th} thread(s): round {r + 1}/"
                                                              f"{cfg.repeats}", flush=True))
                 attn = interleaved({k: decode_attention(e) for k, e in engines.items()}, cfg.repeats, 5)
