@@ -186,11 +186,13 @@ def _readme_table(anchor: str) -> tuple[list[str], list[list[str]]]:
 
 
 def _same(cell: str, value: float, what) -> None:
-    """``cell`` prints ``value`` rounded to the cell's own decimals (a trailing ``x`` allowed)."""
-    m = re.fullmatch(r"(-?\d+(?:\.(\d+))?)x?", cell.strip())
+    """``cell`` prints ``value`` rounded to the cell's own decimals (``3.9e6``: to its mantissa's; a trailing ``x``
+    or `` M`` allowed)."""
+    m = re.fullmatch(r"(-?\d+(?:\.(\d+))?)(?:e(-?\d+))?(?:x| M)?", cell.strip())
     assert m, f"{what}: {cell!r} is not a number"
-    dec = len(m.group(2) or "")
-    assert abs(float(m.group(1)) - value) <= 0.5 * 10.0 ** -dec * (1 + 1e-9), f"{what}: README {cell}, JSON {value}"
+    dec, exp = len(m.group(2) or ""), int(m.group(3) or 0)
+    assert abs(float(m.group(1)) * 10.0 ** exp - value) <= 0.5 * 10.0 ** (exp - dec) * (1 + 1e-9), \
+        f"{what}: README {cell}, JSON {value}"
 
 
 def _expand(cells: list[str]) -> list[list[str]]:
@@ -318,3 +320,45 @@ def test_readme_load_table_equals_the_json():
                 assert refusal, what
             else:
                 _same(cells[i], v / G if i != 6 else v, what + f" {header[i]}")
+
+
+def test_readme_ppl_table_equals_the_json():
+    res = _load("ppl_svd_smollm2_w16x2048.json")
+    header, rows = _readme_table("`benchmarks/results/ppl_svd_smollm2_w16x2048.json`")
+    assert header == ["model", "keep", "PPL", "parameters"] and len(rows) == len(res["rows"])
+    for cells in rows:
+        method = {"dense": "dense", "plain SVD": "svd"}[cells[0]]
+        (r,) = [r for r in res["rows"] if r["method"] == method and r["keep"] == float(cells[1])]
+        _same(cells[2], r["ppl"], f"README ppl row {cells[:2]} PPL")
+        _same(cells[3], r["params"] / 1e6, f"README ppl row {cells[:2]} parameters")
+
+
+#: the README's family labels of the quality table -> the JSON's family
+_QUALITY_LABELS = {"dense": "dense", "plain SVD": "svd", "ASVD (uniform ratio)": "asvd", "SVD-LLM v1": "svdllm",
+                   "SVD-LLM v2": "svdllm_v2", "Basis Sharing (groups of 2)": "basis_sharing",
+                   "Dobi-SVD (no remap, fp16)": "dobi", "Dobi-SVD (remap, 8-bit)": "dobi-remap",
+                   "Palu (k/v only)": "palu"}
+
+
+def test_readme_quality_table_equals_the_json():
+    res = _load("quality_smollm2_w4x2048_c16x512.json")
+    header, rows = _readme_table("`benchmarks/results/quality_smollm2_w4x2048_c16x512.json`")
+    assert header == ["family", "keep 0.8: PPL", "keep 0.6: PPL", "params at 0.8 / 0.6 (M)",
+                      "on disk at 0.8 / 0.6 (MB)"]
+    assert {_QUALITY_LABELS[c[0]] for c in rows} == {r["family"] for r in res["rows"]}
+    for cells in rows:
+        fam = _QUALITY_LABELS[cells[0]]
+        keeps = (1.0,) if fam == "dense" else (0.8, 0.6)
+        got = {k: [r for r in res["rows"] if r["family"] == fam and r["keep"] == k] for k in keeps}
+        assert all(len(v) == 1 for v in got.values()), cells
+        what = f"README quality row {cells[0]}"
+        for i, k in enumerate(keeps):
+            r = got[k][0]
+            _same(cells[1 + i], r["ppl"], f"{what} keep {k} PPL")
+            _same(cells[3].split(" / ")[i], r["total_params"] / 1e6, f"{what} keep {k} params")
+            if r["disk_bytes"] is None:
+                assert cells[4] == "", what
+            else:
+                _same(cells[4].split(" / ")[i], r["disk_bytes"] / 1e6, f"{what} keep {k} MB on disk")
+        if fam == "dense":
+            assert cells[2] == "" and " / " not in cells[3], what
