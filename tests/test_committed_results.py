@@ -8,7 +8,8 @@ Three kinds of check, all on the committed files (no benchmark runs here):
   ratio of times or a roofline factor must stay under it), and ``measured`` is what the rows say; the same for the
   pass flags of the KV-memory frontier and the AttSVD acceptance checks;
 - the README: every number of the tables that cite a committed JSON (the peer tables, the kv-decode table, the
-  load table, the peer-scale tables) equals the JSON's, rounded as printed.
+  load table, the peer-scale tables, the SVD perplexity and checkpoint-family tables, the KV-memory frontier)
+  equals the JSON's, rounded as printed.
 """
 from __future__ import annotations
 
@@ -188,7 +189,7 @@ def _readme_table(anchor: str) -> tuple[list[str], list[list[str]]]:
 def _same(cell: str, value: float, what) -> None:
     """``cell`` prints ``value`` rounded to the cell's own decimals (``3.9e6``: to its mantissa's; a trailing ``x``
     or `` M`` allowed)."""
-    m = re.fullmatch(r"(-?\d+(?:\.(\d+))?)(?:e(-?\d+))?(?:x| M)?", cell.strip())
+    m = re.fullmatch(r"([-+]?\d+(?:\.(\d+))?)(?:e(-?\d+))?(?:x| M)?", cell.strip())
     assert m, f"{what}: {cell!r} is not a number"
     dec, exp = len(m.group(2) or ""), int(m.group(3) or 0)
     assert abs(float(m.group(1)) * 10.0 ** exp - value) <= 0.5 * 10.0 ** (exp - dec) * (1 + 1e-9), \
@@ -362,3 +363,33 @@ def test_readme_quality_table_equals_the_json():
                 _same(cells[4].split(" / ")[i], r["disk_bytes"] / 1e6, f"{what} keep {k} MB on disk")
         if fam == "dense":
             assert cells[2] == "" and " / " not in cells[3], what
+
+
+_POLICY_LABELS = {"KVzip": "kvzip", "normalised H2O": "h2o_norm", "H2O": "h2o", "SnapKV": "snapkv",
+                  "StreamingLLM": "streamingllm", "Expected Attention": "expected_attention", "KeyDiff": "keydiff"}
+
+
+def test_readme_kv_frontier_table_equals_the_json():
+    """Per (prefill, budget): the best eviction policy, its KL and perplexity change, composed-kvzip-q8's, their
+    ratio (``best``), and attsvd-ext's KL (``rows``)."""
+    res = _load("kv_frontier.json")
+    header, rows = _readme_table("the shards (`benchmarks/results/kv_frontier.json` / `.txt`, the merge")
+    assert header[:2] == ["prefill", "budget"] and header[4] == "ratio" and "attsvd-ext" in header[5]
+    assert len(rows) == len(res["best"])
+    by = {(r["policy"], r["prefill"], r["budget"]): r for r in res["rows"]}
+    for cells in rows:
+        P, b = int(cells[0]), float(cells[1])
+        (best,) = [x for x in res["best"] if x["prefill"] == P and x["budget"] == b]
+        assert best["best_ours"] == "composed-kvzip-q8", best
+        what = f"README frontier row {P} {b}"
+        label, kl, ppl = re.fullmatch(r"(.+) (\S+) \(([-+]?[\d.]+) %\)", cells[2]).groups()
+        assert _POLICY_LABELS[label] == best["best_eviction"], what
+        ev = by[(best["best_eviction"], P, b)]
+        _same(kl, best["best_eviction_kl"], what + " eviction KL")
+        _same(ppl, 100 * (ev["ppl"] / ev["ppl_dense"] - 1), what + " eviction PPL change")
+        kl, ppl = re.fullmatch(r"(\S+) \(([-+]?[\d.]+) %\)", cells[3]).groups()
+        ours = by[("composed-kvzip-q8", P, b)]
+        _same(kl, best["best_ours_kl"], what + " composed KL")
+        _same(ppl, 100 * (ours["ppl"] / ours["ppl_dense"] - 1), what + " composed PPL change")
+        _same(cells[4], best["kl_ratio_eviction_over_ours"], what + " ratio")
+        _same(cells[5], by[("attsvd-ext", P, b)]["kl_mean"], what + " attsvd-ext KL")
