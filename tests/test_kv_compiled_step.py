@@ -13,8 +13,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lowrank_lib import models
-from lowrank_lib.kv import make_method
-from lowrank_lib.kv.engine_adapter import MethodStore
+from lowrank_lib.kv import MethodStore, make_method
 from lowrank_lib.kv.tiers import lrk_tiers_unavailable
 from lowrank_lib.runtime import Engine, EngineConfig
 
