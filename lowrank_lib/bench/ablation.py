@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import PRESETS, Engine, EngineConfig, run_generation
+from ..runtime import PRESETS, Engine, EngineConfig
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts
-from .decode import greedy_steps
-from .timing import interleaved, interleaved_samples, summary
+from .decode import greedy_steps, timed_generations
+from .timing import interleaved, summary
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels
@@ -47,20 +47,9 @@ def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def _generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
-    """One short warm-up generation per runner (graph capture / compile apart), then ``repeats`` interleaved
-    rounds (rotated order, :mod:`.timing`) of a ``gen_len`` generation each. Per key: the raw samples."""
-    for r in runners.values():
-        run_generation(r, ids, min(3, gen_len))
-    outs = {k: [] for k in runners}
-
-    def generation(k):
-        def run():
-            outs[k].append(run_generation(runners[k], ids, gen_len))
-            return outs[k][-1].step_s
-        return run
-
-    steps = interleaved_samples({k: generation(k) for k in runners}, repeats)
-    return {k: {"steps": steps[k], "prefill": [o.prefill_s for o in outs[k]],
+    """:func:`.decode.timed_generations` (one warm-up each, then interleaved rounds); per key the raw samples."""
+    outs = timed_generations(runners, ids, gen_len, repeats, warmup=3)
+    return {k: {"steps": [t for o in outs[k] for t in o.step_s], "prefill": [o.prefill_s for o in outs[k]],
                 "per_repeat": [summary(o.step_s)["median_ms"] for o in outs[k]],
                 "capture_s": runners[k].capture_s} for k in runners}
 

@@ -81,6 +81,28 @@ def greedy_steps(runners: dict, tokens: dict, seen: dict | None = None) -> dict:
     return {k: stepper(k) for k in runners}
 
 
+def timed_generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int, warmup: int = 4,
+                      progress: bool = False) -> dict:
+    """One short warm-up generation per runner (graph capture / compile apart: ``Runner.capture_s``), then
+    ``repeats`` interleaved rounds (rotated order, :mod:`.timing`) of a ``gen_len`` generation each, timed by the
+    shared decode loop: per key every round's :class:`~lowrank_lib.runtime.GenerateOutput`."""
+    for r in runners.values():
+        run_generation(r, ids, min(warmup, gen_len))
+    outs = {k: [] for k in runners}
+    bar = tqdm(total=repeats * len(runners), desc="generations", disable=not progress)
+
+    def generation(k):
+        def run():
+            outs[k].append(run_generation(runners[k], ids, gen_len))
+            bar.update(1)
+            return outs[k][-1].step_s
+        return run
+
+    interleaved_samples({k: generation(k) for k in runners}, repeats)
+    bar.close()
+    return outs
+
+
 def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
     """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
     from .models import load_bench_models
@@ -92,22 +114,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
     runners = {s: make_runner(s, comp, dense, dtype=dt, max_seq_len=cfg.prompt_len + cfg.gen_len,
                               max_batch=cfg.batch) for s in cfg.systems}
     bw = copy_bandwidth(dev)
-    for r in runners.values():       # warm-up (and graph capture / compile: Runner.capture_s, timed apart)
-        run_generation(r, ids, min(4, cfg.gen_len))
-    capture = {s: r.capture_s for s, r in runners.items()}
-    outs = {s: [] for s in runners}
-    bar = tqdm(total=cfg.repeats * len(runners), desc="decode bench", disable=not progress)
-
-    def generation(s):
-        def run():
-            outs[s].append(run_generation(runners[s], ids, cfg.gen_len))
-            bar.update(1)
-            return outs[s][-1].step_s
-        return run
-
     # interleaved rounds in a rotated order (timing): drift hits every system alike
-    steps = interleaved_samples({s: generation(s) for s in runners}, cfg.repeats)
-    bar.close()
+    outs = timed_generations(runners, ids, cfg.gen_len, cfg.repeats, progress=progress)
+    steps = {s: [t for o in outs[s] for t in o.step_s] for s in runners}
     rows = {}
     for s, r in runners.items():
         c = per_token_counts(r, ids, cfg.count_tokens)
@@ -121,7 +130,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True)
             "per_token_count": c["total"], "count_kind": c["kind"], "count_by_class": c["by_class"],
             "weight_bytes_per_token": wb, "achieved_GBps": wb / (ms / 1e3) / 1e9,
             "roofline_fraction": (wb / (ms / 1e3) / 1e9) / bw, "roofline_x": ms / 1e3 / (wb / (bw * 1e9)),
-            "capture_s": capture[s], "step_ms": [1e3 * t for t in steps[s]],
+            "capture_s": r.capture_s, "step_ms": [1e3 * t for t in steps[s]],
             "info": r.report() if isinstance(r, Engine) else {"runner": type(r).__name__, "cache": r.kind},
         }
     base, ref = rows.get("hf_static"), outs.get("hf_dynamic")
