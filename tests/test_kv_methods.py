@@ -86,7 +86,7 @@ def test_registry_declares_what_every_method_needs():
         assert m.scope in ("layer", "model") and isinstance(m.needs_queries, bool)
         assert isinstance(m.capturable, bool) and isinstance(m.window, int) and m.window >= 0
         assert (m.scope == "model") == (getattr(m, "scorer", None) == "kvzip")
-    assert not make_method("attsvd-stream").capturable and make_method("attsvd", 0.5).needs_queries
+    assert not make_method("attsvd-stream", 0.5).capturable and make_method("attsvd", 0.5).needs_queries
     assert not make_method("svd", 0.5).needs_queries and not make_method("kvzip", 0.5).needs_queries
     assert make_method("snapkv", 0.5).needs_queries and make_method("composed-h2o_norm-q8", 0.5).needs_queries
     with pytest.raises(ValueError, match="unknown KV method"):

@@ -215,12 +215,13 @@ def frontier_method(name: str, budget: float, window: int = 32):
 
 @torch.no_grad()
 def teacher_forced(model, cache, cont: torch.Tensor) -> torch.Tensor:
-    """log-probs [T, V] (fp32) of ``cont`` [1, T] fed in one forward over ``cache`` (served by its adapter)."""
-    import contextlib
-
+    """log-probs [T, V] (fp32) of ``cont`` [1, T] fed in one forward over ``cache``: a fitted ``KVCache`` (its tiers
+    read through ``tiered_attention``) or a dense transformers cache (the attention in effect: no probing)."""
     import torch.nn.functional as F
 
-    with cache.serving(model) if hasattr(cache, "serving") else contextlib.nullcontext():
+    from ..kv.hf_adapter import tiered_attention
+
+    with tiered_attention(model):
         return F.log_softmax(model(cont, **cache_kw(cache)).logits[0].float(), -1)
 
 
