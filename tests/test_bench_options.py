@@ -79,24 +79,26 @@ def test_a_command_without_threads_fails():
     assert vocabulary_errors(ap) == ["x: no --threads"]
 
 
-def test_lists_and_one_value():
+def test_lists_and_one_value(tmp_path):
     a = cli.parser().parse_args(["decode", "--systems", "engine", "engine_step", "--keep", "0.5"])
     assert a.systems == ["engine", "engine_step"] and a.keep == [0.5] and a.prompt_len == [512]
     assert cli.parser().parse_args(["kv-decode", "--budget", "0.5", "0.25"]).budget == [0.5, 0.25]
     with pytest.raises(SystemExit):                    # a value of the wrong type is a usage error
         cli.parser().parse_args(["decode", "--prompt-len", "x"])
     with pytest.raises(SystemExit, match="--keep takes one value"):
-        cli.main(["decode", "--keep", "0.5", "0.6", "--out", "/nonexistent"])
+        cli.main(["decode", "--keep", "0.5", "0.6", "--model", "tiny-gqa", "--prompt-len", "4", "--gen-len", "2",
+                  "--repeats", "1", "--systems", "engine", "--out", str(tmp_path)])
 
 
-def test_threads_one_value_or_a_declared_sweep(monkeypatch):
+def test_threads_one_value_or_a_declared_sweep(monkeypatch, tmp_path):
     """A command outside cli.THREAD_SWEEPS runs at one thread count; a sweep takes several."""
     import torch
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     with pytest.raises(SystemExit, match="--threads takes one value"):
-        cli.main(["layout", "--threads", "1", "2"])
+        cli.main(["layout", "--threads", "1", "2", "--model", "tiny-gqa", "--working-set-mb", "1", "--repeats", "1",
+                  "--out", str(tmp_path)])
     assert calls == []
     assert cli.parser().parse_args(["kv-decode", "--threads", "1", "2"]).threads == [1, 2]
     assert cli.THREAD_SWEEPS <= set(cli.COMMANDS)
