@@ -53,7 +53,7 @@ class MethodStore:
         self.name = method.name or type(method).__name__
         self.capturable = method.capturable
         self.backend = None
-        self._tier = None                     # the chosen kv.tiers.TierBackend, resolved once at allocation
+        self._tier = None                     # the chosen kv.tiers.BACKENDS entry, resolved once at allocation
         self.layers: list[TieredLayer] = []
         self.fit_info: dict = {}
 

@@ -30,7 +30,8 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from ..eviction.base import Observation, Rope
-from .tiers import Segment, TieredLayer, TierBackend, attend
+from ..runtime.kv import Backend
+from .tiers import Segment, TieredLayer, attend
 
 #: (row b, input ids [1, n]) -> per layer (q [1, Hq, n, d], k [1, H, n, d]): post-RoPE queries and the input's own
 #: keys of a forward of ``ids`` on top of row b's whole prefill (positions continue after it); nothing is kept
@@ -197,9 +198,9 @@ class KVMethod:
         layer.append(k, v, slot)
 
     def attend(self, layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new=None,
-               backend: str | TierBackend = "portable") -> torch.Tensor:
-        """q [B, Hq, q_len, d] over the layer's tiers and appended rows -> [B, Hq, q_len, d] (``backend``: a
-        :class:`~lowrank_lib.kv.tiers.TierBackend` or its name, see :func:`~lowrank_lib.kv.tiers.attend`)."""
+               backend: str | Backend = "portable") -> torch.Tensor:
+        """q [B, Hq, q_len, d] over the layer's tiers and appended rows -> [B, Hq, q_len, d] (``backend``: an entry
+        of ``kv.tiers.BACKENDS`` or its name, see :func:`~lowrank_lib.kv.tiers.attend`)."""
         return attend(layer, q, scale, n_new, backend)
 
     def nbytes(self, layers: list[TieredLayer]) -> int:

@@ -26,13 +26,12 @@ backend declares what it can do in :data:`BACKENDS`; callers read those fields.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ..runtime.kernels import build as kernel_build
 from ..runtime.kernels import ops as kernel_ops
-from ..runtime.kv import BackendCaps, BackendChoice
+from ..runtime.kv import Backend, BackendCaps, BackendChoice, select
 
 #: columns of ``TieredLayer.runs``
 SEG, N, RK, RV, AK_OFF, AV_OFF, TOK_OFF, BK_OFF, BV_OFF = range(9)
@@ -480,45 +479,20 @@ def attend_lrk_tiers(layer: TieredLayer, q: torch.Tensor, scale: float | None = 
     return o.view(B, Hq, 1, d)
 
 
-@dataclass(frozen=True)
-class TierBackend:
-    """One tiered attention: its function ``(layer, q [B, Hq, q_len, d], scale, n_new) -> same shape``, what it can
-    do (:class:`~lowrank_lib.runtime.kv.BackendCaps`; callers read the fields, never the name), what it is
-    (reported) and the head dims it serves."""
-
-    name: str
-    attend: Callable
-    caps: BackendCaps
-    about: str
-    head_dim: Callable[[int], str | None] = lambda d: None
-
-    def unavailable(self, device, head_dim: int, dtype: torch.dtype, kernels: str = "auto", explicit: bool = False,
-                    q_len: int = 1) -> str | None:
-        """Why it cannot run here (None: it can): the declared capabilities, the head dim, one query row for a
-        decode-only backend."""
-        if self.caps.decode_only and q_len != 1:
-            return f"q_len {q_len}: serves one query row (decode)"
-        return self.caps.unavailable(device, dtype, kernels, explicit) or self.head_dim(head_dim)
-
-
-def _lrk_head_dim(d: int) -> str | None:
-    return None if d % 16 == 0 and 16 <= d <= 128 else f"head_dim {d}: the fused kernel serves multiples of 16 up to 128"
-
-
 #: the tiered attentions over a TieredLayer (a new one is one entry, its capabilities declared):
 #: ``portable`` the reference; ``rebuild`` the paper's rebuild-then-attend (host counts: eager only); ``lrk_tiers``
 #: our fused CPU kernel (decode only; reads the layout, e_off / runs / r_off and the appended count, from device
 #: tensors at run time, so one compiled / captured step serves every layout whose buffers share a bucket; the others
 #: slice with host ints, which a compiled step bakes in: their captures are keyed by the layout)
-BACKENDS: dict[str, TierBackend] = {b.name: b for b in (
-    TierBackend("portable", attend_portable, BackendCaps(),
-                "the portable per-segment path (kv.tiers.attend_portable)"),
-    TierBackend("rebuild", attend_rebuild, BackendCaps(capturable=False),
-                "the paper's rebuild-then-attend (kv.tiers.attend_rebuild)"),
-    TierBackend("lrk_tiers", attend_lrk_tiers, BackendCaps(
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("portable", attend_portable, BackendCaps(), "the portable per-segment path (kv.tiers.attend_portable)"),
+    Backend("rebuild", attend_rebuild, BackendCaps(capturable=False),
+            "the paper's rebuild-then-attend (kv.tiers.attend_rebuild)"),
+    Backend("lrk_tiers", attend_lrk_tiers, BackendCaps(
         devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True,
-        decode_only=True), "our fused tier attention (runtime/kernels/tiers.cpp, AVX-512 or AVX2 + FMA: exact rows, "
-                          "runs in factor space, appended rows, one softmax)", _lrk_head_dim),
+        decode_only=True, head_dims=tuple(range(16, 129, 16))),
+        "our fused tier attention (runtime/kernels/tiers.cpp, AVX-512 or AVX2 + FMA: exact rows, runs in factor "
+        "space, appended rows, one softmax)"),
 )}
 #: ``"auto"``: the first of these that can run
 AUTO_ORDER = ("lrk_tiers", "portable")
@@ -535,41 +509,26 @@ def lrk_tiers_unavailable(device, head_dim: int, dtype: torch.dtype, kernels: st
     """Why the fused kernel ``lrk_tiers`` cannot run (None: it can): ``kernels`` not ``"portable"``, a CPU device,
     fp32 / bf16, head_dim a multiple of 16 up to 128, the kernel library loaded (built on first use) and the ISA
     its capabilities declare (AVX2 + FMA, or the dtype's AVX-512 subset: AVX512F/BW/VL, + AVX512_BF16 for bf16)."""
-    return BACKENDS["lrk_tiers"].unavailable(device, head_dim, dtype, kernels)
+    return BACKENDS["lrk_tiers"].caps.unavailable(device, dtype, kernels, head_dim=head_dim)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto",
                    q_len: int = 1) -> BackendChoice:
-    """The tiered attention to run, and why. ``"auto"``: the first of :data:`AUTO_ORDER` that can run here (its
-    declared capabilities against the device, dtype, ``kernels`` = ``EngineConfig.kernels``: ``"portable"`` rules out
-    every native backend, ``"lrk"`` requires the native one where it serves the device; ``q_len``: the query rows);
-    a backend requested by name runs or raises, saying why."""
-    if requested != "auto" and requested not in BACKENDS:
-        raise ValueError(f"unknown tiered attention {requested!r}; choose from {('auto', *BACKENDS)}")
-    explicit = requested != "auto"
-    skipped = []
-    for name in (requested,) if explicit else AUTO_ORDER:
-        b = BACKENDS[name]
-        why = b.unavailable(device, head_dim, dtype, kernels, explicit, q_len)
-        if why is None:
-            return BackendChoice(name, f"{'requested' if explicit else 'auto'}: {b.about}" +
-                                 (f" ({'; '.join(skipped)})" if skipped else ""), b.caps)
-        if explicit:
-            raise RuntimeError(f"tiered attention {name!r} cannot run: {why}")
-        if b.caps.native and kernels == "lrk" and torch.device(device).type in b.caps.devices:
-            raise RuntimeError(f"kernels='lrk': tiered attention {name!r} cannot run: {why}")
-        skipped.append(f"{name}: {why}")
-    raise RuntimeError(f"no tiered attention can run here: {'; '.join(skipped)}")
+    """The tiered attention of :data:`BACKENDS` to run, and why (``runtime.backend.select``): ``"auto"`` takes the
+    first of :data:`AUTO_ORDER` whose declared capabilities allow it (the device, dtype, head dim, ``q_len`` query
+    rows, ``kernels`` = ``EngineConfig.kernels``: ``"portable"`` rules out every native backend, ``"lrk"`` requires
+    the native one where it serves the device); a backend requested by name runs or raises, saying why."""
+    return select(BACKENDS, AUTO_ORDER, requested, device, head_dim, dtype, kernels, q_len, "tiered attention")
 
 
 def attend(layer: TieredLayer, q: torch.Tensor, scale: float | None = None, n_new: int | torch.Tensor | None = None,
-           backend: str | TierBackend = "portable") -> torch.Tensor:
-    """The tiered attention -> [B, Hq, q_len, d]: ``backend`` a :class:`TierBackend` (an adapter resolves it once),
-    a name of :data:`BACKENDS`, or ``"auto"`` (:func:`select_backend`'s choice for these queries)."""
+           backend: str | Backend = "portable") -> torch.Tensor:
+    """The tiered attention -> [B, Hq, q_len, d]: ``backend`` an entry of :data:`BACKENDS` (an adapter resolves it
+    once), its name, or ``"auto"`` (:func:`select_backend`'s choice for these queries)."""
     if isinstance(backend, str):
         name = select_backend(backend, q.device, q.shape[-1], q.dtype, q_len=q.shape[2]).name \
             if backend == "auto" else backend
         if name not in BACKENDS:
             raise ValueError(f"unknown tiered attention {name!r}; choose from {('auto', *BACKENDS)}")
         backend = BACKENDS[name]
-    return backend.attend(layer, q, scale, n_new)
+    return backend.fn(layer, q, scale, n_new)

@@ -22,72 +22,24 @@ mask, its KV layout) and ``select_backend`` and the stores read those fields: no
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
-from .backend import BackendCaps, BackendChoice
-
-
-def _lrk_head_dim(d: int) -> str | None:
-    return None if d % 16 == 0 and d <= 128 else f"head_dim {d}: the kernel serves multiples of 16 up to 128"
-
-
-def _pow2_head_dim(d: int) -> str | None:
-    return None if d in (16, 32, 64, 128, 256) else f"head_dim {d}: the kernel serves powers of two from 16 to 256"
-
-
-@dataclass(frozen=True)
-class AttentionBackend:
-    """One decode-attention backend: its kernel, what it can do (:class:`~lowrank_lib.runtime.kv.BackendCaps`), the
-    head dims it serves, what it is (reported), and the form a ``torch.compile``-d CPU step traces instead where
-    it has one (``EngineConfig.fused_compile``)."""
-
-    name: str
-    decode: Callable
-    caps: BackendCaps
-    about: str
-    head_dim: Callable[[int], str | None] = lambda d: None
-    compiled_decode: Callable | None = None
-
-    def unavailable(self, device, head_dim: int, dtype, kernels: str = "auto", explicit: bool = False) -> str | None:
-        """Why it cannot run here (None: it can): the declared capabilities, then the head dim."""
-        return self.caps.unavailable(device, dtype, kernels, explicit) or self.head_dim(head_dim)
+from .backend import Backend, BackendCaps, BackendChoice, select
 
 
 def lrk_attend_unavailable(device: torch.device, head_dim: int, dtype: torch.dtype, kernels: str = "auto") -> str | None:
     """Why our compiled CPU decode-attention kernel (``lrk_attend``) cannot run (None: it can)."""
-    return BACKENDS["lrk_attend"].unavailable(device, head_dim, dtype, kernels)
+    return BACKENDS["lrk_attend"].caps.unavailable(device, dtype, kernels, head_dim=head_dim)
 
 
 def select_backend(requested: str, device: torch.device, head_dim: int, dtype: torch.dtype,
                    kernels: str = "auto") -> BackendChoice:
-    """Pick a backend and say why. ``"auto"``: the first of :data:`AUTO_ORDER` that can run here (every declared
-    capability checked, :meth:`AttentionBackend.unavailable`); a named one runs or raises, saying why. ``kernels``:
-    ``EngineConfig.kernels`` (``"portable"`` rules out every native backend; ``"lrk"`` makes ``auto`` require the
-    native one on a device it serves)."""
-    if requested != "auto" and requested not in BACKENDS:
-        raise ValueError(f"attention={requested!r}: use 'auto' or one of {tuple(BACKENDS)}")
-    explicit = requested != "auto"
-    skipped = []
-    for name in (requested,) if explicit else AUTO_ORDER:
-        b = BACKENDS[name]
-        why = b.unavailable(device, head_dim, dtype, kernels, explicit)
-        if why is None:
-            how = "requested" if explicit else "auto"
-            note = (f"; {b.caps.interpreter_env}=1: interpreter on CPU, correctness checks only"
-                    if torch.device(device).type not in b.caps.devices else "")
-            return BackendChoice(name, f"{how}: {b.about}{note}" + (f" ({'; '.join(skipped)})" if skipped else ""),
-                                 b.caps)
-        if explicit:
-            raise RuntimeError(f"attention={name!r} cannot run: {why}")
-        if b.caps.native and kernels == "lrk" and torch.device(device).type in b.caps.devices:
-            raise RuntimeError(f"kernels='lrk': attention {name!r} cannot run: {why}")
-        if torch.device(device).type in b.caps.devices:          # only what could have run here is worth saying
-            skipped.append(f"{name}: {why}")
-    raise RuntimeError(f"no attention backend can run here: {'; '.join(skipped)}")
+    """Pick a backend of :data:`BACKENDS` and say why (``runtime.backend.select``): ``"auto"`` takes the first of
+    :data:`AUTO_ORDER` whose declared capabilities allow it here; a named one runs or raises, saying why.
+    ``kernels``: ``EngineConfig.kernels`` (``"portable"`` rules out every native backend; ``"lrk"`` makes ``auto``
+    require the native one on a device it serves)."""
+    return select(BACKENDS, AUTO_ORDER, requested, device, head_dim, dtype, kernels)
 
 
 # --------------------------------------------------------------------------- sdpa
@@ -219,18 +171,19 @@ def lrk_attend_decode(q, K, V, cursor, mask):
 
 _HALF = (torch.float16, torch.bfloat16)
 #: the decode-attention backends: name -> kernel and capabilities (a new backend is one entry)
-BACKENDS: dict[str, AttentionBackend] = {b.name: b for b in (
-    AttentionBackend("lrk_attend", lrk_attend_decode, BackendCaps(
-        devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True),
-        "our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)", _lrk_head_dim),
-    AttentionBackend("flash_attn", flash_decode, BackendCaps(
+BACKENDS: dict[str, Backend] = {b.name: b for b in (
+    Backend("lrk_attend", lrk_attend_decode, BackendCaps(
+        devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True,
+        head_dims=tuple(range(16, 129, 16))),
+        "our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)"),
+    Backend("flash_attn", flash_decode, BackendCaps(
         devices=("cuda",), dtypes=_HALF, packages=("flash_attn",), reads_device_layout=True, layout="bshd"),
         "flash_attn_with_kvcache (half precision, lengths and left padding from device memory)"),
-    AttentionBackend("triton", triton_decode, BackendCaps(
-        devices=("cuda",), packages=("triton",), interpreter_env="TRITON_INTERPRET", reads_device_layout=True),
-        "our Triton decode kernel (lengths and pad counts from device memory)", _pow2_head_dim),
-    AttentionBackend("sdpa", sdpa_decode, BackendCaps(needs_mask=True),
-                     "portable path (torch sdpa over the store's slot mask)", compiled_decode=fused_decode),
+    Backend("triton", triton_decode, BackendCaps(
+        devices=("cuda",), packages=("triton",), interpreter_env="TRITON_INTERPRET", reads_device_layout=True,
+        head_dims=(16, 32, 64, 128, 256)), "our Triton decode kernel (lengths and pad counts from device memory)"),
+    Backend("sdpa", sdpa_decode, BackendCaps(needs_mask=True),
+            "portable path (torch sdpa over the store's slot mask)", compiled_fn=fused_decode),
 )}
 #: ``attention="auto"``: the first of these that can run here
 AUTO_ORDER = ("lrk_attend", "flash_attn", "triton", "sdpa")

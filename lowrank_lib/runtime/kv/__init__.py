@@ -5,7 +5,7 @@
 in through this protocol (every KV method, through :class:`lowrank_lib.kv.engine_adapter.MethodStore`);
 nothing in ``runtime/`` imports them.
 """
-from ..backend import BackendCaps
+from ..backend import Backend, BackendCaps, select
 from .base import (BackendChoice, CacheFullError, Cursor, KVSpec, KVStore, StepContext, additive_mask,
                    slot_mask)
 from .dense import DenseKV, DenseStep
@@ -21,5 +21,5 @@ def make_store(name: str) -> KVStore:
     return STORES[name]()
 
 
-__all__ = ["BackendCaps", "BackendChoice", "CacheFullError", "Cursor", "DenseKV", "DenseStep", "KVSpec", "KVStore", "RebuildKV",
-           "STORES", "StepContext", "additive_mask", "make_store", "slot_mask"]
+__all__ = ["Backend", "BackendCaps", "BackendChoice", "CacheFullError", "Cursor", "DenseKV", "DenseStep", "KVSpec",
+           "KVStore", "RebuildKV", "STORES", "StepContext", "additive_mask", "make_store", "select", "slot_mask"]

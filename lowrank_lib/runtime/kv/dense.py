@@ -48,9 +48,9 @@ class DenseKV:
         self.k, self.v = list(views[0::2]), list(views[1::2])
         self._slots = torch.arange(S, device=spec.device)
         impl = BACKENDS[self.backend.name]
-        self._decode = impl.decode
+        self._decode = impl.fn
         # the form a torch.compile-d step traces instead (sdpa's broadcast-multiply-reduce), where the backend has one
-        self._compiled_decode = impl.compiled_decode if spec.fused_compile else None
+        self._compiled_decode = impl.compiled_fn if spec.fused_compile else None
         self._needs_mask = self.backend.caps.needs_mask
 
     @property
