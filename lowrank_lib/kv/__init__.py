@@ -17,8 +17,8 @@
 """
 from importlib import import_module
 
-# Names are imported on first use (PEP 562): ``kv.tiers`` is a leaf module the composed cache's math imports, and
-# the registry imports that math, so the package must not import its registry just because tiers is imported.
+# Names are imported on first use (PEP 562): importing one module of the package (``kv.tiers``, say) does not import
+# every method, scorer and adapter with it.
 _EXPORTS = {"KVMethod": "method", "Prefill": "method", "RowFit": "method", "Run": "tiers", "Segment": "tiers",
             "TieredLayer": "tiers", "EVICTION_MODES": "registry", "EXT_OBS_WINDOW": "registry", "METHODS": "registry",
             "make_method": "registry", "method_kind": "registry", "KVCache": "hf_adapter", "record": "hf_adapter",
