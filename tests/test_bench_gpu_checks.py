@@ -23,7 +23,7 @@ def test_gpu_session_dry_run_runs_every_stage(tmp_path):
     assert set(eg) == {"none", "whole-step"} and all(eg["whole-step"]["tokens_equal_eager"])
     assert max(eg["whole-step"]["logit_rel_err"]) < 1e-5
     # prompts 290 and 300 round to the same bucketed layout under a backend that reads the layout from device
-    # tensors (the fused kernel, AVX-512 only): the second reuses the capture, the third (400) re-captures; a
+    # tensors (the fused kernel, AVX-512 or AVX2): the second reuses the capture, the third (400) re-captures; a
     # host-slicing backend (the portable path) captures for each layout
     ws = eg["whole-step"]
     from lowrank_lib.kv.tiers import reads_device_layout
