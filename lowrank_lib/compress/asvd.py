@@ -25,6 +25,11 @@ cached on disk keyed by a digest of the weights, the calibration tokens, alpha a
 The search covers the decoder projections (``targets``); the official one also tries ``lm_head``
 (tied to the embeddings on SmolLM2, so it cannot be factorized here).
 
+Measured on SmolLM2 (``benchmarks/results/compressors_smollm2_w4x2048_c16x512_asvd.json``; sensitivity on
+1 x 256 calibration tokens, candidates 0.1 / 0.3 / 0.5 / 0.7 / 0.9): PPL 101.6 at keep 0.8 and 525 at 0.6,
+against 5.6e5 / 3.6e6 with one uniform ratio (dense 20.04; SVD-LLM v1 51.3 / 134.8). At 0.8 the search
+leaves 114 of the 210 projections dense and cuts the rest hard.
+
 ``compress_asvd(..., keep)`` with ``search="strs"`` (default when ``calib_ids`` is given) runs the
 search; ``search="uniform"`` applies p = keep to every matrix (the old behaviour); ``ratios`` /
 ``ranks`` set them explicitly.
