@@ -8,10 +8,10 @@ PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 # $(PYTHON) is kept instead (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers (tests/conftest.py: one group for the notebook / browser tests, one per file otherwise);
+# pytest-xdist workers (tests/conftest.py schedules one unit for the notebook / browser tests, one per file otherwise);
 # PYTEST_WORKERS=0 runs serially
 PYTEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 # The oldest transformers of pyproject.toml's range (its ">=" bound) and the venv that runs it: the main
 # venv's packages (a .pth line adds its site-packages after the venv's own), with only transformers (and
 # what it needs that differs) installed over them, so no second torch is downloaded.

@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "svd_factors", "split_sqrt", "iter_linears", "set_module",
+           "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account", "lowrank_modules",
+           "shared_groups"]
+
 #: Projection names of a Llama-family decoder layer, in forward order.
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 #: The submodule of a decoder layer that holds each projection (``model.layers.<i>.<parent>.<proj>``).

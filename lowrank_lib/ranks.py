@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import math
 
+__all__ = ["keep_rank", "rank_keep", "native_to_keep", "basis_sharing_num_basis"]
+
 
 def keep_rank(out_features: int, in_features: int, keep: float) -> int:
     """Rank r = floor(keep * out * in / (out + in)), clamped to [1, min(out, in)]."""

@@ -20,18 +20,26 @@ NOTEBOOK_GROUP = ("browser/", "test_nb_", "test_notebooks.py")
 
 
 def xdist_group_of(nodeid: str) -> str:
-    """The xdist group of a test (``make test`` runs ``pytest -n 2 --dist loadgroup``): the notebook group, else
-    its file, so module-scoped fixtures are built once, as in a serial run."""
+    """The unit of work a pytest-xdist worker takes whole (``make test`` runs ``pytest -n 2``): the notebook group,
+    else the test's file, so module-scoped fixtures are built once, as in a serial run."""
     path = nodeid.split("::")[0].removeprefix("tests/")
     return "notebooks" if path.startswith(NOTEBOOK_GROUP) else path
 
 
 def pytest_collection_modifyitems(config, items):
-    """Every test gets an ``xdist_group`` (used by ``--dist loadgroup``; inert without xdist); the notebook
-    group goes first, being the longest."""
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(xdist_group_of(item.nodeid)))
-    items.sort(key=lambda it: xdist_group_of(it.nodeid) != "notebooks")       # stable: order kept within each
+    """The notebook group first (the longest unit: a worker starts it at once); order kept within each group."""
+    items.sort(key=lambda it: xdist_group_of(it.nodeid) != "notebooks")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler with our units (:func:`xdist_group_of`) as the scopes."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+    return ByGroup(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -287,34 +287,7 @@ BENCH = PKG / "bench"
 
 #: (bench file, what it uses) that is not public today, and why it is still here (owned by the bench rewrite; the
 #: list only shrinks: the test fails when an entry is fixed and still listed)
-NO_ALL = "the library module has no written interface (no __all__) yet: the bench rewrite adds it or imports the name "\
-         "from a package that exports it"
-BENCH_KNOWN: dict[tuple[str, str], str] = {
-    ("bench/commands/compressors.py", "lowrank_lib.compress.asvd.PARAM_RATIO_CANDIDATES"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.asvd.asvd_sensitivity"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.asvd.compress_asvd"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.asvd.param_ratio"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.common.leaf"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.PAPER_CALIB_TOKENS"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.compress_svdllm"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.compress_svdllm_v2"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.truncation_loss_table"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.v2_keep_ratios"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.compress.svdllm.v2_ranks"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.eval.perplexity.perplexity"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.factorized.account"): NO_ALL,
-    ("bench/commands/compressors.py", "lowrank_lib.factorized.iter_linears"): NO_ALL,
-    ("bench/gemv_classes.py", "lowrank_lib.ranks.keep_rank"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.compress.basis_sharing.layer_groups"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.compress.palu.palu_group_rank"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.factorized.LLAMA_PARENT"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.factorized.LLAMA_PROJ"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.factorized.LowRankLinear"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.factorized.set_module"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.ranks.basis_sharing_num_basis"): NO_ALL,
-    ("bench/load.py", "lowrank_lib.ranks.keep_rank"): NO_ALL,
-    ("bench/peer_scale.py", "lowrank_lib.ranks.keep_rank"): NO_ALL,
-}
+BENCH_KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _public_names(module: str) -> set[str] | None:

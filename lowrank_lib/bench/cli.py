@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "peer": "lowrank_lib.bench.commands.peer",
     "kv-decode": "lowrank_lib.bench.commands.kv_decode",
     "load": "lowrank_lib.bench.commands.load",
+    "compressors": "lowrank_lib.bench.commands.compressors",
 }
 
 #: commands whose ``--threads`` is a sweep (each count measured in the same run); they add the flag themselves

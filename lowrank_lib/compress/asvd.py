@@ -49,6 +49,9 @@ from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, set_module
 from .calib import CalibStats
 from .common import compress_each
 
+__all__ = ["PARAM_RATIO_CANDIDATES", "asvd_rank", "asvd_scale", "asvd_factors", "sensitivity_key",
+           "default_cache_dir", "asvd_sensitivity", "strs_ratios", "param_ratio", "compress_asvd"]
+
 #: the official sensitivity.py candidates (parameter ratio p of one Linear)
 PARAM_RATIO_CANDIDATES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

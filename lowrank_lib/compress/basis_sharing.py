@@ -24,6 +24,8 @@ from ..factorized import LLAMA_PROJ, LowRankLinear, replace_with_factors
 from ..ranks import basis_sharing_num_basis
 from .calib import CalibStats, cholesky_lower
 
+__all__ = ["SHARED_LLAMA", "layer_groups", "shared_basis", "compress_basis_sharing"]
+
 SHARED_LLAMA = ("q_proj", "k_proj", "v_proj", "up_proj", "gate_proj")
 
 

@@ -9,6 +9,8 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 
+__all__ = ["whitened_factors", "compress_each", "leaf"]
+
 
 def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """SVD-LLM truncation-aware whitening: SVD(W L) = U S Vh, u = U_r sqrt(S_r), v = sqrt(S_r) Vh_r L^-1.

@@ -25,6 +25,8 @@ from ..geometry import geometry
 from .calib import CalibStats, cholesky_lower
 from .common import compress_each, whitened_factors
 
+__all__ = ["PALU_TARGETS", "palu_group_rank", "compress_palu"]
+
 PALU_TARGETS = ("k_proj", "v_proj")
 
 

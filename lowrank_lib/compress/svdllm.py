@@ -53,6 +53,9 @@ from ..ranks import keep_rank
 from .calib import CalibStats, cholesky_lower
 from .common import compress_each, leaf, whitened_factors
 
+__all__ = ["compress_svdllm", "loss_optimised_factors", "PAPER_CALIB_TOKENS", "v2_truncation_losses", "v2_allocate",
+           "v2_keep_ratios", "v2_ranks", "compress_svdllm_v2", "truncation_loss", "truncation_loss_table"]
+
 
 def compress_svdllm(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ, inplace: bool = False,
                     progress: bool = True, ranks: dict[str, int] | None = None):

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+__all__ = ["PerplexityResult", "windows", "perplexity", "wikitext_perplexity"]
+
 
 @dataclass
 class PerplexityResult:

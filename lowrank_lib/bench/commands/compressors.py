@@ -12,7 +12,7 @@ Variants (all on the SAME calibration statistics and evaluation windows, in memo
 * ``svdllm_v2_raw``       full v2 with raw losses (our calibration's token count; the compressor before issue 31)
 * ``asvd_uniform``        ASVD with p = keep on every matrix
 * ``asvd_strs``           ASVD with its sensitivity-based truncation rank search (sensitivity on the first
-                          ``--asvd-calib-samples`` x ``--asvd-calib-len`` calibration tokens; cached)
+                          ``--asvd-calib SAMPLES TOKENS`` of the calibration set; cached)
 
 Besides perplexity the JSON holds, per keep, the per-matrix truncation loss ||(W - W_r) X||_F that v1 and v2
 reach at the same rank relative to the theoretical minimum (float64 and rounded to the model dtype), v2's
@@ -36,8 +36,8 @@ def add_arguments(p) -> None:
     add_prompt_len(p, 2048, "perplexity window tokens")
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sample")
-    p.add_argument("--asvd-calib-samples", type=int, default=2, help="calibration samples ASVD's sensitivity uses")
-    p.add_argument("--asvd-calib-len", type=int, default=256, help="tokens of each of them")
+    p.add_argument("--asvd-calib", type=int, nargs=2, default=[2, 256], metavar=("SAMPLES", "TOKENS"),
+                   help="the first SAMPLES calibration samples, TOKENS each, that ASVD's sensitivity uses (default 2 256)")
     p.add_argument("--asvd-candidates", nargs="+", type=float, default=None,
                    help="parameter ratios ASVD's sensitivity tries (default: the paper's 0.1 ... 0.9)")
     p.add_argument("--no-loss-table", action="store_true", help="skip the per-matrix truncation-loss comparison")
@@ -90,7 +90,7 @@ def measure(a, progress: bool = True, on_row=None) -> dict:
     calib = calibration_data(tok, a.calib_samples, a.calib_len, 0, model.config.vocab_size)
     stats = collect_stats(model, calib, progress=progress)
     calib_s = time.perf_counter() - t0
-    asvd_ids = calib[:a.asvd_calib_samples, :a.asvd_calib_len]
+    asvd_ids = calib[:a.asvd_calib[0], :a.asvd_calib[1]]
     cands = tuple(a.asvd_candidates or PARAM_RATIO_CANDIDATES)
 
     def ppl(m, desc):
