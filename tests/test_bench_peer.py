@@ -365,7 +365,7 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     assert {(r["system"], r["keep"]) for r in res["rows"]} == {("lowrank_lib_dense", None), ("lowrank_lib_lowrank", 0.5)}
     for r in res["rows"]:
         assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["layers"] == 1
-        assert r["child_maxrss_gb"] > 0.1 and r["peak_rss_gb"] > 0.1 and r["build_s"] > 0
+        assert r["peak_rss_gb"] > 0.1 and r["build_s"] > 0
     assert len(res["units"]) == 2 + cfg.gemv_classes and res["equivalence"] == []
     assert [t["target"] for t in res["targets"]] == ["lowrank_roofline"]
     assert all(g["classes"] for g in res["gemv_classes"]) and len(res["gemv_classes"]) == 2 * cfg.gemv_classes
@@ -490,7 +490,7 @@ def test_peer_scale_end_to_end_one_process_per_system(tmp_path):
         assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["copy_gbs"] > 0
         assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 / (r["weight_bytes_per_token"] /
                                                                                  (r["copy_gbs"] * 1e9)))
-        assert r["peak_rss_gb"] > 0 and r["child_maxrss_gb"] > 0
+        assert r["peak_rss_gb"] > 0
     by = {(r["system"], r["dtype"]): r for r in res["rows"]}
     assert by[("llamacpp_dense", "q8_0")]["weight_bytes_per_token"] < 0.6 * by[("llamacpp_dense", "bf16")][
         "weight_bytes_per_token"]

@@ -319,13 +319,15 @@ def test_smollm2_engine_matches_hf_dynamic(smollm2):
     """The real model (GQA 9:3, tied head, in_major operands at this size): dense and plain SVD keep 0.5.
 
     Measured on 6 prompts x 64 tokens: dense max |logit err| 9.3e-5 (AVX-512 kernels; 1.2e-4 with the AVX2 ones,
-    whose decode attention sums in another order), SVD keep 0.5 6.6e-4 on logits up to ~36 (1.8e-5 relative); the
-    bounds are relative to the logit scale: dense 5e-6 (about 50 fp32 ulps at 36), SVD 1e-4. The full 20 x 64 audit
-    is ``python -m lowrank_lib.bench fidelity``."""
+    whose decode attention sums in another order), SVD keep 0.5 6.6e-4 on logits up to ~36 (1.8e-5 relative); on an
+    AMD EPYC with AVX-512 at 2 threads 3.9e-3 (1.1e-4 relative, step 10 of the second prompt; identical with the code
+    before the kernel thread pool, and 1.5e-3 at 1 thread: the host's thread split of aten's ops, not our kernels).
+    The bounds are relative to the logit scale: dense 5e-6 (about 50 fp32 ulps at 36), SVD 2.5e-4. The full 20 x 64
+    audit is ``python -m lowrank_lib.bench fidelity``."""
     from lowrank_lib.eval.fidelity import PROMPTS
 
     dense, tok = smollm2
-    for model, tol in ((dense, 5e-6), (compress_svd(dense, 0.5), 1e-4)):
+    for model, tol in ((dense, 5e-6), (compress_svd(dense, 0.5), 2.5e-4)):
         eng = Engine(model, EngineConfig(max_seq_len=64))
         g = eng.lm_head                    # the vocab projection: our packed kernel, else aten on in_major
         if g.gemv.packed:

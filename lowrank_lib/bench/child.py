@@ -6,8 +6,9 @@ The parent writes a spec (the target ``"module:function"`` and its keyword argum
 ``python -m lowrank_lib.bench.child SPEC``; the child imports the target, calls it with the arguments and writes
 its result (any JSON value) back as ``result``, with its memory: ``peak_rss`` (``VmHWM``, bytes), ``peak_anon`` / ``peak_file``
 (anonymous and file-backed resident bytes, sampled every 0.2 s: mapped weight files count in ``VmHWM`` but the
-OS can drop them). The parent adds ``child_maxrss`` (the kernel's ``ru_maxrss`` of that child, ``os.wait4``) and
-``wall_s``. A child that raises, exits non-zero or is killed (e.g. for memory) raises :class:`ChildError` in the
+OS can drop them). The parent adds ``wall_s``. (The kernel's ``ru_maxrss`` of the child is not used: on Linux it
+keeps the RSS the child inherited from a large parent at fork, before its exec, so a small child of a 4 GB test
+worker reported 4 GB.) A child that raises, exits non-zero or is killed (e.g. for memory) raises :class:`ChildError` in the
 parent, naming the target, how it ended and the child's traceback. The child's stderr is the parent's
 (progress bars and logs show as they come).
 """
@@ -89,7 +90,7 @@ def run_child(target: str, timeout: float | None = None, **kwargs) -> dict:
             how += f" after the {timeout:.0f} s timeout"
         raise ChildError(f"benchmark child {target} {how}" + (f":\n{res['error']}" if "error" in res else
                                                             " (out of memory? its stderr is above)"))
-    return {**res, "wall_s": time.perf_counter() - t0, "child_maxrss": ru.ru_maxrss * 1024}
+    return {**res, "wall_s": time.perf_counter() - t0}
 
 
 def worker(spec_path: str) -> int:

@@ -233,8 +233,8 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
             r = (run_child("lowrank_lib.bench.peer_scale:run_gemv_classes", config=config, dtype=u["dtype"])
                  if u["system"] == "gemv_classes" else
                  run_child("lowrank_lib.bench.peer_scale:run_unit", config=config, unit=u, logits=logits))
-            mem = {f"{k}_gb": r[k] / GB for k in ("peak_rss", "child_maxrss", "peak_anon", "peak_file")}
-            log(f"[peer-scale] {u}: {r['wall_s']:.0f} s, peak RSS {mem['child_maxrss_gb']:.2f} GB (anonymous "
+            mem = {f"{k}_gb": r[k] / GB for k in ("peak_rss", "peak_anon", "peak_file")}
+            log(f"[peer-scale] {u}: {r['wall_s']:.0f} s, peak RSS {mem['peak_rss_gb']:.2f} GB (anonymous "
                 f"{mem['peak_anon_gb']:.2f} GB, mapped files {mem['peak_file_gb']:.2f} GB)")
             res["rows"] += [{**row, **mem} for row in r["result"]["rows"]]
             res["gemv_classes"] += r["result"].get("gemv_classes", [])
