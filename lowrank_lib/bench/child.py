@@ -58,7 +58,7 @@ class MemorySampler:
 
 def run_child(target: str, timeout: float | None = None, **kwargs) -> dict:
     """Run ``target(**kwargs)`` (``"module:function"``, a module of lowrank_lib; JSON arguments and result) in a
-    fresh interpreter; returns ``{"result": ..., "peak_rss", "peak_anon", "peak_file", "child_maxrss", "wall_s"}``
+    fresh interpreter; returns ``{"result": ..., "peak_rss", "peak_anon", "peak_file", "wall_s"}``
     (bytes, seconds). ``timeout`` (seconds) kills a child that runs longer."""
     module = target.split(":")[0]
     if not module.startswith("lowrank_lib.") or ":" not in target:
@@ -71,17 +71,12 @@ def run_child(target: str, timeout: float | None = None, **kwargs) -> dict:
         spec.write_text(json.dumps({"target": target, "kwargs": kwargs, "result": str(out)}, default=str))
         t0, late = time.perf_counter(), False
         proc = subprocess.Popen([sys.executable, "-m", "lowrank_lib.bench.child", str(spec)], env=env)
-        while True:
-            pid, status, ru = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if timeout is not None and time.perf_counter() - t0 > timeout:
-                proc.kill()
-                _, status, ru = os.wait4(proc.pid, 0)
-                late = True
-                break
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            late = True
         res = json.loads(out.read_text()) if out.exists() else {}
     if proc.returncode != 0 or "error" in res:
         how = (f"was killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
