@@ -18,6 +18,7 @@ CORE = {"geometry", "factorized", "ranks", "data", "models", "attention_mass", "
 ALLOWED: dict[str, set[str]] = {
     "geometry": set(), "attention_mass": set(), "codecs": set(), "tokentext": set(),
     "compat": set(), "executor": set(),     # leaves: transformers' calling convention; the sweep executor
+    "timing": set(),            # the one timing helper (interleaved rounds, medians): a leaf
     "generation": {"tokentext"},        # answer() decodes without U+FFFD
     "families": set(),          # names its implementations as "module:function" strings, imported on use
     "ranks": {"families"},
@@ -25,16 +26,17 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
     "compress": CORE,
     "formats": CORE,
-    "runtime": {"factorized", "generation", "geometry", "compat"},
+    "runtime": {"factorized", "generation", "geometry", "compat", "timing"},
     "hf": {"geometry", "compat"},
     "attsvd": CORE,
     "eviction": CORE,
     # KV methods (one class each, the composed cache's math with its method), their registry, the tiered state
     # and the two adapters
     "kv": CORE | {"hf", "attsvd", "eviction", "runtime.kv", "runtime.kernels"},
-    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "families", "executor"},
+    "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "families", "executor",
+                    "timing"},
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "eval", "families",
-                     "executor"},
+                     "executor", "timing"},
     "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures"},   # the notebooks' sliders
     "figures": set(),           # the notebooks' figure check (a leaf: matplotlib only)
     "notebooks": None,          # the notebook runner may import anything

@@ -28,7 +28,7 @@ def test_the_childs_own_peak_rss_is_reported():
 
 def test_a_failing_child_is_a_clear_error():
     with pytest.raises(ChildError, match=r"(?s)timing:summary exited with code 1.*ValueError: summary of no samples"):
-        run_child("lowrank_lib.bench.timing:summary", seconds=[])
+        run_child("lowrank_lib.timing:summary", seconds=[])
     with pytest.raises(ChildError, match="host:copy_bandwidth was killed by SIGKILL after the 1 s timeout"):
         run_child("lowrank_lib.bench.host:copy_bandwidth", timeout=1, device="cpu", nbytes=64 * MB, repeats=10 ** 6)
     with pytest.raises(ValueError, match="lowrank_lib"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
-from lowrank_lib.bench import timing
+from lowrank_lib import timing
 from lowrank_lib.bench.cli import COMMANDS, main, parser
 from lowrank_lib.bench.decode import model_weight_bytes_per_token
 from lowrank_lib.bench.host import copy_bandwidth

@@ -1,10 +1,10 @@
-"""bench/timing.py, the one timing helper: the rotated schedule, warm-up, per-sample sync and inner calls, and the
+"""lowrank_lib/timing.py, the one timing helper: the rotated schedule, warm-up, per-sample sync and inner calls, and the
 summary arithmetic (a fake clock that ticks a known amount: no speed assertions)."""
 import statistics
 
 import pytest
 
-from lowrank_lib.bench import timing
+from lowrank_lib import timing
 
 
 class _Clock:

@@ -15,7 +15,7 @@ from ..runtime import PRESETS, Engine, EngineConfig
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts
 from .decode import greedy_steps, timed_generations
-from .timing import interleaved, summary
+from ..timing import interleaved, summary
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels

@@ -21,7 +21,7 @@ from ..runtime import Engine, parse_dtype, run_generation
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts
 from .host import copy_bandwidth, cpu_name
-from .timing import interleaved_samples, summary
+from ..timing import interleaved_samples, summary
 
 
 @dataclass

@@ -29,7 +29,7 @@ from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 im
 from ..geometry import geometry
 from .cost import step_cost
 from .decode import greedy_steps
-from .timing import interleaved, summary
+from ..timing import interleaved, summary
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

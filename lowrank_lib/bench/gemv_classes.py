@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .timing import summary, timed
+from ..timing import summary, timed
 
 
 def gemv_classes(cfg, keep: float | None) -> list[dict]:
@@ -51,7 +51,7 @@ def gemv_classes(cfg, keep: float | None) -> list[dict]:
 def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: float = 1.0e9, repeats: int = 3,
             seed: int = 0) -> dict:
     """GB/s of every class of :func:`gemv_classes` at ``dtype`` (``"fp32"``, ``"bf16"`` or a torch dtype), cold (the
-    median of ``repeats`` passes over every copy, :func:`lowrank_lib.bench.timing.timed`), and the copy bandwidth
+    median of ``repeats`` passes over every copy, :func:`lowrank_lib.timing.timed`), and the copy bandwidth
     before and after."""
     from ..runtime.kernels import build, ops
     from .host import copy_bandwidth

@@ -1,7 +1,7 @@
 """THE host facts every benchmark records beside its timings: CPU name, core count, copy and read bandwidth, the
 process's resident memory, and :class:`CpuClocked` (the calling thread's CPU time of every decode step).
 
-A leaf: it imports nothing of lowrank_lib but the timing helper (:mod:`lowrank_lib.bench.timing`, itself a leaf),
+A leaf: it imports nothing of lowrank_lib but the timing helper (:mod:`lowrank_lib.timing`, itself a leaf),
 so every benchmark, the child-process worker and the notebooks can use it.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .timing import summary, timed
+from ..timing import summary, timed
 
 
 def cpu_name() -> str:

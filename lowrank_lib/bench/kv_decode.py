@@ -64,7 +64,7 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
     from .decode import greedy_steps
     from .host import copy_bandwidth
     from .results import ResultFiles, load_average
-    from .timing import interleaved, summary
+    from ..timing import interleaved, summary
 
     model, tok = models.load(cfg.model)
     model.eval()

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime.packing import pick_layout
-from .timing import interleaved, summary
+from ..timing import interleaved, summary
 
 
 def engine_operand_shapes(engine) -> Counter:

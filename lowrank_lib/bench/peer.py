@@ -3,7 +3,7 @@
     python -m lowrank_lib.bench peer --threads 1 2 --dtypes fp32 bf16 --repeats 3      # SmolLM2, in one process
     python -m lowrank_lib.bench peer --shape llama3.2-1b                               # see bench/peer_scale.py
 
-One process, one prompt, interleaved rounds (:func:`lowrank_lib.bench.timing.interleaved`): per thread count,
+One process, one prompt, interleaved rounds (:func:`lowrank_lib.timing.interleaved`): per thread count,
 every system runs one whole generation (prompt 512, 64 new greedy tokens) in turn, ``repeats`` times, the order
 rotated each round, so drift on a shared machine hits all alike. Systems (``rows[].system``,
 :data:`~.peer_base.SYSTEMS`):
@@ -42,7 +42,7 @@ from .host import copy_bandwidth, machine, read_bandwidth
 from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes,
                         engine, equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
 from .results import ResultFiles, load_average
-from .timing import interleaved, interleaved_samples, summary
+from ..timing import interleaved, interleaved_samples, summary
 
 #: the keys every row holds (the notebooks' tables)
 ROW_KEYS = ("system", "dtype", "threads", "decode_ms_per_token", "prefill_ms", "weight_bytes_per_token")

@@ -5,7 +5,7 @@ geometries, one system per process) both build on this module and on nothing of 
 
 - the systems (:data:`SYSTEMS`) and how each is built (:func:`llama_runner`, :func:`engine`);
 - :class:`Timed`: one system's generations through the one decode loop (``run_generation``) and its row: decode
-  ms/token = median over every step (quartiles, p10 / p90 by :func:`lowrank_lib.bench.timing.summary`), prefill,
+  ms/token = median over every step (quartiles, p10 / p90 by :func:`lowrank_lib.timing.summary`), prefill,
   weight bytes per token, achieved GB/s, ``roofline_x`` = decode time / (weight bytes / copy bandwidth) and the
   same against the read-only bandwidth, the calling thread's CPU time at 1 thread (:class:`~.host.CpuClocked`),
   what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks;
@@ -27,7 +27,7 @@ from ..formats.gguf import decode_bytes_per_token
 from ..runtime import Engine, EngineConfig, run_generation
 from .host import CpuClocked
 from .llamacpp import LlamaCppRunner
-from .timing import summary
+from ..timing import summary
 
 SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
 LM_HEADS = ("exact", "certified")

@@ -1,4 +1,5 @@
-"""THE timing helper of every benchmark: interleaved repeats, medians with their spread.
+"""THE timing helper of every measurement (the benchmarks, the library's profiling and ablation, the notebooks):
+interleaved repeats, medians with their spread. A leaf: the standard library only.
 
 Ratios mean something only when both sides are measured side by side in one run, on the same load: so every
 system is timed in rounds, in a rotated order per round (a slow spell of a shared machine hits every system), and
@@ -17,6 +18,8 @@ from __future__ import annotations
 import statistics
 import time
 from typing import Callable, Hashable, Iterable, Iterator
+
+__all__ = ["interleaved", "interleaved_samples", "rotations", "summary", "timed"]
 
 
 def summary(seconds: list[float]) -> dict:
