@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from lowrank_lib.attsvd.factor_space import attend, dense_attention, factor_space_attention, rebuild_then_attend
 from lowrank_lib.attsvd.kv import LowRankKV
-from lowrank_lib.bench.cost import cost_table, step_cost
+from lowrank_lib.attsvd.cost import cost_table, step_cost
 
 from helpers import rel_err, svd_kv, svd_run
 

@@ -8,7 +8,7 @@ Part 1 (``attention``, :class:`AttnBenchConfig`): one decode step of ONE layer's
 SDPA, enable_gqa), ``rebuild`` (AttSVD's decode as the cache does it: A B rebuilt into fresh tensors, then dense
 attention), ``rebuildpre`` (the same rebuild into K/V buffers allocated once: only the GEMMs) and ``factor``
 (factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`.timing`),
-medians with quartiles, the per-token estimate x the layer count, the cost model (:mod:`.cost`) beside them.
+medians with quartiles, the per-token estimate x the layer count, the cost model (:mod:`lowrank_lib.attsvd.cost`) beside them.
 
 Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each
 length: the dense cache, AttSVD read by rebuild-then-attend and in factor space (ONE fit per rank, two readers),
@@ -27,7 +27,7 @@ from ..attsvd import LowRankKV, attention_svd, dense_attention, factor_space_att
 from ..compat import cache_kw
 from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
 from ..geometry import geometry
-from .cost import step_cost
+from ..attsvd.cost import step_cost
 from .decode import greedy_steps
 from ..timing import interleaved, summary
 

@@ -1,13 +1,15 @@
 """Cost model of one decode step of attention, per KV head: dense KV, AttSVD rebuild, factor space.
 
-FLOPs and bytes for ``route`` in ``ROUTES``; the factor-space benchmark (``bench factor-space``)
-reports these next to the measured times and notebook 06 plots them. The formulas follow
+FLOPs and bytes for ``route`` in ``ROUTES``; the factor-space benchmark (``lowrank_lib.eval.factor_space``, ``bench
+factor-space``) reports these next to the measured times and notebook 06 plots them. The formulas follow
 :mod:`lowrank_lib.attsvd.factor_space` (scores ``G (r_K d + n r_K)``, output ``G (n r_V + r_V d)``
 MACs per factored run) and the paper's rebuild (``n r d`` per run, then dense attention).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+__all__ = ["ROUTES", "StepCost", "cost_table", "step_cost"]
 
 ROUTES = ("dense", "rebuild", "factor")
 
