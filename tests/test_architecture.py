@@ -13,20 +13,20 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[1] / "lowrank_lib"
 
 CORE = {"geometry", "factorized", "ranks", "data", "models", "attention_mass", "generation", "families", "codecs",
-        "compat", "tokentext"}
+        "compat", "tokentext", "quant"}
 #: unit (top-level module or package of lowrank_lib) -> units it may import
 ALLOWED: dict[str, set[str]] = {
     "geometry": set(), "attention_mass": set(), "codecs": set(), "tokentext": set(),
-    "compat": set(), "executor": set(),     # leaves: transformers' calling convention; the sweep executor
+    "compat": set(), "executor": set(), "quant": set(),     # leaves: calling convention, sweep executor, quant codes
     "timing": set(),            # the one timing helper (interleaved rounds, medians): a leaf
     "generation": {"tokentext"},        # answer() decodes without U+FFFD
     "families": set(),          # names its implementations as "module:function" strings, imported on use
     "ranks": {"families"},
-    "factorized": {"ranks"}, "data": {"models"},
+    "factorized": {"ranks", "quant"}, "data": {"models"},
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
     "compress": CORE,
     "formats": CORE,
-    "runtime": {"factorized", "generation", "geometry", "compat", "timing"},
+    "runtime": {"factorized", "generation", "geometry", "compat", "timing", "quant"},
     "hf": {"geometry", "compat"},
     "attsvd": CORE,
     "eviction": CORE,

@@ -16,6 +16,7 @@ from .method import KVMethod
 from .methods.attsvd import AttSVD
 from .methods.composed import Composed, Eviction
 from .methods.dense import Dense
+from .methods.int8_rows import Int8Eviction
 
 #: the AttSVD extension's observation window (picked on seed-0 WikiText-2 windows at a 2k prefill: KL
 #: 0.048 / 0.045 / 0.054 for 256 / 512 / 1024 queries, 0.069 with every query; validated on other seeds)
@@ -39,6 +40,8 @@ METHODS: dict[str, Callable[..., KVMethod]] = {
     "composed-kvzip-q8": partial(Composed, scorer="kvzip", mode="global", mid_share=0.25, rank=8, quant8=True),
     "composed-kvzip-q8-m50": partial(Composed, scorer="kvzip", mode="global", mid_share=0.5, rank=8, quant8=True),
     "composed-h2o_norm-q8": partial(Composed, scorer="h2o_norm", mode="global", mid_share=0.25, rank=8, quant8=True),
+    # the low-rank tier's control: composed-kvzip-q8's ranking and allocation, every kept row in int8, no low-rank tier
+    "kvzip-int8": partial(Int8Eviction, scorer="kvzip", mode="global"),
 }
 
 

@@ -1,0 +1,248 @@
+"""Quantized factors (issue 30): group-wise symmetric int8 / int4 codes with fp16 scales, and their product.
+
+The ONE semantic is ``/work/coord/QUANT_SPEC.md`` (summarised here; the packed kernels ``ops.qgemv`` implement the
+same math and equal this portable path up to fp32 summation order):
+
+* weights W [out, in] -> :class:`QuantizedTensor`: groups of ``group`` columns along the reduction dim (in), padded
+  with zero columns to ``in_pad``; ``scale[o, j] = fp16(amax / qmax)`` (qmax 127 or 7), ``q = clamp(round_half_even(
+  W / float32(scale)), -qmax, qmax)``; stored as int8 [out, in_pad] (8 bits) or nibble-packed uint8 [out, in_pad / 2]
+  (4 bits: column 2k in the LOW nibble of byte k, 2k + 1 in the HIGH one, each as q + 8);
+* activations x [N, in] -> int16 per row and group (:func:`quantize_activations`), scale ``xs = amax / 32767``;
+* product (:func:`qmatmul`): exact integer group sums, then ``y = sum_j float32(isum_j) * (scale_j * xs_j)`` in fp32,
+  in the order j = 0, 1, ..., plus the bias, rounded once to x's dtype.
+
+A leaf of the package (torch only), so the representation (``factorized``), the formats and the runtime share it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["BITS", "GROUPS", "QMAX", "X_QMAX", "QuantizedTensor", "quantize", "dequantize", "pack_int4",
+           "unpack_int4", "quantize_activations", "qmatmul", "padded", "quantized_nbytes"]
+
+BITS = (8, 4)
+GROUPS = (32, 64, 128, 256)
+QMAX = {8: 127, 4: 7}
+#: the activations' int16 range (symmetric)
+X_QMAX = 32767
+#: float64 elements of one block of exact group sums in :func:`qmatmul` (bounds its temporary memory)
+_BLOCK = 1 << 22
+
+
+def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IEEE fp32 division of two tensors of one shape (``scalar / tensor`` in torch is ``reciprocal * scalar``, and
+    a division by a scalar may be a multiplication by its reciprocal on some devices: two roundings, not the spec's
+    one)."""
+    return torch.div(a, b)
+
+
+def _check_bits_group(bits, group) -> None:
+    if isinstance(bits, bool) or bits not in BITS:
+        raise ValueError(f"bits={bits!r}: use one of {BITS}")
+    if isinstance(group, bool) or group not in GROUPS:
+        raise ValueError(f"group={group!r}: use one of {GROUPS} (columns per scale along the reduction dim)")
+
+
+def padded(n: int, group: int) -> int:
+    """``ceil(n / group) * group``: the reduction dim padded to whole groups."""
+    return -(-n // group) * group
+
+
+def quantized_nbytes(out: int, inp: int, bits: int, group: int) -> int:
+    """Bytes of codes + scales of an [out, in] matrix: ``bits * out * in_pad / 8 + 2 * out * in_pad / group``."""
+    p = padded(inp, group)
+    return bits * out * p // 8 + 2 * out * p // group
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, n] in [-8, 7], n even -> uint8 [out, n / 2]: column 2k in the low nibble, 2k + 1 in the
+    high nibble, each stored as q + 8."""
+    if q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"pack_int4 needs 2-D codes with an even number of columns, got {tuple(q.shape)}")
+    if q.dtype != torch.int8:
+        raise TypeError(f"pack_int4 needs int8 codes, got {q.dtype}")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError(f"int4 codes must lie in [-8, 7], got [{int(q.min())}, {int(q.max())}]")
+    u = (q.to(torch.int16) + 8).to(torch.uint8)
+    return (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+
+
+def unpack_int4(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: uint8 [out, n / 2] -> int8 codes [out, n]."""
+    if p.dim() != 2 or p.dtype != torch.uint8:
+        raise TypeError(f"unpack_int4 needs 2-D uint8 bytes, got {p.dtype} {tuple(p.shape)}")
+    lo = (p & 15).to(torch.int8) - 8
+    hi = (p >> 4).to(torch.int8) - 8
+    return torch.stack([lo, hi], -1).reshape(p.shape[0], 2 * p.shape[1])
+
+
+class QuantizedTensor(nn.Module):
+    """A quantized matrix [out, in] in the canonical storage of the spec: ``data`` (int8 [out, in_pad], or uint8
+    [out, in_pad / 2] for 4 bits) and ``scale`` (fp16 [out, in_pad / group]), both buffers.
+
+    A module, so ``model.to(device)``, ``state_dict`` and sharing (one object referenced by several
+    ``LowRankLinear``: a shared basis stays one) work as for an ``nn.Parameter``. A dtype cast of the model never
+    touches it: the codes and the fp16 scales are the stored bytes (only device moves apply).
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, bits: int, group: int, shape):
+        super().__init__()
+        _check_bits_group(bits, group)
+        out, inp = (int(s) for s in shape)
+        if out < 1 or inp < 1:
+            raise ValueError(f"shape {tuple(shape)}: a quantized matrix needs out >= 1 and in >= 1")
+        p = padded(inp, group)
+        want = (torch.int8, (out, p)) if bits == 8 else (torch.uint8, (out, p // 2))
+        if data.dtype != want[0] or tuple(data.shape) != want[1]:
+            raise ValueError(f"{bits}-bit codes of a {out}x{inp} matrix (group {group}) are {want[0]} {want[1]}, "
+                             f"got {data.dtype} {tuple(data.shape)}")
+        if scale.dtype != torch.float16 or tuple(scale.shape) != (out, p // group):
+            raise ValueError(f"scales of a {out}x{inp} matrix (group {group}) are torch.float16 "
+                             f"{(out, p // group)}, got {scale.dtype} {tuple(scale.shape)}")
+        if data.device != scale.device:
+            raise ValueError(f"codes on {data.device} but scales on {scale.device}")
+        self.bits, self.group = int(bits), int(group)
+        self.shape = torch.Size((out, inp))
+        self.register_buffer("data", data)
+        self.register_buffer("scale", scale)
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def in_pad(self) -> int:
+        return padded(self.shape[1], self.group)
+
+    @property
+    def groups(self) -> int:
+        return self.in_pad // self.group
+
+    @property
+    def qmax(self) -> int:
+        return QMAX[self.bits]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
+    def nbytes(self) -> int:
+        """Codes + scales, the bytes a product reads."""
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+    def dim(self) -> int:
+        return 2
+
+    def codes(self) -> torch.Tensor:
+        """The codes as int8 [out, in_pad] (a view for 8 bits, unpacked for 4)."""
+        return self.data if self.bits == 8 else unpack_int4(self.data)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dequantized weight ``float32(scale) * q`` [out, in] (exact in fp32), cast to ``dtype``."""
+        return dequantize(self, dtype)
+
+    def _apply(self, fn, recurse=True):
+        # device moves only: a dtype cast of the model (model.to(torch.bfloat16)) must not touch codes or scales
+        dev = fn(torch.empty(0, dtype=torch.float32, device=self.data.device)).device
+        if dev != self.data.device:
+            self.data = self.data.to(dev)
+            self.scale = self.scale.to(dev)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"shape={tuple(self.shape)}, bits={self.bits}, group={self.group}"
+
+
+def quantize(W: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
+    """W [out, in] (fp32 / bf16 / fp16) -> :class:`QuantizedTensor` (the spec's rounding, computed in fp32).
+
+    Raises ValueError for bits or group outside the spec, a non-2-D or non-float W, NaN / Inf entries, or a group
+    whose scale ``amax / qmax`` overflows fp16 (that matrix is not quantizable at this group)."""
+    _check_bits_group(bits, group)
+    if not isinstance(W, torch.Tensor) or W.dim() != 2:
+        raise ValueError(f"quantize needs a 2-D matrix [out, in], got {getattr(W, 'shape', type(W))}")
+    if not W.is_floating_point():
+        raise ValueError(f"quantize needs a floating-point matrix, got {W.dtype}")
+    out, inp = W.shape
+    if out < 1 or inp < 1:
+        raise ValueError(f"quantize needs a non-empty matrix, got {tuple(W.shape)}")
+    W32 = W.detach().to(torch.float32)
+    if not torch.isfinite(W32).all():
+        bad = (~torch.isfinite(W32)).nonzero()[0].tolist()
+        raise ValueError(f"quantize: the matrix has NaN / Inf entries (first at {bad})")
+    p = padded(inp, group)
+    if p != inp:
+        W32 = torch.nn.functional.pad(W32, (0, p - inp))
+    Wg = W32.view(out, p // group, group)
+    qmax = QMAX[bits]
+    amax = Wg.abs().amax(-1)
+    scale = _div(amax, torch.full_like(amax, qmax)).to(torch.float16)
+    if torch.isinf(scale).any():
+        o, j = torch.isinf(scale).nonzero()[0].tolist()
+        raise ValueError(f"quantize: row {o} group {j} has max |W| = {float(Wg[o, j].abs().max()):.6g}, its scale "
+                         f"(/{qmax}) overflows fp16: this matrix is not quantizable at {bits} bits, group {group}")
+    sf = scale.to(torch.float32)[..., None]
+    q = torch.where(sf > 0, torch.round(Wg / torch.where(sf > 0, sf, 1.0)), 0.0).clamp_(-qmax, qmax)
+    q = q.to(torch.int8).view(out, p)
+    data = q if bits == 8 else pack_int4(q)
+    return QuantizedTensor(data.contiguous(), scale.contiguous(), bits, group, (out, inp))
+
+
+def dequantize(qt: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float32(scale[o, j]) * q[o, k]`` [out, in] (exact in fp32: an 11-bit mantissa times a 7-bit code)."""
+    out, inp = qt.shape
+    q = qt.codes().to(torch.float32).view(out, qt.groups, qt.group)
+    W = (q * qt.scale.to(torch.float32)[..., None]).view(out, qt.in_pad)[:, :inp]
+    return W.to(dtype).contiguous()
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, in] -> (xq int16 [N, in_pad], xs fp32 [N, in_pad / group]), per row and group, computed in fp32:
+    ``xq = clamp(round_half_even(x * (32767 / amax)), +-32767)``, ``xs = amax / 32767``; a group of zeros gives
+    xq = 0 and xs = 0. NaN / Inf in a group make its ``xs`` non-finite, so the product is non-finite too."""
+    if isinstance(group, bool) or group not in GROUPS:
+        raise ValueError(f"group={group!r}: use one of {GROUPS}")
+    if x.dim() != 2 or not x.is_floating_point():
+        raise ValueError(f"quantize_activations needs a 2-D float x [N, in], got {x.dtype} {tuple(x.shape)}")
+    n, inp = x.shape
+    p = padded(inp, group)
+    x32 = x.to(torch.float32)
+    if p != inp:
+        x32 = torch.nn.functional.pad(x32, (0, p - inp))
+    xg = x32.view(n, p // group, group)
+    xa = xg.abs().amax(-1)
+    nz = xa != 0
+    inv = torch.where(nz, _div(torch.full_like(xa, X_QMAX), torch.where(nz, xa, 1.0)), 0.0)
+    xq = torch.round(xg * inv[..., None]).clamp_(-X_QMAX, X_QMAX)
+    xq = torch.nan_to_num(xq, nan=0.0).to(torch.int16).view(n, p)
+    return xq, _div(xa, torch.full_like(xa, X_QMAX))
+
+
+def qmatmul(x: torch.Tensor, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec's product ``y = x W^T (+ bias)`` for x [..., in] and W = ``qt`` [out, in] -> [..., out] in x's dtype.
+
+    Group sums of int32(q) * int32(xq) are exact (computed in float64, where every partial sum is an integer below
+    2^31 < 2^53, so any summation order gives the same value); the groups are then accumulated in fp32 in the order
+    j = 0, 1, ...; the bias is added in fp32 and the result rounded once to x's dtype."""
+    out, inp = qt.shape
+    if x.shape[-1] != inp:
+        raise ValueError(f"qmatmul: x has {x.shape[-1]} columns, the matrix reads {inp}")
+    if bias is not None and tuple(bias.shape) != (out,):
+        raise ValueError(f"qmatmul: bias has shape {tuple(bias.shape)}, expected ({out},)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, inp)
+    n, g, G = x2.shape[0], qt.group, qt.groups
+    xq, xs = quantize_activations(x2, g)
+    q = qt.codes().to(torch.float64).view(out, G, g).permute(1, 2, 0)          # [G, g, out]
+    sc = qt.scale.to(torch.float32)                                             # [out, G]
+    y = torch.zeros(n, out, dtype=torch.float32, device=x.device)
+    rows = max(1, _BLOCK // max(1, G * out))
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        xb = xq[a:b].to(torch.float64).view(b - a, G, g).transpose(0, 1)        # [G, n, g]
+        isum = torch.bmm(xb, q).to(torch.float32)                               # [G, n, out], exact integers
+        acc = y[a:b]
+        for j in range(G):
+            acc += isum[j] * (sc[:, j][None, :] * xs[a:b, j][:, None])
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype).reshape(*lead, out)
