@@ -1,11 +1,11 @@
-"""bench/ablation.py: every comparison is timed side by side (tiny model, no speed assertions: the derived numbers
-are checked against the samples they came from)."""
+"""runtime/ablation.py (bench ablation, notebook 03): every comparison is timed side by side (tiny model, no speed
+assertions: the derived numbers are checked against the samples they came from)."""
 import statistics
 
 import pytest
 
 from lowrank_lib import models
-from lowrank_lib.bench.ablation import mechanism_table, step_latency_vs_context, sweep
+from lowrank_lib.runtime.ablation import mechanism_table, step_latency_vs_context, sweep
 from lowrank_lib.compress import compress_svd
 
 

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.notebook
 
 def test_graph_replay_ablation_notebook(executed_notebook):
     m = executed_notebook("03_graph_replay_ablation")
-    from lowrank_lib.bench.ablation import MECHANISMS
+    from lowrank_lib.runtime.ablation import MECHANISMS
 
     mech = m["mechanisms"]
     assert {"hf_static", "hf_dynamic"} <= set(mech)

@@ -15,13 +15,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from ..runtime import Engine, parse_dtype, run_generation
+from ..runtime import Engine, parse_dtype
 from ..runtime.baselines import make_runner
-from ..runtime.profiling import per_token_counts
+from ..runtime.profiling import per_token_counts, timed_generations
+from ..timing import summary
 from .host import copy_bandwidth, cpu_name
-from ..timing import interleaved_samples, summary
 
 
 @dataclass
@@ -66,41 +65,6 @@ def model_weight_bytes_per_token(model) -> int:
 
 def weight_bytes(runner) -> int:
     return runner.weight_bytes_per_token() if isinstance(runner, Engine) else model_weight_bytes_per_token(runner.model)
-
-
-def greedy_steps(runners: dict, tokens: dict, seen: dict | None = None) -> dict:
-    """Per runner (a :class:`~lowrank_lib.runtime.Runner`) a function running one greedy decode step, the unit the
-    interleaved step timings call: it feeds the runner's last token ``tokens[k]`` (updated in place) and, given
-    ``seen``, appends the new token to ``seen[k]``."""
-    def stepper(k):
-        def step():
-            tokens[k] = runners[k].step(tokens[k]).argmax(-1)
-            if seen is not None:
-                seen[k].append(int(tokens[k]))
-        return step
-    return {k: stepper(k) for k in runners}
-
-
-def timed_generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int, warmup: int = 4,
-                      progress: bool = False) -> dict:
-    """One short warm-up generation per runner (graph capture / compile apart: ``Runner.capture_s``), then
-    ``repeats`` interleaved rounds (rotated order, :mod:`.timing`) of a ``gen_len`` generation each, timed by the
-    shared decode loop: per key every round's :class:`~lowrank_lib.runtime.GenerateOutput`."""
-    for r in runners.values():
-        run_generation(r, ids, min(warmup, gen_len))
-    outs = {k: [] for k in runners}
-    bar = tqdm(total=repeats * len(runners), desc="generations", disable=not progress)
-
-    def generation(k):
-        def run():
-            outs[k].append(run_generation(runners[k], ids, gen_len))
-            bar.update(1)
-            return outs[k][-1].step_s
-        return run
-
-    interleaved_samples({k: generation(k) for k in runners}, repeats)
-    bar.close()
-    return outs
 
 
 def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:

@@ -28,7 +28,7 @@ from ..compat import cache_kw
 from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
 from ..geometry import geometry
 from ..attsvd.cost import step_cost
-from .decode import greedy_steps
+from ..runtime.profiling import greedy_steps
 from ..timing import interleaved, summary
 
 

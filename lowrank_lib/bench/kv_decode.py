@@ -60,11 +60,10 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
 
     from .. import models
     from ..eval.kv_sweep import frontier_windows
-    from ..runtime.profiling import decode_attention
-    from .decode import greedy_steps
+    from ..runtime.profiling import decode_attention, greedy_steps
+    from ..timing import interleaved, summary
     from .host import copy_bandwidth
     from .results import ResultFiles, load_average
-    from ..timing import interleaved, summary
 
     model, tok = models.load(cfg.model)
     model.eval()

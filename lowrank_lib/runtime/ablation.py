@@ -2,7 +2,7 @@
 latency vs prompt length, generation length, keep ratio, and cached length.
 
 All timings come from :func:`lowrank_lib.runtime.run_generation` (the loop every system shares), the systems
-compared in interleaved rounds in a rotated order (:mod:`.timing`); medians over all decode steps of all
+compared in interleaved rounds in a rotated order (:mod:`lowrank_lib.timing`); medians over all decode steps of all
 repeats, with that population's quartiles (``*_q1`` / ``*_q3``, the IQR bars of notebook 03) and each repeat's
 own median (``*_repeats``) beside them.
 """
@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from ..runtime import PRESETS, Engine, EngineConfig
-from ..runtime.baselines import make_runner
-from ..runtime.profiling import per_token_counts
-from .decode import greedy_steps, timed_generations
 from ..timing import interleaved, summary
+from .baselines import make_runner
+from .config import PRESETS, EngineConfig
+from .engine import Engine
+from .profiling import greedy_steps, per_token_counts, timed_generations
+
+__all__ = ["MECHANISMS", "mechanism_table", "step_latency_vs_context", "sweep", "time_runners"]
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels
@@ -47,7 +49,7 @@ def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
 
 
 def _generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
-    """:func:`.decode.timed_generations` (one warm-up each, then interleaved rounds); per key the raw samples."""
+    """:func:`.profiling.timed_generations` (one warm-up each, then interleaved rounds); per key the raw samples."""
     outs = timed_generations(runners, ids, gen_len, repeats, warmup=3)
     return {k: {"steps": [t for o in outs[k] for t in o.step_s], "prefill": [o.prefill_s for o in outs[k]],
                 "per_repeat": [summary(o.step_s)["median_ms"] for o in outs[k]],
@@ -130,7 +132,7 @@ def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv
                             context_lens=(64, 256, 1024), steps: int = 8, dtype=None, progress: bool = True) -> list[dict]:
     """Latency of single decode steps after a prefill of each cached length (dense KV: flat;
     rebuilt history: grows with the length). At each length every system prefills, then their steps are
-    interleaved (rotated order, :mod:`.timing`); the first step of each is a warm-up, ``steps - 1`` are timed."""
+    interleaved (rotated order, :mod:`lowrank_lib.timing`); the first step of each is a warm-up, ``steps - 1`` are timed."""
     S = max(context_lens) + steps + 1
     runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
     by = {}

@@ -5,6 +5,9 @@
 ``count_cuda_launches`` uses ``torch.profiler`` and counts host-side launch API calls
 (``cudaLaunchKernel``/``cuLaunchKernel``/``cudaGraphLaunch``/memcpy/memset): a graph replay is ONE
 launch, as in the paper's 1174 -> 54 count.
+
+Timing runners side by side: :func:`timed_generations` (warm-up, then interleaved generations through the shared
+decode loop) and :func:`greedy_steps` (one greedy step per runner, the unit of interleaved step timings).
 """
 from __future__ import annotations
 
@@ -12,11 +15,14 @@ from collections import Counter
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from tqdm.auto import tqdm
 
+from ..generation import run_generation
+from ..timing import interleaved_samples
 from .runner import Runner
 
 __all__ = ["count_cuda_launches", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
-           "DispatchCounter", "op_class", "OP_CLASSES", "per_token_counts"]
+           "DispatchCounter", "greedy_steps", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations"]
 
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
@@ -169,3 +175,38 @@ def decode_attention(engine, q: torch.Tensor | None = None):
         for i in range(engine.n_layers):
             engine.kv.attend(i, q, ctx)
     return attend_all
+
+
+def greedy_steps(runners: dict, tokens: dict, seen: dict | None = None) -> dict:
+    """Per runner (a :class:`~lowrank_lib.runtime.Runner`) a function running one greedy decode step, the unit the
+    interleaved step timings call: it feeds the runner's last token ``tokens[k]`` (updated in place) and, given
+    ``seen``, appends the new token to ``seen[k]``."""
+    def stepper(k):
+        def step():
+            tokens[k] = runners[k].step(tokens[k]).argmax(-1)
+            if seen is not None:
+                seen[k].append(int(tokens[k]))
+        return step
+    return {k: stepper(k) for k in runners}
+
+
+def timed_generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int, warmup: int = 4,
+                      progress: bool = False) -> dict:
+    """One short warm-up generation per runner (graph capture / compile apart: ``Runner.capture_s``), then
+    ``repeats`` interleaved rounds (rotated order, :mod:`lowrank_lib.timing`) of a ``gen_len`` generation each, timed by the
+    shared decode loop: per key every round's :class:`~lowrank_lib.runtime.GenerateOutput`."""
+    for r in runners.values():
+        run_generation(r, ids, min(warmup, gen_len))
+    outs = {k: [] for k in runners}
+    bar = tqdm(total=repeats * len(runners), desc="generations", disable=not progress)
+
+    def generation(k):
+        def run():
+            outs[k].append(run_generation(runners[k], ids, gen_len))
+            bar.update(1)
+            return outs[k][-1].step_s
+        return run
+
+    interleaved_samples({k: generation(k) for k in runners}, repeats)
+    bar.close()
+    return outs

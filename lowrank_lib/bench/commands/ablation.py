@@ -19,7 +19,7 @@ def run(a) -> int:
     from pathlib import Path
 
     from ...runtime import parse_dtype
-    from ..ablation import MECHANISMS, mechanism_table
+    from ...runtime.ablation import MECHANISMS, mechanism_table
     from ..models import load_bench_models
     from ..options import one
     from ..results import ResultFiles, slug
