@@ -46,8 +46,8 @@ def sdpa_reference(q, kv, mask=None):
 @example(b=1, hkv=1, group=1, d=8, bulk=33, rk=8, rv=1, blocks=[], w=0, q_len=1, masked=True, shared=False,
          seed=0)                          # rank-1 V: the output cancels to ~1 % of the values (CI, fp32)
 def test_factor_equals_rebuild_random(b, hkv, group, d, bulk, rk, rv, blocks, w, q_len, masked, shared, seed):
-    if bulk == 0 and not blocks and w == 0:
-        w = 1
+    if bulk + sum(blocks) + w < q_len:      # the q_len query rows attend to at least themselves
+        w = q_len - bulk - sum(blocks)
     gen = torch.Generator().manual_seed(seed)
     kv = random_kv(b, hkv, d, bulk, (min(rk, d), min(rv, d)), blocks, w, gen, shared)
     q = torch.randn(b, hkv * group, q_len, d, generator=gen) * 2

@@ -35,7 +35,8 @@ import traceback
 import torch
 
 from ..attsvd import LowRankKV, factor_space_attention, rebuild_then_attend
-from .factor_space import AttnBenchConfig, attention_ratios, attention_table, bench_attention, rel_err, svd_run
+from ..eval.factor_space import (AttnBenchConfig, attention_ratios, attention_table, bench_attention, rel_err,
+                                 svd_run)
 
 GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step")
 

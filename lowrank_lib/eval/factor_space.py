@@ -1,4 +1,4 @@
-"""Benchmark: decode attention in factor space vs AttSVD's rebuild vs dense KV (library of ``bench factor-space``).
+"""Decode attention in factor space vs AttSVD's rebuild vs dense KV, timed (``bench factor-space``, notebook 06).
 
     python -m lowrank_lib.bench factor-space                     # attention per step, 1k-8k
     python -m lowrank_lib.bench factor-space --e2e --ppl --prompt-len 2048   # + SmolLM2 ms/token, ppl identity
@@ -7,7 +7,7 @@ Part 1 (``attention``, :class:`AttnBenchConfig`): one decode step of ONE layer's
 (9 query heads, 3 KV heads, d = 64), batch 1: ``dense`` (our grouped attention on exact K/V), ``sdpa`` (torch
 SDPA, enable_gqa), ``rebuild`` (AttSVD's decode as the cache does it: A B rebuilt into fresh tensors, then dense
 attention), ``rebuildpre`` (the same rebuild into K/V buffers allocated once: only the GEMMs) and ``factor``
-(factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`.timing`),
+(factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`lowrank_lib.timing`),
 medians with quartiles, the per-token estimate x the layer count, the cost model (:mod:`lowrank_lib.attsvd.cost`) beside them.
 
 Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each
@@ -24,12 +24,14 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attsvd import LowRankKV, attention_svd, dense_attention, factor_space_attention, rebuild_then_attend
-from ..compat import cache_kw
-from ..eval.kvquality import continuation_by_rank  # noqa: F401  (notebook 06 imports it from here)
-from ..geometry import geometry
 from ..attsvd.cost import step_cost
+from ..compat import cache_kw
+from ..geometry import geometry
 from ..runtime.profiling import greedy_steps
 from ..timing import interleaved, summary
+
+__all__ = ["AttnBenchConfig", "FactorDecodeConfig", "attention_ratios", "attention_table", "bench_attention",
+           "bench_decode", "bench_engine", "cuda_graphed", "markdown", "rel_err", "svd_run"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -154,7 +156,7 @@ def attention_ratios(rows: list[dict]) -> list[dict]:
 @dataclass
 class FactorDecodeConfig:
     """SmolLM2 greedy decode through transformers after a WikiText-2 prompt: dense, AttSVD rebuild and
-    AttSVD factor space side by side (the runtime systems' decode benchmark is ``bench.decode``)."""
+    AttSVD factor space side by side (the runtime systems' decode benchmark is ``bench decode``)."""
 
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])
@@ -228,7 +230,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     """The runtime ``Engine`` with its dense store vs the AttSVD method served by the engine adapter, eager.
 
     Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
-    All engines are prefilled, then their greedy decode steps are interleaved (rotated order per step, :mod:`.timing`), so
+    All engines are prefilled, then their greedy decode steps are interleaved (rotated order per step, :mod:`lowrank_lib.timing`), so
     the ratios are measured side by side; the first step is a warm-up.
     """
     from ..data import tokens
