@@ -1,6 +1,6 @@
 """Peak memory of a load, measured as the peak RSS of a child process: every family at 200-400 MB, the cheap refusal.
 
-Files of every family are written at the ``test`` shape of ``lowrank_lib.bench.load`` (hidden 1024, 8
+Files of every family are written at the ``test`` shape of ``lowrank_lib.synthetic`` (hidden 1024, 8
 layers, vocabulary 16 000: 150-420 MB in the families' native dtypes, random weights) plus the SVD-LLM
 and Dobi whole-model pickles as their original code saved them under transformers 4.35 / 4.37
 (``tests/legacy_checkpoints.py``; the SVD-LLM one in the pre-1.6 container), then loaded one after another in ONE
@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lowrank_lib import synthetic as S
 from lowrank_lib.bench import load as L
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,9 +43,9 @@ def _legacy_pickles(folder: Path) -> list[Path]:
     cuda:0 tags) whole-model pickles at the test shape, random weights."""
     from legacy_checkpoints import dobi_pickle, svdllm_pickle
 
-    out = [svdllm_pickle(_random(L.placeholder_model("test", "svdllm", 0.8), 0), folder / "legacy_pre16", keep=0.8,
+    out = [svdllm_pickle(_random(S.placeholder_model("test", "svdllm", 0.8), 0), folder / "legacy_pre16", keep=0.8,
                          zipfile_format=False)[0]]
-    dm = _random(L.placeholder_model("test", "dobi", 0.8), 1)
+    dm = _random(S.placeholder_model("test", "dobi", 0.8), 1)
     out.append(dobi_pickle(dm, folder / "DobiSVD_Noremapping-test-0.8")[0].parent)
     return out
 
@@ -52,7 +53,7 @@ def _legacy_pickles(folder: Path) -> list[Path]:
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     d = tmp_path_factory.mktemp("loadmem")
-    rows = L.run_rows("test", list(L.FAMILIES), {"svdllm": ["stored", "float32", "bfloat16"]}, d / "native",
+    rows = L.run_rows("test", list(S.FAMILIES), {"svdllm": ["stored", "float32", "bfloat16"]}, d / "native",
                       one_child_per_row=False, log=lambda s: None)
     legacy = _legacy_pickles(d / "legacy")
     res = L.load_in_child([{"path": p, "dtype": "stored"} for p in legacy])
@@ -65,7 +66,7 @@ def loaded(tmp_path_factory):
 
 def test_every_family_loads_within_the_memory_contract(loaded):
     ok = [r for r in loaded if not r["refusal"]]
-    assert len(ok) == len(L.FAMILIES) + 2 + 2, [r["family"] for r in ok]
+    assert len(ok) == len(S.FAMILIES) + 2 + 2, [r["family"] for r in ok]
     for r in ok:
         assert r["ok"], r
         assert r["reset_peak"], "the peak RSS could not be reset between loads"
@@ -100,7 +101,7 @@ def test_bench_load_quick(tmp_path):
     (f,) = tmp_path.glob("load_quick_*.json")
     res = json.loads(f.read_text())
     fams = {r["family"] for r in res["rows"] if r.get("ok")}
-    assert fams == set(L.FAMILIES)
+    assert fams == set(S.FAMILIES)
     assert all(r["within_rss_limit"] for r in res["rows"] if r.get("ok"))
     assert res["copy_bandwidth_GBps"] > 0 and res["load_average"]["start"] is not None
     assert (tmp_path / f.name.replace(".json", ".md")).exists()

@@ -5,7 +5,7 @@
     python -m lowrank_lib.bench load --quick            # tiny shapes, seconds (the test)
 
 Per family: the checkpoint is written by the library's native writer from zero-page placeholders and
-filled with random finite values (``lowrank_lib.bench.load``), read once into the page cache, then
+filled with random finite values (``lowrank_lib.synthetic``), read once into the page cache, then
 loaded by ``load_checkpoint`` in a fresh child process: wall time, file bytes per second, peak RSS
 over the child's baseline (``import lowrank_lib, transformers``) against the contract
 ``1.15 x model bytes + 0.5 GB``. SVD-LLM v1 loads in its stored dtypes, float32 and bfloat16; the
@@ -45,7 +45,8 @@ def run(a) -> int:
     import torch
 
     from ..host import copy_bandwidth, machine
-    from ..load import FAMILIES, format_table, run_rows
+    from ...synthetic import FAMILIES
+    from ..load import format_table, run_rows
     from ..options import one
     from ..results import ResultFiles, load_average, slug
 
