@@ -458,7 +458,7 @@ def test_engine_lrk_compiled_step_calls_our_kernels():
 
     model = _lowrank("tiny-gqa", seed=9, keep=0.5)
     ids = torch.randint(0, 256, (1, 7), generator=_gen(5))
-    eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", kernels="lrk"))
+    eng = Engine(model, EngineConfig(max_seq_len=20, graph="whole-step", kernels="lrk", fused_layer="off"))
     counts = per_token_counts(eng, ids, 2)["by_class"]
     n_layers = len(eng.layers)
     # per layer: qkv (2 calls), o_proj (2), gate/up (2), down (2); plus the lm_head (1)

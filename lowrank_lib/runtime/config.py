@@ -7,6 +7,7 @@ import torch
 
 from .attention import BACKENDS as ATTENTION_REGISTRY
 from .kernels.gemv import KERNEL_MODES
+from .kernels.layer import FUSED_MODES
 from .kv import STORES
 from .lm_head import LM_HEADS
 from .packing import LAYOUTS
@@ -81,6 +82,11 @@ class EngineConfig:
         otherwise). Saves the per-step guard evaluation (hundreds of tensor checks).
     cpp_wrapper : CPU compiled step only: inductor's C++ wrapper instead of its Python wrapper (no
         Python between the kernels of a step; a longer cold compile).
+    fused_layer : ``"auto"`` (default), ``"off"`` or ``"on"``: the dense-KV decode step as ONE compiled call per layer
+        (``runtime/kernels/layer.cpp``: norms, packed GEMVs, RoPE, KV write, attention, MLP, residuals), where what it
+        fuses is what would run anyway (packed GEMVs, the dense store with our attention kernel, packed groups, SiLU,
+        ``max_batch`` <= 8; ``kernels="portable"`` rules it out); ``Engine.report()["fused_layer_reason"]`` says why
+        (not). ``"on"`` raises where it cannot run. Prefill and the other stores keep the per-op layer.
     lm_head : ``"exact"`` (default) or ``"certified"``: decode logits from an int8 copy of the head with
         per-row error bounds, the exact head multiplied only on the 64-row blocks whose rows can still be
         the argmax (all of them when more than a quarter would be). Greedy decoding gives exactly the
@@ -108,6 +114,7 @@ class EngineConfig:
     skip_guards: bool = True
     cpp_wrapper: bool = False
     lm_head: str = "exact"
+    fused_layer: str = "auto"
 
     def __post_init__(self):
         self.dtype = parse_dtype(self.dtype)
@@ -119,6 +126,8 @@ class EngineConfig:
             raise ValueError(f"weight_layout={self.weight_layout!r}: use one of {LAYOUTS}")
         if self.kernels not in KERNEL_MODES:
             raise ValueError(f"kernels={self.kernels!r}: use one of {KERNEL_MODES}")
+        if self.fused_layer not in FUSED_MODES:
+            raise ValueError(f"fused_layer={self.fused_layer!r}: use one of {FUSED_MODES}")
         if self.lm_head not in LM_HEADS:
             raise ValueError(f"lm_head={self.lm_head!r}: use one of {LM_HEADS}")
         if self.attention not in ATTENTION_BACKENDS:

@@ -126,6 +126,11 @@ class Engine:
             expand=lambda i, j, h: self.layers[i].qkv.stage2(j, h), rope_table=self.cs_table,
             rope_at=self.rope_at, probe=self.probe))
         self.backend = self.kv.backend
+        from .kernels.layer import FusedLayer, select_fused_layer
+
+        self.fused = select_fused_layer(cfg.fused_layer, self.gemv, self.kv, self._groups()[1:], self._act is F.silu,
+                                        cfg.max_batch)
+        self._fused = [FusedLayer(self, i) for i in range(self.n_layers)] if self.fused.enabled else None
         self._B = None
         from .graphs import GraphRunner
 
@@ -149,6 +154,7 @@ class Engine:
 
         return {"backend": self.backend.name, "backend_reason": self.backend.reason, "rope_folded": self.fold,
                 "gemv": self.gemv.name, "gemv_reason": self.gemv.reason, "kernels": status(),
+                "fused_layer": self.fused.name, "fused_layer_reason": self.fused.reason,
                 "lm_head": head_report(self.lm_head),
                 "graph": self.config.graph, "graph_impl": self.graphs.impl if self.graphs else "eager",
                 "capture_s_total": self.capture_s, "compiles": list(self.graphs.compiles) if self.graphs else [],
@@ -219,6 +225,11 @@ class Engine:
     def decode_body(self, tokens: torch.Tensor, live: int | None = None) -> torch.Tensor:
         """One decode step, all on device: tokens [B] -> logits [B, V]; writes the token's K/V at slot
         ``cursor.length``. ``live``: slots read (eager) or None (graphs). Does not move the cursor."""
+        if self._fused is not None:                  # one lowrank_lrk::decode_layer call per layer (dense store)
+            x, c = F.embedding(tokens, self.embed), self.cursor
+            for f in self._fused:
+                x = f(x, self.cs_table, self.kv.kv, c.length, c.pad)
+            return self._head(x)
         ctx = self.step_context(tokens.shape[0], live)
         x = F.embedding(tokens, self.embed)
         for i in range(self.n_layers):

@@ -27,6 +27,7 @@ __all__ = ["count_cuda_launches", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES"
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
     "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),
+    "layer": ("decode_layer",),    # our fused decode layer (runtime/kernels/layer.cpp): a whole layer in one call
     "view": ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select", "expand",
              "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "as_strided", "alias", "unbind",
              "narrow", "detach", "_reshape_alias", "unflatten"),

@@ -48,6 +48,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "lrk_api.h"
 #include "lrk_pool.h"
 
 #include <atomic>
@@ -767,6 +768,36 @@ static void push_block_jobs(std::vector<Job>& jobs, Kind k, int64_t m, int64_t b
   for (int64_t r0 = 0; r0 < N; r0 += rows_per_job(k)) jobs.push_back({m, b, r0});
 }
 
+bool kind_runs(bool bf) { return runs(bf ? KBF16 : KF32); }
+int64_t packed_size(int64_t out, int64_t in, bool bf) { return packed_numel(out, in, bf); }
+
+void gemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* gm, int64_t M, void* y, int64_t ldy) {
+  if (N == 0 || M == 0) return;
+  const Kind k = bf ? KBF16 : KF32;
+  const int64_t es = esize(k);
+  std::vector<int64_t> xpo(M + 1, 0);       // bf16: each matrix's pairs of every row
+  for (int64_t m = 0; m < M; m++) xpo[m + 1] = xpo[m] + N * cdiv(gm[m].in, 2);
+  std::vector<uint32_t> xp(bf ? xpo[M] : 0);
+  if (bf)
+    for (int64_t m = 0; m < M; m++)
+      bf16_pairs((const uint16_t*)x, ldx, N, gm[m].xoff, gm[m].in, xp.data() + xpo[m]);
+  std::vector<Mat> mats;
+  std::vector<Job> jobs;
+  for (int64_t m = 0; m < M; m++) {
+    mats.push_back({(const char*)gm[m].P, gm[m].out, inner(gm[m].in, bf)});
+    for (int64_t b = 0; b * BW < padded_rows(gm[m].out); b++) push_block_jobs(jobs, k, m, b, N);
+  }
+  const char* xb = (const char*)x;
+  char* yb = (char*)y;
+  exec_jobs(
+      k, mats, jobs, N,
+      [&](int64_t m, int64_t r) -> const void* {
+        return bf ? (const void*)(xp.data() + xpo[m] + r * cdiv(gm[m].in, 2))
+                  : (const void*)(xb + (r * ldx + gm[m].xoff) * es);
+      },
+      [&](int64_t m, int64_t r, int64_t b) -> void* { return yb + (r * ldy + gm[m].yoff + b * BW) * es; });
+}
+
 at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at::IntArrayRef ins,
                 at::IntArrayRef xoffs) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::gemv: x must be [N, X] with unit column stride");
@@ -776,7 +807,8 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at
   const int64_t M = (int64_t)Ps.size(), N = x.size(0), ldx = x.stride(0);
   TORCH_CHECK((int64_t)outs.size() == M && (int64_t)ins.size() == M && (int64_t)xoffs.size() == M,
               "lowrank_lrk::gemv: one out, in and x offset per matrix");
-  std::vector<int64_t> yoff(M + 1, 0);
+  std::vector<GemvMat> gm;
+  int64_t ldy = 0;
   for (int64_t m = 0; m < M; m++) {
     const at::Tensor& P = Ps[m];
     TORCH_CHECK(P.scalar_type() == x.scalar_type() && P.dim() == 1 && P.is_contiguous() &&
@@ -784,31 +816,11 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at
                 "lowrank_lrk::gemv: matrix ", m, " is not a packed [", outs[m], ", ", ins[m], "] ", x.scalar_type());
     TORCH_CHECK(xoffs[m] >= 0 && xoffs[m] + ins[m] <= x.size(1), "lowrank_lrk::gemv: matrix ", m,
                 " reads columns [", xoffs[m], ", ", xoffs[m] + ins[m], ") of x [", N, ", ", x.size(1), "]");
-    yoff[m + 1] = yoff[m] + outs[m];
+    gm.push_back({P.data_ptr(), outs[m], ins[m], xoffs[m], ldy});
+    ldy += outs[m];
   }
-  auto y = at::empty({N, yoff[M]}, x.options());
-  if (N == 0 || M == 0) return y;
-  const int64_t ldy = yoff[M], es = esize(k);
-  std::vector<int64_t> xpo(M + 1, 0);       // bf16: each matrix's pairs of every row
-  for (int64_t m = 0; m < M; m++) xpo[m + 1] = xpo[m] + N * cdiv(ins[m], 2);
-  std::vector<uint32_t> xp(bf ? xpo[M] : 0);
-  if (bf)
-    for (int64_t m = 0; m < M; m++)
-      bf16_pairs((const uint16_t*)x.data_ptr(), ldx, N, xoffs[m], ins[m], xp.data() + xpo[m]);
-  std::vector<Mat> mats;
-  std::vector<Job> jobs;
-  for (int64_t m = 0; m < M; m++) {
-    mats.push_back({(const char*)Ps[m].data_ptr(), outs[m], inner(ins[m], bf)});
-    for (int64_t b = 0; b * BW < padded_rows(outs[m]); b++) push_block_jobs(jobs, k, m, b, N);
-  }
-  const char* xb = (const char*)x.data_ptr();
-  char* yb = (char*)y.data_ptr();
-  exec_jobs(
-      k, mats, jobs, N,
-      [&](int64_t m, int64_t r) -> const void* {
-        return bf ? (const void*)(xp.data() + xpo[m] + r * cdiv(ins[m], 2)) : (const void*)(xb + (r * ldx + xoffs[m]) * es);
-      },
-      [&](int64_t m, int64_t r, int64_t b) -> void* { return yb + (r * ldy + yoff[m] + b * BW) * es; });
+  auto y = at::empty({N, ldy}, x.options());
+  gemv_into(bf, x.data_ptr(), ldx, N, gm.data(), M, y.data_ptr(), ldy);
   return y;
 }
 
@@ -945,28 +957,9 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
 }
 
 // ------------------------------------------------------------------------------------ attention driver
-at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& length,
-                  const at::Tensor& pad, double scale) {
-  TORCH_CHECK(q.dim() == 4 && K.dim() == 4 && V.dim() == 4, "lowrank_lrk::attend: q [B, Hkv, G, D], K/V [B, Hkv, S, D]");
-  const bool bf = is_bf(q);
-  const Kind kk = bf ? KBF16 : KF32;
-  check_isa(kk);
-  const bool w512 = use512(kk);
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = K.size(2);
-  TORCH_CHECK(K.scalar_type() == q.scalar_type() && V.scalar_type() == q.scalar_type(), "lowrank_lrk::attend: dtypes");
-  TORCH_CHECK(D % 16 == 0 && D <= 128, "lowrank_lrk::attend: head_dim must be a multiple of 16 up to 128, got ", D);
-  TORCH_CHECK(G <= 256, "lowrank_lrk::attend: at most 256 query heads per KV head, got ", G);
-  TORCH_CHECK(K.size(0) >= B && V.size(0) >= B && K.size(1) == H && V.size(1) == H && V.size(2) == S &&
-                  K.size(3) == D && V.size(3) == D && K.stride(3) == 1 && V.stride(3) == 1,
-              "lowrank_lrk::attend: K/V must be [>=B, Hkv, S, D] with unit stride in D");
-  TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && pad.scalar_type() == at::kLong &&
-                  pad.numel() >= B && pad.is_contiguous(),
-              "lowrank_lrk::attend: length [1] and pad [>=B] int64");
-  const int64_t hi = length.data_ptr<int64_t>()[0];
-  TORCH_CHECK(hi >= 0 && hi < S, "lowrank_lrk::attend: slot ", hi, " outside the cache of ", S, " slots");
-  const int64_t* pd = pad.data_ptr<int64_t>();
-  auto qc = q.contiguous();
-  auto o = at::empty({B, H * G * D}, q.options());
+void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const void* V, const int64_t* vs, int64_t B,
+                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale, void* o) {
+  const bool w512 = use512(bf ? KBF16 : KF32);
   const int64_t es = bf ? 2 : 4;
   // threads: contiguous runs of (batch row, KV head) pairs, weighted by the K / V bytes each reads; each pair's
   // output is computed by the same code whichever thread runs it (the same bits at every thread count)
@@ -982,31 +975,56 @@ at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V,
     std::vector<float> sc(w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
-      const char* qp = (const char*)qc.data_ptr() + (i * G * D) * es;
-      const char* kp = (const char*)K.data_ptr() + (b * K.stride(0) + h * K.stride(1)) * es;
-      const char* vp = (const char*)V.data_ptr() + (b * V.stride(0) + h * V.stride(1)) * es;
-      char* op = (char*)o.data_ptr() + (i * G * D) * es;
+      const char* qp = (const char*)q + (i * G * D) * es;
+      const char* kp = (const char*)K + (b * ks[0] + h * ks[1]) * es;
+      const char* vp = (const char*)V + (b * vs[0] + h * vs[1]) * es;
+      char* op = (char*)o + (i * G * D) * es;
       if (lo > hi) {                    // no live slot (cannot happen for a real row): zeros, not NaN
         std::memset(op, 0, G * D * es);
         continue;
       }
       if (!w512) {
         if (bf)
-          attend_head2<uint16_t>((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, K.stride(2), V.stride(2),
-                                 lo, hi, G, D, (float)scale, (uint16_t*)op, sc.data());
+          attend_head2<uint16_t>((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
+                                 D, scale, (uint16_t*)op, sc.data());
         else
-          attend_head2<float>((const float*)qp, (const float*)kp, (const float*)vp, K.stride(2), V.stride(2), lo, hi, G, D,
-                              (float)scale, (float*)op, sc.data());
+          attend_head2<float>((const float*)qp, (const float*)kp, (const float*)vp, ks[2], vs[2], lo, hi, G, D, scale,
+                              (float*)op, sc.data());
       } else if (bf)
-        ATTN_BF16[D / 16 - 1]((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, K.stride(2), V.stride(2),
-                              lo, hi, G, (float)scale, (uint16_t*)op, sc.data());
+        ATTN_BF16[D / 16 - 1]((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
+                              scale, (uint16_t*)op, sc.data());
       else
-        ATTN_F32[D / 16 - 1]((const float*)qp, (const float*)kp, (const float*)vp, K.stride(2), V.stride(2), lo, hi, G,
-                             (float)scale, (float*)op, sc.data());
+        ATTN_F32[D / 16 - 1]((const float*)qp, (const float*)kp, (const float*)vp, ks[2], vs[2], lo, hi, G, scale,
+                             (float*)op, sc.data());
     }
   };
   pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) { heads(cut[c], cut[c + 1]); });
 #endif
+}
+
+at::Tensor attend(const at::Tensor& q, const at::Tensor& K, const at::Tensor& V, const at::Tensor& length,
+                  const at::Tensor& pad, double scale) {
+  TORCH_CHECK(q.dim() == 4 && K.dim() == 4 && V.dim() == 4, "lowrank_lrk::attend: q [B, Hkv, G, D], K/V [B, Hkv, S, D]");
+  const bool bf = is_bf(q);
+  const Kind kk = bf ? KBF16 : KF32;
+  check_isa(kk);
+  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = K.size(2);
+  TORCH_CHECK(K.scalar_type() == q.scalar_type() && V.scalar_type() == q.scalar_type(), "lowrank_lrk::attend: dtypes");
+  TORCH_CHECK(D % 16 == 0 && D <= 128, "lowrank_lrk::attend: head_dim must be a multiple of 16 up to 128, got ", D);
+  TORCH_CHECK(G <= 256, "lowrank_lrk::attend: at most 256 query heads per KV head, got ", G);
+  TORCH_CHECK(K.size(0) >= B && V.size(0) >= B && K.size(1) == H && V.size(1) == H && V.size(2) == S &&
+                  K.size(3) == D && V.size(3) == D && K.stride(3) == 1 && V.stride(3) == 1,
+              "lowrank_lrk::attend: K/V must be [>=B, Hkv, S, D] with unit stride in D");
+  TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && pad.scalar_type() == at::kLong &&
+                  pad.numel() >= B && pad.is_contiguous(),
+              "lowrank_lrk::attend: length [1] and pad [>=B] int64");
+  const int64_t hi = length.data_ptr<int64_t>()[0];
+  TORCH_CHECK(hi >= 0 && hi < S, "lowrank_lrk::attend: slot ", hi, " outside the cache of ", S, " slots");
+  auto qc = q.contiguous();
+  auto o = at::empty({B, H * G * D}, q.options());
+  const int64_t ks[3] = {K.stride(0), K.stride(1), K.stride(2)}, vs[3] = {V.stride(0), V.stride(1), V.stride(2)};
+  attend_into(bf, qc.data_ptr(), K.data_ptr(), ks, V.data_ptr(), vs, B, H, G, D, hi, pad.data_ptr<int64_t>(),
+              (float)scale, o.data_ptr());
   return o;
 }
 

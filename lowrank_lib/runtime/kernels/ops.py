@@ -53,3 +53,11 @@ def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torc
                    stats: torch.Tensor) -> torch.Tensor:
     """logits [N, V] of the certified LM head (``runtime/lm_head.py``); ``stats`` int64 [5] is updated in place."""
     return _ops().certified_head(x, Q, meta, P, V, max_fraction, stats)
+
+
+def decode_layer(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | None, w: list[torch.Tensor],
+                 meta: list[int], rope: torch.Tensor, kv: torch.Tensor, layer: int, length: torch.Tensor,
+                 pad: torch.Tensor, eps: float, n_heads: int, n_kv: int, folded: bool) -> torch.Tensor:
+    """One decode layer of the dense-KV engine in one call (``layer.cpp``; ``w`` / ``meta`` from ``layer.py``): x [B, H]
+    -> x after attention and MLP; writes the token's K/V at slot ``length`` of layer ``layer`` of ``kv`` in place."""
+    return _ops().decode_layer.default(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded)

@@ -1,0 +1,302 @@
+// lowrank_lib's fused decode layer: ONE call per transformer layer of a decode step over the dense KV store.
+//
+// Why: a decode token of SmolLM2 is ~240 small GEMV calls plus norms, RoPE, KV writes and attention, each one a
+// dispatch from the step's Python (eager) or inductor's Python wrapper (compiled step); a torch profile put ~4.9 ms
+// of a ~30 ms token in that code (issue 29). This op runs the whole layer in C++:
+//
+//   h  = rmsnorm(x) [* ln1]                     (_rms: fp32 statistics; bf16 rounds x * rstd, then w * y)
+//   qkv: h1 = S h [+ b1]; y2 = U_m h1[m] [+ b2]    (ProjectionGroup: packed stage 1, ONE segmented stage 2)
+//   q, k = RoPE(q, k) at position length - pad[b]  (apply_rope: folded [y, rot y] . (cos, sin), or unfolded)
+//   K[slot length], V[slot length] = k, v         (DenseKV.append, bhsd layout)
+//   o = attend(q, K, V)                           (lrk::attend_into, the lrk_attend kernel)
+//   x1 = x + o_proj(o); h = rmsnorm(x1) [* ln2]; g, u = gate_up(h); x2 = x1 + down(silu(g) * u)
+//
+// Design: the GEMVs and the attention are lrk.cpp's own code (lrk_api.h: gemv_into, attend_into), each splitting its
+// block jobs / (row, head) pairs over the kernel pool (lrk_pool.h), so every GEMV output and attention head is the
+// same bits as the separate ops compute, at every thread count; the elementwise steps (norms, RoPE, KV write, bias,
+// SiLU, residuals: a few thousand values) run on the calling thread. Rounding follows the eager step op by op:
+// every GEMV output rounded once to the element type, and in bf16 each elementwise op of the step rounds its result
+// to bf16 where the eager op does (x * rstd, w * y, y * cos, rot * sin, their sum, bias adds, silu, * u, residual
+// adds). Where inductor's fused kernels of the compiled step round differently (it may keep fp32 between fused
+// elementwise ops) the two differ by bf16 roundings, not more.
+//
+// Op (namespace lowrank_lrk):
+//   decode_layer(x [B, H], ln1?, ln2? [H], w Tensor[], meta int[], rope [Smax, 2, D], kv(a!) [2L, >=B, Hkv, S, D],
+//                layer, length [1], pad [>=B], eps, n_heads, n_kv, folded) -> x_out [B, H]
+//   w, meta: the four projection groups (qkv, o, gate_up, down) in order, each described by meta as
+//     rows1, has_b1, nseg, (out, in, xoff) * nseg, has_b2, nmem, (src, off, width) * nmem
+//   and taking from w in order: S (packed [rows1, in]), b1 [rows1] if has_b1, the nseg packed stage-2 factors,
+//   b2 [sum outs] if has_b2. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
+//   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
+// The Python side (layer.py) builds w / meta from the engine's ProjectionGroups and decides when the op runs.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "lrk_api.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace lrk {
+namespace layer {
+
+static inline float bf2f(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16 (NaN stays a quiet NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+// element access of T (float or bf16 bits); rnd: the value as the element type rounds it
+static inline float ldf(const float* p, int64_t i) { return p[i]; }
+static inline float ldf(const uint16_t* p, int64_t i) { return bf2f(p[i]); }
+static inline void stf(float* p, int64_t i, float v) { p[i] = v; }
+static inline void stf(uint16_t* p, int64_t i, float v) { p[i] = f2bf(v); }
+static inline float rnd(float v, const float*) { return v; }
+static inline float rnd(float v, const uint16_t*) { return bf2f(f2bf(v)); }
+
+struct Member {
+  int64_t src, off, width;
+};
+struct Group {
+  const void* S = nullptr;
+  int64_t rows = 0, in = 0;
+  const void* b1 = nullptr;
+  std::vector<GemvMat> seg;
+  int64_t segw = 0;
+  const void* b2 = nullptr;
+  std::vector<Member> mem;
+};
+
+// y [N, ld] += b (one add per value, rounded to T): the eager `y + bias`
+template <typename T>
+static void add_bias(T* y, int64_t N, int64_t n, const T* b) {
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t j = 0; j < n; j++) stf(y, r * n + j, ldf(y, r * n + j) + ldf(b, j));
+}
+
+// x [N, in] (row stride ldx) -> h1 [N, rows], y2 [N, segw] (the group's two GEMV calls, biases added)
+template <typename T>
+static void run_group(bool bf, const Group& g, const T* x, int64_t ldx, int64_t N, T* h1, T* y2) {
+  GemvMat s1{g.S, g.rows, g.in, 0, 0};
+  gemv_into(bf, x, ldx, N, &s1, 1, h1, g.rows);
+  if (g.b1) add_bias(h1, N, g.rows, (const T*)g.b1);
+  if (!g.seg.empty()) {
+    gemv_into(bf, h1, g.rows, N, g.seg.data(), (int64_t)g.seg.size(), y2, g.segw);
+    if (g.b2) add_bias(y2, N, g.segw, (const T*)g.b2);
+  }
+}
+
+template <typename T>
+static const T* member(const Group& g, int64_t i, const T* h1, const T* y2, int64_t* ld) {
+  const Member& m = g.mem[i];
+  *ld = m.src ? g.segw : g.rows;
+  return (m.src ? y2 : h1) + m.off;
+}
+
+// _rms: fp32 x * rsqrt(mean(x^2) + eps) (* w); bf16 rounds x * rstd to bf16, then w * y to bf16
+template <typename T>
+static void rms(const T* x, int64_t N, int64_t H, const T* w, float eps, T* h) {
+  for (int64_t r = 0; r < N; r++) {
+    double ss = 0;
+    for (int64_t i = 0; i < H; i++) {
+      const float v = ldf(x, r * H + i);
+      ss += (double)v * v;
+    }
+    const float rstd = 1.0f / std::sqrt((float)(ss / (double)H) + eps);
+    for (int64_t i = 0; i < H; i++) {
+      float y = rnd(ldf(x, r * H + i) * rstd, x);
+      if (w) y = ldf(w, i) * y;
+      stf(h, r * H + i, y);
+    }
+  }
+}
+
+// apply_rope of one row's member output y (nh heads of D; folded: [y, rot y]) with (cos, sin) rows c, s -> out
+template <typename T>
+static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c, const T* s, T* out) {
+  const int64_t half = D / 2, n = nh * D;
+  for (int64_t j = 0; j < n; j++) {
+    const int64_t d = j % D;
+    const float v = ldf(y, j);
+    float r;
+    if (folded)
+      r = ldf(y, n + j);
+    else
+      r = d < half ? -ldf(y, j + half) : ldf(y, j - half);
+    stf(out, j, rnd(ldf(c, d) * v, y) + rnd(ldf(s, d) * r, y));
+  }
+}
+
+template <typename T>
+static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
+                       const at::Tensor& rope, at::Tensor& kv, int64_t layer, int64_t hi, const int64_t* pad,
+                       float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out) {
+  const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
+  const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
+  const int64_t I = gu.mem[0].width;
+  // scratch: h [N, max(H, I)], h1 / y2 of the widest group, q [N, Hq D], o [N, Hq D], x1 [N, H]
+  int64_t w1 = 0, w2 = 0;
+  for (const Group& g : G) w1 = std::max(w1, g.rows), w2 = std::max(w2, g.segw);
+  std::vector<T> h(N * std::max(H, I)), h1(N * w1), y2(N * std::max<int64_t>(w2, 1)), q(N * Hq * D),
+      o(N * Hq * D), x1(N * H);
+  const T* xp = (const T*)x.data_ptr();
+  T* xo = (T*)out.data_ptr();
+  // attention half
+  rms(xp, N, H, ln1, eps, h.data());
+  run_group(bf, qkv, h.data(), H, N, h1.data(), y2.data());
+  int64_t lq, lk, lv;
+  const T* yq = member(qkv, 0, h1.data(), y2.data(), &lq);
+  const T* yk = member(qkv, 1, h1.data(), y2.data(), &lk);
+  const T* yv = member(qkv, 2, h1.data(), y2.data(), &lv);
+  const int64_t es = sizeof(T);
+  T* K = (T*)((char*)kv.data_ptr() + 2 * layer * kv.stride(0) * es);
+  T* V = (T*)((char*)kv.data_ptr() + (2 * layer + 1) * kv.stride(0) * es);
+  const int64_t ks[3] = {kv.stride(1), kv.stride(2), kv.stride(3)};
+  const T* cs = (const T*)rope.data_ptr();
+  std::vector<T> kr(Hkv * D);
+  for (int64_t b = 0; b < N; b++) {
+    const int64_t pos = std::max<int64_t>(hi - pad[b], 0);
+    const T* c = cs + pos * rope.stride(0);
+    const T* s = c + rope.stride(1);
+    rope_row(yq + b * lq, Hq, D, folded, c, s, q.data() + b * Hq * D);
+    rope_row(yk + b * lk, Hkv, D, folded, c, s, kr.data());
+    for (int64_t hh = 0; hh < Hkv; hh++) {
+      std::memcpy(K + b * ks[0] + hh * ks[1] + hi * ks[2], kr.data() + hh * D, D * es);
+      std::memcpy(V + b * ks[0] + hh * ks[1] + hi * ks[2], yv + b * lv + hh * D, D * es);
+    }
+  }
+  attend_into(bf, q.data(), K, ks, V, ks, N, Hkv, qg, D, hi, pad, (float)std::pow((double)D, -0.5), o.data());
+  run_group(bf, og, o.data(), Hq * D, N, h1.data(), y2.data());
+  int64_t la;
+  const T* ya = member(og, 0, h1.data(), y2.data(), &la);
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t i = 0; i < H; i++) stf(x1.data(), r * H + i, ldf(xp, r * H + i) + ldf(ya, r * la + i));
+  // MLP half
+  rms(x1.data(), N, H, ln2, eps, h.data());
+  run_group(bf, gu, h.data(), H, N, h1.data(), y2.data());
+  int64_t lg, lu;
+  const T* yg = member(gu, 0, h1.data(), y2.data(), &lg);
+  const T* yu = member(gu, 1, h1.data(), y2.data(), &lu);
+  T* m = h.data();  // h is free again: silu(g) * u [N, I]
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t i = 0; i < I; i++) {
+      const float gv = ldf(yg, r * lg + i);
+      const float a = rnd(gv / (1.0f + std::exp(-gv)), yg);
+      stf(m, r * I + i, a * ldf(yu, r * lu + i));
+    }
+  run_group(bf, dn, m, I, N, h1.data(), y2.data());
+  int64_t ld;
+  const T* yd = member(dn, 0, h1.data(), y2.data(), &ld);
+  for (int64_t r = 0; r < N; r++)
+    for (int64_t i = 0; i < H; i++) stf(xo, r * H + i, ldf(x1.data(), r * H + i) + ldf(yd, r * ld + i));
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2,
+                        at::TensorList w, at::IntArrayRef meta, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
+                        const at::Tensor& length, const at::Tensor& pad, double eps, int64_t n_heads, int64_t n_kv,
+                        bool folded) {
+  const char* E = "lowrank_lrk::decode_layer: ";
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              E, "x must be a contiguous fp32 or bf16 [B, H]");
+  const bool bf = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(kind_runs(bf), E, "this CPU runs no packed kernel for ", x.scalar_type());
+  const int64_t N = x.size(0), H = x.size(1);
+  auto same = [&](const at::Tensor& t) { return t.scalar_type() == x.scalar_type() && t.is_contiguous(); };
+  for (const auto* ln : {&ln1, &ln2})
+    TORCH_CHECK(!ln->has_value() || (same(**ln) && (*ln)->numel() == H), E, "norm weights must be [H] of x's dtype");
+  TORCH_CHECK(rope.dim() == 3 && same(rope) && rope.size(1) == 2, E, "rope must be a contiguous [Smax, 2, D] table");
+  const int64_t D = rope.size(2);
+  TORCH_CHECK(kv.dim() == 5 && same(kv) && kv.size(0) % 2 == 0 && layer >= 0 && 2 * layer + 1 < kv.size(0) &&
+                  kv.size(1) >= N && kv.size(2) == n_kv && kv.size(4) == D,
+              E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
+  TORCH_CHECK(D % 16 == 0 && D <= 128 && n_kv > 0 && n_heads % n_kv == 0 && n_heads / n_kv <= 256, E,
+              "head_dim must be a multiple of 16 up to 128 and n_heads a multiple of n_kv (<= 256 per KV head)");
+  TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && pad.scalar_type() == at::kLong &&
+                  pad.is_contiguous() && pad.numel() >= N,
+              E, "length [1] and pad [>=B] int64");
+  const int64_t hi = length.data_ptr<int64_t>()[0];
+  TORCH_CHECK(hi >= 0 && hi < kv.size(3) && hi < rope.size(0), E, "slot ", hi, " outside the cache / RoPE table");
+  // the four groups
+  std::vector<Group> G(4);
+  const int64_t ins[4] = {H, n_heads * D, H, -1};
+  size_t mi = 0, ti = 0;
+  auto next_int = [&]() {
+    TORCH_CHECK(mi < meta.size(), E, "meta too short");
+    return meta[mi++];
+  };
+  auto next_t = [&](int64_t numel) -> const void* {
+    TORCH_CHECK(ti < w.size(), E, "too few weight tensors");
+    const at::Tensor& t = w[ti++];
+    TORCH_CHECK(same(t) && t.dim() == 1 && t.numel() == numel, E, "weight tensor ", ti - 1, " has ", t.numel(),
+                " values, expected ", numel);
+    return t.data_ptr();
+  };
+  for (int gi = 0; gi < 4; gi++) {
+    Group& g = G[gi];
+    g.in = gi == 3 ? G[2].mem.at(0).width : ins[gi];
+    g.rows = next_int();
+    const bool b1 = next_int() != 0;
+    const int64_t nseg = next_int();
+    std::vector<int64_t> sd;
+    for (int64_t j = 0; j < 3 * nseg; j++) sd.push_back(next_int());
+    const bool b2 = next_int() != 0;
+    const int64_t nmem = next_int();
+    TORCH_CHECK(g.rows > 0 && nseg >= 0 && nmem == (gi == 0 ? 3 : gi == 2 ? 2 : 1), E, "group ", gi, ": bad meta");
+    g.S = next_t(packed_size(g.rows, g.in, bf));
+    if (b1) g.b1 = next_t(g.rows);
+    for (int64_t j = 0; j < nseg; j++) {
+      const int64_t o = sd[3 * j], i = sd[3 * j + 1], xo = sd[3 * j + 2];
+      TORCH_CHECK(o > 0 && i > 0 && xo >= 0 && xo + i <= g.rows, E, "group ", gi, ": stage-2 factor ", j,
+                  " reads outside the stage-1 output");
+      g.seg.push_back({next_t(packed_size(o, i, bf)), o, i, xo, g.segw});
+      g.segw += o;
+    }
+    if (b2) g.b2 = next_t(g.segw);
+    for (int64_t j = 0; j < nmem; j++) {
+      Member m{next_int(), next_int(), next_int()};
+      TORCH_CHECK((m.src == 0 || m.src == 1) && m.off >= 0 && m.width > 0 &&
+                      m.off + m.width <= (m.src ? g.segw : g.rows),
+                  E, "group ", gi, ": member ", j, " outside its output");
+      g.mem.push_back(m);
+    }
+  }
+  TORCH_CHECK(mi == meta.size() && ti == w.size(), E, "meta / weights longer than the four groups");
+  const int64_t f = folded ? 2 : 1;
+  TORCH_CHECK(G[0].mem[0].width == f * n_heads * D && G[0].mem[1].width == f * n_kv * D &&
+                  G[0].mem[2].width == n_kv * D && G[1].mem[0].width == H && G[2].mem[1].width == G[2].mem[0].width &&
+                  G[3].mem[0].width == H,
+              E, "member widths do not match the geometry");
+  auto out = at::empty({N, H}, x.options());
+  if (N == 0) return out;
+  const int64_t* pd = pad.data_ptr<int64_t>();
+  if (bf) {
+    auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const uint16_t*)t->data_ptr() : nullptr; };
+    layer_impl<uint16_t>(true, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
+                         out);
+  } else {
+    auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const float*)t->data_ptr() : nullptr; };
+    layer_impl<float>(false, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
+                      out);
+  }
+  return out;
+}
+
+}  // namespace layer
+}  // namespace lrk
+
+TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
+  m.def(
+      "decode_layer(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) kv, int layer, "
+      "Tensor length, Tensor pad, float eps, int n_heads, int n_kv, bool folded) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) { m.impl("decode_layer", &lrk::layer::decode_layer); }

@@ -1,0 +1,141 @@
+"""The fused decode layer (``layer.cpp``): whether an engine's decode step runs ONE op per layer, and its arguments.
+
+``EngineConfig(fused_layer=...)``: ``"auto"`` (where it can run, else today's step, with the reason), ``"off"``
+(never) or ``"on"`` (always, or an error saying why not). It can run when what the op fuses is what the engine
+would run anyway, decided from capabilities, never from backend names:
+
+- the decode GEMVs are our packed kernels (:attr:`GemvChoice.packed`; ``kernels="portable"`` rules them out);
+- the KV store is the dense store itself (:class:`~lowrank_lib.runtime.kv.dense.DenseKV`, not a subclass or another
+  ``kv/`` store: those keep their own append / attend) and its attention backend is our native kernel reading the
+  ``bhsd`` buffer and the cursor from memory (``BackendCaps.native``, ``layout``, no mask);
+- every projection group is packed (one stage-1 matrix: ``pack_qkv`` / ``pack_mlp``) in fp32 / bf16, its low-rank
+  members in one segmented stage-2 call (quantized factors keep the per-op step);
+- the MLP activation is SiLU; at most :data:`~lowrank_lib.runtime.kernels.gemv.LRK_MAX_ROWS` rows (``max_batch``).
+
+:class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
+calling it is one ``torch.ops.lowrank_lrk.decode_layer`` call, so a ``torch.compile``-d step traces one extern call
+per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FUSED_MODES = ("auto", "off", "on")
+
+
+@dataclass(frozen=True)
+class FusedChoice:
+    """Whether the decode step runs the fused layer op, and why."""
+
+    enabled: bool
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return "lrk_decode_layer" if self.enabled else "per-op"
+
+
+def fused_layer_unavailable(gemv, store, groups, act_is_silu: bool, max_batch: int) -> str | None:
+    """Why the fused layer cannot serve this engine (None: it can)."""
+    from ..kv.dense import DenseKV
+    from .gemv import LRK_MAX_ROWS
+
+    if not gemv.packed:
+        return f"the decode GEMVs run {gemv.name} ({gemv.reason})"
+    if type(store) is not DenseKV:
+        return f"the {store.name!r} KV store keeps its own append and attention"
+    caps = store.backend.caps
+    if not caps.native or caps.layout != "bhsd" or caps.needs_mask:
+        return f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not our native kernel"
+    if not all(g.pack for g in groups):
+        return "a projection group is not packed (pack_qkv / pack_mlp off)"
+    odd = next((g for g in groups if not _plain(g)), None)
+    if odd is not None:
+        return (f"the group {'/'.join(odd.names)} is not one packed fp32 / bf16 stage-1 matrix and one segmented "
+                f"stage-2 call (quantized factors)")
+    if not act_is_silu:
+        return "the MLP activation is not SiLU"
+    if max_batch > LRK_MAX_ROWS:
+        return f"max_batch {max_batch} > {LRK_MAX_ROWS} rows (the packed kernel's decode limit)"
+    return None
+
+
+def _plain(g) -> bool:
+    """A packed group the op reads: its stage-1 matrix and every stage-2 factor packed fp32 / bf16 (``lrk.cpp``'s
+    layout), every low-rank member in the one segmented stage-2 call."""
+    S = getattr(g, "S_p", None)
+    mats = [S] + [u for u in getattr(g, "U_p", []) if u is not None]
+    if S is None or not all(isinstance(getattr(m, "P", None), torch.Tensor) for m in mats):
+        return False
+    if any(m.P.dtype not in (torch.float32, torch.bfloat16) or m.P.dtype != S.P.dtype for m in mats):
+        return False
+    lowrank = [i for i, m in enumerate(g.members) if m.lowrank]
+    return not lowrank or (g.seg is not None and list(g.seg["members"]) == lowrank)
+
+
+def select_fused_layer(mode: str, gemv, store, groups, act_is_silu: bool, max_batch: int) -> FusedChoice:
+    """The decode-step form of an engine (``EngineConfig.fused_layer``), with the reason."""
+    if mode not in FUSED_MODES:
+        raise ValueError(f"fused_layer={mode!r}: use one of {FUSED_MODES}")
+    if mode == "off":
+        return FusedChoice(False, "requested: fused_layer='off'")
+    why = fused_layer_unavailable(gemv, store, groups, act_is_silu, max_batch)
+    if why is None:
+        return FusedChoice(True, f"{'requested' if mode == 'on' else 'auto'}: one lowrank_lrk::decode_layer call per "
+                                 f"layer ({gemv.name} GEMVs, {store.backend.name} attention)")
+    if mode == "on":
+        raise RuntimeError(f"fused_layer='on' cannot run: {why}")
+    return FusedChoice(False, f"auto: per-op step ({why})")
+
+
+def _describe(g) -> tuple[list[int], list[torch.Tensor]]:
+    """One packed ProjectionGroup as layer.cpp reads it: rows1, has_b1, nseg, (out, in, xoff)*, has_b2, nmem,
+    (src, off, width)* and its tensors S, [b1], U*, [b2]."""
+    seg = g.seg
+    meta = [g.S_p.out, int(g.S_bias is not None)]
+    ws = [g.S_p.P] + ([g.S_bias] if g.S_bias is not None else [])
+    y_off = {}
+    if seg is None:
+        meta += [0, 0]
+    else:
+        meta.append(len(seg["Ps"]))
+        at = 0
+        for i, o, n, xo in zip(seg["members"], seg["outs"], seg["ins"], seg["xoffs"]):
+            meta += [o, n, xo]
+            y_off[i] = at
+            at += o
+        ws += list(seg["Ps"])
+        meta.append(int(seg["bias"] is not None))
+        ws += [seg["bias"]] if seg["bias"] is not None else []
+    meta.append(len(g.members))
+    for i, m in enumerate(g.members):
+        if i in y_off:
+            meta += [1, y_off[i], g.out_features[i]]
+        else:
+            meta += [0, g.offsets[m.first], g.sizes[m.first]]
+    return meta, ws
+
+
+class FusedLayer:
+    """One engine layer's arguments of ``lowrank_lrk::decode_layer`` (the weights are the groups' own tensors)."""
+
+    def __init__(self, engine, i: int):
+        L = engine.layers[i]
+        self.i = i
+        self.meta: list[int] = []
+        self.w: list[torch.Tensor] = []
+        for g in (L.qkv, L.o, L.gate_up, L.down):
+            m, ws = _describe(g)
+            self.meta += m
+            self.w += [t.contiguous() for t in ws]
+        self.ln1 = None if engine.fold_norm else L.ln1
+        self.ln2 = None if engine.fold_norm else L.ln2
+        self.args = (engine.eps, engine.n_heads, engine.n_kv, engine.fold)
+
+    def __call__(self, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, length: torch.Tensor,
+                 pad: torch.Tensor) -> torch.Tensor:
+        from .ops import decode_layer
+
+        return decode_layer(x, self.ln1, self.ln2, self.w, self.meta, rope, kv, self.i, length, pad, *self.args)

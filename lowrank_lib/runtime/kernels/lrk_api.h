@@ -1,0 +1,30 @@
+// The raw entry points of lrk.cpp's decode kernels, for other translation units of the library (layer.cpp, the
+// fused decode layer): the same code the ops `gemv` and `attend` run after checking their arguments, on plain
+// pointers, writing into buffers the caller owns. Callers check the ISA first (kind_runs) and the shapes themselves.
+#pragma once
+
+#include <cstdint>
+
+namespace lrk {
+
+// whether this CPU (under set_isa_mask) runs the packed kernels of fp32 (bf = false) or bf16 (bf = true)
+bool kind_runs(bool bf);
+// values of pack(W [out, in]) (fp32, or bf16 when bf)
+int64_t packed_size(int64_t out, int64_t in, bool bf);
+
+// one packed matrix of a gemv call: reads columns [xoff, xoff + in) of x, writes its `out` outputs at column yoff of y
+struct GemvMat {
+  const void* P;  // lrk::pack's layout, the element type of x
+  int64_t out, in, xoff, yoff;
+};
+
+// gemv's contract: x [N rows, row stride ldx] -> y [N rows, row stride ldy], each matrix's outputs rounded once to the
+// element type (bf: bf16, else fp32); block jobs split over the kernel pool, the same bits at every thread count
+void gemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y, int64_t ldy);
+
+// attend's contract: q [B, H, G, D] contiguous over slots pad[b] <= s <= hi of K / V (element strides sb, sh, ss of
+// batch row, head, slot; unit stride in D) -> o [B, H * G * D]; (row, head) pairs split over the kernel pool
+void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const void* V, const int64_t* vs, int64_t B,
+                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pad, float scale, void* o);
+
+}  // namespace lrk

@@ -1,0 +1,264 @@
+"""The fused decode layer (``runtime/kernels/layer.cpp``, ``EngineConfig.fused_layer``) against today's per-op step.
+
+Each engine with the fused layer is fed the same tokens as the same engine without it (teacher forcing: a near tie
+in one cannot change what the other sees) and their logits compared step by step: fp32 within 1e-5 of the logit
+scale; bf16 eager within one bf16 rounding (the op rounds where the eager step does); the compiled step one extern
+call per layer, equal to the eager per-op step and within the bf16 bound of the compiled per-op step (inductor fuses
+the elementwise ops and rounds them differently). Models: dense, low-rank (RoPE folded and not), a basis shared by
+q / k / v inside each layer, biases on a mixed dense / low-rank model, GQA and MHA; every ISA level the CPU has
+(``kernel_isa``) and 1 / 2 / 3 threads with the pool forced to split every call.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowrank_lib import models
+from lowrank_lib.compress import compress_svd
+from lowrank_lib.factorized import LowRankLinear, factorize
+from lowrank_lib.runtime import Engine, EngineConfig
+from lowrank_lib.runtime.kernels import build
+
+from kernel_isa import THREADS, kernel_isa, needs_lrk, needs_lrk_native, num_threads  # noqa: F401  (the fixture)
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _shared_basis(seed):
+    """Low rank, with k and v reading q's basis inside each layer (one stage-1 slice, three stage-2 factors)."""
+    m = compress_svd(models.tiny_model("tiny-gqa", seed=seed), 0.6)
+    g = _gen(seed)
+    for L in m.model.layers:
+        a = L.self_attn
+        V = a.q_proj.V
+        for name in ("k_proj", "v_proj"):
+            out = getattr(a, name).out_features
+            setattr(a, name, LowRankLinear(torch.randn(out, V.shape[0], generator=g) * 0.1, V))
+    return m
+
+
+def _mixed_bias(seed):
+    """Dense and low-rank members in one group, with biases on q / k / v and the MLP."""
+    m = models.tiny_model("tiny-mha", seed=seed, attention_bias=True, mlp_bias=True)
+    g = _gen(seed)
+    with torch.no_grad():
+        for p in (p for n, p in m.named_parameters() if n.endswith(".bias")):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ranks = {"model.layers.0.self_attn.k_proj": 5, "model.layers.0.mlp.up_proj": 7,
+             "model.layers.1.self_attn.q_proj": 6, "model.layers.1.mlp.down_proj": 11}
+    return factorize(m, ranks=ranks)
+
+
+MODELS = {
+    "dense-gqa": lambda: models.tiny_model("tiny-gqa", seed=2),
+    "lowrank-gqa": lambda: compress_svd(models.tiny_model("tiny-gqa", seed=1), 0.6),
+    "lowrank-smol": lambda: compress_svd(models.tiny_model("tiny-smol", seed=3), 0.5),
+    "shared-basis": lambda: _shared_basis(4),
+    "mixed-bias-mha": lambda: _mixed_bias(5),
+}
+_cache: dict = {}
+
+
+def _model(name):
+    if name not in _cache:
+        _cache[name] = MODELS[name]()
+    return _cache[name]
+
+
+def _forced(model, cfg, ids, n=6, mask=None, ref=None):
+    """Logits of n steps: ``ref`` None -> (greedy tokens, logits) of a generation; else the logits of an engine fed
+    ``ref``'s tokens after the prefill."""
+    eng = Engine(model, EngineConfig(**cfg))
+    if ref is None:
+        out = eng.generate(ids, n, mask, return_logits=True)
+        return eng, out.tokens, [x.float() for x in out.logits]
+    with torch.no_grad():
+        logits = [eng.prefill(ids, mask)]
+        for j in range(n - 1):
+            logits.append(eng.step(ref[:, j]))
+    return eng, ref, [x.float() for x in logits]
+
+
+def _rel_err(a, b):
+    scale = max(float(x.abs().max()) for x in b)
+    return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
+
+
+def _check(name, dtype, graph="none", extra=None, n=6, batch=1):
+    model = _model(name)
+    ids = torch.randint(0, 256, (batch, 9), generator=_gen(7))
+    mask = None
+    if batch > 1:
+        mask = torch.ones(batch, 9, dtype=torch.long)
+        mask[1, :4] = 0
+    cfg = dict(max_seq_len=24, max_batch=batch, dtype=dtype, **(extra or {}))
+    _, tokens, ref = _forced(model, dict(cfg, fused_layer="off"), ids, n, mask)
+    eng, _, got = _forced(model, dict(cfg, fused_layer="on", graph=graph), ids, n, mask, tokens)
+    rep = eng.report()
+    assert rep["fused_layer"] == "lrk_decode_layer" and "requested" in rep["fused_layer_reason"], rep
+    return eng, tokens, ref, got, (model, cfg, ids, mask)
+
+
+# --------------------------------------------------------------------------- eager, every ISA level and thread count
+@needs_lrk
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_layer_equals_per_op_step_eager(name, dtype):
+    _, _, ref, got, _ = _check(name, dtype)
+    bound = 1e-5 if dtype == "fp32" else 1e-2        # bf16: one rounding of a logit at most
+    assert _rel_err(got, ref) < bound, (name, dtype, _rel_err(got, ref))
+
+
+@needs_lrk
+@pytest.mark.parametrize("extra", [dict(fold_rope=False), dict(fold_norm=True)])
+def test_fused_layer_unfolded_rope_and_folded_norms(extra):
+    """Unfolded RoPE (rotate_half in the op) and norm weights folded into the stage-1 matrices (no weight)."""
+    for dtype in ("fp32", "bf16"):
+        _, _, ref, got, _ = _check("lowrank-gqa", dtype, extra=extra)
+        assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2), (extra, dtype)
+
+
+@needs_lrk
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_layer_batch_with_left_padding(dtype):
+    """Batch 3, one row left-padded: per-row RoPE positions and the attention's pad counts."""
+    _, _, ref, got, _ = _check("lowrank-gqa", dtype, batch=3)
+    assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2)
+
+
+@needs_lrk
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_layer_same_bits_at_every_thread_count(dtype):
+    """1, 2 and 3 threads with every GEMV and the attention split (pool min_bytes=1): each engine equals its per-op
+    step within the bound, and the op itself (the same layer inputs and cache) gives the same bits, cache writes
+    included. (Whole generations differ across thread counts in the prefill's aten GEMMs, not in the op.)"""
+    outs = {}
+    for t in THREADS:
+        with num_threads(t), build.pool(min_bytes=1):
+            before = build.pool_info()["parallel_calls"]
+            eng, _, ref, got, (_, _, ids, _) = _check("lowrank-smol", dtype)
+            assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2)
+            if t == 1:
+                kv0, x0 = eng.kv.kv.clone(), torch.randn(1, eng.hidden, generator=_gen(3)).to(eng.dtype)
+                same = eng
+            same.kv.kv.copy_(kv0)
+            x = x0
+            for f in same._fused:
+                x = f(x, same.cs_table, same.kv.kv, same.cursor.length, same.cursor.pad)
+            outs[t] = (x, same.kv.kv.clone())
+            if t > 1:
+                assert build.pool_info()["parallel_calls"] > before, "the pool never split a call"
+    assert not torch.equal(outs[1][1], kv0)                  # the op wrote the token's K / V
+    for t in THREADS[1:]:
+        assert torch.equal(outs[t][0], outs[1][0]) and torch.equal(outs[t][1], outs[1][1]), t
+
+
+# --------------------------------------------------------------------------- compiled step
+@needs_lrk_native
+@pytest.mark.parametrize("name", ["dense-gqa", "lowrank-smol"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_fused_layer_compiled_step_one_call_per_layer(name, dtype):
+    """torch.compile of the whole step: one lowrank_lrk::decode_layer extern call per layer and no other GEMM than
+    the LM head's; logits equal to the eager per-op step (fp32 1e-5, bf16 one rounding) and within the bf16 bound
+    of the compiled per-op step."""
+    from lowrank_lib.runtime.profiling import per_token_counts
+
+    with num_threads(2):
+        eng, tokens, ref, got, (model, cfg, ids, mask) = _check(name, dtype, graph="whole-step")
+        bound = 1e-5 if dtype == "fp32" else 1e-2
+        assert _rel_err(got, ref) < bound, _rel_err(got, ref)
+        _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, mask, tokens)
+        assert _rel_err(got, comp) < (1e-5 if dtype == "fp32" else 0.05), _rel_err(got, comp)
+        counts = per_token_counts(eng, ids, 2)
+    n = len(eng.layers)
+    assert counts["ops"].get("lowrank_lrk.decode_layer") == n, counts["ops"]
+    assert counts["by_class"]["layer"] == n and counts["by_class"]["gemm"] == 1, counts["by_class"]
+
+
+# --------------------------------------------------------------------------- when it runs, and why not
+@pytest.fixture
+def counted(monkeypatch):
+    """Every lowrank_lrk::decode_layer call the engine makes through ``kernels.ops``, counted."""
+    from lowrank_lib.runtime.kernels import ops
+
+    calls = []
+    real = ops.decode_layer
+
+    def counting(*a, **k):
+        calls.append(a[7])
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, "decode_layer", counting)
+    return calls
+
+
+@needs_lrk_native
+def test_portable_and_off_never_call_the_fused_layer(counted):
+    model = _model("lowrank-gqa")
+    ids = torch.randint(0, 256, (1, 7), generator=_gen(1))
+    steps = 5
+    for cfg, why in ((dict(kernels="portable"), "the decode GEMVs run aten"), (dict(fused_layer="off"), "'off'")):
+        eng = Engine(model, EngineConfig(max_seq_len=16, **cfg))
+        eng.generate(ids, steps)
+        assert not counted, cfg
+        assert eng.report()["fused_layer"] == "per-op" and why in eng.report()["fused_layer_reason"], eng.report()
+    eng = Engine(model, EngineConfig(max_seq_len=16))                      # auto: it can run here
+    eng.generate(ids, steps)
+    assert counted == list(range(len(eng.layers))) * (steps - 1)
+    assert "auto: one lowrank_lrk::decode_layer call per layer" in eng.report()["fused_layer_reason"]
+    with pytest.raises(RuntimeError, match="fused_layer='on' cannot run: the decode GEMVs run aten"):
+        Engine(model, EngineConfig(max_seq_len=16, kernels="portable", fused_layer="on"))
+    with pytest.raises(ValueError, match="fused_layer="):
+        EngineConfig(fused_layer="yes")
+
+
+@needs_lrk_native
+def test_other_stores_attention_and_shapes_keep_the_per_op_step(counted):
+    from lowrank_lib.kv import MethodStore, make_method
+
+    model = _model("lowrank-gqa")
+    ids = torch.randint(0, 256, (1, 7), generator=_gen(2))
+    cases = [(dict(kv="rebuild"), None, "'rebuild' KV store"), (dict(attention="sdpa"), None, "attention is sdpa"),
+             (dict(pack_qkv=False), None, "not packed"), (dict(max_batch=9), None, "max_batch 9"),
+             ({}, MethodStore(make_method("dense")), "KV store keeps its own")]
+    for cfg, store, why in cases:
+        eng = Engine(model, EngineConfig(max_seq_len=16, **cfg), kv=store)
+        assert eng.report()["fused_layer"] == "per-op" and why in eng.report()["fused_layer_reason"], (cfg, eng.report())
+        eng.generate(ids, 3)
+    gelu = models.tiny_model("tiny-gqa", seed=2, hidden_act="gelu")
+    eng = Engine(gelu, EngineConfig(max_seq_len=16))
+    assert "not SiLU" in eng.report()["fused_layer_reason"]
+    assert not counted
+
+
+@needs_lrk_native
+def test_decode_layer_rejects_hostile_arguments():
+    """The op checks what it reads: the description's length, tensor sizes, member widths, the slot."""
+    from lowrank_lib.runtime.kernels import ops
+
+    eng = Engine(_model("lowrank-gqa"), EngineConfig(max_seq_len=16))
+    f = eng._fused[0]
+    x = torch.randn(1, eng.hidden)
+    c = eng.cursor
+    good = dict(x=x, ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, rope=eng.cs_table, kv=eng.kv.kv, layer=0,
+                length=c.length, pad=c.pad, eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv, folded=eng.fold)
+    assert ops.decode_layer(**good).shape == x.shape
+    bad = [dict(meta=f.meta[:-1]), dict(meta=f.meta + [1]), dict(w=f.w[:-1]), dict(w=[f.w[1]] + f.w[1:]),
+           dict(layer=len(eng.layers)), dict(length=torch.tensor([16])), dict(n_kv=eng.n_kv + 1),
+           dict(folded=not eng.fold), dict(x=x.bfloat16()), dict(x=torch.randn(2, eng.hidden + 1))]
+    for b in bad:
+        with pytest.raises(RuntimeError, match="decode_layer"):
+            ops.decode_layer(**{**good, **b})
+
+
+def test_selection_without_packed_gemvs_says_why():
+    """The selection reads capabilities: a portable GEMV backend rules the fused layer out before anything else."""
+    from lowrank_lib.runtime.kernels.gemv import GemvChoice
+    from lowrank_lib.runtime.kernels.layer import select_fused_layer
+
+    ch = select_fused_layer("auto", GemvChoice("aten", "requested: kernels='portable'"), None, [], True, 1)
+    assert not ch.enabled and "aten" in ch.reason and ch.name == "per-op"
+    with pytest.raises(ValueError, match="fused_layer="):
+        select_fused_layer("always", GemvChoice("aten", ""), None, [], True, 1)
