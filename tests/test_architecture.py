@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
     "compress": CORE,
     "formats": CORE,
+    "resolve": CORE | {"compress", "formats"},     # (dense, compressed, tokenizer) from MODEL and CHECKPOINT
     "synthetic": CORE | {"compress", "formats"},   # every family's native file at a real shape, random weights
     "runtime": {"factorized", "generation", "geometry", "compat", "timing", "quant"},
     "hf": {"geometry", "compat"},
@@ -37,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "families", "executor",
                     "timing"},
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "eval", "families",
-                     "executor", "timing", "synthetic"},
+                     "executor", "timing", "synthetic", "resolve"},
     "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures"},   # the notebooks' sliders
     "figures": set(),           # the notebooks' figure check (a leaf: matplotlib only)
     "notebooks": None,          # the notebook runner may import anything

@@ -69,10 +69,11 @@ def weight_bytes(runner) -> int:
 
 def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
     """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
-    from .models import load_bench_models
+    from ..resolve import resolve_models
 
     dt, dev = parse_dtype(cfg.dtype), torch.device(cfg.device)
-    dense, comp, _ = models or load_bench_models(cfg.model, cfg.method, cfg.keep, cfg.checkpoint, cfg.device)
+    dense, comp, _ = models or resolve_models(cfg.model, cfg.checkpoint, method=cfg.method, keep=cfg.keep,
+                                              device=cfg.device)
     g = torch.Generator().manual_seed(cfg.seed)
     ids = torch.randint(0, comp.config.vocab_size, (cfg.batch, cfg.prompt_len), generator=g).to(dev)
     runners = {s: make_runner(s, comp, dense, dtype=dt, max_seq_len=cfg.prompt_len + cfg.gen_len,

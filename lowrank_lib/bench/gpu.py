@@ -256,9 +256,9 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
                 fs["engine_graphs"] = engine_graphs(device, P["engine_graphs"], P["compile_backend"])
             elif stage.startswith("speed"):
                 if models_ is None:
-                    from .models import load_bench_models
+                    from ..resolve import resolve_models
 
-                    models_ = load_bench_models(model, "svd", 0.5, None, device)
+                    models_ = resolve_models(model, method="svd", keep=0.5, device=device)
                     n_layers = models_[1].config.num_hidden_layers
                 p, g = P["settings"][stage]
                 sys_ = tuple(s for s in P["systems"] if stage == "speed_p512" or s != "dense_hf_static")

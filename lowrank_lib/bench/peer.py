@@ -176,13 +176,13 @@ def audit_line(dtype: str, a: dict) -> str:
 def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     """Run the whole benchmark (see the module docstring); returns the result dict."""
     from .llamacpp import available, version
-    from .models import load_bench_models
+    from ..resolve import resolve_models
 
     want_llama = "llamacpp_dense" in cfg.systems
     ok, why = available()
     if want_llama and not ok:
         raise SystemExit(f"peer benchmark: {why}")
-    dense, comp, tok = load_bench_models(cfg.model, "svd", cfg.keep)
+    dense, comp, tok = resolve_models(cfg.model, method="svd", keep=cfg.keep)
     ids = prompt_ids(tok, dense.config.vocab_size, cfg.prompt_len, cfg.prompt, cfg.seed)
     ggufs = peer_files(cfg, dense, log) if want_llama else {}
     n_ctx, shape = cfg.prompt_len + cfg.gen_len, Path(cfg.model).name

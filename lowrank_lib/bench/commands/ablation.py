@@ -20,13 +20,13 @@ def run(a) -> int:
 
     from ...runtime import parse_dtype
     from ...runtime.ablation import MECHANISMS, mechanism_table
-    from ..models import load_bench_models
+    from ...resolve import resolve_models
     from ..options import one
     from ..results import ResultFiles, slug
     from . import report
 
     keep, P, G = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len"), one(a.gen_len, "--gen-len")
-    dense, comp, _ = load_bench_models(a.model, "svd", keep)
+    dense, comp, _ = resolve_models(a.model, method="svd", keep=keep)
     rows = [k for k in MECHANISMS if not (a.no_compiled and "graph" in k)]
     base = tuple(a.baselines)
     table = mechanism_table(comp, dense, P, G, a.repeats, parse_dtype(a.dtype), rows, base)

@@ -22,13 +22,13 @@ def run(a) -> int:
 
     from ...eval.fidelity import audit, perplexity_table
     from ...runtime import parse_dtype
-    from ..models import load_bench_models
+    from ...resolve import resolve_models
     from ..options import one
     from ..results import ResultFiles, slug
     from . import report
 
     keep, G, P = one(a.keep, "--keep"), one(a.gen_len, "--gen-len"), one(a.prompt_len, "--prompt-len")
-    dense, comp, tok = load_bench_models(a.model, a.method, keep, a.checkpoint)
+    dense, comp, tok = resolve_models(a.model, a.checkpoint, method=a.method, keep=keep)
     if tok is None:
         raise SystemExit(f"model {a.model!r} has no tokenizer: the fidelity audit needs real prompts")
     systems = tuple(a.systems)

@@ -18,13 +18,13 @@ def run(a) -> int:
 
     from ...runtime import Engine, EngineConfig, parse_dtype
     from ..layout import engine_operand_shapes, format_layout_table, layout_bench
-    from ..models import load_bench_models
+    from ...resolve import resolve_models
     from ..options import one
     from ..results import ResultFiles, slug
     from . import report
 
     keep = one(a.keep, "--keep")
-    _, comp, _ = load_bench_models(a.model, "svd", keep)
+    _, comp, _ = resolve_models(a.model, method="svd", keep=keep)
     dt = parse_dtype(a.dtype)
     eng = Engine(comp, EngineConfig(max_seq_len=8, dtype=dt, weight_layout="out_major", fold_rope=True))
     res = layout_bench(engine_operand_shapes(eng), dt, a.working_set_mb, a.repeats)
