@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "geometry": set(), "attention_mass": set(), "codecs": set(), "tokentext": set(),
     "compat": set(), "executor": set(), "quant": set(),     # leaves: calling convention, sweep executor, quant codes
     "timing": set(),            # the one timing helper (interleaved rounds, medians): a leaf
+    "host": {"timing"},         # the host facts every measurement records (CPU, bandwidth, load, RSS)
     "generation": {"tokentext"},        # answer() decodes without U+FFFD
     "families": set(),          # names its implementations as "module:function" strings, imported on use
     "ranks": {"families"},
@@ -38,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "families", "executor",
                     "timing"},
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "eval", "families",
-                     "executor", "timing", "synthetic", "resolve"},
+                     "executor", "timing", "synthetic", "resolve", "host"},
     "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures"},   # the notebooks' sliders
     "figures": set(),           # the notebooks' figure check (a leaf: matplotlib only)
     "notebooks": None,          # the notebook runner may import anything

@@ -17,8 +17,8 @@ def test_the_childs_own_peak_rss_is_reported():
     lower, even while the parent holds 600 MB (the kernel's ru_maxrss of a child keeps what it inherited at fork:
     the figure must be the child's own, not the parent's)."""
     ballast = b"\x01" * (600 * MB)                  # written pages: the parent's RSS grows by 600 MB
-    big = run_child("lowrank_lib.bench.host:copy_bandwidth", device="cpu", nbytes=256 * MB, repeats=1)
-    small = run_child("lowrank_lib.bench.host:copy_bandwidth", device="cpu", nbytes=1 * MB, repeats=1)
+    big = run_child("lowrank_lib.host:copy_bandwidth", device="cpu", nbytes=256 * MB, repeats=1)
+    small = run_child("lowrank_lib.host:copy_bandwidth", device="cpu", nbytes=1 * MB, repeats=1)
     assert big["result"] > 0 and small["result"] > 0 and big["wall_s"] > 0
     assert big["peak_rss"] >= 512 * MB and big["peak_rss"] - small["peak_rss"] >= 480 * MB, (
         big["peak_rss"] / MB, small["peak_rss"] / MB)
@@ -30,6 +30,6 @@ def test_a_failing_child_is_a_clear_error():
     with pytest.raises(ChildError, match=r"(?s)timing:summary exited with code 1.*ValueError: summary of no samples"):
         run_child("lowrank_lib.timing:summary", seconds=[])
     with pytest.raises(ChildError, match="host:copy_bandwidth was killed by SIGKILL after the 1 s timeout"):
-        run_child("lowrank_lib.bench.host:copy_bandwidth", timeout=1, device="cpu", nbytes=64 * MB, repeats=10 ** 6)
+        run_child("lowrank_lib.host:copy_bandwidth", timeout=1, device="cpu", nbytes=64 * MB, repeats=10 ** 6)
     with pytest.raises(ValueError, match="lowrank_lib"):
         run_child("os:system", command="true")

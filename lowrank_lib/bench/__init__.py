@@ -1,9 +1,10 @@
 """The benchmark package: ``python -m lowrank_lib.bench <command>`` (see :mod:`.cli` for the table).
 
-Library modules hold the measurements (notebooks import them): :mod:`.decode` (systems side by side),
-:mod:`.ablation` (mechanism on/off, sweeps), :mod:`.layout` (weight-layout GEMV bandwidth),
-:mod:`.factor_space` (factor-space attention vs rebuild vs dense), :mod:`.cost` (its cost model),
-:mod:`.kv_decode` (KV methods in the engine), :mod:`.gpu` (the prepared GPU checks), :mod:`.models` (benchmark
-models), :mod:`.timing` (the one timing helper), :mod:`.results` (the one writer), :mod:`.options` (the one flag
-vocabulary). :mod:`.commands` holds the thin CLI modules; evaluation protocols live in ``lowrank_lib.eval``.
+A client of the library: the measurements notebooks also run live in it (``runtime.ablation``,
+``runtime.profiling``, ``eval.factor_space``, ``attsvd.cost``, ``resolve``, ``synthetic``, ``timing``, ``host``).
+Here: :mod:`.decode` (systems side by side), :mod:`.layout` (weight-layout GEMV bandwidth), :mod:`.kv_decode` (KV
+methods in the engine), :mod:`.load` (checkpoint loads in a child), the peer family (:mod:`.peer_base`, :mod:`.peer`,
+:mod:`.peer_scale`: llama.cpp side by side), :mod:`.gpu` (the prepared GPU checks), :mod:`.child` (the one
+child-process worker), :mod:`.results` (the one writer), :mod:`.options` (the one flag vocabulary). :mod:`.commands`
+holds the thin CLI modules.
 """

@@ -26,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-from .host import status_bytes
+from ..host import status_bytes
 
 
 class ChildError(RuntimeError):

@@ -20,7 +20,7 @@ from ..runtime import Engine, parse_dtype
 from ..runtime.baselines import make_runner
 from ..runtime.profiling import per_token_counts, timed_generations
 from ..timing import summary
-from .host import copy_bandwidth, cpu_name
+from ..host import copy_bandwidth, cpu_name
 
 
 @dataclass

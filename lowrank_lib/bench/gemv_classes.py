@@ -54,7 +54,7 @@ def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: flo
     median of ``repeats`` passes over every copy, :func:`lowrank_lib.timing.timed`), and the copy bandwidth
     before and after."""
     from ..runtime.kernels import build, ops
-    from .host import copy_bandwidth
+    from ..host import copy_bandwidth
 
     lib = build.load()
     if not lib.available:

@@ -3,7 +3,7 @@ adapter against the engine's dense store, the same context, the same step mode, 
 
 Per context and thread count, each system is its own :class:`~lowrank_lib.runtime.Engine` (the dense store, or a
 :class:`~lowrank_lib.kv.engine_adapter.MethodStore` of a registry method at a budget) that prefilled the same
-prompt; decode ms/token is the median over every step of every round (:mod:`.timing`); attention ms/token is the
+prompt; decode ms/token is the median over every step of every round (:mod:`lowrank_lib.timing`); attention ms/token is the
 median time of one decode attention of every layer through the store
 (:func:`lowrank_lib.runtime.profiling.decode_attention`, after the last step). Everything a row says comes from the engine's own report: the step mode, the attention kernel and why.
 """
@@ -62,8 +62,8 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
     from ..eval.kv_sweep import frontier_windows
     from ..runtime.profiling import decode_attention, greedy_steps
     from ..timing import interleaved, summary
-    from .host import copy_bandwidth
-    from .results import ResultFiles, load_average
+    from ..host import copy_bandwidth, load_average
+    from .results import ResultFiles
 
     model, tok = models.load(cfg.model)
     model.eval()

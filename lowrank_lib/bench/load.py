@@ -53,7 +53,7 @@ def load_jobs(jobs: list[dict]) -> list[dict]:
     from transformers import LlamaForCausalLM  # noqa: F401  (imported before the baseline: part of any load)
 
     from ..formats import CheckpointError, load_checkpoint
-    from .host import status_bytes
+    from ..host import status_bytes
 
     rows = []
     for job in jobs:

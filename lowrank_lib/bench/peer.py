@@ -38,10 +38,10 @@ import torch
 from tqdm.auto import tqdm
 
 from ..runtime import run_generation
-from .host import copy_bandwidth, machine, read_bandwidth
+from ..host import copy_bandwidth, load_average, machine, read_bandwidth
 from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes,
                         engine, equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
-from .results import ResultFiles, load_average
+from .results import ResultFiles
 from ..timing import interleaved, interleaved_samples, summary
 
 #: the keys every row holds (the notebooks' tables)

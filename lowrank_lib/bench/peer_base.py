@@ -7,7 +7,7 @@ geometries, one system per process) both build on this module and on nothing of 
 - :class:`Timed`: one system's generations through the one decode loop (``run_generation``) and its row: decode
   ms/token = median over every step (quartiles, p10 / p90 by :func:`lowrank_lib.timing.summary`), prefill,
   weight bytes per token, achieved GB/s, ``roofline_x`` = decode time / (weight bytes / copy bandwidth) and the
-  same against the read-only bandwidth, the calling thread's CPU time at 1 thread (:class:`~.host.CpuClocked`),
+  same against the read-only bandwidth, the calling thread's CPU time at 1 thread (:class:`lowrank_lib.host.CpuClocked`),
   what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks;
 - :func:`compare_greedy`: two runtimes' greedy tokens and logits on the same prompt;
 - :func:`comparisons`: every lowrank_lib row against llama.cpp dense of the same model, dtype and threads;
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..formats.gguf import decode_bytes_per_token
 from ..runtime import Engine, EngineConfig, run_generation
-from .host import CpuClocked
+from ..host import CpuClocked
 from .llamacpp import LlamaCppRunner
 from ..timing import summary
 

@@ -40,10 +40,10 @@ import torch
 from ..models import SHAPES, load_shape_model, proj_shapes, shape_config, shape_dir, write_shape_weights
 from ..ranks import keep_rank
 from .child import run_child
-from .host import copy_bandwidth, machine, read_bandwidth
+from ..host import copy_bandwidth, load_average, machine, read_bandwidth
 from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes, engine,
                         equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
-from .results import load_average, slug
+from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
 QUANTS = ("q8_0", "q4_k_m")

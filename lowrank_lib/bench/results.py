@@ -18,17 +18,6 @@ from pathlib import Path
 DEFAULT_OUT = "benchmarks/results"
 
 
-def load_average() -> list[float] | None:
-    """The machine's 1/5/15-minute load averages (rounded), recorded beside timings: what else was running
-    shows there. ``None`` where the platform has none."""
-    import os
-
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
-
-
 def slug(*parts) -> str:
     """Join the non-empty parts with ``_``; characters outside [A-Za-z0-9.-] become ``-``."""
     return "_".join(re.sub(r"[^A-Za-z0-9.\-]+", "-", str(p)) for p in parts if p not in (None, ""))

@@ -283,7 +283,7 @@ def timing_banner(ci: bool, repeats: int | None = None) -> str | None:
     """The warning a notebook shows above its timings when they are not meaningful: at CI size, with fewer
     than 3 repeats, or on a loaded machine (1-minute load average above half the cores); None otherwise.
     Displays it (:func:`banner`) and returns its text."""
-    from ..bench.results import load_average
+    from ..host import load_average
 
     why = []
     if ci:

@@ -170,7 +170,7 @@ def test_write_timings():
     path = os.environ.get("LOWRANK_LIB_BROWSER_TIMINGS")
     if not path:
         pytest.skip("LOWRANK_LIB_BROWSER_TIMINGS not set")
-    from lowrank_lib.bench.results import load_average
+    from lowrank_lib.host import load_average
 
     out = {"written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_average": load_average(),
            "cores": os.cpu_count(), "notebooks": TIMINGS}

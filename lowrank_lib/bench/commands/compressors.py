@@ -80,7 +80,7 @@ def measure(a, progress: bool = True, on_row=None) -> dict:
     from ...eval.quality import QualityConfig, eval_tokens
     from ...factorized import account, iter_linears
     from ..options import one
-    from ..results import load_average
+    from ...host import load_average
 
     seq = one(a.prompt_len, "--prompt-len")
     torch.manual_seed(0)

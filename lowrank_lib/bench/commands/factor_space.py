@@ -26,7 +26,7 @@ def run(a) -> int:
     from ...eval.factor_space import (AttnBenchConfig, FactorDecodeConfig, attention_ratios, bench_attention,
                                       bench_decode, bench_engine, markdown)
     from ...eval.kvquality import continuation_by_rank
-    from ..host import cpu_name
+    from ...host import cpu_name
     from ..options import one
     from ..results import ResultFiles
     from . import report

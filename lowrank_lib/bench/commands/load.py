@@ -44,11 +44,11 @@ def run(a) -> int:
 
     import torch
 
-    from ..host import copy_bandwidth, machine
+    from ...host import copy_bandwidth, load_average, machine
     from ...synthetic import FAMILIES
     from ..load import format_table, run_rows
     from ..options import one
-    from ..results import ResultFiles, load_average, slug
+    from ..results import ResultFiles, slug
 
     shape, keep = "quick" if a.quick else a.shape, one(a.keep, "--keep")
     files = ResultFiles(a.out, "load", slug(shape, f"k{keep}"))

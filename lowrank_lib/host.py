@@ -1,8 +1,9 @@
-"""THE host facts every benchmark records beside its timings: CPU name, core count, copy and read bandwidth, the
-process's resident memory, and :class:`CpuClocked` (the calling thread's CPU time of every decode step).
+"""THE host facts every measurement records beside its timings: CPU name, core count, copy and read bandwidth, the
+load average, the process's resident memory, and :class:`CpuClocked` (the calling thread's CPU time of every decode
+step).
 
 A leaf: it imports nothing of lowrank_lib but the timing helper (:mod:`lowrank_lib.timing`, itself a leaf),
-so every benchmark, the child-process worker and the notebooks can use it.
+so the library's measurements, every benchmark, the child-process worker and the notebooks can use it.
 """
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ..timing import summary, timed
+from .timing import summary, timed
+
+__all__ = ["CpuClocked", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine", "read_bandwidth",
+           "status_bytes"]
 
 
 def cpu_name() -> str:
@@ -57,6 +61,15 @@ def read_bandwidth(device, nbytes: int = 1 << 28, repeats: int = 5) -> float:
     decode GEMV, which only reads its weights, can reach. On some hosts it sits well below :func:`copy_bandwidth`
     (one AMD EPYC VM: 9.5 vs 12 GB/s), so a copy roofline of 1.0 is out of reach there."""
     return _bandwidth(device, nbytes, repeats, copy=False)
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1/5/15-minute load averages (rounded), recorded beside timings: what else was running
+    shows there. ``None`` where the platform has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def status_bytes(key: str) -> int | None:
