@@ -1,8 +1,9 @@
 """The compiled kernels' library: found ahead-of-time built, else built just in time, else absent (with why).
 
 ONE library from the sources beside this module (:data:`SOURCES`: ``lrk.cpp``, packed GEMV and dense decode
-attention; ``tiers.cpp``, the fused attention over a tiered KV layer; ``pool.cpp``, the thread pool both use; the
-headers of :data:`HEADERS`; all shipped as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
+attention; ``tiers.cpp``, the fused attention over a tiered KV layer; ``qgemv.cpp``, the packed GEMV of int8 /
+int4 quantized matrices (the math of ``lowrank_lib.quant``); ``pool.cpp``, the thread pool they use; the headers
+of :data:`HEADERS`; all shipped as package data) and ONE set of flags (:data:`CFLAGS`), two routes:
 
 - **ahead of time**: ``pip install`` (``setup.py``) compiles it when torch is importable in the build
   environment (``make`` installs torch first and the package with ``--no-build-isolation``), as the
@@ -44,6 +45,9 @@ HERE = Path(__file__).parent
 SOURCES = [HERE / "lrk.cpp", HERE / "tiers.cpp", HERE / "pool.cpp", HERE / "layer.cpp"]
 #: included by the sources: part of the tag, so an edited header rebuilds
 HEADERS = [HERE / "lrk_simd.h", HERE / "lrk_simd2.h", HERE / "lrk_pool.h", HERE / "tiers_item.h", HERE / "lrk_api.h"]
+#: the packed GEMV of quantized matrices (issue 30) and its AVX-512 code (included twice)
+SOURCES += [HERE / "qgemv.cpp"]
+HEADERS += [HERE / "qgemv_512.h"]
 NAMESPACE = "lowrank_lrk"
 #: the compile flags of BOTH routes (no -march: the AVX-512 code is selected by target pragmas and a
 #: run-time CPUID check, so the library builds and loads on any x86-64)
@@ -52,7 +56,9 @@ LDFLAGS = ["-fopenmp"]
 #: isa_flags() bits
 ISA_BITS = {"avx512f": 1, "avx512bw": 2, "avx512vl": 4, "avx512_bf16": 8, "avx512_vnni": 16, "avx2": 32, "fma": 64}
 #: the feature levels :func:`limit_isa` and ``$LOWRANK_LIB_ISA`` accept
-ISA_LEVELS = {"all": -1, "avx2": ISA_BITS["avx2"] | ISA_BITS["fma"], "none": 0}
+#: (``"avx512_no_vnni"``: AVX-512 without VNNI, so ``qgemv``'s vpmaddwd code runs on a VNNI CPU)
+ISA_LEVELS = {"all": -1, "avx512_no_vnni": -1 & ~ISA_BITS["avx512_vnni"],
+              "avx2": ISA_BITS["avx2"] | ISA_BITS["fma"], "none": 0}
 
 
 def source_tag() -> str:
@@ -175,6 +181,20 @@ def _register_fakes() -> None:
     def _(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded):
         return torch.empty_like(x)
 
+    @torch.library.register_fake(f"{NAMESPACE}::qpack")
+    def _(data, scale, bits, group, out, inp):
+        raise RuntimeError("lowrank_lrk::qpack runs eagerly (weights are packed when the engine is built)")
+
+    @torch.library.register_fake(f"{NAMESPACE}::qunpack")
+    def _(P, bits, group, out, inp):
+        p = -(-inp // group) * group
+        return (P.new_empty(out, p if bits == 8 else p // 2, dtype=torch.int8 if bits == 8 else torch.uint8),
+                P.new_empty(out, p // group, dtype=torch.float16))
+
+    @torch.library.register_fake(f"{NAMESPACE}::qgemv")
+    def _(x, Ps, outs, ins, xoffs, bits, group):
+        return x.new_empty(x.shape[0], sum(outs))
+
     @torch.library.register_fake(f"{NAMESPACE}::certified_head")
     def _(x, Q, meta, P, V, max_fraction, stats):
         return x.new_empty(x.shape[0], V)
@@ -231,7 +251,8 @@ def _set_level(level: str) -> str:
 @contextlib.contextmanager
 def limit_isa(level: str):
     """``with limit_isa("avx2"):`` the kernels (and the backend choice of engines built inside) use only AVX2 + FMA,
-    as on a CPU without AVX-512; ``"none"``: no kernel runs. Restores the previous level on exit."""
+    as on a CPU without AVX-512; ``"avx512_no_vnni"``: AVX-512 without VNNI (``qgemv``'s vpmaddwd code);
+    ``"none"``: no kernel runs. Restores the previous level on exit."""
     if level not in ISA_LEVELS:
         raise ValueError(f"limit_isa({level!r}): use one of {sorted(ISA_LEVELS)}")
     lib = load()

@@ -61,3 +61,22 @@ def decode_layer(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | 
     """One decode layer of the dense-KV engine in one call (``layer.cpp``; ``w`` / ``meta`` from ``layer.py``): x [B, H]
     -> x after attention and MLP; writes the token's K/V at slot ``length`` of layer ``layer`` of ``kv`` in place."""
     return _ops().decode_layer.default(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded)
+
+
+def qpack(data: torch.Tensor, scale: torch.Tensor, bits: int, group: int, out: int, inp: int) -> torch.Tensor:
+    """A quantized [out, inp] matrix in the canonical storage of ``lowrank_lib.quant`` (``data``: int8 [out, in_pad],
+    or uint8 [out, in_pad / 2] nibbles for 4 bits; ``scale``: fp16 [out, in_pad / group]) -> the packed uint8 blob of
+    ``qgemv.cpp`` (codes and scales of each 64-output block in the order the kernel streams them)."""
+    return _ops().qpack(data, scale, bits, group, out, inp)
+
+
+def qunpack(P: torch.Tensor, bits: int, group: int, out: int, inp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact inverse of :func:`qpack`: (data, scale) in the canonical storage (new tensors)."""
+    return _ops().qunpack(P, bits, group, out, inp)
+
+
+def qgemv(x: torch.Tensor, Ps: list[torch.Tensor], outs: list[int], ins: list[int], xoffs: list[int], bits: int,
+          group: int) -> torch.Tensor:
+    """y [N, sum outs] in x's dtype (fp32 / bf16, N <= 8): matrix m (a :func:`qpack` blob) reads columns
+    [xoffs[m], xoffs[m] + ins[m]) of x [N, X]; the spec's product (``quant.qmatmul`` without bias), bit for bit."""
+    return _ops().qgemv(x, Ps, outs, ins, xoffs, bits, group)
