@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "formats": CORE,
     "resolve": CORE | {"compress", "formats"},     # (dense, compressed, tokenizer) from MODEL and CHECKPOINT
     "synthetic": CORE | {"compress", "formats"},   # every family's native file at a real shape, random weights
-    "runtime": {"factorized", "generation", "geometry", "compat", "timing", "quant"},
+    "runtime": {"factorized", "generation", "geometry", "compat", "timing", "quant", "ranks", "host"},
     "hf": {"geometry", "compat"},
     "attsvd": CORE,
     "eviction": CORE,

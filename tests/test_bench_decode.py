@@ -121,7 +121,7 @@ def test_op_classes_and_counter():
 
 
 def test_layout_bench_counts_every_operand(tmp_path, capsys):
-    from lowrank_lib.bench.layout import engine_operand_shapes
+    from lowrank_lib.runtime.bandwidth import engine_operand_shapes
 
     model = compress_svd(models.tiny_model("tiny-gqa", seed=0), 0.5)
     eng = Engine(model, EngineConfig(max_seq_len=8, weight_layout="out_major"))

@@ -503,7 +503,7 @@ def test_peer_scale_end_to_end_one_process_per_system(tmp_path):
 
 
 def test_gemv_classes_follow_the_engine_packing():
-    from lowrank_lib.bench.gemv_classes import gemv_classes, measure
+    from lowrank_lib.runtime.bandwidth import gemv_classes, measure
     from lowrank_lib.models import shape_config
     from lowrank_lib.ranks import keep_rank
 

@@ -14,7 +14,7 @@ keep-``keep`` factors (``rows[].keep``).
 Every (system, dtype, keep) runs in its OWN child process (:mod:`lowrank_lib.bench.child`: a 7B dense model and its
 factors never share the machine's memory; each row carries the child's peak RSS, anonymous and file-backed); a
 first child writes the files (:func:`prepare`), a last one per dtype times each GEMV class of the geometry alone
-(:mod:`.gemv_classes`). A child runs every thread count: copy and read bandwidth before and after, a warm-up
+(:func:`lowrank_lib.runtime.bandwidth.measure`). A child runs every thread count: copy and read bandwidth before and after, a warm-up
 generation (our engine compiles its step there, timed apart), then ``repeats`` generations; the row is
 :class:`~.peer_base.Timed`'s, as in the SmolLM2 peer. The children run one after another and are NOT interleaved
 round by round (that needs every system alive in one process, which this design rules out at 7B), so ratios
@@ -71,7 +71,7 @@ class ScaleConfig:
     graph: str = "whole-step"
     llama_flash_attn: str = "on"                    # "on" | "off" (llama-bench's CPU default is on)
     lm_head: str = "exact"
-    gemv_classes: bool = True                       # also time each GEMV class of the geometry (bench/gemv_classes.py)
+    gemv_classes: bool = True                       # also time each GEMV class of the geometry (runtime.bandwidth)
     seed: int = 0
     out: str = "benchmarks/results"
     cache_dir: str | None = None                    # the random weights and GGUFs; None = the model cache
@@ -194,9 +194,9 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
 
 
 def run_gemv_classes(config: dict, dtype: str) -> dict:
-    """(A child.) :func:`lowrank_lib.bench.gemv_classes.measure` of the dense and every keep geometry, every thread
+    """(A child.) :func:`lowrank_lib.runtime.bandwidth.measure` of the dense and every keep geometry, every thread
     count."""
-    from .gemv_classes import measure
+    from ..runtime.bandwidth import measure
 
     cfg = ScaleConfig(**config)
     c, out = shape_config(cfg.shape, cfg.layers, cfg.overrides), []

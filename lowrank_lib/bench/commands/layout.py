@@ -17,7 +17,7 @@ def run(a) -> int:
     from pathlib import Path
 
     from ...runtime import Engine, EngineConfig, parse_dtype
-    from ..layout import engine_operand_shapes, format_layout_table, layout_bench
+    from ...runtime.bandwidth import engine_operand_shapes, format_layout_table, layout_bench
     from ...resolve import resolve_models
     from ..options import one
     from ..results import ResultFiles, slug
