@@ -11,7 +11,7 @@ import torch
 from lowrank_lib import models
 from lowrank_lib import timing
 from lowrank_lib.bench.cli import COMMANDS, main, parser
-from lowrank_lib.bench.decode import model_weight_bytes_per_token
+from lowrank_lib.runtime.decode_bench import model_weight_bytes_per_token
 from lowrank_lib.host import copy_bandwidth
 from lowrank_lib.models import random_lowrank
 from lowrank_lib.bench.results import ResultFiles, slug, write_result

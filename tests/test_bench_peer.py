@@ -117,7 +117,7 @@ def test_export_refuses_unknown_dtype(tiny, tmp_path):
 
 
 def test_gguf_bytes_per_token_counts_the_tied_head(tiny, tmp_path):
-    from lowrank_lib.bench.decode import model_weight_bytes_per_token
+    from lowrank_lib.runtime.decode_bench import model_weight_bytes_per_token
 
     p = ge.write_hf_gguf(tiny, tmp_path / "t.gguf", "F32")
     assert ge.decode_bytes_per_token(p) == model_weight_bytes_per_token(tiny)

@@ -1,10 +1,9 @@
 """The benchmark package: ``python -m lowrank_lib.bench <command>`` (see :mod:`.cli` for the table).
 
-A client of the library: the measurements notebooks also run live in it (``runtime.ablation``,
-``runtime.profiling``, ``eval.factor_space``, ``attsvd.cost``, ``resolve``, ``synthetic``, ``timing``, ``host``).
-Here: :mod:`.decode` (systems side by side), :mod:`.layout` (weight-layout GEMV bandwidth), :mod:`.kv_decode` (KV
-methods in the engine), :mod:`.load` (checkpoint loads in a child), the peer family (:mod:`.peer_base`, :mod:`.peer`,
-:mod:`.peer_scale`: llama.cpp side by side), :mod:`.gpu` (the prepared GPU checks), :mod:`.child` (the one
-child-process worker), :mod:`.results` (the one writer), :mod:`.options` (the one flag vocabulary). :mod:`.commands`
-holds the thin CLI modules.
+A client of the library: the measurements live there (``runtime.decode_bench``, ``runtime.ablation``,
+``runtime.bandwidth``, ``runtime.profiling``, ``eval.factor_space``, ``attsvd.cost``, ``resolve``, ``synthetic``,
+``timing``, ``host``). Here: :mod:`.kv_decode` (KV methods in the engine), :mod:`.load` (checkpoint loads in a
+child), the peer family (:mod:`.peer_base`, :mod:`.peer`, :mod:`.peer_scale`: llama.cpp side by side), :mod:`.gpu`
+(the prepared GPU checks), :mod:`.child` (the one child-process worker), :mod:`.results` (the one writer),
+:mod:`.options` (the one flag vocabulary). :mod:`.commands` holds the thin CLI modules.
 """

@@ -104,7 +104,7 @@ def verdicts(speed_results: list[dict], n_layers: int) -> list[dict]:
 
 
 def checks_markdown(report: dict) -> str:
-    from .decode import format_table
+    from ..runtime.decode_bench import format_table
 
     lines = [f"# GPU checks ({report['device']}, {report['time']})", "", "## Correctness (tiny GQA, vs HF DynamicCache)",
              "", "backend | graph | ran | tokens equal | max logit err | capture s | error", "---|---|---|---|---|---|---"]
@@ -284,7 +284,7 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
 def speed_setting(models_, model: str, p: int, g: int, systems, dtype: str, device: str, repeats: int, progress=True,
                   keep: float = 0.5):
     """One decode setting of the speed checks -> [result] (or [{"error"}])."""
-    from .decode import DecodeBenchConfig, run_decode_bench
+    from ..runtime.decode_bench import DecodeBenchConfig, run_decode_bench
 
     cfg = DecodeBenchConfig(model=model, keep=keep, prompt_len=p, gen_len=g, dtype=dtype, systems=tuple(systems),
                             repeats=repeats, device=device)

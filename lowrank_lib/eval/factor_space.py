@@ -156,7 +156,7 @@ def attention_ratios(rows: list[dict]) -> list[dict]:
 @dataclass
 class FactorDecodeConfig:
     """SmolLM2 greedy decode through transformers after a WikiText-2 prompt: dense, AttSVD rebuild and
-    AttSVD factor space side by side (the runtime systems' decode benchmark is ``bench decode``)."""
+    AttSVD factor space side by side (the runtime systems' decode benchmark is ``runtime.decode_bench``)."""
 
     contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     rank_fracs: list[float] = field(default_factory=lambda: [0.5, 0.25])

@@ -6,7 +6,7 @@ def add_arguments(p) -> None:
     import torch
 
     from ...runtime.baselines import SYSTEMS
-    from ..decode import DecodeBenchConfig
+    from ...runtime.decode_bench import DecodeBenchConfig
     from ..options import add_gen_len, add_keep, add_list, add_prompt_len
 
     d = DecodeBenchConfig()
@@ -26,9 +26,12 @@ def add_arguments(p) -> None:
 
 def run(a) -> int:
     from ...runtime.baselines import SYSTEMS
-    from ..decode import DecodeBenchConfig, format_table, run_decode_bench
+    from pathlib import Path
+
+    from ...resolve import resolve_models
+    from ...runtime.decode_bench import DecodeBenchConfig, format_table, run_decode_bench
     from ..options import one
-    from ..results import ResultFiles
+    from ..results import ResultFiles, slug
     from . import report
 
     unknown = [s for s in a.systems if s not in SYSTEMS]
@@ -37,5 +40,8 @@ def run(a) -> int:
     cfg = DecodeBenchConfig(a.model, a.method, one(a.keep, "--keep"), a.checkpoint, one(a.prompt_len, "--prompt-len"),
                             one(a.gen_len, "--gen-len"), a.batch, a.dtype, tuple(a.systems), a.repeats,
                             device=a.device, seed=a.seed)
-    res = run_decode_bench(cfg)
-    return report(ResultFiles(a.out, "decode", cfg.slug()), {**res, "command": a.command_line}, md=format_table(res))
+    res = run_decode_bench(cfg, resolve_models(cfg.model, cfg.checkpoint, method=cfg.method, keep=cfg.keep,
+                                               device=cfg.device))
+    tag = slug(Path(str(cfg.model)).name, cfg.method, f"k{cfg.keep}", cfg.dtype, f"p{cfg.prompt_len}",
+               f"g{cfg.gen_len}", f"b{cfg.batch}")
+    return report(ResultFiles(a.out, "decode", tag), {**res, "command": a.command_line}, md=format_table(res))

@@ -1,6 +1,7 @@
-"""Decode benchmark: every system on the same factors, side by side in one run.
+"""Decode benchmark (``bench decode``, gpu-session's speed checks): every system on the same factors, side by side in
+one run.
 
-The systems run in interleaved rounds, in a rotated order per round (:mod:`.timing`); the step times are those
+The systems run in interleaved rounds, in a rotated order per round (:mod:`lowrank_lib.timing`); the step times are those
 the shared decode loop (``run_generation``) measures. Per system: median decode ms/token (over all steps of all
 repeats) with its quartiles (``decode_ms_q1`` / ``decode_ms_q3``), prefill ms, end-to-end s,
 tokens/s, ATen dispatches (CPU) or kernel launches (CUDA) per token, weight bytes read per token,
@@ -12,15 +13,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
-from ..runtime import Engine, parse_dtype
-from ..runtime.baselines import make_runner
-from ..runtime.profiling import per_token_counts, timed_generations
-from ..timing import summary
 from ..host import copy_bandwidth, cpu_name
+from ..timing import summary
+from .baselines import make_runner
+from .config import parse_dtype
+from .engine import Engine
+from .profiling import per_token_counts, timed_generations
+
+__all__ = ["COLUMNS", "DecodeBenchConfig", "format_table", "model_weight_bytes_per_token", "run_decode_bench",
+           "weight_bytes"]
 
 
 @dataclass
@@ -40,12 +44,6 @@ class DecodeBenchConfig:
     count_tokens: int = 3                 # decode steps whose dispatches / launches are counted
     device: str = "cpu"
     seed: int = 0
-
-    def slug(self) -> str:
-        from .results import slug
-
-        return slug(Path(str(self.model)).name, self.method, f"k{self.keep}", self.dtype, f"p{self.prompt_len}",
-                    f"g{self.gen_len}", f"b{self.batch}")
 
 
 def model_weight_bytes_per_token(model) -> int:
@@ -67,13 +65,11 @@ def weight_bytes(runner) -> int:
     return runner.weight_bytes_per_token() if isinstance(runner, Engine) else model_weight_bytes_per_token(runner.model)
 
 
-def run_decode_bench(cfg: DecodeBenchConfig, models=None, progress: bool = True) -> dict:
-    """Run the benchmark; ``models`` = (dense, compressed, tok) to skip loading. Returns the result dict."""
-    from ..resolve import resolve_models
-
+def run_decode_bench(cfg: DecodeBenchConfig, models, progress: bool = True) -> dict:
+    """Run the benchmark on ``models`` = (dense, compressed, tok) (``lowrank_lib.resolve.resolve_models`` of the
+    config's model, checkpoint, method and keep). Returns the result dict."""
     dt, dev = parse_dtype(cfg.dtype), torch.device(cfg.device)
-    dense, comp, _ = models or resolve_models(cfg.model, cfg.checkpoint, method=cfg.method, keep=cfg.keep,
-                                              device=cfg.device)
+    dense, comp, _ = models
     g = torch.Generator().manual_seed(cfg.seed)
     ids = torch.randint(0, comp.config.vocab_size, (cfg.batch, cfg.prompt_len), generator=g).to(dev)
     runners = {s: make_runner(s, comp, dense, dtype=dt, max_seq_len=cfg.prompt_len + cfg.gen_len,
