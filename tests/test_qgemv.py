@@ -111,10 +111,12 @@ def test_qpack_qunpack_round_trip_and_size(bits, g):
 SHAPES = [(1, 1), (7, 5), (16, 16), (47, 33), (64, 64), (90, 70), (80, 129), (193, 37), (130, 300)]
 
 
+@pytest.mark.skipif(not PATHS, reason=f"the kernel library cannot run here: {LIB.reason}")
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("g", GROUPS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_qgemv_equals_spec_bitwise_rows_and_odd_shapes(qisa, bits, g, dtype):
+def test_qgemv_equals_spec_bitwise_rows_and_odd_shapes(bits, g, dtype):
+    """Every ISA path against one reference per case (the portable product is the slow part of this file)."""
     ops = _ops()
     gen = _gen(bits * 7 + g)
     for out, inp in SHAPES:
@@ -125,8 +127,11 @@ def test_qgemv_equals_spec_bitwise_rows_and_odd_shapes(qisa, bits, g, dtype):
             x[:, ::5] *= 100                                                 # groups of very different ranges
             if N > 2:
                 x[1, : min(inp, g)] = 0                                      # a whole group of zeros
-            y = ops.qgemv(x, [P], [out], [inp], [0], bits, g)
-            _same(y, _ref(x, data, scale, bits, g))
+            ref = _ref(x, data, scale, bits, g)
+            for level, path in PATHS:
+                with build.limit_isa(level):
+                    assert ops._ops().qgemv_isa() == path
+                    _same(ops.qgemv(x, [P], [out], [inp], [0], bits, g), ref)
 
 
 @pytest.mark.parametrize("bits", (8, 4))
@@ -191,6 +196,30 @@ def test_qgemv_non_finite_rows_give_nan_like_the_spec(qisa):
     ref = _ref(x, data, scale, 8, g)
     _same(y, ref)
     assert torch.isnan(y[:2]).all() and torch.isfinite(y[2:]).all()
+
+
+@pytest.mark.skipif(not PATHS, reason=f"the kernel library cannot run here: {LIB.reason}")
+@pytest.mark.parametrize("bits", (8, 4))
+def test_qgemv_fakes_and_torch_compile(bits):
+    """The ops' fake functions (``build._register_fakes``) give the shapes and dtypes the kernels return, so a compiled
+    step can call qgemv as one extern op (fullgraph, shape-dependent ops after it) and gets the eager bits."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    ops = _ops()
+    data, scale = _random_quantized(70, 45, bits, 32, _gen(85))
+    P = ops.qpack(data, scale, bits, 32, 70, 45)
+    x = torch.randn(3, 50).to(torch.bfloat16)
+    args = ([70, 70], [45, 45], [0, 5], bits, 32)
+    y = ops.qgemv(x, [P, P], *args)
+    unpacked = ops.qunpack(P, bits, 32, 70, 45)
+    with FakeTensorMode() as mode:
+        fy = ops.qgemv(mode.from_tensor(x), [mode.from_tensor(P)] * 2, *args)
+        fu = ops.qunpack(mode.from_tensor(P), bits, 32, 70, 45)
+    for real, fake in [(y, fy), *zip(unpacked, fu)]:
+        assert fake.shape == real.shape and fake.dtype == real.dtype
+    f = torch.compile(lambda x: ops.qgemv(x, [P, P], *args).view(3, 2, 70).float().sum(1), backend="aot_eager",
+                      fullgraph=True)
+    assert torch.equal(f(x), y.view(3, 2, 70).float().sum(1))
 
 
 def test_qgemv_hostile_arguments(qisa):
