@@ -172,8 +172,14 @@ def test_executed_outputs_are_clean(name):
 
 
 # --------------------------------------------------------------------------- committed reports
-#: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing)
-STALE: dict[str, str] = {}
+#: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing); the
+#: coordinator empties it when the reports are regenerated on an idle machine
+STALE: dict[str, str] = {
+    "03_graph_replay_ablation": "metrics.json says timings_meaningful=false (run on a busy machine): the coordinator "
+                                "regenerates it on an idle one",
+    "06_factor_space_attention": "metrics.json says timings_meaningful=false (run on a busy machine), and its "
+                                 "headings sit one cell after what they describe: the coordinator regenerates it",
+}
 
 
 @pytest.mark.parametrize("name", notebooks.on_disk())

@@ -13,8 +13,11 @@ by a one-line note saying so, and any other widget output (progress bars: none a
 **Fresh and clean** (:func:`report_problems`, run by ``tests/test_notebooks.py``): the report's cells are the
 notebook's cells (papermill's ``injected-parameters`` cell aside); no error, stderr, warning, stray return
 value (an ``execute_result`` that is only text: a ``PosixPath``, a dict, a matplotlib artist), ``<Figure
-size ...>`` placeholder, ``-0.0000`` or U+FFFD in any output, the saved widget outputs included; and the HTML
-beside it was rendered from exactly this ``.ipynb`` (its SHA-256 is in the HTML).
+size ...>`` placeholder, ``-0.0000`` or U+FFFD in any output, the saved widget outputs included; no paragraph of
+prose printed twice (markdown cells and Markdown outputs, :func:`repeated_paragraphs`); every figure and every
+"**What this shows.**" under the numbered section heading it belongs to (:func:`heading_problems`); the HTML
+beside it was rendered from exactly this ``.ipynb`` (its SHA-256 is in the HTML); and its ``metrics.json`` does
+not say ``timings_meaningful: false`` (timings measured on a busy machine are never committed).
 """
 from __future__ import annotations
 
@@ -186,9 +189,86 @@ def _texts(nb):
             yield f"widget {mid[:8]}", o.get("name", o.get("output_type", "?")), text
 
 
+#: a paragraph shorter than this may repeat (a caption, "**Next:** ..."); a longer one printed twice is a mistake
+MIN_PARAGRAPH = 80
+#: a numbered section heading: "## 3 · Title"
+SECTION_RE = re.compile(r"^#{2,3} +(\d+) +· ", re.M)
+CONCLUSION = "**What this shows.**"
+
+
+def _prose(nb):
+    """(where, text) of every markdown cell and every Markdown output."""
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "markdown":
+            yield f"cell {i}", c.source
+        for o in c.get("outputs", []):
+            v = o.get("data", {}).get("text/markdown")
+            if v is not None:
+                yield f"cell {i}", v if isinstance(v, str) else "".join(v)
+
+
+def repeated_paragraphs(nb) -> list[str]:
+    """Every paragraph (blank-line separated, whitespace normalised, at least :data:`MIN_PARAGRAPH` characters)
+    that the notebook prints more than once, in its markdown cells and Markdown outputs."""
+    seen: dict[str, list[str]] = {}
+    for where, text in _prose(nb):
+        for para in re.split(r"\n\s*\n", text):
+            norm = " ".join(para.split())
+            if len(norm) >= MIN_PARAGRAPH:
+                seen.setdefault(norm, []).append(where)
+    return [f"a paragraph printed {len(w)} times ({', '.join(w)}): {p[:90]!r}" for p, w in seen.items() if len(w) > 1]
+
+
+def _shows_result(c) -> bool:
+    """A code cell whose outputs hold a figure or a computed conclusion."""
+    for o in c.get("outputs", []):
+        data = o.get("data", {})
+        md = data.get("text/markdown", "")
+        if any(k.startswith("image/") for k in data) or CONCLUSION in (md if isinstance(md, str) else "".join(md)):
+            return True
+    return False
+
+
+def heading_problems(nb) -> list[str]:
+    """Headings placed after the cell they describe. Once a notebook numbers its sections ("## 1 · ..."), every
+    cell showing a figure or a conclusion must sit under a numbered heading (none between the setup and
+    section 1, none under an unnumbered ``#`` / ``##`` heading; a ``###`` subsection stays in its section), the
+    numbers count 1, 2, 3 ..., and every
+    numbered section shows something before the next heading (an empty section is a heading placed after its
+    cell, whose result then sits in the section before)."""
+    heads = [(i, int(m.group(1))) for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+             for m in [SECTION_RE.search(c.source)] if m]
+    if not heads:
+        return []
+    bad = []
+    nums = [n for _, n in heads]
+    if nums != list(range(1, len(nums) + 1)):
+        bad.append(f"section numbers {nums}: they should count 1, 2, 3 ...")
+    section, shown = None, {}
+    for i, c in enumerate(nb.cells):
+        if c.cell_type == "markdown" and c.source.lstrip().startswith("#"):
+            m = SECTION_RE.search(c.source)
+            if m:
+                section = int(m.group(1))
+                shown.setdefault(section, 0)
+            elif c.source.lstrip().startswith("## ") or c.source.lstrip().startswith("# "):
+                section = None              # an unnumbered section (a ### subsection stays in its section)
+            continue
+        if c.cell_type == "code" and _shows_result(c):
+            if section is None:
+                first = c.source.splitlines()[0][:60] if c.source else ""
+                bad.append(f"cell {i} ({first!r}) shows a result under no numbered section heading: is its heading "
+                           "placed after it?")
+            else:
+                shown[section] += 1
+    bad += [f"section {n} shows no figure or conclusion before the next heading: is its heading placed after "
+            "the cell it describes?" for n, k in shown.items() if k == 0]
+    return bad
+
+
 def output_problems(nb) -> list[str]:
     """Everything a reader should not see in the executed notebook ``nb`` (see the module docstring)."""
-    bad = []
+    bad = repeated_paragraphs(nb) + heading_problems(nb)
     for i, c in enumerate(nb.cells):
         for o in c.get("outputs", []):
             data = o.get("data", {})
@@ -231,6 +311,10 @@ def report_problems(report: str | Path, notebook: str | Path) -> list[str]:
                        f"{first[:80]!r}): regenerate the report")
             break
     bad += output_problems(rep)
+    metrics = report.with_suffix("") / "metrics.json"
+    if metrics.exists() and json.loads(metrics.read_text()).get("timings_meaningful") is False:
+        bad.append(f"{metrics.parent.name}/metrics.json says timings_meaningful=false: timings measured on a busy "
+                   "machine; regenerate the report on an idle one")
     html_path = report.with_suffix(".html")
     if not html_path.exists():
         bad.append(f"no {html_path.name} beside the report (python -m lowrank_lib.notebooks html)")
