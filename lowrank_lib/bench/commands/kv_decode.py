@@ -13,7 +13,7 @@ median ms/token over every step of every round. Attention alone: one decode atte
 Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, graph, attention_kernel,
 decode_ms_per_token, decode_iqr_ms, attn_ms_per_token, ratio_vs_dense, speedup_vs_dense, attn_ratio_vs_dense,
 kv_bytes_held, bytes_ratio, compiles_s}], the config, the copy bandwidth and the load average before / after.
-Library: ``lowrank_lib.bench.kv_decode``.
+Library: ``lowrank_lib.eval.kv_decode``.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ QUICK = dict(model="tiny-gqa", prompt_len=[96, 192], gen_len=4, repeats=2)
 
 
 def add_arguments(p) -> None:
-    from ..kv_decode import KVDecodeConfig
+    from ...eval.kv_decode import KVDecodeConfig
     from ..options import add_budget, add_gen_len, add_list, add_prompt_len, add_threads
 
     d = KVDecodeConfig()
@@ -39,13 +39,22 @@ def add_arguments(p) -> None:
 
 
 def run(a) -> int:
-    from ..kv_decode import KVDecodeConfig, kv_decode
+    from ...eval.kv_decode import KVDecodeConfig, kv_decode, table
     from ..options import one
+    from ..results import ResultFiles
 
     q = QUICK if a.quick else {}
     cfg = KVDecodeConfig(model=a.model or q.get("model", "smollm2"), prompt_len=q.get("prompt_len", a.prompt_len),
                          methods=a.methods, budget=a.budget, gen_len=q.get("gen_len", one(a.gen_len, "--gen-len")),
                          repeats=a.repeats or q.get("repeats", KVDecodeConfig.repeats), threads=a.threads,
                          graph=a.graph, attention=a.attention, seed=a.seed)
-    kv_decode(cfg, a.out, a.command_line)
+    files = ResultFiles(a.out, "kv_decode")
+
+    def write(res: dict) -> str:            # after every context: an interrupted run keeps what it measured
+        txt = table(res["rows"])
+        files.write({**res, "command": a.command_line}, txt=txt)
+        return txt
+
+    print(write(kv_decode(cfg, on_context=write)))
+    print(f"\nwrote {files.path}")
     return 0

@@ -1,4 +1,4 @@
-"""The KV decode-speed benchmark behind ``python -m lowrank_lib.bench kv-decode``: KV methods served by the engine
+"""The KV decode-speed measurement behind ``python -m lowrank_lib.bench kv-decode``: KV methods served by the engine
 adapter against the engine's dense store, the same context, the same step mode, interleaved repeats.
 
 Per context and thread count, each system is its own :class:`~lowrank_lib.runtime.Engine` (the dense store, or a
@@ -10,6 +10,8 @@ median time of one decode attention of every layer through the store
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+
+__all__ = ["KVDecodeConfig", "build_engines", "kv_decode", "table"]
 
 
 @dataclass
@@ -54,24 +56,23 @@ def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
     return out
 
 
-def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
-    """Run the benchmark; writes (and rewrites after every context) and returns the result."""
+def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
+    """Run the measurement; ``on_context(result_so_far)`` after every context (the command rewrites its file there).
+    Returns {rows, config, load_average, copy_gbs, note}."""
     import torch
 
     from .. import models
-    from ..eval.kv_sweep import frontier_windows
+    from ..host import copy_bandwidth, load_average
     from ..runtime.profiling import decode_attention, greedy_steps
     from ..timing import interleaved, summary
-    from ..host import copy_bandwidth, load_average
-    from .results import ResultFiles
+    from .kv_sweep import frontier_windows
 
     model, tok = models.load(cfg.model)
     model.eval()
-    meta = {"command": command, "config": cfg.to_dict(), "load_average": {"start": load_average()},
+    meta = {"config": cfg.to_dict(), "load_average": {"start": load_average()},
             "copy_gbs": round(copy_bandwidth(torch.device("cpu")), 2), "note": "interleaved rounds (rotated order), medians over every step; "
             "attention = one decode attention of every layer through the store (runtime.profiling.decode_attention)"}
     rows: list[dict] = []
-    files = ResultFiles(out_dir, "kv_decode")
     for C in cfg.prompt_len:
         ids = frontier_windows(tok, model, 1, C + 1, cfg.seed)[:1]
         engines = build_engines(cfg, model, tok, ids, C)
@@ -105,12 +106,9 @@ def kv_decode(cfg: KVDecodeConfig, out_dir: str, command: str = "") -> dict:
                     bytes_ratio=1.0 if b is None else fit.get("bytes_ratio"),
                     compiles_s=[round(c.get("seconds", 0.0), 2) for c in rep["compiles"]]))
         meta["load_average"][f"after_context_{C}"] = load_average()
-        files.write({"rows": rows, **meta}, txt=table(rows))
+        if on_context is not None:
+            on_context({"rows": rows, **meta})
         engines.clear()                     # free this context's engines before the next
-    txt = table(rows)
-    files.write({"rows": rows, **meta}, txt=txt)
-    print(txt)
-    print(f"\nwrote {files.path}")
     return {"rows": rows, **meta}
 
 
