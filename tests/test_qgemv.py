@@ -36,7 +36,7 @@ def qisa(request):
     if level == "none":
         pytest.skip(f"qgemv cannot run here: {LIB.reason}, isa={LIB.isa}")
     with build.limit_isa(level):
-        assert _ops()._ops().qgemv_isa() == path
+        assert _ops().qgemv_isa() == path
         yield path
 
 
@@ -130,7 +130,7 @@ def test_qgemv_equals_spec_bitwise_rows_and_odd_shapes(bits, g, dtype):
             ref = _ref(x, data, scale, bits, g)
             for level, path in PATHS:
                 with build.limit_isa(level):
-                    assert ops._ops().qgemv_isa() == path
+                    assert ops.qgemv_isa() == path
                     _same(ops.qgemv(x, [P], [out], [inp], [0], bits, g), ref)
 
 
@@ -268,6 +268,6 @@ def test_qgemv_refuses_without_any_isa():
     data, scale = _random_quantized(20, 10, 8, 32, _gen(90))
     P = ops.qpack(data, scale, 8, 32, 20, 10)
     with build.limit_isa("none"):
-        assert ops._ops().qgemv_isa() == "none"
+        assert ops.qgemv_isa() == "none"
         with pytest.raises(RuntimeError, match="lacks"):
             ops.qgemv(torch.randn(1, 10), [P], [20], [10], [0], 8, 32)

@@ -80,3 +80,9 @@ def qgemv(x: torch.Tensor, Ps: list[torch.Tensor], outs: list[int], ins: list[in
     """y [N, sum outs] in x's dtype (fp32 / bf16, N <= 8): matrix m (a :func:`qpack` blob) reads columns
     [xoffs[m], xoffs[m] + ins[m]) of x [N, X]; the spec's product (``quant.qmatmul`` without bias), bit for bit."""
     return _ops().qgemv(x, Ps, outs, ins, xoffs, bits, group)
+
+
+def qgemv_isa() -> str:
+    """Which code :func:`qgemv` runs now: ``"avx512_vnni"`` (vpdpwssd), ``"avx512bw"`` (vpmaddwd), ``"avx2"``, or
+    ``"none"`` (it refuses: the portable path runs). Follows ``build.limit_isa`` / ``$LOWRANK_LIB_ISA``."""
+    return _ops().qgemv_isa()
