@@ -33,10 +33,11 @@ COMMANDS: dict[str, str] = {
     "kv-decode": "lowrank_lib.bench.commands.kv_decode",
     "load": "lowrank_lib.bench.commands.load",
     "compressors": "lowrank_lib.bench.commands.compressors",
+    "frontier": "lowrank_lib.bench.commands.frontier",
 }
 
 #: commands whose ``--threads`` is a sweep (each count measured in the same run); they add the flag themselves
-THREAD_SWEEPS = frozenset({"peer", "kv-decode"})
+THREAD_SWEEPS = frozenset({"peer", "kv-decode", "frontier"})
 
 
 def parser() -> argparse.ArgumentParser:

@@ -6,46 +6,24 @@ runtimes with the same code: same prompt token ids (no BOS added, no tokenizer i
 greedy argmax, same per-step clock. Inside, ``prefill`` is one ``Llama.eval`` of the whole prompt
 and ``step`` one ``Llama.eval`` of one token; the runner also keeps its own clock of each bare
 ``eval`` (``eval_s``) and reads llama.cpp's perf counters (``perf()``), so the Python around it
-is visible.
+is visible. The quantizer and the llama.cpp names (``available``, ``version``, ``quantize``, ``QUANT_TYPES``,
+``KV_TYPES``) live in :mod:`lowrank_lib.eval.llamacpp` (the frontier uses them without the bench) and are
+re-exported here.
 
     >>> r = LlamaCppRunner(path, n_ctx=576, threads=1, kv_type="f32")
     >>> out = run_generation(r, ids, 64)          # ids [1, T]; out.step_s, out.prefill_s
 """
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import numpy as np
 import torch
 
+from ..eval.llamacpp import KV_TYPES, QUANT_TYPES, available, quantize, version
 from ..runtime import Runner
 
-#: KV cache element types by name (ggml type ids, see ggml.h)
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
-
-
-def available() -> tuple[bool, str]:
-    """(importable, why not): llama-cpp-python is the optional ``peer`` extra."""
-    try:
-        spec = importlib.util.find_spec("llama_cpp")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        return False, ("llama-cpp-python is not installed: pip install -e '.[peer]' (builds llama.cpp from "
-                       "source, a few minutes; CMAKE_ARGS='-DGGML_NATIVE=ON -DLLAMA_CURL=OFF')")
-    return True, ""
-
-
-def version() -> str | None:
-    """llama-cpp-python's version (its distribution's metadata), ``None`` when it is not installed."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("llama-cpp-python")
-    except PackageNotFoundError:
-        return None
+__all__ = ["KV_TYPES", "LlamaCppRunner", "QUANT_TYPES", "available", "quantize", "version"]
 
 
 class LlamaCppRunner(Runner):
@@ -131,38 +109,3 @@ class LlamaCppRunner(Runner):
 
     def close(self) -> None:
         self.llm.close()
-
-
-#: llama.cpp's quantized file types a user picks instead of low rank: ``llama_ftype`` values of llama.h
-#: (``LLAMA_FTYPE_MOSTLY_Q8_0``, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``; ``llama-quantize`` names)
-QUANT_TYPES = {"q8_0": 7, "q4_k_m": 15}
-
-
-def quantize(src, dst, qtype: str, threads: int = 0):
-    """``llama-quantize src dst Q8_0|Q4_K_M``: llama.cpp's own quantizer (``llama_model_quantize``, the
-    function the ``llama-quantize`` tool calls) on a F32 / BF16 GGUF, written through a temporary name.
-
-    ``qtype``: a key of :data:`QUANT_TYPES`; ``threads``: 0 = llama.cpp's default. Returns ``dst``.
-    """
-    import os
-    from pathlib import Path
-
-    ok, why = available()
-    if not ok:
-        raise RuntimeError(why)
-    import llama_cpp
-
-    if qtype not in QUANT_TYPES:
-        raise ValueError(f"qtype={qtype!r}: use one of {sorted(QUANT_TYPES)}")
-    dst = Path(dst)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    llama_cpp.llama_backend_init()
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = QUANT_TYPES[qtype]
-    params.nthread = threads
-    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params)
-    if rc != 0 or not tmp.exists():
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"llama_model_quantize({src} -> {qtype}) failed with code {rc}")
-    os.replace(tmp, dst)
-    return dst

