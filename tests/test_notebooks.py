@@ -179,6 +179,9 @@ STALE: dict[str, str] = {
                                 "regenerates it on an idle one",
     "06_factor_space_attention": "metrics.json says timings_meaningful=false (run on a busy machine), and its "
                                  "headings sit one cell after what they describe: the coordinator regenerates it",
+    "05_attsvd_quality_memory": "notebook changed (the KVzip + 8-bit control, paired claims, the exact point); its "
+                                "report was not regenerated on the shared machine (load ~15 on 2 cores): the "
+                                "coordinator regenerates it",
 }
 
 
