@@ -30,19 +30,19 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from ..host import load_average
 from ..runtime import run_generation
-from ..host import copy_bandwidth, load_average, machine, read_bandwidth
-from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes,
-                        engine, equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
-from .results import ResultFiles
 from ..timing import interleaved, interleaved_samples, summary
+from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy,
+                        draw_decode_vs_bytes, engine, equivalence_line, format_table, generated, judged, llama_runner,
+                        save_figure, start)
+from .results import ResultFiles
 
 #: the keys every row holds (the notebooks' tables)
 ROW_KEYS = ("system", "dtype", "threads", "decode_ms_per_token", "prefill_ms", "weight_bytes_per_token")
@@ -67,6 +67,11 @@ class PeerConfig:
     out: str = "benchmarks/results"
     note: str = ""
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.dtypes = check_choices("dtypes", self.dtypes, ("fp32", "bf16"))
+        self.systems = check_choices("systems", self.systems, SYSTEMS)
+        self.lm_heads = check_choices("LM heads", self.lm_heads, LM_HEADS)
 
 
 def prompt_ids(tok, vocab_size: int, n: int, source: str = "wikitext", seed: int = 0) -> torch.Tensor:
@@ -175,21 +180,15 @@ def audit_line(dtype: str, a: dict) -> str:
 
 def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     """Run the whole benchmark (see the module docstring); returns the result dict."""
-    from .llamacpp import available, version
     from ..resolve import resolve_models
 
     want_llama = "llamacpp_dense" in cfg.systems
-    ok, why = available()
-    if want_llama and not ok:
-        raise SystemExit(f"peer benchmark: {why}")
+    res = start(cfg, cfg.systems)
     dense, comp, tok = resolve_models(cfg.model, method="svd", keep=cfg.keep)
     ids = prompt_ids(tok, dense.config.vocab_size, cfg.prompt_len, cfg.prompt, cfg.seed)
     ggufs = peer_files(cfg, dense, log) if want_llama else {}
     n_ctx, shape = cfg.prompt_len + cfg.gen_len, Path(cfg.model).name
-    res = {"config": asdict(cfg), "command": None, "machine": machine(llama_cpp_python=version()),
-           "prompt_tokens": ids.shape[1], "rows": [], "copy_bandwidth_GBps_by_threads": {},
-           "read_bandwidth_GBps_by_threads": {}, "load_average": {"start": load_average()}, "note": cfg.note,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    res.update(prompt_tokens=ids.shape[1], copy_bandwidth_GBps_by_threads={}, read_bandwidth_GBps_by_threads={})
     fa = {}
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
@@ -216,8 +215,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     # 2. timing, one thread count at a time (the two runtimes never run at once), every system in the same rounds
     for th in cfg.threads:
         torch.set_num_threads(th)
-        bws, rbws = [copy_bandwidth("cpu")], [read_bandwidth("cpu")]
-        timed = {}
+        bws, timed = Bandwidths(), {}
         for dt in cfg.dtypes:
             if want_llama:
                 timed[("llamacpp_dense", dt)] = Timed("llamacpp_dense", llama_runner(
@@ -231,11 +229,9 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         interleaved({k: (lambda t=t: t.generate(ids, cfg.gen_len)) for k, t in timed.items()}, rounds=cfg.repeats,
                     progress=lambda _: bar.update(1))
         bar.close()
-        bws.append(copy_bandwidth("cpu"))
-        rbws.append(read_bandwidth("cpu"))
+        bw, rbw = bws.after()                                             # before and after
+        res["copy_bandwidth_GBps_by_threads"][str(th)], res["read_bandwidth_GBps_by_threads"][str(th)] = bw, rbw
         res["load_average"][f"after_{th}_threads"] = load_average()      # what else ran shows here
-        bw = res["copy_bandwidth_GBps_by_threads"][str(th)] = sum(bws) / 2     # before and after
-        rbw = res["read_bandwidth_GBps_by_threads"][str(th)] = sum(rbws) / 2
         for (s, dt, *_), t in timed.items():
             row = t.row(th, bw, rbw, shape=shape, dtype=dt, keep=cfg.keep if s == "lowrank_lib_lowrank" else None)
             if t.llama:
@@ -246,9 +242,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         torch._dynamo.reset()           # the next thread count compiles afresh (inductor fixes its thread count)
     by = res["copy_bandwidth_GBps_by_threads"]
     res["copy_bandwidth_GBps"] = by.get("1", next(iter(by.values()), float("nan")))
-    res["comparisons"] = comparisons(res["rows"])
-    res["targets"] = evaluate(res["comparisons"])
-    return res
+    return judged(res)
 
 
 def table(res: dict) -> str:

@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
 from ..formats.gguf import decode_bytes_per_token
+from ..host import CpuClocked, copy_bandwidth, load_average, machine, read_bandwidth
 from ..runtime import Engine, EngineConfig, run_generation
-from ..host import CpuClocked
-from .llamacpp import LlamaCppRunner
 from ..timing import summary
+from .llamacpp import LlamaCppRunner, available, version
 
 SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
 LM_HEADS = ("exact", "certified")
@@ -35,6 +35,45 @@ LM_HEADS = ("exact", "certified")
 KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
 #: the JSON marker beside generated GGUFs (size, verification) that lets a later run reuse them
 MARKER = "lowrank_lib_gguf.json"
+
+
+def check_choices(what: str, values, allowed) -> tuple:
+    """``values`` as a tuple, or SystemExit naming the ones not in ``allowed``."""
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise SystemExit(f"unknown {what} {bad}; choose from {tuple(allowed)}")
+    return tuple(values)
+
+
+def start(cfg, systems) -> dict:
+    """A run's result before its rows (config, machine, load average, time); SystemExit when ``systems`` need
+    llama.cpp and it cannot be imported."""
+    ok, why = available()
+    if "llamacpp_dense" in systems and not ok:
+        raise SystemExit(f"peer benchmark: {why}")
+    return {"config": asdict(cfg), "command": None, "machine": machine(llama_cpp_python=version()), "rows": [],
+            "load_average": {"start": load_average()}, "note": cfg.note,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def judged(res: dict) -> dict:
+    """``res`` with its comparisons against llama.cpp dense and the targets judged on them."""
+    res["comparisons"] = comparisons(res["rows"])
+    res["targets"] = evaluate(res["comparisons"])
+    return res
+
+
+class Bandwidths:
+    """Copy and read-only bandwidth (GB/s) measured before a timed block (at construction) and after it
+    (:meth:`after`, which returns the two means)."""
+
+    def __init__(self):
+        self.copy, self.read = [copy_bandwidth("cpu")], [read_bandwidth("cpu")]
+
+    def after(self) -> tuple[float, float]:
+        self.copy.append(copy_bandwidth("cpu"))
+        self.read.append(read_bandwidth("cpu"))
+        return sum(self.copy) / 2, sum(self.read) / 2
 
 
 def generated(path: Path, key: str, make, **want) -> dict:

@@ -32,17 +32,17 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..models import SHAPES, load_shape_model, proj_shapes, shape_config, shape_dir, write_shape_weights
 from ..ranks import keep_rank
+from ..host import load_average
 from .child import run_child
-from ..host import copy_bandwidth, load_average, machine, read_bandwidth
-from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Timed, compare_greedy, comparisons, draw_decode_vs_bytes, engine,
-                        equivalence_line, evaluate, format_table, generated, llama_runner, save_figure)
+from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, draw_decode_vs_bytes,
+                        engine, equivalence_line, format_table, generated, judged, llama_runner, save_figure, start)
 from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
@@ -83,12 +83,10 @@ class ScaleConfig:
         if self.shape not in SHAPES:
             raise SystemExit(f"unknown shape {self.shape!r}: use one of {sorted(SHAPES)}")
         self.dtypes = tuple(self.dtypes or DEFAULT_DTYPES.get(self.shape, ("bf16",)))
-        for what, vals, allowed in (("dtypes", self.dtypes, KV_FOR_DTYPE), ("llama.cpp quantizations", self.quants,
-                                    QUANTS), ("systems", self.systems, SYSTEMS)):
-            if set(vals) - set(allowed):
-                raise SystemExit(f"unknown {what} {sorted(set(vals) - set(allowed))}; choose from {tuple(allowed)}")
-        self.keeps, self.threads, self.quants, self.systems = (tuple(v) for v in (self.keeps, self.threads,
-                                                                                  self.quants, self.systems))
+        self.dtypes = check_choices("dtypes", self.dtypes, KV_FOR_DTYPE)
+        self.quants = check_choices("llama.cpp quantizations", self.quants, QUANTS)
+        self.systems = check_choices("systems", self.systems, SYSTEMS)
+        self.keeps, self.threads = tuple(self.keeps), tuple(self.threads)
 
     def slug(self) -> str:
         return slug(self.shape, None if self.layers is None else f"L{self.layers}", "o" if self.overrides else None)
@@ -177,15 +175,13 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
         else:
             runner.invalidate()                     # inductor fixes its thread count: compile afresh
             torch._dynamo.reset()
-        bws, rbws, la0 = [copy_bandwidth("cpu")], [read_bandwidth("cpu")], load_average()
+        bws, la0 = Bandwidths(), load_average()
         warm = t.warm(ids, cfg.gen_len if first is None else min(4, cfg.gen_len), return_logits=first is None)
         first = warm if first is None else first
         for _ in tqdm(range(cfg.repeats), desc=f"{system} {dtype} keep={keep} {th}t", leave=False):
             t.generate(ids, cfg.gen_len)
-        bws.append(copy_bandwidth("cpu"))
-        rbws.append(read_bandwidth("cpu"))
-        rows.append(t.row(th, sum(bws) / 2, sum(rbws) / 2, shape=cfg.shape, layers=c.num_hidden_layers, dtype=dtype,
-                          keep=keep, copy_gbs_before_after=bws, build_s=build_s,
+        rows.append(t.row(th, *bws.after(), shape=cfg.shape, layers=c.num_hidden_layers, dtype=dtype,
+                          keep=keep, copy_gbs_before_after=bws.copy, build_s=build_s,
                           load_average={"before": la0, "after": load_average()}))
     torch.save({"tokens": first.tokens[0], "logits": torch.cat(first.logits)}, logits)
     if t.llama:
@@ -210,21 +206,16 @@ def run_gemv_classes(config: dict, dtype: str) -> dict:
 def run_scale(cfg: ScaleConfig, log=print) -> dict:
     """Prepare the files, run every unit in its own process, compare and judge (see the module docstring)."""
     from .. import models
-    from .llamacpp import available, version
 
-    ok, why = available()
-    if "llamacpp_dense" in cfg.systems and not ok:
-        raise SystemExit(f"peer benchmark: {why}")
+    res = start(cfg, cfg.systems)
     root = Path(cfg.cache_dir) if cfg.cache_dir else models.default_cache_dir() / "random-models"
     root.mkdir(parents=True, exist_ok=True)
     need, free = disk_needed(cfg), shutil.disk_usage(root).free
     if need > free:
         raise SystemExit(f"peer --shape {cfg.shape}: the generated files need about {need / 1e9:.1f} GB, "
                          f"{root} has {free / 1e9:.1f} GB free")
-    config = asdict(cfg)
-    res = {"config": config, "command": None, "units": [], "machine": machine(llama_cpp_python=version()),
-           "load_average": {"start": load_average()}, "disk_needed_gb": need / 1e9, "note": cfg.note,
-           "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": [], "gemv_classes": []}
+    config = res["config"]
+    res.update(units=[], disk_needed_gb=need / 1e9, gemv_classes=[])
     res["prepare"] = run_child("lowrank_lib.bench.peer_scale:prepare", config=config)
     first = {}
     with tempfile.TemporaryDirectory(prefix="peer-scale-") as td:
@@ -245,11 +236,9 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
                           for (s, dt), a in first.items() if s == "llamacpp_dense"
                           for b in [first.get(("lowrank_lib_dense", dt))] if b is not None]
     res["load_average"]["end"] = load_average()
-    res["comparisons"] = comparisons(res["rows"])
-    res["targets"] = evaluate(res["comparisons"])
     if cfg.cleanup:
         res["cleaned_up"] = cleanup(cfg)
-    return res
+    return judged(res)
 
 
 def cleanup(cfg: ScaleConfig) -> list[str]:
