@@ -6,7 +6,8 @@ import torch
 from lowrank_lib import models
 from lowrank_lib.attsvd import interpret
 from lowrank_lib.kv import record
-from lowrank_lib.explore.heads import CURVES, HeadRanks, draw_head, format_summary
+from lowrank_lib.attsvd.basis import logit_error, output_error
+from lowrank_lib.explore.heads import CURVES, HeadRanks, draw_head, factor_concentration, format_summary, split_view
 from lowrank_lib.tokentext import token_label, token_labels
 
 matplotlib.use("Agg")
@@ -33,6 +34,51 @@ def test_errors_at_every_rank_equal_interpret(rec, layer, head):
         assert hr.curves[c][-1] == 0.0                                                   # exact at full rank
     # the aware bases are what AttSVD optimises: better than raw at every rank on these heads' own metric
     assert sum(a <= r for a, r in zip(hr.curves["logit_aware"], hr.curves["logit_raw"])) >= hr.d - 1
+
+
+def test_the_heldout_score_uses_tokens_the_basis_never_saw():
+    """Two recordings share a 32-token prompt and differ in their 16-token continuation. The prompt's view (all a
+    basis is fitted on) is the same in both and equals a recording of the prompt alone; the bases and in-sample
+    curves are identical; the held-out curves differ, and equal a brute-force rebuild of K_r / V_r scored on the
+    continuation's queries."""
+    m = models.tiny_model("tiny-gqa", seed=0)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, m.config.vocab_size, (1, 32), generator=g)
+    conts = [torch.randint(0, m.config.vocab_size, (1, 16), generator=g) for _ in range(2)]
+    alone = record(m, prompt)
+    views = [split_view(record(m, torch.cat([prompt, c], 1)), 1, 1, 32) for c in conts]
+    ref = interpret.head_view(alone, 1, 1)
+    for view, q_out in views:
+        assert q_out.shape[1] == 16
+        for f in ("K", "V", "Q", "mass"):
+            torch.testing.assert_close(getattr(view, f), getattr(ref, f), rtol=1e-5, atol=1e-6)
+    (v0, q0), (v1, q1) = views
+    h0, h1 = HeadRanks(v0), HeadRanks(v1)
+    for c in CURVES:
+        assert h0.curves[c] == pytest.approx(h1.curves[c], rel=1e-6, abs=1e-9)
+    out0, out1 = h0.heldout(q0), h0.heldout(q1)
+    assert out0["logit_aware"][3] != pytest.approx(out1["logit_aware"][3], rel=1e-3)
+    P = torch.softmax((q0 @ v0.K.T) * v0.scaling, -1)
+    for r in (1, 4, h0.d):
+        rec_r = interpret.reconstructions(v0, r)
+        for b in ("aware", "raw"):
+            assert out0[f"logit_{b}"][r - 1] == pytest.approx(float(logit_error(q0, v0.K, rec_r[f"{b}_k"]).mean()),
+                                                           rel=1e-3, abs=1e-5)
+            assert out0[f"output_{b}"][r - 1] == pytest.approx(float(output_error(P, v0.V, rec_r[f"{b}_v"]).mean()),
+                                                            rel=1e-3, abs=1e-5)
+    with pytest.raises(ValueError, match="held-out"):
+        split_view(alone, 1, 1, 32)
+
+
+def test_factor_concentration_against_uniform(rec):
+    h = interpret.head_view(rec, 0, 0)
+    S = h.K.shape[0]
+    rows = factor_concentration(h, n_factors=3, k=4, which="v")
+    ref = interpret.top_tokens(h, list(range(S)), None, 3, 4, "v")
+    for row, r in zip(rows, ref):
+        assert row["positions"] == [int(p) for p, _ in r] and row["shares"] == pytest.approx([v for _, v in r])
+        assert row["uniform"] == 4 / S and row["uniform"] <= row["top_share"] <= 1.0
+        assert 1.0 <= row["effective_tokens"] <= S + 1e-6
 
 
 def test_attention_rows_and_top_keys(rec):
@@ -104,7 +150,7 @@ def test_token_labels_smollm2(smollm2):
 @pytest.mark.smollm2
 def test_nb_04_interpretability(executed_notebook):
     m = executed_notebook("04_attsvd_interpretability")
-    assert len(m["figures"]) == 5
+    assert len(m["figures"]) == 6
     # attention-aware truncation beats raw SVD on the quantities attention consumes, on real heads
     assert m["all_heads_logit_err_aware_mean"] < m["all_heads_logit_err_raw_mean"]
     assert m["all_heads_output_err_aware_mean"] < m["all_heads_output_err_raw_mean"]
@@ -119,3 +165,10 @@ def test_nb_04_interpretability(executed_notebook):
         assert all(b <= a * 1.001 + 1e-6 for a, b in zip(c[key], c[key][1:]))
         assert c[key][-1] < 1e-3
     assert m["head_logit_err_aware"] == c["logit_aware"][m["rank"] - 1]
+    # the held-out score: queries of the continuation after the prompt the bases were fitted on, paired over heads
+    ho = m["heldout"]
+    assert ho["basis_positions"] == [0, m["prompt_len"]] and ho["positions"] == [m["prompt_len"], m["prompt_len"] + m["gen_len"]]
+    for key in ("in-sample logit", "held out logit", "in-sample output", "held out output"):
+        assert m["paired_over_heads"][key]["n"] >= 2 and m["paired_over_heads"][key]["verdict"] in (
+            "a better", "b better", "within noise")
+    assert m["paired_over_heads"]["in-sample logit"]["verdict"] == "a better"     # optimal by construction

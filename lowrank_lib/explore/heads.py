@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import torch
 
+from ..attention_mass import attention_mass
 from ..attsvd.basis import causal_probs, query_metric, sqrt_and_inv_sqrt
-from ..attsvd.interpret import HeadView, head_view
+from ..attsvd.interpret import HeadView, head_view, top_tokens
 from .ui import SliderPanel, in_kernel_with_widgets, int_slider
 
 BASES = ("aware", "raw")
@@ -40,6 +41,35 @@ def _suffix(t: torch.Tensor) -> torch.Tensor:
     """[G, k] terms -> [G, k + 1] tails: out[:, r] = sum_{j >= r} t[:, j] (out[:, k] = 0)."""
     tail = t.flip(-1).cumsum(-1).flip(-1)
     return torch.cat([tail, tail.new_zeros(t.shape[0], 1)], dim=-1).clamp_min(0)
+
+
+def split_view(record, layer: int, head: int, prompt_len: int) -> tuple[HeadView, torch.Tensor]:
+    """One head of a recorded prompt + continuation, split for a held-out score: the :class:`HeadView` of the
+    first ``prompt_len`` tokens only (keys, values, queries and attention mass among them: all a basis is fitted
+    on) and the continuation's post-RoPE queries [G, T, d] (tokens the basis never saw). The recording is causal,
+    so the prompt's view equals a recording of the prompt alone."""
+    full = head_view(record, layer, head)
+    S = prompt_len
+    if not 0 < S < full.K.shape[0]:
+        raise ValueError(f"prompt_len {S} must leave held-out tokens in a recording of {full.K.shape[0]}")
+    K, Q = full.K[:S], full.Q[:, :S]
+    pos = torch.arange(S, device=K.device)
+    mass = attention_mass(Q[None, None], K[None, None], full.scaling, pos, pos)[0, 0]
+    return HeadView(layer, head, K, full.V[:S], Q, full.scaling, mass), full.Q[:, S:]
+
+
+def factor_concentration(h: HeadView, n_factors: int = 4, k: int = 6, which: str = "k") -> list[dict]:
+    """How concentrated each leading attention-aware factor (``interpret.top_tokens``) is on a few tokens: per
+    factor its ``k`` top positions and energy shares, their total ``top_share`` against ``uniform`` = k / S (every
+    token alike), and ``effective_tokens`` = 1 / sum(share^2) (S when spread evenly, 1 on one token)."""
+    S = h.K.shape[0]
+    out = []
+    for row in top_tokens(h, list(range(S)), None, n_factors, S, which):
+        shares = torch.tensor([v for _, v in row], dtype=torch.float64)
+        out.append({"positions": [int(p) for p, _ in row[:k]], "shares": shares[:k].tolist(),
+                    "top_share": float(shares[:k].sum()), "uniform": k / S,
+                    "effective_tokens": float(1.0 / shares.pow(2).sum())})
+    return out
 
 
 class HeadRanks:
@@ -67,25 +97,39 @@ class HeadRanks:
         for basis, M, rescale in (("aware", sa[:, None] * V, sa), ("raw", V, None)):
             U, s, Vh = torch.linalg.svd(M, full_matrices=False)
             vals[basis] = (U if rescale is None else U / rescale[:, None], s)
+        self._keys, self._vals = keys, vals
+        self._q = h.Q[0].double()                                       # the first query head of the group
+        self.curves: dict[str, list] = self._curves(Q, causal_probs(h.Q, h.K, h.scaling).double())
+
+    def _curves(self, Q: torch.Tensor, P: torch.Tensor) -> dict[str, list]:
+        """Both errors at every rank for queries Q [G, T, d] with attention P [G, T, S] over this head's keys."""
+        K, V = self.view.K.double(), self.view.V.double()
         Cg = Q.transpose(-1, -2) @ Q                                    # [G, d, d]
-        P = causal_probs(h.Q, h.K, h.scaling).double()                  # [G, S, S]
         den_k = torch.einsum("sd,gde,se->g", K, Cg, K).clamp_min(1e-300)
         den_v = (P @ V).pow(2).sum((-2, -1)).clamp_min(1e-300)
-        self._keys = keys
-        self._q = h.Q[0].double()                                       # the first query head of the group
-        ranks = list(range(1, d + 1))
-        self.curves: dict[str, list] = {"rank": ranks}
+        ranks = list(range(1, self.d + 1))
+        curves: dict[str, list] = {"rank": ranks}
         for basis in BASES:
-            _, B, s = keys[basis]
+            _, B, s = self._keys[basis]
             t_k = s ** 2 * torch.einsum("jd,gde,je->gj", B, Cg, B)       # [G, k]
-            U2, s2 = vals[basis]
+            U2, s2 = self._vals[basis]
             t_v = s2 ** 2 * (P @ U2).pow(2).sum(-2)                      # [G, k]
             for name, t, den in (("logit", t_k, den_k), ("output", t_v, den_v)):
                 tails = _suffix(t)                                       # [G, k + 1]
                 k = t.shape[-1]
                 idx = torch.tensor([min(r, k) for r in ranks])
                 err = (tails[:, idx] / den[:, None]).sqrt().mean(0)
-                self.curves[f"{name}_{basis}"] = [float(e) for e in err]
+                curves[f"{name}_{basis}"] = [float(e) for e in err]
+        return curves
+
+    @torch.no_grad()
+    def heldout(self, Q_out: torch.Tensor) -> dict[str, list]:
+        """:attr:`curves` scored on queries the bases never saw: ``Q_out`` [G, T, d], post-RoPE queries of tokens
+        AFTER this head's keys (:func:`split_view`), each attending to every key of the head (its attention over
+        the cached keys, renormalised there). The bases stay the ones fitted on the head's own queries."""
+        Q = Q_out.double()
+        P = torch.softmax((Q @ self.view.K.double().T) * self.view.scaling, -1)   # [G, T, S]
+        return self._curves(Q, P)
 
     @property
     def layer(self) -> int:
