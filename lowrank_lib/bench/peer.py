@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..eval.fidelity import audit_line, certified_audit
 from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
@@ -150,32 +151,6 @@ def flash_attn(cfg: PeerConfig, path, dtype: str, threads: int, ids, cache: dict
             r.close()
         cache[(dtype, threads)] = {"fa": ms[True] <= ms[False], "probe": {"on_ms": ms[True], "off_ms": ms[False]}}
     return cache[(dtype, threads)]["fa"]
-
-
-def certified_audit(model, tok, dtype: str, n_prompts: int = 20, n_tokens: int = 64, progress: bool = True) -> dict:
-    """Greedy tokens of the certified head against the exact head (same engine otherwise, eager) on the fidelity
-    audit's prompts (``eval.fidelity.PROMPTS``): prompts whose ``n_tokens`` tokens are identical, the first
-    difference of the others, and the certified head's counters over the whole audit."""
-    from ..eval.fidelity import PROMPTS
-
-    enc = [tok(p, return_tensors="pt").input_ids for p in PROMPTS[:n_prompts]]
-    S = max(e.shape[1] for e in enc) + n_tokens
-    exact, cert = (engine(model, dtype, S, "none", head) for head in LM_HEADS)
-    same, first = 0, []
-    for i, ids in enumerate(tqdm(enc, desc=f"certified head audit {dtype}", disable=not progress)):
-        a, b = run_generation(exact, ids, n_tokens).tokens[0], run_generation(cert, ids, n_tokens).tokens[0]
-        same += bool(torch.equal(a, b))
-        if not torch.equal(a, b):
-            first.append({"prompt": i, "position": int((a != b).nonzero()[0])})
-    return {"prompts": len(enc), "tokens": n_tokens, "identical_prompts": same, "differences": first,
-            "lm_head": cert.counters()["lm_head"]}
-
-
-def audit_line(dtype: str, a: dict) -> str:
-    h = a["lm_head"]
-    return (f"certified head audit ({dtype}): {a['identical_prompts']}/{a['prompts']} prompts x {a['tokens']} greedy "
-            f"tokens identical to the exact head; {h['head_bytes_fraction']:.3f} of the head's bytes read per token, "
-            f"{h['fallback_calls']} fallbacks in {h['calls']} calls")
 
 
 def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:

@@ -18,10 +18,12 @@ from tqdm.auto import tqdm
 
 from ..generation import run_generation
 from ..runtime.baselines import make_runner
+from ..runtime.config import EngineConfig
 from ..runtime.engine import Engine
 from .perplexity import windows
 
-__all__ = ["audit", "perplexity_table", "PROMPTS", "reference_tokens", "runtime_perplexity"]
+__all__ = ["audit", "audit_line", "certified_audit", "perplexity_table", "PROMPTS", "reference_tokens",
+           "runtime_perplexity"]
 
 PROMPTS = [
     "The capital of France is",
@@ -125,3 +127,28 @@ def perplexity_table(model, tok, systems=("hf_dynamic", "dense_kv", "engine"), d
         r = make_runner(s, model, dense_model, dtype=dtype, max_seq_len=seq_len)
         out[s] = {m: runtime_perplexity(r, ids, seq_len, max_windows, m) for m in ("prefill", "decode")}
     return out
+
+
+def certified_audit(model, tok, dtype: str, n_prompts: int = 20, n_tokens: int = 64, progress: bool = True) -> dict:
+    """Greedy tokens of the certified head against the exact head (same engine otherwise, eager) on the fidelity
+    audit's prompts (``eval.fidelity.PROMPTS``): prompts whose ``n_tokens`` tokens are identical, the first
+    difference of the others, and the certified head's counters over the whole audit."""
+    enc = [tok(p, return_tensors="pt").input_ids for p in PROMPTS[:n_prompts]]
+    S = max(e.shape[1] for e in enc) + n_tokens
+    exact, cert = (Engine(model, EngineConfig(max_batch=1, max_seq_len=S, dtype=dtype, lm_head=head))
+                   for head in ("exact", "certified"))
+    same, first = 0, []
+    for i, ids in enumerate(tqdm(enc, desc=f"certified head audit {dtype}", disable=not progress)):
+        a, b = run_generation(exact, ids, n_tokens).tokens[0], run_generation(cert, ids, n_tokens).tokens[0]
+        same += bool(torch.equal(a, b))
+        if not torch.equal(a, b):
+            first.append({"prompt": i, "position": int((a != b).nonzero()[0])})
+    return {"prompts": len(enc), "tokens": n_tokens, "identical_prompts": same, "differences": first,
+            "lm_head": cert.counters()["lm_head"]}
+
+
+def audit_line(dtype: str, a: dict) -> str:
+    h = a["lm_head"]
+    return (f"certified head audit ({dtype}): {a['identical_prompts']}/{a['prompts']} prompts x {a['tokens']} greedy "
+            f"tokens identical to the exact head; {h['head_bytes_fraction']:.3f} of the head's bytes read per token, "
+            f"{h['fallback_calls']} fallbacks in {h['calls']} calls")
