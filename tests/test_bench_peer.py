@@ -177,12 +177,12 @@ def test_generated_files_are_made_once_and_remade_when_their_marker_disagrees(tm
         return {"verify": len(calls)}
 
     p = tmp_path / "f.gguf"
-    assert peer_base.generated(p, "bf16", make, source="s1") == {"source": "s1", "verify": 1, "size": 3}
-    assert peer_base.generated(p, "bf16", make, source="s1")["verify"] == 1 and len(calls) == 1      # reused
-    assert peer_base.generated(p, "bf16", make, source="s2")["verify"] == 2                         # other source
+    assert models.generated(p, "bf16", make, source="s1") == {"source": "s1", "verify": 1, "size": 3}
+    assert models.generated(p, "bf16", make, source="s1")["verify"] == 1 and len(calls) == 1      # reused
+    assert models.generated(p, "bf16", make, source="s2")["verify"] == 2                         # other source
     p.write_text("abcd")                                                                            # other size
-    assert peer_base.generated(p, "bf16", make, source="s2")["verify"] == 3
-    assert json.loads((tmp_path / peer_base.MARKER).read_text())["bf16"]["verify"] == 3
+    assert models.generated(p, "bf16", make, source="s2")["verify"] == 3
+    assert json.loads((tmp_path / models.GENERATED_MARKER).read_text())["bf16"]["verify"] == 3
 
 
 def test_compare_greedy_reports_first_divergence():

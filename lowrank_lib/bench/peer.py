@@ -10,7 +10,7 @@ rotated each round, so drift on a shared machine hits all alike. Systems (``rows
 
 =======================  ================================================================================
 ``llamacpp_dense``       llama.cpp (``llama-cpp-python``, extra ``peer``) on an F32 / BF16 GGUF of the SAME
-                         cached weights (:func:`peer_ggufs`: dequantised from the Q4_1 file our cache came
+                         cached weights (``models.smollm2_ggufs``: dequantised from the Q4_1 file our cache came
                          from, verified tensor by tensor), KV cache at the model dtype
 ``lowrank_lib_dense``    our Engine on the dense model
 ``lowrank_lib_lowrank``  our Engine on the plain-SVD keep-``keep`` factors (as ``bench decode`` builds them)
@@ -28,8 +28,6 @@ Writes ``<out>/peer_cpu.json`` (never overwritten: :mod:`lowrank_lib.bench.resul
 """
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +39,7 @@ from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
 from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy,
-                        draw_decode_vs_bytes, engine, equivalence_line, format_table, generated, judged, llama_runner,
+                        draw_decode_vs_bytes, engine, equivalence_line, format_table, judged, llama_runner,
                         save_figure, start)
 from .results import ResultFiles
 
@@ -88,49 +86,14 @@ def prompt_ids(tok, vocab_size: int, n: int, source: str = "wikitext", seed: int
     return torch.randint(0, vocab_size, (1, n), generator=g)
 
 
-def peer_ggufs(dtypes=("fp32", "bf16"), cache_dir: str | Path | None = None, log=print) -> dict[str, Path]:
-    """F32 / BF16 GGUFs of the cached SmolLM2, made once (``formats.gguf.export_gguf``) from the Q4_1 file it was
-    dequantised from, whose sha256 the model cache recorded: both runtimes serve bit-identical weights. Each export
-    is verified against the cached safetensors; a marker beside them lets a later call reuse them."""
-    from safetensors.torch import load_file
-
-    from .. import models
-    from ..formats.gguf import DTYPE_TYPES, GGUFExportError, export_gguf, verify_gguf
-
-    model_dir = models.fetch_smollm2(cache_dir)
-    info = json.loads((model_dir / "lowrank_lib_cache.json").read_text())
-    out_dir = model_dir.parent / (model_dir.name + "-gguf")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    src = out_dir / models.SMOLLM2_GGUF
-    if not src.exists():
-        import tempfile
-
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".fetch-") as tmp:
-            os.replace(models.download_gguf(Path(tmp)), src)
-    if models.sha256_file(src) != info["gguf_sha256"]:
-        raise GGUFExportError(f"{src} is not the GGUF the model cache {model_dir} was made from "
-                              f"(sha256 {info['gguf_sha256'][:12]}); delete it")
-    want = {"source_sha256": info["gguf_sha256"], "weights_sha256": info["weights_sha256"]}
-    paths = {}
-    for dt in dtypes:
-        dst = paths[dt] = out_dir / models.SMOLLM2_GGUF.replace(".Q4_1.", f".{DTYPE_TYPES[dt]}.")
-
-        def make(dst=dst, dt=dt):
-            log(f"[peer] exporting {dst.name} from {src.name} (dequantise + write {DTYPE_TYPES[dt]})")
-            export_gguf(src, dst, dt)
-            return {"verify": verify_gguf(dst, load_file(str(model_dir / "model.safetensors")), dt)}
-
-        generated(dst, dt, make, **want)
-    return paths
-
-
 def peer_files(cfg: PeerConfig, dense, log=print) -> dict[str, Path]:
     """llama.cpp's files of the dense model at every dtype: SmolLM2's from its Q4_1 GGUF, any other model written
     from its HF weights (the tests' tiny models)."""
-    if cfg.model == "smollm2":
-        return peer_ggufs(cfg.dtypes, log=log)
     from .. import models
     from ..formats.gguf import DTYPE_TYPES, write_hf_gguf
+
+    if cfg.model == "smollm2":
+        return models.smollm2_ggufs(cfg.dtypes, log=log)
 
     d = models.default_cache_dir() / "peer-gguf" / Path(cfg.model).name
     return {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", DTYPE_TYPES[dt]) for dt in cfg.dtypes}

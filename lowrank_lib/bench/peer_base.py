@@ -17,7 +17,6 @@ geometries, one system per process) both build on this module and on nothing of 
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,8 +32,6 @@ SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
 LM_HEADS = ("exact", "certified")
 #: llama.cpp KV cache type for each model dtype: the same bytes our engine's cache holds (bf16 for quantized files)
 KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
-#: the JSON marker beside generated GGUFs (size, verification) that lets a later run reuse them
-MARKER = "lowrank_lib_gguf.json"
 
 
 def check_choices(what: str, values, allowed) -> tuple:
@@ -74,19 +71,6 @@ class Bandwidths:
         self.copy.append(copy_bandwidth("cpu"))
         self.read.append(read_bandwidth("cpu"))
         return sum(self.copy) / 2, sum(self.read) / 2
-
-
-def generated(path: Path, key: str, make, **want) -> dict:
-    """A generated file (a GGUF) made once: reused while the marker beside it (:data:`MARKER`) records its size and
-    ``want``; else ``make()`` writes it and returns what else to record (e.g. its verification). Returns the record."""
-    marker_p = Path(path).parent / MARKER
-    marker = json.loads(marker_p.read_text()) if marker_p.exists() else {}
-    rec = marker.get(key, {})
-    if path.exists() and rec.get("size") == path.stat().st_size and all(rec.get(k) == v for k, v in want.items()):
-        return rec
-    rec = marker[key] = {**want, **make(), "size": path.stat().st_size}
-    marker_p.write_text(json.dumps(marker, indent=1))
-    return rec
 
 
 def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool) -> LlamaCppRunner:

@@ -37,12 +37,13 @@ from pathlib import Path
 
 import torch
 
-from ..models import SHAPES, load_shape_model, proj_shapes, shape_config, shape_dir, write_shape_weights
+from ..models import (SHAPES, generated, load_shape_model, proj_shapes, shape_config, shape_dir,
+                      write_shape_weights)
 from ..ranks import keep_rank
 from ..host import load_average
 from .child import run_child
 from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, draw_decode_vs_bytes,
-                        engine, equivalence_line, format_table, generated, judged, llama_runner, save_figure, start)
+                        engine, equivalence_line, format_table, judged, llama_runner, save_figure, start)
 from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
