@@ -589,7 +589,7 @@ def test_portable_presets_never_take_the_kernels():
 @needs_lrk
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gemv_at_7b_and_1b_class_shapes(dtype):
-    """One matrix of each size class the 1B / 7B decode streams (bench.gemv_classes), against float64: every
+    """One matrix of each size class the 1B / 7B decode streams (runtime.bandwidth), against float64: every
     output within the rigorous fp32 accumulation bound (K + 2) u sum|w x| (+ one bf16 rounding)."""
     ops = _ops()
     g = _gen(22)
