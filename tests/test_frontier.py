@@ -108,3 +108,16 @@ def test_plot_draws_every_point_and_the_frontier():
     assert sum(len(line.get_xdata()) for line in ax_s.lines if line.get_label() != "Pareto frontier") == 2
     (front,) = [line for line in ax_b.lines if line.get_label() == "Pareto frontier"]
     assert list(front.get_xdata()) == [100.0]
+
+
+def test_merge_keeps_its_own_points_and_adds_the_others():
+    from lowrank_lib.bench.commands.frontier import merge
+
+    a = {"points": [P("x", 1, 2.0)], "cross_check": {"protocol": "p", "points": {"f32": {"ppl": 1.0}}},
+         "commands": ["a"]}
+    b = {"points": [P("x", 1, 3.0), P("y", 2, 1.0)], "caveat": [{"geometry": "g"}], "commands": ["b", "a"],
+         "cross_check": {"protocol": "p", "points": {"f32": {"ppl": 9.0}, "q8_0": {"ppl": 2.0}}}}
+    merge(a, b)
+    assert [(p["id"], p["ppl"]) for p in a["points"]] == [("x", 2.0), ("y", 1.0)]
+    assert a["cross_check"]["points"] == {"f32": {"ppl": 1.0}, "q8_0": {"ppl": 2.0}}
+    assert a["caveat"] == [{"geometry": "g"}] and a["commands"] == ["a", "b"]

@@ -34,7 +34,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CAVEAT", "LLAMACPP_TYPES", "conclusion", "format_table", "gguf_file", "llamacpp_points", "lowrank_points", "misses",
+from .. import models
+
+__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "format_table", "gguf_file",
+           "label", "llamacpp_points", "lowrank_points", "misses",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
 #: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
@@ -197,6 +200,21 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     return out
 
 
+#: the caveat's two tiny geometries: ``smollm2_like`` (``tiny-smol``: hidden 192, like SmolLM2's 576 not a multiple
+#: of 256, so llama.cpp's K-quants fall back to legacy types on every matrix but ffn_down, as on SmolLM2) and
+#: ``kquant`` (hidden 256: every matrix K-quantized)
+CAVEAT_GEOMETRIES = {"smollm2_like": models.PRESETS["tiny-smol"],
+                     "kquant": models.TinyPreset(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
+                                                 max_position_embeddings=2048, tie_word_embeddings=True)}
+
+
+def caveat_runs(qtype: str = "q4_k_m", seed: int = 0) -> list[dict]:
+    """:func:`requantize_caveat` on both :data:`CAVEAT_GEOMETRIES`, each labelled ``geometry``."""
+    return [{"geometry": g, **requantize_caveat(CAVEAT_GEOMETRIES[g], seed=seed, qtype=qtype)}
+            for g in ("smollm2_like", "kquant")]
+
+
 def requantize_caveat(preset=None, seed: int = 0, qtype: str = "q4_k_m", grid: str = "q4_1", seq_len: int = 256,
                       windows: int = 8, workdir=None) -> dict:
     """How much requantizing weights that already lie on a 4-bit grid flatters a quantized point.
@@ -213,14 +231,11 @@ def requantize_caveat(preset=None, seed: int = 0, qtype: str = "q4_k_m", grid: s
 
     import torch.nn.functional as F
 
-    from .. import models
     from ..data import random_token_batches
     from ..formats.gguf import write_hf_gguf
     from .llamacpp import GGUFLogits, quantize
 
-    preset = preset or models.TinyPreset(hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=1024,
-                                         max_position_embeddings=seq_len, tie_word_embeddings=True)
+    preset = CAVEAT_GEOMETRIES["kquant"] if preset is None else preset
     m = models.tiny_model(preset, seed=seed)
     wins = random_token_batches(m.config.vocab_size, windows, seq_len, seed=seed + 1)
 
@@ -240,7 +255,7 @@ def requantize_caveat(preset=None, seed: int = 0, qtype: str = "q4_k_m", grid: s
             kl = float((ref.exp() * (ref - q)).sum(-1).mean())
             res[which] = {"kl_per_token": kl, "rel_ppl_increase_on_own_text": math.expm1(kl)}
     off, on = res["off"]["kl_per_token"], res["on"]["kl_per_token"]
-    return {"qtype": qtype, "grid": grid, "model": {"hidden": preset.hidden_size, "layers": preset.num_hidden_layers,
+    return {"qtype": qtype, "grid": grid, "windows_tokens": [windows, seq_len], "model": {"hidden": preset.hidden_size, "layers": preset.num_hidden_layers,
                                                      "vocab": preset.vocab_size, "seed": seed},
             "windows": f"{windows} x {seq_len} random tokens", "off_grid": res["off"], "on_grid": res["on"],
             "ratio_off_over_on": off / on if on > 0 else math.inf}

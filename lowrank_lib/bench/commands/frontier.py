@@ -218,19 +218,21 @@ def speed(a, res: dict, write) -> dict:
 
 
 def merge(res: dict, other: dict) -> dict:
-    """Add to ``res`` the points of ``other`` it lacks (by id; its own are kept), and ``other``'s cross-check and
-    caveat where ``res`` has none; its commands are appended."""
+    """Add to ``res`` the points of ``other`` it lacks (by id; its own are kept), ``other``'s caveat where ``res`` has
+    none and its cross-check points ``res`` lacks; its commands are appended."""
     have = {p["id"] for p in res["points"]}
     res["points"] += [p for p in other["points"] if p["id"] not in have]
     for k in ("cross_check", "caveat", "protocol"):
         if k in other and k not in res:
             res[k] = other[k]
+    if "cross_check" in other and res["cross_check"] is not other["cross_check"]:
+        res["cross_check"]["points"] = {**other["cross_check"]["points"], **res["cross_check"]["points"]}
     res["commands"] = list(dict.fromkeys([*res.get("commands", []), *other.get("commands", [])]))
     return res
 
 
 def run(a) -> int:
-    from ...eval.frontier import format_table, requantize_caveat
+    from ...eval.frontier import caveat_runs, format_table
     from ..results import ResultFiles
 
     if a.resume:
@@ -259,7 +261,7 @@ def run(a) -> int:
     else:
         quality(a, res, write)
         if a.caveat:
-            res["caveat"] = requantize_caveat()
+            res["caveat"] = caveat_runs()
             write(res)
     write(res)
     print(format_table(res["points"]))
