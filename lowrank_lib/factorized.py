@@ -8,6 +8,10 @@ cache keep working. Shared bases (Basis Sharing) are one ``nn.Parameter`` object
 several ``LowRankLinear`` modules; every count here deduplicates by storage, so a shared basis is
 counted once.
 
+Factors may also be quantized (issue 30): ``U`` and / or ``V`` a :class:`~lowrank_lib.quant.QuantizedTensor`
+(int8 or int4 codes with fp16 group scales, :func:`quantize_factors`); the forward is then the portable product of
+:func:`lowrank_lib.quant.qmatmul` on each stage, and a shared basis stays ONE quantized object.
+
 Every family reader (formats/), compressor (compress/) and the runtime (runtime/) meet here and
 nowhere else. Metadata about where the factors came from lives in ``model.lowrank_meta``
 (a plain dict: family, canonical keep ratio, per-matrix ranks, shared groups).
@@ -21,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .quant import DEFAULT_GROUP, QuantizedTensor, qmatmul, quantize
+
 __all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "svd_factors", "split_sqrt", "iter_linears", "set_module",
            "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account", "lowrank_modules",
-           "shared_groups"]
+           "shared_groups", "quantize_factors", "factor_matrix"]
 
 #: Projection names of a Llama-family decoder layer, in forward order.
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -37,9 +43,10 @@ class LowRankLinear(nn.Module):
 
     Parameters
     ----------
-    U, V : Tensor or nn.Parameter
-        Factors. Passing an existing ``nn.Parameter`` shares it (no copy): that is how a
-        Basis Sharing group holds ONE basis for several layers.
+    U, V : Tensor, nn.Parameter or QuantizedTensor
+        Factors. Passing an existing ``nn.Parameter`` (or ``QuantizedTensor``) shares it (no copy): that is
+        how a Basis Sharing group holds ONE basis for several layers. A quantized factor runs
+        :func:`~lowrank_lib.quant.qmatmul` (its stage's output in the input's dtype).
     bias : Tensor, optional
         [out].
     """
@@ -52,8 +59,9 @@ class LowRankLinear(nn.Module):
             raise ValueError(f"rank mismatch: U is {tuple(U.shape)} [out, r] but V is {tuple(V.shape)} [r, in]")
         if bias is not None and bias.shape != (U.shape[0],):
             raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({U.shape[0]},)")
-        self.U = U if isinstance(U, nn.Parameter) else nn.Parameter(U, requires_grad=False)
-        self.V = V if isinstance(V, nn.Parameter) else nn.Parameter(V, requires_grad=False)
+        keep = (nn.Parameter, QuantizedTensor)
+        self.U = U if isinstance(U, keep) else nn.Parameter(U, requires_grad=False)
+        self.V = V if isinstance(V, keep) else nn.Parameter(V, requires_grad=False)
         if bias is None:
             self.bias = None
         else:
@@ -71,7 +79,18 @@ class LowRankLinear(nn.Module):
     def out_features(self) -> int:
         return self.U.shape[0]
 
+    @property
+    def quantized(self) -> bool:
+        """Whether a factor is a :class:`~lowrank_lib.quant.QuantizedTensor`."""
+        return isinstance(self.U, QuantizedTensor) or isinstance(self.V, QuantizedTensor)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x (..., in) -> (..., out)
+        if self.quantized:
+            # the portable quantized product on each stage; h and y in x's dtype (QUANT_SPEC)
+            h = qmatmul(x, self.V) if isinstance(self.V, QuantizedTensor) else F.linear(x, self.V.to(x.dtype))
+            if isinstance(self.U, QuantizedTensor):
+                return qmatmul(h, self.U, self.bias)
+            return F.linear(h, self.U.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if x.dtype != self.V.dtype:
             # a checkpoint loaded in the dtypes it stores (SVD-LLM: fp32 factors, fp16 embeddings and
             # norms): compute in the factors' dtype, hand back the caller's
@@ -79,11 +98,18 @@ class LowRankLinear(nn.Module):
         return F.linear(F.linear(x, self.V), self.U, self.bias)
 
     def dense_weight(self) -> torch.Tensor:
-        """The [out, in] matrix this layer applies (for audits; never used in forward)."""
+        """The [out, in] matrix this layer applies (for audits; never used in forward); quantized factors are
+        dequantized (fp32)."""
+        if self.quantized:
+            return factor_matrix(self.U) @ factor_matrix(self.V)
         return self.U @ self.V
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, bias={self.bias is not None}"
+
+    def factor_modules(self) -> list[nn.Module]:
+        """The quantized factors among (U, V) (shared ones are the same object)."""
+        return [f for f in (self.U, self.V) if isinstance(f, QuantizedTensor)]
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, rank: int | None = None) -> "LowRankLinear":
@@ -91,6 +117,43 @@ class LowRankLinear(nn.Module):
         U, V = svd_factors(lin.weight, rank)
         b = None if lin.bias is None else lin.bias.detach().clone()
         return cls(U, V, b)
+
+
+def factor_matrix(f: torch.Tensor | QuantizedTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A factor as a plain matrix: itself (a Parameter / tensor), or dequantized (fp32 unless ``dtype``)."""
+    if isinstance(f, QuantizedTensor):
+        return f.dequantize(dtype or torch.float32)
+    return f if dtype is None else f.to(dtype)
+
+
+def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP) -> nn.Module:
+    """Quantize every ``LowRankLinear`` factor of ``model`` in place (QUANT_SPEC: symmetric, fp16 scales per
+    ``group`` columns of the reduction dim; the default group 32 is the measured choice, see
+    :data:`lowrank_lib.quant.DEFAULT_GROUP`). A factor shared by several layers (Basis Sharing) becomes ONE
+    :class:`~lowrank_lib.quant.QuantizedTensor` referenced by all of them. ``model.lowrank_meta["quant"]`` records
+    ``{"bits", "group"}``. Raises ValueError if a factor is already quantized or not quantizable (NaN / Inf, an
+    fp16 scale overflow) and leaves the model unchanged then."""
+    mods = lowrank_modules(model)
+    done: dict[int, QuantizedTensor] = {}
+    for name, m in mods.items():
+        for side in ("U", "V"):
+            f = getattr(m, side)
+            if isinstance(f, QuantizedTensor):
+                raise ValueError(f"{name}.{side} is already quantized ({f.bits} bits, group {f.group})")
+            if id(f) not in done:
+                try:
+                    done[id(f)] = quantize(f.detach(), bits, group)
+                except ValueError as e:
+                    raise ValueError(f"{name}.{side}: {e}") from None
+    for m in mods.values():
+        for side in ("U", "V"):
+            q = done[id(getattr(m, side))]
+            delattr(m, side)                # a Parameter slot cannot take a module: free the name first
+            setattr(m, side, q)
+    info = getattr(model, "lowrank_meta", None) or {}
+    info["quant"] = {"bits": int(bits), "group": int(group)}
+    model.lowrank_meta = info
+    return model
 
 
 def svd_factors(W: torch.Tensor, rank: int | None = None, dtype=None,
@@ -232,10 +295,12 @@ class Accounting:
 
 
 def account(model: nn.Module, targets: Iterable[str] = LLAMA_PROJ) -> Accounting:
-    """Count parameters and bytes; a Parameter referenced by several modules counts once."""
+    """Count parameters and bytes; a Parameter referenced by several modules counts once. A quantized factor
+    counts its matrix's elements as parameters and its real bytes (codes + fp16 scales)."""
     params = [p for p in _unique_params(model) if isinstance(p, nn.Parameter)]
-    total_p = sum(p.numel() for p in params)
-    total_b = sum(p.numel() * p.element_size() for p in params)
+    quant = {id(q): q for q in model.modules() if isinstance(q, QuantizedTensor)}.values()
+    total_p = sum(p.numel() for p in params) + sum(q.shape.numel() for q in quant)
+    total_b = sum(p.numel() * p.element_size() for p in params) + sum(q.nbytes for q in quant)
     seen: set[int] = set()
     lin_p = lin_b = dense_p = naive_p = 0
     per = {}
@@ -248,13 +313,14 @@ def account(model: nn.Module, targets: Iterable[str] = LLAMA_PROJ) -> Accounting
             ps.append(m.bias)
         own = 0
         for p in ps:
-            naive_p += p.numel()
+            n = p.shape.numel()             # a quantized factor: its matrix's elements, bytes = codes + scales
+            naive_p += n
             if id(p) in seen:
                 continue
             seen.add(id(p))
-            own += p.numel()
-            lin_p += p.numel()
-            lin_b += p.numel() * p.element_size()
+            own += n
+            lin_p += n
+            lin_b += p.nbytes if isinstance(p, QuantizedTensor) else n * p.element_size()
         per[name] = {"shape": [m.out_features, m.in_features],
                      "rank": m.rank if isinstance(m, LowRankLinear) else None, "params": own}
     return Accounting(total_p, total_b, lin_p, lin_b, dense_p, naive_p - lin_p, per)

@@ -18,11 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["BITS", "GROUPS", "QMAX", "X_QMAX", "QuantizedTensor", "quantize", "dequantize", "pack_int4",
-           "unpack_int4", "quantize_activations", "qmatmul", "padded", "quantized_nbytes"]
+__all__ = ["BITS", "GROUPS", "DEFAULT_GROUP", "QMAX", "X_QMAX", "QuantizedTensor", "quantize", "dequantize", "pack_int4",
+           "unpack_int4", "quantize_activations", "qmatmul", "padded", "quantized_nbytes", "storage_shapes"]
 
 BITS = (8, 4)
 GROUPS = (32, 64, 128, 256)
+#: the default group, from measured quality: SmolLM2, SVD-LLM v1 keep 0.8, 4 x 2048 WikiText-2 windows
+#: (``benchmarks/results/quant_quality_smollm2_keep0.8_w4x2048.json``): int8 perplexity vs bf16 factors +0.20 % at
+#: group 32, +0.73 % at 64, +1.27 % at 128 (the 0.5 % target holds at 32 only); and 32 is also the fewest bytes
+#: there (93.3 / 94.1 / 95.4 MB): ranks padded to 64 or 128 columns cost more than the extra scales
+DEFAULT_GROUP = 32
 QMAX = {8: 127, 4: 7}
 #: the activations' int16 range (symmetric)
 X_QMAX = 32767
@@ -53,6 +58,15 @@ def quantized_nbytes(out: int, inp: int, bits: int, group: int) -> int:
     """Bytes of codes + scales of an [out, in] matrix: ``bits * out * in_pad / 8 + 2 * out * in_pad / group``."""
     p = padded(inp, group)
     return bits * out * p // 8 + 2 * out * p // group
+
+
+def storage_shapes(out: int, inp: int, bits: int, group: int) -> tuple[tuple, tuple]:
+    """``((codes dtype, codes shape), (scales dtype, scales shape))`` of the canonical storage of an [out, in]
+    matrix: int8 [out, in_pad] or uint8 [out, in_pad / 2]; fp16 [out, in_pad / group]."""
+    _check_bits_group(bits, group)
+    p = padded(inp, group)
+    data = (torch.int8, (out, p)) if bits == 8 else (torch.uint8, (out, p // 2))
+    return data, (torch.float16, (out, p // group))
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -92,14 +106,13 @@ class QuantizedTensor(nn.Module):
         out, inp = (int(s) for s in shape)
         if out < 1 or inp < 1:
             raise ValueError(f"shape {tuple(shape)}: a quantized matrix needs out >= 1 and in >= 1")
-        p = padded(inp, group)
-        want = (torch.int8, (out, p)) if bits == 8 else (torch.uint8, (out, p // 2))
+        want, swant = storage_shapes(out, inp, bits, group)
         if data.dtype != want[0] or tuple(data.shape) != want[1]:
             raise ValueError(f"{bits}-bit codes of a {out}x{inp} matrix (group {group}) are {want[0]} {want[1]}, "
                              f"got {data.dtype} {tuple(data.shape)}")
-        if scale.dtype != torch.float16 or tuple(scale.shape) != (out, p // group):
-            raise ValueError(f"scales of a {out}x{inp} matrix (group {group}) are torch.float16 "
-                             f"{(out, p // group)}, got {scale.dtype} {tuple(scale.shape)}")
+        if scale.dtype != swant[0] or tuple(scale.shape) != swant[1]:
+            raise ValueError(f"scales of a {out}x{inp} matrix (group {group}) are {swant[0]} {swant[1]}, got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
         if data.device != scale.device:
             raise ValueError(f"codes on {data.device} but scales on {scale.device}")
         self.bits, self.group = int(bits), int(group)

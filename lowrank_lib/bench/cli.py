@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "kv-decode": "lowrank_lib.bench.commands.kv_decode",
     "load": "lowrank_lib.bench.commands.load",
     "compressors": "lowrank_lib.bench.commands.compressors",
+    "quant-quality": "lowrank_lib.bench.commands.quant_quality",
     "frontier": "lowrank_lib.bench.commands.frontier",
 }
 

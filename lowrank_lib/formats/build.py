@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from ..factorized import LowRankLinear, account, set_module, shared_groups, untie_lm_head
+from ..quant import QuantizedTensor, storage_shapes
 from .derived import split_derived
 from .errors import CheckpointError, brief, fail
 from .lazy import LazyTensor, count_nonfinite, one_thread, stream
@@ -58,6 +59,31 @@ SIZE_LIMITS = {"vocab_size": (1, 1 << 22), "hidden_size": (1, 1 << 16), "interme
                "num_hidden_layers": (1, 512), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
                "head_dim": (2, 2048), "max_position_embeddings": (1, 1 << 24)}
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class QuantizedFactor:
+    """A quantized factor as a reader hands it over (issue 30): codes and fp16 scales (:class:`~.lazy.LazyTensor`,
+    the spec's canonical storage, never cast) with bits, group and the matrix's [out, in]; ``keys`` names the two
+    tensors as the file does. Passing the SAME object for several modules makes one shared quantized basis."""
+
+    def __init__(self, data, scale, bits: int, group: int, shape, keys: tuple[str, str] = ("codes", "scales")):
+        self.data, self.scale, self.bits, self.group, self.keys = data, scale, bits, group, keys
+        self.shape = torch.Size(int(s) for s in shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def check(self, source) -> None:
+        """The stored codes and scales are what ``bits``, ``group`` and ``shape`` say (CheckpointError if not)."""
+        try:
+            want = storage_shapes(*self.shape, self.bits, self.group)
+        except (ValueError, TypeError) as e:
+            fail(source, f"quantized factor '{self.keys[0]}' {tuple(self.shape)}: {e}", key=self.keys[0])
+        for key, t, (dt, shp) in zip(self.keys, (self.data, self.scale), want):
+            if not isinstance(t, LazyTensor) or t.dtype != dt or _shape(t) != shp:
+                found = brief(t) if not isinstance(t, LazyTensor) else f"{t.dtype} {_shape(t)}"
+                fail(source, f"quantized factor tensor '{key}' is {found}, expected {dt} {shp} ({self.bits} bits, "
+                             f"group {self.group}, matrix {tuple(self.shape)})", key=key)
 
 
 def _is_int(v) -> bool:
@@ -290,6 +316,9 @@ def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source:
         for side, t in (("U", U), ("V", V), ("bias", b)):
             if t is None and side == "bias":
                 continue
+            if isinstance(t, QuantizedFactor) and side != "bias":
+                t.check(source)
+                continue
             if not isinstance(t, LazyTensor) or not t.dtype.is_floating_point:
                 fail(source, f"factor '{names[side]}' is {brief(t) if not isinstance(t, LazyTensor) else t.dtype}, "
                              f"expected a floating-point tensor", key=names[side])
@@ -340,7 +369,10 @@ def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source:
 
     # ---- stream: each distinct tensor read once, in file order; cast; NaN/Inf refused after the cast
     named = [(names[s], t) for U, V, b, names in norm.values() for s, t in (("U", U), ("V", V), ("bias", b))
-             if t is not None] + list(dense.items())
+             if t is not None and not isinstance(t, QuantizedFactor)] + list(dense.items())
+    quant = [t for U, V, _, _ in norm.values() for t in (U, V) if isinstance(t, QuantizedFactor)]
+    as_stored = {id(x) for t in quant for x in (t.data, t.scale)}       # codes and scales are never cast
+    named += [(k, x) for t in quant for k, x in zip(t.keys, (t.data, t.scale))]
     distinct: dict[int, tuple[str, LazyTensor]] = {}
     for key, t in named:
         distinct.setdefault(id(t), (key, t))
@@ -352,7 +384,7 @@ def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source:
     try:
         with one_thread():
             for key, t in order:
-                c, ok = stream(t, dtype, bar.update)
+                c, ok = stream(t, None if id(t) in as_stored else dtype, bar.update)
                 stored_b[_dtype_name(t.dtype)] = stored_b.get(_dtype_name(t.dtype), 0) + t.nbytes
                 loaded[id(t)] = c
                 bar.tensor_done()
@@ -377,6 +409,8 @@ def build_model(cfg, dense: dict, factors: dict[str, tuple], meta: dict, source:
         return loaded[id(t)]
 
     def param(t):
+        if id(t) not in params and isinstance(t, QuantizedFactor):
+            params[id(t)] = QuantizedTensor(cast(t.data), cast(t.scale), t.bits, t.group, t.shape)
         if id(t) not in params:
             params[id(t)] = nn.Parameter(cast(t), requires_grad=False)
         return params[id(t)]

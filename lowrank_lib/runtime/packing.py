@@ -16,6 +16,14 @@ RoPE folding (``rope_heads``): for q and k we store [R; P R] (R = U, or W for a 
 [b; P b], where P is RoPE's rotate-half (per head: [x1, x2] -> [-x2, x1]), a signed permutation,
 hence exact in floating point. The member's output is then [y, rotate_half(y)] [N, 2 * out].
 
+Quantized factors (issue 30, QUANT_SPEC): a group whose low-rank members hold
+:class:`~lowrank_lib.quant.QuantizedTensor` factors is a :class:`QuantizedProjectionGroup` (``ProjectionGroup(...)``
+returns one). Its stage-1 V's are concatenated by rows (per-row scales: exact), RoPE folding permutes and negates
+code rows (exact), the RMSNorm weight multiplies x instead of being folded (folding would requantize). Up to
+``LRK_MAX_ROWS`` rows run the packed ``lowrank_lrk::qgemv`` kernel when the engine's GEMVs are our packed kernels
+and the library has the op (:func:`qgemv_unavailable` says why not), else the portable
+:func:`~lowrank_lib.quant.qmatmul`; more rows (prefill) dequantize the factors and run one fp32 GEMM, rounded once.
+
 Weight layout (``layout``): every GEMM is ``x @ Wt`` with ``Wt`` [in, out]. ``"out_major"`` stores
 W [out, in] contiguous (nn.Linear's layout, ``Wt`` is a transposed view); ``"in_major"`` stores
 ``Wt`` contiguous; ``"auto"`` picks per matrix with :func:`pick_layout`. Same bytes, same dot
@@ -34,8 +42,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..factorized import LowRankLinear
+from ..quant import QuantizedTensor, qmatmul
 
-__all__ = ["gemm_operand", "LAYOUTS", "pick_layout", "ProjectionGroup", "rotate_half_rows"]
+__all__ = ["gemm_operand", "LAYOUTS", "pick_layout", "ProjectionGroup", "QuantizedProjectionGroup",
+           "qgemv_unavailable", "rotate_half_rows"]
 
 
 def rotate_half_rows(R: torch.Tensor, n_heads: int, head_dim: int) -> torch.Tensor:
@@ -146,22 +156,23 @@ class ProjectionGroup:
         all stage-2 factors of the group (each member reads its slice of the stage-1 output).
 
     Portable GEMMs run as ``torch.mm(x, Wt)`` on the stored [in, out] operands (one dispatch, no ``t``).
+    A group with quantized factors is a :class:`QuantizedProjectionGroup` (returned by this constructor).
     """
+
+    #: whether the group's factors are quantized (a :class:`QuantizedProjectionGroup`: no bf16 / fp32 packs)
+    quantized = False
+
+    def __new__(cls, modules: dict[str, nn.Module], *args, **kwargs):
+        if cls is ProjectionGroup and any(isinstance(m, LowRankLinear) and m.quantized for m in modules.values()):
+            cls = QuantizedProjectionGroup
+        return super().__new__(cls)
 
     def __init__(self, modules: dict[str, nn.Module], pack: bool, dtype, device,
                  rope_heads: dict[str, tuple[int, int]] | None = None, in_scale: torch.Tensor | None = None,
                  layout: str = "out_major", fuse_gemv: bool = False, gemv=None):
-        from .kernels.gemv import GemvChoice
-
         rope_heads = rope_heads or {}
-        ins = {n: m.in_features for n, m in modules.items()}
-        if len(set(ins.values())) != 1:
-            raise ValueError(f"projections of one group must share in_features, got {ins}")
-        self.names = list(modules)
-        self.in_features = next(iter(ins.values()))
+        self._common(modules, fuse_gemv, gemv)
         self.pack = pack
-        self.fuse = fuse_gemv
-        self.gemv = gemv or GemvChoice("aten", "portable path (no backend chosen)")
         cv = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
         w_in = None if in_scale is None else in_scale.detach().float()
         scale = lambda M: cv(M) if w_in is None else cv(M.detach().float() * w_in.to(M.device)[None, :])
@@ -219,6 +230,18 @@ class ProjectionGroup:
             else:
                 self.parts_t = [op(W) for W in stage1]
             self.U_t = [None if u is None else op(u) for u in U]    # only the GEMM operands are kept
+
+    def _common(self, modules: dict[str, nn.Module], fuse_gemv: bool, gemv) -> None:
+        """Names, the shared input width and the GEMV backend (every group kind)."""
+        from .kernels.gemv import GemvChoice
+
+        ins = {n: m.in_features for n, m in modules.items()}
+        if len(set(ins.values())) != 1:
+            raise ValueError(f"projections of one group must share in_features, got {ins}")
+        self.names = list(modules)
+        self.in_features = next(iter(ins.values()))
+        self.fuse = fuse_gemv
+        self.gemv = gemv or GemvChoice("aten", "portable path (no backend chosen)")
 
     def _segment(self, pack: bool) -> None:
         """The ONE stage-2 call of a packed group: every low-rank member's U reads its slice of h."""
@@ -330,3 +353,237 @@ class ProjectionGroup:
     def latent_dim(self, i: int) -> int:
         """Width of member i's stage-1 slice (its rank, or out_features for a dense member)."""
         return self.sizes[self.members[i].first]
+
+
+# --------------------------------------------------------------------------- quantized factors (issue 30)
+def qgemv_unavailable(gemv) -> str | None:
+    """Why quantized decode GEMVs cannot run the packed ``qgemv`` kernel (None: they can): they run it where the
+    engine's GEMVs are our packed kernels (``GemvChoice.packed``: library loaded, CPU and dtype served;
+    ``kernels="portable"`` rules it out) and the loaded library registers the op."""
+    if not gemv.packed:
+        return f"the decode GEMVs run {gemv.name} ({gemv.reason})"
+    from .kernels.build import NAMESPACE
+
+    if not hasattr(getattr(torch.ops, NAMESPACE), "qgemv"):
+        return "the kernel library has no qgemv op"
+    return None
+
+
+def _qcat(qts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Row-wise concatenation of quantized matrices of one input width, bits and group (exact: scales are per row)."""
+    if len(qts) == 1:
+        return qts[0]
+    q0 = qts[0]
+    return QuantizedTensor(torch.cat([q.data for q in qts]), torch.cat([q.scale for q in qts]), q0.bits, q0.group,
+                           (sum(q.shape[0] for q in qts), q0.shape[1]))
+
+
+def _qfold(qt: QuantizedTensor, n_heads: int, head_dim: int) -> QuantizedTensor:
+    """[R; P R] of a quantized R (``rotate_half_rows``: a signed row permutation, exact on codes and scales)."""
+    from ..quant import pack_int4
+
+    codes = qt.codes()
+    pc = rotate_half_rows(codes, n_heads, head_dim)
+    ps = rotate_half_rows(qt.scale, n_heads, head_dim).abs()          # scales are >= 0: only the permutation
+    data = torch.cat([qt.data, pc if qt.bits == 8 else pack_int4(pc)])
+    return QuantizedTensor(data, torch.cat([qt.scale, ps]), qt.bits, qt.group, (2 * qt.shape[0], qt.shape[1]))
+
+
+class _QMatrix:
+    """One quantized matrix of a group: the canonical storage (portable path) or the ``qpack`` blob of the kernel
+    (stored once; prefill unpacks it)."""
+
+    def __init__(self, qt: QuantizedTensor, kernel: bool):
+        self.out, self.inp = qt.shape
+        self.bits, self.group = qt.bits, qt.group
+        self.kernel = kernel
+        if kernel:
+            from .kernels.ops import qpack
+
+            self.P = qpack(qt.data, qt.scale, qt.bits, qt.group, self.out, self.inp)
+            self.qt = None
+        else:
+            self.qt, self.P = qt, None
+
+    def tensor(self) -> QuantizedTensor:
+        if self.qt is not None:
+            return self.qt
+        from .kernels.ops import qunpack
+
+        data, scale = qunpack(self.P, self.bits, self.group, self.out, self.inp)
+        return QuantizedTensor(data, scale, self.bits, self.group, (self.out, self.inp))
+
+    def stored(self) -> list[torch.Tensor]:
+        return [self.P] if self.kernel else [self.qt.data, self.qt.scale]
+
+    @property
+    def nbytes(self) -> int:
+        """Codes + scales (QUANT_SPEC's bytes; the kernel layout's padding not counted)."""
+        from ..quant import quantized_nbytes
+
+        return quantized_nbytes(self.out, self.inp, self.bits, self.group)
+
+    def __call__(self, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        from .kernels.gemv import LRK_MAX_ROWS
+
+        if x.dim() == 2 and x.shape[0] <= LRK_MAX_ROWS:
+            if self.kernel:
+                from .kernels.ops import qgemv
+
+                y = qgemv(x, [self.P], [self.out], [self.inp], [0], self.bits, self.group)
+                return y if b is None else (y.float() + b.float()).to(x.dtype)
+            return qmatmul(x, self.qt, b)
+        W = self.tensor().dequantize(torch.float32)        # prefill: dequantize, one fp32 GEMM, rounded once
+        return F.linear(x.float(), W, None if b is None else b.float()).to(x.dtype)
+
+
+class QuantizedProjectionGroup(ProjectionGroup):
+    """A :class:`ProjectionGroup` whose low-rank members have quantized factors (one bits / group for the group).
+
+    Stage 1: the unique V's concatenated by rows into one quantized matrix (``pack``) when every stage-1 part is
+    quantized, else each part on its own (a dense member keeps its ``nn.Linear`` weight, unquantized). Stage 2:
+    each member's U (RoPE-folded rows for q / k), bias added in fp32 before the one rounding. ``in_scale`` (the
+    RMSNorm weight) multiplies x in the engine's dtype, as transformers' RMSNorm applies it."""
+
+    def __init__(self, modules: dict[str, nn.Module], pack: bool, dtype, device,
+                 rope_heads: dict[str, tuple[int, int]] | None = None, in_scale: torch.Tensor | None = None,
+                 layout: str = "out_major", fuse_gemv: bool = False, gemv=None):
+        rope_heads = rope_heads or {}
+        self._common(modules, fuse_gemv, gemv)
+        kinds = set()
+        for n, m in modules.items():
+            if isinstance(m, LowRankLinear):
+                if not (isinstance(m.U, QuantizedTensor) and isinstance(m.V, QuantizedTensor)):
+                    raise ValueError(f"{n}: quantize both factors (lowrank_lib.quantize_factors)")
+                kinds |= {(m.U.bits, m.U.group), (m.V.bits, m.V.group)}
+            elif not isinstance(m, nn.Linear):
+                raise TypeError(f"{n}: cannot serve a {type(m).__name__} (need nn.Linear or LowRankLinear)")
+        if len(kinds) != 1:
+            raise ValueError(f"one (bits, group) per group (QUANT_SPEC), got {sorted(kinds)}")
+        (self.bits, self.group), = kinds
+        self.qgemv_reason = qgemv_unavailable(self.gemv)
+        kernel = self.qgemv_reason is None
+        cv = lambda t: None if t is None else t.detach().to(device=device, dtype=dtype).contiguous()
+        qv = lambda q: q.to(device)
+        self.x_scale = cv(in_scale)
+
+        def fold(R, name):
+            if name not in rope_heads or R is None:
+                return R
+            if isinstance(R, QuantizedTensor):
+                return _qfold(R, *rope_heads[name])
+            return torch.cat([R, rotate_half_rows(R, *rope_heads[name])], 0)
+
+        self.members = []
+        stage1: list = []                  # QuantizedTensor (a V) or a dense W [out(*2), in]
+        stage1_bias: list = []
+        U: list = []
+        seen: dict[int, int] = {}
+        for name, m in modules.items():
+            if isinstance(m, LowRankLinear):
+                if id(m.V) not in seen:
+                    seen[id(m.V)] = len(stage1)
+                    stage1.append(qv(m.V))
+                    stage1_bias.append(None)
+                U.append(fold(qv(m.U), name))
+                self.members.append(_Member(name, seen[id(m.V)], True,
+                                            cv(fold(None if m.bias is None else m.bias.detach(), name))))
+            else:
+                stage1.append(cv(fold(m.weight.detach(), name)))
+                stage1_bias.append(cv(fold(None if m.bias is None else m.bias.detach(), name)))
+                U.append(None)
+                self.members.append(_Member(name, len(stage1) - 1, False, None))
+        self.sizes = [t.shape[0] for t in stage1]
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        self.out_features = [(u.shape[0] if u is not None else stage1[m.first].shape[0])
+                             for u, m in zip(U, self.members)]
+        self.pack = pack and all(isinstance(t, QuantizedTensor) for t in stage1)
+        if self.pack:
+            self.S_q = _QMatrix(_qcat(stage1), kernel)
+            self.S_bias = None
+        else:
+            self.parts = [_QMatrix(t, kernel) if isinstance(t, QuantizedTensor) else t.t() for t in stage1]
+            self.part_bias = stage1_bias
+        self.U_q = [None if u is None else _QMatrix(u, kernel) for u in U]
+        lr = [i for i, m in enumerate(self.members) if m.lowrank]
+        self.seg = None                    # the fused decode layer reads bf16 / fp32 packs only
+        self.qseg = None
+        if lr:
+            outs = [self.U_q[i].out for i in lr]
+            bs = [self.members[i].bias for i in lr]
+            bias = None
+            if any(b is not None for b in bs):
+                ref = next(b for b in bs if b is not None)
+                bias = torch.cat([b if b is not None else ref.new_zeros(o) for b, o in zip(bs, outs)])
+            self.qseg = {"members": lr, "outs": outs, "ins": [self.sizes[self.members[i].first] for i in lr],
+                         "xoffs": [self.offsets[self.members[i].first] for i in lr], "bias": bias}
+
+    quantized = True
+
+    @property
+    def S(self) -> torch.Tensor:
+        """The packed stage-1 matrix, dequantized (fp32) — for audits."""
+        return self.S_q.tensor().dequantize() if self.pack else torch.cat(
+            [p.tensor().dequantize() if isinstance(p, _QMatrix) else p.t().float() for p in self.parts])
+
+    def _x(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.x_scale is None else x * self.x_scale
+
+    def stage1(self, x: torch.Tensor) -> list[torch.Tensor]:
+        x = self._x(x)
+        if self.pack:
+            h = self.S_q(x, None)
+            return [h] if len(self.sizes) == 1 else list(h.split(self.sizes, -1))
+        return [p(x, None) if isinstance(p, _QMatrix) else _mm(x, p, b) for p, b in zip(self.parts, self.part_bias)]
+
+    def stage2(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        m = self.members[i]
+        return self.U_q[i](h, m.bias) if m.lowrank else h
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        from .kernels.gemv import LRK_MAX_ROWS
+
+        sg = self.qseg
+        if self.pack and sg is not None and self.S_q.kernel and x.dim() == 2 and x.shape[0] <= LRK_MAX_ROWS:
+            from .kernels.ops import qgemv
+
+            h = self.S_q(self._x(x), None)
+            y = qgemv(h, [self.U_q[i].P for i in sg["members"]], sg["outs"], sg["ins"], sg["xoffs"], self.bits,
+                      self.group)
+            if sg["bias"] is not None:
+                y = (y.float() + sg["bias"].float()).to(y.dtype)
+            ys = y.split(sg["outs"], -1) if len(sg["outs"]) > 1 else [y]
+            out: list = [None] * len(self.members)
+            for i, yi in zip(sg["members"], ys):
+                out[i] = yi
+            for i, m in enumerate(self.members):
+                if out[i] is None:
+                    out[i] = h.narrow(-1, self.offsets[m.first], self.sizes[m.first])
+            return out
+        hs = self.stage1(x)
+        return [self.stage2(i, hs[m.first]) for i, m in enumerate(self.members)]
+
+    def tensors(self) -> list[torch.Tensor]:
+        mats = [self.S_q] if self.pack else [p for p in self.parts if isinstance(p, _QMatrix)]
+        ts = [t for q in mats + [u for u in self.U_q if u is not None] for t in q.stored()]
+        if not self.pack:
+            ts += [p for p in self.parts if not isinstance(p, _QMatrix)] + [b for b in self.part_bias if b is not None]
+        ts += [m.bias for m in self.members if m.bias is not None]
+        return ts + ([self.x_scale] if self.x_scale is not None else [])
+
+    def operand_shapes(self) -> list[tuple[int, int]]:
+        stage1 = [(sum(self.sizes), self.in_features)] if self.pack else [(s, self.in_features) for s in self.sizes]
+        return stage1 + [(o, self.sizes[m.first]) for o, m in zip(self.out_features, self.members) if m.lowrank]
+
+    @property
+    def nbytes(self) -> int:
+        """Codes + scales of every quantized matrix, dense parts and biases (what one decode step reads)."""
+        mats = [self.S_q] if self.pack else [p for p in self.parts if isinstance(p, _QMatrix)]
+        n = sum(q.nbytes for q in mats + [u for u in self.U_q if u is not None])
+        rest = [] if self.pack else [p for p in self.parts if not isinstance(p, _QMatrix)] + list(self.part_bias)
+        rest += [m.bias for m in self.members] + [self.x_scale]
+        return n + sum(t.numel() * t.element_size() for t in rest if t is not None)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())

@@ -1,0 +1,52 @@
+"""Perplexity of quantized factors (issue 30): SVD-LLM v1 factors fp32 / bf16 / int8 / int4 at several group sizes.
+
+    python -m lowrank_lib.bench quant-quality --threads 2            # SmolLM2, keep 0.8, 4 x 2048 windows
+
+The library call is :func:`lowrank_lib.eval.quant_quality.measure_quant_quality` (the README's protocol; every
+projection in fp32, so the rows differ by the factors' storage alone). The JSON is written after every row.
+"""
+from __future__ import annotations
+
+
+def add_arguments(p) -> None:
+    from ..options import add_keep, add_list, add_prompt_len
+
+    p.add_argument("--model", default="smollm2")
+    add_keep(p, [0.8])
+    p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
+    add_prompt_len(p, 2048, "perplexity window tokens")
+    p.add_argument("--calib-samples", type=int, default=16)
+    p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sample")
+    add_list(p, "--groups", int, [32, 64, 128], "group sizes (columns per scale) tried at each bit width")
+    add_list(p, "--bits", int, [8, 4], "bit widths")
+    p.add_argument("--qmatmul-prefix", type=int, default=256,
+                   help="tokens of window 0 also run through the spec's qmatmul forward (0: skip)")
+
+
+def format_table(res: dict) -> str:
+    lines = ["| factors | PPL | vs bf16 | projection bytes |", "|---|---|---|---|"]
+    for r in res["rows"]:
+        rel = r.get("rel_to_bf16")
+        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | {'' if rel is None else f'{100 * rel:+.3f} %'} | "
+                     f"{r['linear_bytes'] / 1e6:.1f} MB |")
+    return "\n".join(lines)
+
+
+def run(a) -> int:
+    from ...eval.quant_quality import measure_quant_quality
+    from ..options import one
+    from ..results import ResultFiles, slug
+
+    keep, seq = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len")
+    files = ResultFiles(a.out, "quant_quality", slug(a.model.split("/")[-1], f"keep{keep}", f"w{a.windows}x{seq}"))
+
+    def write(res: dict, complete: bool = False):
+        files.write({**res, "command": a.command_line, "complete": complete}, md=format_table(res))
+
+    res = measure_quant_quality(a.model, keep, a.windows, seq, a.calib_samples, a.calib_len,
+                                [(b, g) for b in a.bits for g in a.groups], a.qmatmul_prefix, on_row=write)
+    write(res, complete=True)
+    print(format_table(res))
+    print(f"chosen group: {res['chosen_group']}")
+    print(f"wrote {files.path}")
+    return 0

@@ -1,0 +1,132 @@
+"""Quality of quantized factors (issue 30): perplexity of one compressed model with its factors as computed (fp32),
+rounded to bf16, and quantized to int8 / int4 at several group sizes, on the same windows.
+
+The protocol is the README's (WikiText-2 test windows, SVD-LLM v1 calibrated on WikiText-2 valid, fp32 model), and
+the compressor, calibration and perplexity are the library's (``compress.svdllm``, ``compress.calib``,
+``eval.perplexity``). Only the factors change between rows:
+
+* ``fp32``: the compressor's factors;  ``bf16``: each factor rounded to bf16 (the engine's storage today);
+* ``int{8,4}_g{G}``: :func:`lowrank_lib.quantize_factors` (QUANT_SPEC), evaluated as the engine runs a prefill
+  (more than 8 rows: the factors dequantized, fp32 GEMMs). The spec's own product (:func:`lowrank_lib.quant.qmatmul`,
+  activations quantized to int16 per group, what decode runs) is checked against it on a shorter prefix of the
+  first window (``check_tokens``): the two perplexities are reported side by side.
+
+Every projection computes in fp32, so the rows differ by the factors' storage alone.
+"""
+from __future__ import annotations
+
+import copy
+import platform
+import time
+
+import torch
+
+from ..factorized import LowRankLinear, account, factor_matrix, lowrank_modules, quantize_factors, set_module
+from .perplexity import perplexity
+
+__all__ = ["dequantized", "rounded_factors", "quant_rows", "pick_group", "measure_quant_quality"]
+
+
+def dequantized(model):
+    """A copy of ``model`` whose quantized factors are dequantized to fp32 ``nn.Parameter`` (the engine's prefill
+    math: dequantize, then aten); a shared factor stays shared."""
+    m = copy.deepcopy(model)
+    done: dict[int, torch.Tensor] = {}
+    for name, lr in lowrank_modules(m).items():
+        U, V = (done.setdefault(id(f), torch.nn.Parameter(factor_matrix(f), requires_grad=False)) for f in (lr.U, lr.V))
+        set_module(m, name, LowRankLinear(U, V, lr.bias))
+    return m
+
+
+def rounded_factors(model, dtype: torch.dtype = torch.bfloat16):
+    """A copy whose factors are rounded to ``dtype`` and stored back in their own dtype (storage precision only)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in {id(f): f for lr in lowrank_modules(m).values() for f in (lr.U, lr.V)}.values():
+            p.copy_(p.to(dtype).to(p.dtype))
+    return m
+
+
+def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, check_tokens: int = 0,
+               progress: bool = False, on_row=None) -> list[dict]:
+    """Perplexity of ``model`` (a factorized fp32 model, unchanged) with its factors fp32, bf16 and quantized at
+    each ``(bits, group)`` of ``configs``. ``check_tokens``: also the perplexity of the first window's first
+    ``check_tokens`` tokens through the spec's qmatmul forward and through the dequantized one."""
+    def ppl(m, desc, n=seq_len, w=windows):
+        with torch.no_grad():
+            return perplexity(m, ids, seq_len=n, max_windows=w, progress=progress, desc=desc).ppl
+
+    rows = []
+
+    def add(row):
+        rows.append(row)
+        if on_row is not None:
+            on_row(rows)
+
+    acc = account(model)
+    add({"factors": "fp32", "ppl": ppl(model, "fp32"), "linear_bytes": acc.linear_bytes})
+    add({"factors": "bf16", "ppl": ppl(rounded_factors(model), "bf16"), "linear_bytes": acc.linear_bytes // 2})
+    for bits, group in configs:
+        q = quantize_factors(copy.deepcopy(model), bits, group)
+        row = {"factors": f"int{bits}_g{group}", "bits": bits, "group": group, "linear_bytes": account(q).linear_bytes}
+        row["ppl"] = ppl(dequantized(q), row["factors"])
+        if check_tokens:
+            row["check"] = {"tokens": check_tokens, "ppl_qmatmul": ppl(q, "qmatmul", check_tokens, 1),
+                            "ppl_dequantized": ppl(dequantized(q), "deq", check_tokens, 1)}
+        del q
+        add(row)
+    ref = next(r["ppl"] for r in rows if r["factors"] == "bf16")
+    for r in rows:
+        r["rel_to_bf16"] = r["ppl"] / ref - 1
+    return rows
+
+
+def pick_group(rows: list[dict], bits: int, target: float) -> int | None:
+    """The largest group (fewest scale bytes) whose perplexity is within ``target`` (relative) of the bf16 factors';
+    None if no group of ``bits`` meets it."""
+    ok = [r["group"] for r in rows if r.get("bits") == bits and r["rel_to_bf16"] <= target]
+    return max(ok) if ok else None
+
+
+def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, windows: int = 4, seq_len: int = 2048,
+                          calib_samples: int = 16, calib_len: int = 512, configs=((8, 32), (8, 64), (8, 128),
+                                                                                    (4, 32), (4, 64), (4, 128)),
+                          check_tokens: int = 256, target_int8: float = 0.005, progress: bool = True,
+                          on_row=None) -> dict:
+    """SVD-LLM v1 at ``keep`` on ``model_name`` (the README's protocol), then :func:`quant_rows`."""
+    from .. import models
+    from ..compress.calib import calibration_data, collect_stats
+    from ..compress.svdllm import compress_svdllm
+    from .quality import QualityConfig, eval_tokens
+
+    torch.manual_seed(0)
+    model, tok = models.load(model_name)
+    ids = eval_tokens(model, tok, QualityConfig(model=model_name, seq_len=seq_len, max_windows=windows))
+    t0 = time.perf_counter()
+    calib = calibration_data(tok, calib_samples, calib_len, 0, model.config.vocab_size)
+    stats = collect_stats(model, calib, progress=progress)
+    cm = compress_svdllm(model, stats, keep, progress=False)
+    prep_s = time.perf_counter() - t0
+    del stats, model
+    res = {"protocol": {"model": model_name, "compressor": "SVD-LLM v1", "keep": keep,
+                        "eval": f"WikiText-2 test, first {windows} windows of {seq_len} tokens",
+                        "calibration": f"WikiText-2 valid, {calib_samples} x {calib_len} tokens, seed 0",
+                        "compute": "fp32 everywhere; quantized rows dequantized (the engine's prefill math)",
+                        "check": f"first {check_tokens} tokens of window 0 through qmatmul (the spec's product)",
+                        "prepare_seconds": round(prep_s, 1)},
+           "host": {"node": platform.node(), "torch": torch.__version__, "threads": torch.get_num_threads()},
+           "rows": []}
+
+    def row_done(rows):
+        res["rows"] = rows
+        if on_row is not None:
+            on_row(res)
+
+    res["rows"] = quant_rows(cm, ids, configs, seq_len, windows, check_tokens, progress, row_done)
+    res["target_int8"] = target_int8
+    res["chosen_group"] = {"int8": pick_group(res["rows"], 8, target_int8),
+                           "int4_best": min((r for r in res["rows"] if r.get("bits") == 4), default=None,
+                                            key=lambda r: r["ppl"])}
+    if res["chosen_group"]["int4_best"] is not None:
+        res["chosen_group"]["int4_best"] = res["chosen_group"]["int4_best"]["group"]
+    return res
