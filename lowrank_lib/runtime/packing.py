@@ -359,13 +359,18 @@ class ProjectionGroup:
 def qgemv_unavailable(gemv) -> str | None:
     """Why quantized decode GEMVs cannot run the packed ``qgemv`` kernel (None: they can): they run it where the
     engine's GEMVs are our packed kernels (``GemvChoice.packed``: library loaded, CPU and dtype served;
-    ``kernels="portable"`` rules it out) and the loaded library registers the op."""
+    ``kernels="portable"`` rules it out), the loaded library registers the op and has code for this CPU
+    (``ops.qgemv_isa()``)."""
     if not gemv.packed:
         return f"the decode GEMVs run {gemv.name} ({gemv.reason})"
     from .kernels.build import NAMESPACE
 
     if not hasattr(getattr(torch.ops, NAMESPACE), "qgemv"):
         return "the kernel library has no qgemv op"
+    from .kernels.ops import qgemv_isa
+
+    if qgemv_isa() == "none":
+        return "qgemv has no code for this CPU (it needs AVX2 or AVX-512BW)"
     return None
 
 
