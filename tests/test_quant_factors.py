@@ -206,3 +206,28 @@ def test_default_group_is_the_measured_choice():
     assert res["complete"] and res["chosen_group"]["int8"] == DEFAULT_GROUP
     rows = {r["factors"]: r for r in res["rows"]}
     assert rows[f"int8_g{DEFAULT_GROUP}"]["rel_to_bf16"] <= res["target_int8"]
+
+
+def test_readme_quant_table_equals_the_json():
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "benchmarks" / "results" / "quant_quality_smollm2_keep0.8_w4x2048.json").read_text())
+    text = (root / "README.md").read_text()
+    sec = text[text.index("### Quantized factors (issue 30)"):]
+    sec = sec[:sec.index("\n### ")]
+    table = [ln for ln in sec.splitlines() if re.match(r"\| (fp32|bf16|int)", ln)]
+    assert len(table) == len(res["rows"])
+    for ln, r in zip(table, res["rows"]):
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        name = r["factors"].replace("_g", ", group ")
+        assert cells[0].startswith(name), (cells[0], name)
+        ppl = float(cells[1])
+        assert abs(ppl - r["ppl"]) <= 0.5 * 10 ** -(len(cells[1].split(".")[1]) if "." in cells[1] else 0) + 1e-9
+        assert cells[3] == f"{r['linear_bytes'] / 1e6:.1f} MB"
+        if cells[2]:
+            pct = float(cells[2].strip("*").replace(" %", ""))
+            digits = len(cells[2].strip("*").replace(" %", "").split(".")[1]) if "." in cells[2] else 0
+            assert abs(pct - 100 * r["rel_to_bf16"]) <= 0.5 * 10 ** -digits + 1e-9, (cells, r)
