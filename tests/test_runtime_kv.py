@@ -113,14 +113,18 @@ def test_bytes_held_per_store(model):
 
 
 def test_kv_is_appended_in_one_place(model):
-    """One decode step writes each layer's k and v exactly once (the store), never again in a kernel."""
-    for store in (DenseKV(), STORES["attsvd"]()):
-        eng = Engine(model, EngineConfig(**ECFG), kv=store)
+    """One decode step writes each layer's k and v exactly once (the store), never again in a kernel; with the fused
+    decode layer (``runtime/kernels/layer.cpp``, where it runs) inside its one call per layer instead."""
+    for store, fused in ((DenseKV(), "off"), (DenseKV(), "auto"), (STORES["attsvd"](), "auto")):
+        eng = Engine(model, EngineConfig(**ECFG, fused_layer=fused), kv=store)
         ids, mask = _batch()
         tok = eng.prefill(ids, mask).argmax(-1)
         with DispatchCounter() as c:
             eng.step(tok)
-        assert c.counts["aten.index_copy_.default"] == 2 * 2, (store.name, c.counts)   # k + v, 2 layers
+        if eng.fused.enabled:
+            assert c.counts["lowrank_lrk.decode_layer.default"] == 2 and not c.counts["aten.index_copy_.default"], c.counts
+        else:
+            assert c.counts["aten.index_copy_.default"] == 2 * 2, (store.name, c.counts)   # k + v, 2 layers
 
 
 def test_invalidate_drops_captures_and_the_next_step_recaptures(model):
