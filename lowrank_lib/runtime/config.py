@@ -93,7 +93,10 @@ class EngineConfig:
         exact head's tokens (provably, ties included); the returned logits are exact on the evaluated
         rows and the approximate scores (within their bound) elsewhere, so SAMPLING draws from those
         logits, not the exact distribution: use ``"exact"`` to sample. Prefill logits stay exact. See
-        ``runtime/lm_head.py``; ``Engine.report()["lm_head"]`` counts each path.
+        ``runtime/lm_head.py``; ``Engine.report()["lm_head"]`` counts each path. ``"certified_q8"`` /
+        ``"certified_q4"``: the same guarantee over a group-wise int8 / int4 copy (``quant``, scored by
+        ``qgemv``). ``"q8"`` / ``"q4"``: APPROXIMATE, the decode logits are the group-wise quantized head's
+        (greedy tokens may differ from the exact head's; for heads without margins, e.g. random weights).
     """
 
     max_batch: int = 1

@@ -40,6 +40,45 @@ bytes) still leaves every row a candidate (its rows keep 31 % of their norm as e
 copies of every rank. Random weights (the 1B / 7B shape benchmarks) give logits with tiny margins:
 there the bound admits many rows and the fallback runs; only real heads show the saving.
 
+The group-wise copies (``lm_head="certified_q8"`` / ``"certified_q4"``, :class:`QuantCertifiedHead`, modes and
+(bits, group) in :data:`QUANT_HEADS`): the copy is ``quant.quantize(W, bits, group)`` (fp16 scale per row and group),
+scored by ONE ``qgemv`` over every row (``quant.qmatmul``'s bits on the portable path), x quantised by
+``quant.quantize_activations`` (int16 per group). With w^ the dequantized row, x^ = xs * xq the dequantized x,
+e_i = w_i - w^_i, r = x - x^ and t_ij = isum_ij * scale_ij * xs_j (the real group terms, sum_j t_ij = w^_i . x^):
+
+    w_i . x - zh_i = e_i . x + w^_i . r + (w^_i . x^ - zh_i)
+    |w^_i . x^ - zh_i| <= gamma_{G+2} sum_j |t_ij| <= gamma_{G+2} |w^_i| |x^| <= gamma_{G+2} |w^_i| (|x| + |r|)
+
+(the score's float steps: float32(isum) exact below 2^24 and rounded once above, scale * xs once, the product once,
+G - 1 additions in any order; |t_ij| <= |w^_ij| |x^_j| per group by Cauchy-Schwarz, then over groups), so
+
+    |logit_i - zh_i| <= (|e_i| + gamma_d |w_i|) |x| + |w^_i| (|r| + gamma_{G+2} (|x| + |r|)) + 8u |zh_i|  (+ bf16 term)
+
+the same form as above (:func:`row_bounds`): per row ``(a_i, b_i) = (|e_i| + gamma_d |w_i|, |w^_i|)``
+(:func:`quantize_head_q`, float64, rounded up), per x ``(|x|, |r| + gamma_{G+2} (|x| + |r|))``
+(:func:`quantize_x`, float64 from the very codes and scales qgemv uses, rounded up); the 1e-25 pad also covers
+underflow in the score's steps (at most 3G subnormal roundings of 2^-126 each). Candidates, exact blocks (``gemv``
+on views of the selected 64-row blocks of the exact packed head: the exact head's kernel, so its bits), fallback and
+counters as above (:func:`certify`). A head whose group scale overflows fp16 (max |w| > 65504 qmax) is refused.
+
+Measured on SmolLM2-135M's real head [49152, 576] (bf16 engine, the 20 fidelity prompts x 64 greedy tokens = 1280
+decode calls; deterministic counts; bf16 head 56.6 MB): today's per-row int8 copy reads 28.9 MB + 3.95 exact blocks
+per token (4.5 candidate rows, no fallback) = 29.19 MB (51.6 %); ``certified_q8`` (int8, group 32) 30.47 MB + 1.27
+blocks (1.34 candidates, no fallback) = 30.57 MB (54.0 %): fewer blocks, more bytes (the fp16 group scales);
+``certified_q4`` (int4, group 32: 16.3 MB) falls back on EVERY call (46128 of 49152 rows are candidates: the int4
+error |e_i| is ~10 % of |w_i|, and |e_i| |x| ~ 10 logit units against a median top-2 margin of 2.2), so it reads
+72.9 MB (129 %); group 64 alike (48539 candidates). Greedy tokens equal the exact head's on all 1280 (by
+construction). So no sound Cauchy-Schwarz head over int4 pays on this head: per-group Cauchy-Schwarz bounds still
+leave 43151 candidates, while the true |e_i . x| would leave 3.8 (an oracle, not a bound).
+
+The approximate heads (``lm_head="q8"`` / ``"q4"``, :class:`QuantHead`, :data:`APPROX_HEADS`): the decode logits
+ARE the group-wise quantized head's (``qgemv``), prefill's stay exact; they change the logits and the greedy tokens.
+On the same 20 prompts x 64 tokens against the exact head: ``q8`` (int8, group 64, 29.2 MB, 51.6 %) 11 of 20
+prompts identical, 84.6 % of tokens equal, first divergence at token 51.5 on average; ``q4`` (int4, group 32, 15.9
+MB, 28.1 %) 1 of 20 identical, 16.6 % of tokens, first divergence at 7.7. For the random-weight 1B / 7B shapes
+(no margins: every certified head falls back), these are the heads that read fewer bytes; their effect on a real
+model's tokens is the measurement above.
+
 Paths: the packed kernel (``lowrank_lrk::certified_head``: AVX512_VNNI, or AVX2's vpmaddwd, the same integer
 sums) when the engine's GEMV backend is a packed one (``lrk_avx512`` / ``lrk_avx2``); otherwise the portable op (``lowrank_lib::certified_head``,
 torch ops, the exact rows by ``torch.mm`` on their columns: the guarantee is then with respect to
@@ -52,9 +91,14 @@ import math
 
 import torch
 
+from .. import quant
 from .packing import ProjectionGroup
 
-LM_HEADS = ("exact", "certified")
+#: the group-wise copies of the head (mode -> (bits, group)): ``quant.quantize``'s codes, scored by ``qgemv``
+QUANT_HEADS = {"certified_q8": (8, 32), "certified_q4": (4, 32)}
+#: the approximate heads (mode -> (bits, group)): the decode logits ARE the quantized head's (``qgemv``)
+APPROX_HEADS = {"q8": (8, 64), "q4": (4, 32)}
+LM_HEADS = ("exact", "certified", *QUANT_HEADS, *APPROX_HEADS)
 #: fraction of the head's blocks above which the whole exact head runs instead
 MAX_FRACTION = 0.25
 #: rows of the exact head per kernel block (``lrk.cpp`` BW)
@@ -67,12 +111,16 @@ def make_lm_head(mode: str, exact: ProjectionGroup, max_fraction: float = MAX_FR
     """The engine's head for ``EngineConfig.lm_head``: the exact group itself, or a :class:`CertifiedHead` over it."""
     if mode not in LM_HEADS:
         raise ValueError(f"lm_head={mode!r}: use one of {LM_HEADS}")
+    if mode in APPROX_HEADS:
+        return QuantHead(exact, *APPROX_HEADS[mode], mode=mode)
+    if mode in QUANT_HEADS:
+        return QuantCertifiedHead(exact, *QUANT_HEADS[mode], max_fraction=max_fraction, mode=mode)
     return exact if mode == "exact" else CertifiedHead(exact, max_fraction)
 
 
 def head_report(head) -> dict:
     """``Engine.report()["lm_head"]``: the mode, and for a certified head its paths and bytes."""
-    return head.report() if isinstance(head, CertifiedHead) else {"mode": "exact"}
+    return head.report() if isinstance(head, (CertifiedHead, QuantHead)) else {"mode": "exact"}
 
 
 def _round_up_f32(t: torch.Tensor) -> torch.Tensor:
@@ -129,10 +177,17 @@ def bounds(sums: torch.Tensor, meta: torch.Tensor, s_h: torch.Tensor, hn: torch.
            bf16_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Integer sums [N, V] -> (approximate scores zh, bounds) float32 [N, V] (see the module docstring)."""
     zh = sums.float() * (meta[:, 0][None] * s_h[:, None])
+    return zh, row_bounds(zh, meta[:, 1], meta[:, 2], hn, rn, bf16_out)
+
+
+def row_bounds(zh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, hn: torch.Tensor, rn: torch.Tensor,
+               bf16_out: bool) -> torch.Tensor:
+    """``(a_i hn + b_i rn + 8u |zh_i| + rho (|zh_i| + ...)) (1 + 2^-12) + 1e-25`` float32 [N, V]: the bound of both
+    copies (per row a [V], b [V]; per row of x hn [N], rn [N]; rho = 2^-8 for a bf16 output, else 0)."""
     az = zh.abs()
-    d = meta[:, 1][None] * hn[:, None] + meta[:, 2][None] * rn[:, None] + 8 * _U * az
+    d = a[None] * hn[:, None] + b[None] * rn[:, None] + 8 * _U * az
     rho = 2.0 ** -8 if bf16_out else 0.0
-    return zh, (d + rho * (az + d)) * (1 + 2.0 ** -12) + 1e-25
+    return (d + rho * (az + d)) * (1 + 2.0 ** -12) + 1e-25
 
 
 def round_down(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -199,6 +254,13 @@ def _(x, Q, meta, Wt, max_fraction, stats):
     return x.new_empty(x.shape[0], Q.shape[0])
 
 
+def _check_exact(exact: ProjectionGroup) -> None:
+    if len(exact.members) != 1 or exact.members[0].lowrank or not exact.pack:
+        raise ValueError("the certified head needs a dense, packed one-matrix head (nn.Linear lm_head)")
+    if exact.S_bias is not None:
+        raise ValueError("the certified head does not serve a head with a bias")
+
+
 class CertifiedHead:
     """The certified LM head over the engine's exact head (a one-member dense :class:`ProjectionGroup`).
 
@@ -207,13 +269,12 @@ class CertifiedHead:
     ProjectionGroup for the engine: ``__call__(x) -> [logits]``, ``nbytes``, ``stored_nbytes``.
     """
 
+    mode = "certified"
+
     def __init__(self, exact: ProjectionGroup, max_fraction: float = MAX_FRACTION):
         from .kernels.build import load
 
-        if len(exact.members) != 1 or exact.members[0].lowrank or not exact.pack:
-            raise ValueError("the certified head needs a dense, packed one-matrix head (nn.Linear lm_head)")
-        if exact.S_bias is not None:
-            raise ValueError("the certified head does not serve a head with a bias")
+        _check_exact(exact)
         self.exact, self.max_fraction = exact, float(max_fraction)
         W = exact.S                                                   # [V, d] at the engine dtype
         self.V, self.d = W.shape
@@ -274,9 +335,213 @@ class CertifiedHead:
         s = dict(zip(_STATS, (int(v) for v in self.stats)))
         head_bytes = self.V * self.d * self.dtype.itemsize
         calls = s["calls"]
-        return {"mode": "certified", "path": self.path, "max_fraction": self.max_fraction, **s,
+        return {"mode": self.mode, "path": self.path, "max_fraction": self.max_fraction, **s,
                 "certified_calls": calls - s["fallback_calls"],
                 "candidates_per_row": s["candidate_rows"] / s["rows"] if s["rows"] else None,
                 "exact_rows_per_call": s["exact_rows"] / calls if calls else None,
                 "head_bytes": head_bytes, "approx_bytes": self.approx_nbytes,
                 "head_bytes_fraction": self.nbytes / head_bytes if calls else None}
+
+
+# ------------------------------------------------------------------ the group-wise copy (int8 / int4, qgemv)
+@torch.no_grad()
+def quantize_head_q(W: torch.Tensor, bits: int, group: int, chunk: int = 8192) -> tuple[quant.QuantizedTensor,
+                                                                                        torch.Tensor]:
+    """W [V, d] -> (``quant.quantize(W, bits, group)``, meta float32 [V, 2] = (a, b)).
+
+    ``a_i = |w_i - w^_i| + gamma_d |w_i|``, ``b_i = |w^_i|`` (w^ the dequantized row), in float64, rounded up."""
+    if not bool(torch.isfinite(W).all()):
+        raise ValueError("the certified head needs a finite head: the LM head holds inf / NaN weights")
+    V, d = W.shape
+    qt = quant.quantize(W, bits, group)
+    Wh = qt.dequantize(torch.float32)
+    meta = torch.empty(V, 2, dtype=torch.float32)
+    g = _gamma(d)
+    for i in range(0, V, chunk):
+        w, wh = W[i:i + chunk].double(), Wh[i:i + chunk].double()
+        meta[i:i + chunk, 0] = _round_up_f32((w - wh).norm(dim=1) * (1 + 1e-12) + g * w.norm(dim=1) * (1 + 1e-12))
+        meta[i:i + chunk, 1] = _round_up_f32(wh.norm(dim=1) * (1 + 1e-12))
+    return qt, meta
+
+
+def quantize_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, d] -> (hn, rn) float32 [N] rounded up: ``hn >= |x|``, ``rn >= |r| + gamma_{G+2} (|x| + |r|)`` with
+    ``r = x - x^`` the residual of ``quant.quantize_activations`` (the codes and scales ``qgemv`` multiplies) and G
+    the number of groups (the score's fp32 steps, see the module docstring)."""
+    N, d = x.shape
+    xq, xs = quant.quantize_activations(x, group)
+    G = xs.shape[1]
+    xh = (xq.double().view(N, G, group) * xs.double()[..., None]).view(N, G * group)[:, :d]
+    xn = x.double().norm(dim=1) * (1 + 1e-12)
+    r = (x.double() - xh).norm(dim=1) * (1 + 1e-12)
+    n = G + 2
+    gs = n * _U / (1 - n * _U)
+    return _round_up_f32(xn), _round_up_f32((r + gs * (xn + r)) * (1 + 1e-12))
+
+
+def _packed_blocks(P: torch.Tensor, V: int, blocks: list[int]) -> tuple[list[torch.Tensor], list[int]]:
+    """Views of the 64-row blocks ``blocks`` of a packed [V, d] matrix (``lrk.cpp``: each block one contiguous
+    stream; the last one rounded up to 16 rows) as packed matrices of their own, and their widths."""
+    rows = (V // BLOCK) * BLOCK + -(-(V % BLOCK) // 16) * 16
+    K = P.numel() // rows
+    views, widths = [], []
+    for b in blocks:
+        w = min(BLOCK, V - b * BLOCK)
+        views.append(P[b * BLOCK * K:(b * BLOCK + -(-w // 16) * 16) * K])
+        widths.append(w)
+    return views, widths
+
+
+@torch.library.custom_op("lowrank_lib::certified_head_q", mutates_args=("stats",))
+def certified_head_q(x: torch.Tensor, Q: torch.Tensor, Qs: torch.Tensor, meta: torch.Tensor, E: torch.Tensor,
+                     bits: int, group: int, kernel: bool, max_fraction: float, stats: torch.Tensor) -> torch.Tensor:
+    """The certified head over a group-wise copy: x [N, d]; meta [V, 2] (a, b); ``kernel``: Q the ``ops.qpack`` blob
+    of the copy, E the exact head packed (``ops.pack``), ``qgemv`` scores and ``gemv`` on the selected blocks' views
+    (the exact head's kernel and bits); else Q / Qs the copy's codes / fp16 scales, ``quant.qmatmul`` scores and E
+    = W^T [d, V] (``torch.mm`` on the selected columns). -> logits [N, V] at x's dtype; ``stats`` int64 [5]."""
+    N, d = x.shape
+    V = meta.shape[0]
+    if kernel:
+        from .kernels import ops
+
+        def head(blocks):
+            if blocks is None:
+                return ops.gemv(x, [E], [V], [d], [0])
+            views, widths = _packed_blocks(E, V, blocks)
+            return ops.gemv(x, views, widths, [d] * len(views), [0] * len(views))
+    else:
+        def head(blocks):
+            if blocks is None:
+                return torch.mm(x, E)
+            return torch.cat([torch.mm(x, E[:, b * BLOCK:(b + 1) * BLOCK]) for b in blocks], 1)
+    if not bool(torch.isfinite(x).all()):          # no bound holds: the exact head
+        stats += torch.tensor([1, N, 1, 0, V], dtype=stats.dtype)
+        return head(None)
+    x32 = x.float().contiguous()
+    if kernel:
+        zh = ops.qgemv(x32, [Q], [V], [d], [0], bits, group)
+    else:
+        zh = quant.qmatmul(x32, quant.QuantizedTensor(Q, Qs, bits, group, (V, d)))
+    hn, rn = quantize_x(x, group)
+    bd = row_bounds(zh, meta[:, 0], meta[:, 1], hn.to(zh.device), rn.to(zh.device), x.dtype == torch.bfloat16)
+
+    def exact_blocks(blocks):
+        y = head(blocks)
+        if blocks is None:
+            return {b: y[:, b * BLOCK:(b + 1) * BLOCK] for b in range(-(-V // BLOCK))}
+        out, o = {}, 0
+        for b in blocks:
+            w = min(BLOCK, V - b * BLOCK)
+            out[b], o = y[:, o:o + w], o + w
+        return out
+
+    y, c = certify(zh, bd, exact_blocks, x.dtype, max_fraction)
+    stats += torch.tensor([1, N, int(c["fallback"]), c["candidates"], c["exact_rows"]], dtype=stats.dtype)
+    return y
+
+
+@certified_head_q.register_fake
+def _(x, Q, Qs, meta, E, bits, group, kernel, max_fraction, stats):
+    return x.new_empty(x.shape[0], meta.shape[0])
+
+
+class QuantCertifiedHead(CertifiedHead):
+    """The certified head over a group-wise int8 / int4 copy of the head (``quant.quantize``, scored by ``qgemv``
+    with the packed kernels, by ``quant.qmatmul`` on the portable path; the same bits). Same interface and counters
+    as :class:`CertifiedHead`; ``mode`` is the ``EngineConfig.lm_head`` name (:data:`QUANT_HEADS`)."""
+
+    def __init__(self, exact: ProjectionGroup, bits: int, group: int, max_fraction: float = MAX_FRACTION,
+                 mode: str = "certified_q4"):
+        _check_exact(exact)
+        self.exact, self.max_fraction, self.mode = exact, float(max_fraction), mode
+        self.bits, self.group = bits, group
+        W = exact.S
+        self.V, self.d = W.shape
+        self.dtype = W.dtype
+        qt, meta = quantize_head_q(W.cpu(), bits, group)
+        self.kernel = bool(exact.gemv.packed)
+        if self.kernel:
+            from .kernels import ops
+
+            if ops.qgemv_isa() == "none":
+                raise RuntimeError("the certified head's qgemv needs AVX512 or AVX2 beside the packed GEMV kernel")
+            self.Q, self.Qs, self.meta = ops.qpack(qt.data, qt.scale, bits, group, self.V, self.d), qt.scale, meta
+            self.path = (f"{exact.gemv.name}: int{bits} group-{group} approximate head (qgemv, {ops.qgemv_isa()}) + "
+                         "exact packed blocks (gemv)")
+        else:
+            self.Q, self.Qs, self.meta = qt.data.to(W.device), qt.scale.to(W.device), meta.to(W.device)
+            self.path = (f"portable: int{bits} group-{group} approximate head (quant.qmatmul) + exact rows by torch.mm "
+                         "on their columns")
+        self.stats = torch.zeros(len(_STATS), dtype=torch.long, device="cpu" if self.kernel else W.device)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        from .kernels.gemv import LRK_MAX_ROWS
+
+        if x.dim() != 2 or x.shape[0] > LRK_MAX_ROWS:
+            return self.exact(x)
+        E = self.exact.S_p.P if self.kernel else self.exact.S_t
+        return [certified_head_q(x, self.Q, self.Qs, self.meta, E, self.bits, self.group, self.kernel,
+                                 self.max_fraction, self.stats)]
+
+    @property
+    def approx_nbytes(self) -> int:
+        """Bytes every certified call reads: the copy's codes and fp16 scales, and the per-row (a, b)."""
+        return quant.quantized_nbytes(self.V, self.d, self.bits, self.group) + self.meta.numel() * 4
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.exact.stored_nbytes + self.approx_nbytes
+
+    def report(self) -> dict:
+        return {**super().report(), "bits": self.bits, "group": self.group}
+
+
+class QuantHead:
+    """The APPROXIMATE head (``lm_head="q8"`` / ``"q4"``): decode logits (up to ``LRK_MAX_ROWS`` rows) are the
+    group-wise quantized head's, ``quant.qmatmul``'s product (``qgemv`` with the packed kernels, bit for bit), so
+    they differ from the exact head's and so may the greedy tokens (measured in the module docstring). Prefill and
+    larger batches run the exact head (kept). For shapes whose head has no margins (random weights), where no
+    certified head can skip rows."""
+
+    def __init__(self, exact: ProjectionGroup, bits: int, group: int, mode: str = "q4"):
+        _check_exact(exact)
+        self.exact, self.bits, self.group, self.mode = exact, bits, group, mode
+        W = exact.S
+        self.V, self.d = W.shape
+        qt = quant.quantize(W.cpu(), bits, group)
+        self.kernel = bool(exact.gemv.packed)
+        if self.kernel:
+            from .kernels import ops
+
+            if ops.qgemv_isa() == "none":
+                raise RuntimeError("the quantized head's qgemv needs AVX512 or AVX2 beside the packed GEMV kernel")
+            self.Q = ops.qpack(qt.data, qt.scale, bits, group, self.V, self.d)
+            self.path = f"{exact.gemv.name}: int{bits} group-{group} head (qgemv, {ops.qgemv_isa()})"
+        else:
+            self.qt = qt.to(W.device)
+            self.path = f"portable: int{bits} group-{group} head (quant.qmatmul)"
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        from .kernels.gemv import LRK_MAX_ROWS
+
+        if x.dim() != 2 or x.shape[0] > LRK_MAX_ROWS:
+            return self.exact(x)
+        if self.kernel:
+            from .kernels import ops
+
+            return [ops.qgemv(x.contiguous(), [self.Q], [self.V], [self.d], [0], self.bits, self.group)]
+        return [quant.qmatmul(x, self.qt)]
+
+    @property
+    def nbytes(self) -> int:
+        """Weight bytes per decode token: the quantized head's codes and scales."""
+        return quant.quantized_nbytes(self.V, self.d, self.bits, self.group)
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.exact.stored_nbytes + self.nbytes
+
+    def report(self) -> dict:
+        return {"mode": self.mode, "path": self.path, "bits": self.bits, "group": self.group,
+                "approximate": True, "head_bytes": self.V * self.d * self.exact.S.dtype.itemsize,
+                "approx_bytes": self.nbytes}
