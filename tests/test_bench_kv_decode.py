@@ -29,4 +29,4 @@ def test_quick_run_writes_every_system_row(tmp_path):
             # attention "auto": the fused tier kernel wherever it can run (the row says which ran)
             fused = lrk_tiers_unavailable(torch.device("cpu"), 64, torch.float32) is None
             assert r["attention_kernel"] == ("lrk_tiers" if fused else "portable"), r
-    assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and (tmp_path / "kv_decode.txt").exists()
+    assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and res["machine"]["cpu"] and (tmp_path / "kv_decode.txt").exists()

@@ -145,9 +145,11 @@ def test_comparisons_and_targets():
     assert by[("lowrank_lib_lowrank", 1, "certified")]["speedup_vs_llamacpp_dense"] == pytest.approx(14 / 6)
     assert by[("lowrank_lib_lowrank", 2, "exact")]["speedup_vs_llamacpp_dense"] == pytest.approx(10 / 8)
     assert len(comps) == 4 and not any(c["system"] == "llamacpp_dense" for c in comps)
-    t = {x["target"]: x for x in peer_base.evaluate(comps)}
-    assert set(t) == {"dense_speedup", "lowrank_speedup", "certified_speedup", "lowrank_roofline"}
-    assert all(x["threads"] == 1 for x in t.values())
+    both = peer_base.evaluate(comps)
+    t = {x["target"]: x for x in both if x["threads"] == 1}
+    assert set(t) == {"dense_speedup", "lowrank_speedup", "certified_speedup", "lowrank_roofline",
+                      "dense_speedup_all_cores", "lowrank_roofline_1t"}        # keep unset: no keep-0.5 target
+    assert {x["target"] for x in both if x["threads"] == 2} == {"lowrank_roofline_2t"}
     assert t["lowrank_speedup"]["met"] and t["lowrank_speedup"]["bound"] == 1.4 and t["lowrank_speedup"]["issue"] == 12
     assert not t["dense_speedup"]["met"] and t["dense_speedup"]["measured"] == pytest.approx(14 / 15)
     assert t["certified_speedup"]["met"] and t["certified_speedup"]["op"] == ">="
@@ -158,7 +160,29 @@ def test_comparisons_and_targets():
     fp = peer_base.evaluate(peer_base.comparisons([{**r, "dtype": "fp32"} for r in rows]))
     assert "certified_speedup" not in {x["target"] for x in fp}                    # a bf16 target only
     seven = peer_base.evaluate(peer_base.comparisons([{**r, "shape": "llama2-7b", "keep": 0.5} for r in rows]))
-    assert {x["target"] for x in seven} == {"dense_speedup", "lowrank_speedup_k0.5", "lowrank_roofline"}
+    assert {x["target"] for x in seven} == {"dense_speedup", "lowrank_speedup_k0.5", "lowrank_roofline",
+                                            "lowrank_roofline_1t", "lowrank_roofline_2t"}
+
+
+def test_quantized_rows_compare_with_q4_k_m_and_keep_out_of_bf16_targets():
+    """Issues 29-30: llama.cpp's Q4_K_M row of the same model and threads is the reference of every row of ours;
+    int8-factor rows are judged by the int8 target only, bf16-factor keep-0.5 rows by the all-cores targets."""
+    rows = [_row("llamacpp_dense", "bf16", t, 14.0, 270e6) for t in (1, 2)]
+    rows += [_row("llamacpp_dense", "q4_k_m", t, 9.0, 100e6) for t in (1, 2)]
+    rows += [{**_row("lowrank_lib_lowrank", "bf16", t, ms, 90e6), "keep": 0.5, "factor_bits": 8}
+             for t, ms in ((1, 6.0), (2, 7.5))]
+    rows += [{**_row("lowrank_lib_lowrank", "bf16", 1, 8.0, 168e6), "keep": 0.5}]
+    comps = peer_base.comparisons(rows)
+    q8 = {c["threads"]: c for c in comps if c["factor_bits"] == 8}
+    assert q8[1]["speedup_vs_llamacpp_q4_k_m"] == pytest.approx(9 / 6)
+    assert q8[2]["speedup_vs_llamacpp_q4_k_m"] == pytest.approx(9 / 7.5)
+    t = peer_base.evaluate(comps)
+    int8 = {x["threads"]: x for x in t if x["target"] == "int8_vs_q4_k_m"}
+    assert int8[1]["met"] and not int8[2]["met"] and int8[1]["issue"] == 30
+    assert all(x["factor_bits"] is None for x in t if x["target"] in ("lowrank_speedup", "lowrank_speedup_all_cores",
+                                                                       "lowrank_roofline"))
+    allc = [x for x in t if x["target"] == "lowrank_speedup_all_cores"]
+    assert len(allc) == 1 and allc[0]["measured"] == pytest.approx(14 / 8) and allc[0]["met"]
 
 
 def test_met_is_the_direction_of_the_bound():
@@ -318,9 +342,19 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                                         gen_len=8, repeats=1, graph="none", llama_flash_attn="off",
                                         prompt="random", out=str(tmp_path)), progress=False, log=lambda *_: None)
     assert res["equivalence"]["tokens_equal"]
-    want = {("llamacpp_dense", d, "exact") for d in ("fp32", "bf16")}
-    want |= {(s, d, h) for s in peer_base.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
-    assert {(r["system"], r["dtype"], r["lm_head"]) for r in res["rows"]} == want
+    want = {("llamacpp_dense", d, "exact", None) for d in ("fp32", "bf16", "q8_0", "q4_k_m")}
+    want |= {(s, d, h, None) for s in peer_base.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
+    want |= {("lowrank_lib_lowrank", "bf16", "exact", b) for b in (8, 4)}         # quantized factors, bf16 only
+    assert [(r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]
+            if (r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) in want] == [
+        (r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]]
+    assert {(r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]} == want
+    q = [r for r in res["rows"] if r["factor_bits"]]
+    assert all(r["weight_bytes_per_token"] < min(x["weight_bytes_per_token"] for x in res["rows"]
+                                                  if x["system"] == "lowrank_lib_lowrank" and not x["factor_bits"])
+               for r in q)                                                      # codes + scales read, not bf16
+    assert any("speedup_vs_llamacpp_q4_k_m" in c for c in res["comparisons"])
+    assert all("CPU" in r["info"]["system_info"] for r in res["rows"] if r["system"] == "llamacpp_dense")  # build
     for r in res["rows"]:
         assert r["decode_steps"] == 7 and r["decode_ms_per_token"] > 0
         assert 0 < r["decode_cpu_ms_per_token"] <= 1.5 * r["decode_ms_per_token"]   # 1 thread: CPU ~ wall
@@ -328,7 +362,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
             rep = r["lm_head_report"]
             assert rep["mode"] == "certified" and rep["calls"] == rep["rows"] == 8   # the timed run: prefill + 7 steps
     table = peer.table(res)
-    assert table.count("\n") >= 12 and "certified head" in table
+    assert table.count("\n") >= 12 and "| certified |" in table and "| q4_k_m |" in table
     p = peer.save(res, tmp_path)
     assert json.loads(p.read_text())["rows"]
 
@@ -345,7 +379,8 @@ def test_peer_run_without_llamacpp_on_tiny_model(tmp_path):
         assert r["decode_steps"] == 8 and r["copy_gbs"] == res["copy_bandwidth_GBps_by_threads"]["1"] > 0
         assert (r["keep"] == 0.5) == (r["system"] == "lowrank_lib_lowrank") and r["shape"] == "tiny-smol"
     assert res["comparisons"] and not any("speedup_vs_llamacpp_dense" in c for c in res["comparisons"])
-    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline"] and "equivalence" not in res   # no llama
+    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline", "lowrank_roofline_1t"]     # no llama
+    assert "equivalence" not in res
     assert peer.table(res).count("| lowrank_lib_") == 4
     assert json.loads(peer.save(res, tmp_path, peer.table(res)).read_text())["rows"]
 

@@ -104,8 +104,12 @@ class LlamaCppRunner(Runner):
                 "eval_ms_per_token": p.t_eval_ms / p.n_eval if p.n_eval else float("nan")}
 
     def report(self) -> dict:
+        import llama_cpp
+
         return {"runner": "llama.cpp", "llama_cpp_python": version(), "gguf": self.path, "kv_type": self.kv_type,
-                "flash_attn": self.flash_attn, "threads": self.threads}
+                "flash_attn": self.flash_attn, "threads": self.threads,
+                # llama.cpp's own build and CPU features (AVX2 / AVX512 / ... = 1, the backends compiled in)
+                "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
 
     def close(self) -> None:
         self.llm.close()

@@ -16,6 +16,10 @@ rotated each round, so drift on a shared machine hits all alike. Systems (``rows
 ``lowrank_lib_lowrank``  our Engine on the plain-SVD keep-``keep`` factors (as ``bench decode`` builds them)
 =======================  ================================================================================
 
+In bf16 two more kinds of row join (issues 29-30): llama.cpp on ``quants`` files that its own quantizer makes from the
+BF16 GGUF (``dtype`` = the file type, e.g. ``q4_k_m``), and our low-rank engine with its factors quantized to each of
+``factor_bits`` (``lowrank_lib.quantize_factors``, group 32: ``factor_bits`` in the row).
+
 Each of our systems runs once per LM head of ``lm_heads`` (``exact``; ``certified``: the same greedy tokens from a
 fraction of the head's bytes, its row holding the head's counters). Rows, comparisons against llama.cpp dense and
 the targets are :mod:`lowrank_lib.bench.peer_base`'s (shared with ``--shape``). Before any timing, llama.cpp and
@@ -28,6 +32,7 @@ Writes ``<out>/peer_cpu.json`` (never overwritten: :mod:`lowrank_lib.bench.resul
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +40,8 @@ import torch
 from tqdm.auto import tqdm
 
 from ..eval.fidelity import audit_line, certified_audit
+from ..eval.llamacpp import quantize
+from ..factorized import quantize_factors
 from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
@@ -62,6 +69,8 @@ class PeerConfig:
     llama_flash_attn: str = "auto"       # "on" | "off" | "auto" (the faster of the two in a short probe)
     prompt: str = "wikitext"             # "wikitext" (a test-split window) or "random" token ids
     audit_prompts: int = 20              # the certified head's audit: fidelity prompts x gen_len tokens (0 = none)
+    quants: tuple[str, ...] = ("q8_0", "q4_k_m")   # llama.cpp's quantized files (bf16 rows; needs dtype bf16)
+    factor_bits: tuple[int, ...] = (8, 4)          # our low-rank factors quantized (bf16 rows, exact head)
     seed: int = 0
     out: str = "benchmarks/results"
     note: str = ""
@@ -71,6 +80,8 @@ class PeerConfig:
         self.dtypes = check_choices("dtypes", self.dtypes, ("fp32", "bf16"))
         self.systems = check_choices("systems", self.systems, SYSTEMS)
         self.lm_heads = check_choices("LM heads", self.lm_heads, LM_HEADS)
+        self.quants = check_choices("llama.cpp quantizations", self.quants, ("q8_0", "q4_k_m"))
+        self.factor_bits = check_choices("factor bits", self.factor_bits, (8, 4))
 
 
 def prompt_ids(tok, vocab_size: int, n: int, source: str = "wikitext", seed: int = 0) -> torch.Tensor:
@@ -93,10 +104,14 @@ def peer_files(cfg: PeerConfig, dense, log=print) -> dict[str, Path]:
     from ..formats.gguf import DTYPE_TYPES, write_hf_gguf
 
     if cfg.model == "smollm2":
-        return models.smollm2_ggufs(cfg.dtypes, log=log)
-
-    d = models.default_cache_dir() / "peer-gguf" / Path(cfg.model).name
-    return {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", DTYPE_TYPES[dt]) for dt in cfg.dtypes}
+        files = models.smollm2_ggufs(cfg.dtypes, log=log)
+    else:
+        d = models.default_cache_dir() / "peer-gguf" / Path(cfg.model).name
+        files = {dt: write_hf_gguf(dense, d / f"model.{dt}.gguf", DTYPE_TYPES[dt]) for dt in cfg.dtypes}
+    for q in cfg.quants if "bf16" in files else ():      # llama.cpp's quantizer on the BF16 file, once
+        dst = files["bf16"].with_name(files["bf16"].name.replace(".BF16.", ".").replace(".gguf", f".{q.upper()}.gguf"))
+        files[q] = dst if dst.exists() else quantize(files["bf16"], dst, q)
+    return files
 
 
 def flash_attn(cfg: PeerConfig, path, dtype: str, threads: int, ids, cache: dict) -> bool:
@@ -128,6 +143,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     n_ctx, shape = cfg.prompt_len + cfg.gen_len, Path(cfg.model).name
     res.update(prompt_tokens=ids.shape[1], copy_bandwidth_GBps_by_threads={}, read_bandwidth_GBps_by_threads={})
     fa = {}
+    quantized = {b: quantize_factors(copy.deepcopy(comp), b) for b in cfg.factor_bits}
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
     if want_llama and "fp32" in ggufs:
@@ -158,9 +174,15 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             if want_llama:
                 timed[("llamacpp_dense", dt)] = Timed("llamacpp_dense", llama_runner(
                     ggufs[dt], dt, n_ctx, th, flash_attn(cfg, ggufs[dt], dt, th, ids, fa)))
+                for q in cfg.quants if dt == "bf16" else ():
+                    timed[("llamacpp_dense", q)] = Timed("llamacpp_dense", llama_runner(
+                        ggufs[q], "bf16", n_ctx, th, flash_attn(cfg, ggufs[q], q, th, ids, fa)))
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
                 for head in cfg.lm_heads if s in cfg.systems else ():
                     timed[(s, dt, head)] = Timed(s, engine(model, dt, n_ctx, cfg.graph, head))
+            for b in cfg.factor_bits if dt == "bf16" and "lowrank_lib_lowrank" in cfg.systems else ():
+                timed[("lowrank_lib_lowrank", dt, "exact", b)] = Timed("lowrank_lib_lowrank", engine(
+                    quantized[b], dt, n_ctx, cfg.graph, "exact"))
         for t in timed.values():
             t.warm(ids, min(4, cfg.gen_len))
         bar = tqdm(total=cfg.repeats, desc=f"peer bench, {th} thread(s), rounds", disable=not progress)
@@ -170,8 +192,9 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         bw, rbw = bws.after()                                             # before and after
         res["copy_bandwidth_GBps_by_threads"][str(th)], res["read_bandwidth_GBps_by_threads"][str(th)] = bw, rbw
         res["load_average"][f"after_{th}_threads"] = load_average()      # what else ran shows here
-        for (s, dt, *_), t in timed.items():
-            row = t.row(th, bw, rbw, shape=shape, dtype=dt, keep=cfg.keep if s == "lowrank_lib_lowrank" else None)
+        for (s, dt, *rest), t in timed.items():
+            row = t.row(th, bw, rbw, shape=shape, dtype=dt, keep=cfg.keep if s == "lowrank_lib_lowrank" else None,
+                        factor_bits=rest[1] if len(rest) > 1 else None)
             if t.llama:
                 row["info"]["flash_attn_probe"] = fa.get((dt, th), {}).get("probe")
                 t.runner.close()
@@ -221,11 +244,11 @@ def plot_thread_scaling(res: dict, ax=None):
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))
     bws = res["copy_bandwidth_GBps_by_threads"]
-    for (system, dtype) in sorted({(r["system"], r["dtype"]) for r in res["rows"]}):
-        rows = sorted((r for r in res["rows"] if r["system"] == system and r["dtype"] == dtype
+    for (system, dtype, bits) in sorted({(r["system"], r["dtype"], r.get("factor_bits") or 0) for r in res["rows"]}):
+        rows = sorted((r for r in res["rows"] if (r["system"], r["dtype"], r.get("factor_bits") or 0) == (system, dtype, bits)
                        and r.get("lm_head", "exact") == "exact"), key=lambda r: r["threads"])
-        th = [r["threads"] for r in rows]
-        ax.plot(th, [r["decode_ms_per_token"] for r in rows], marker=MARKERS[system], label=f"{system} {dtype}",
+        th, label = [r["threads"] for r in rows], f"{system} {dtype}" + (f" int{bits} factors" if bits else "")
+        ax.plot(th, [r["decode_ms_per_token"] for r in rows], marker=MARKERS[system], label=label,
                 ls="--" if system == "llamacpp_dense" else "-", color=COLORS.get(dtype, "gray"))
         if system == "lowrank_lib_lowrank":
             ax.plot(th, [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",

@@ -58,18 +58,18 @@ def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
 
 def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
     """Run the measurement; ``on_context(result_so_far)`` after every context (the command rewrites its file there).
-    Returns {rows, config, load_average, copy_gbs, note}."""
+    Returns {rows, config, machine, load_average, copy_gbs, note}."""
     import torch
 
     from .. import models
-    from ..host import copy_bandwidth, load_average
+    from ..host import copy_bandwidth, load_average, machine
     from ..runtime.profiling import decode_attention, greedy_steps
     from ..timing import interleaved, summary
     from .kv_sweep import frontier_windows
 
     model, tok = models.load(cfg.model)
     model.eval()
-    meta = {"config": cfg.to_dict(), "load_average": {"start": load_average()},
+    meta = {"config": cfg.to_dict(), "machine": machine(), "load_average": {"start": load_average()},
             "copy_gbs": round(copy_bandwidth(torch.device("cpu")), 2), "note": "interleaved rounds (rotated order), medians over every step; "
             "attention = one decode attention of every layer through the store (runtime.profiling.decode_attention)"}
     rows: list[dict] = []
