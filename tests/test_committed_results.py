@@ -41,10 +41,14 @@ def test_committed_result_has_the_schema(p):
     assert res["rows"] and isinstance(res["copy_bandwidth_GBps"], float) and res["command"].startswith("python -m")
     for r in res["rows"]:
         assert set(peer.ROW_KEYS) <= set(r) and r.get("lm_head", "exact") in peer.LM_HEADS
-        assert r["system"] in peer.SYSTEMS and r["dtype"] in ("fp32", "bf16") and r["threads"] >= 1
+        assert r["system"] in peer.SYSTEMS and r["threads"] >= 1
+        # llama.cpp's quantized files (issue 29) beside the fp32 / bf16 rows; quantized factors are bf16 rows
+        assert r["dtype"] in ("fp32", "bf16") or (r["system"] == "llamacpp_dense" and r["dtype"] in ("q8_0", "q4_k_m"))
+        assert r.get("factor_bits") in (None, 8, 4) and (not r.get("factor_bits") or r["dtype"] == "bf16")
         assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
     assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
-    assert "tokens_equal" in res["equivalence"]
+    if any(r["dtype"] == "fp32" for r in res["rows"]):       # the same-tokens check runs in fp32 (a bf16-only run has none)
+        assert "tokens_equal" in res["equivalence"]
 
 
 @pytest.mark.parametrize("p", _committed("peer_scale_*.json"), ids=lambda p: p.name)
@@ -98,14 +102,19 @@ def _decode(rows, lm_head="exact", **key) -> dict:
 def _measured(res: dict, t: dict) -> float:
     """A target's measured value recomputed from the file's rows (peer and peer --shape targets)."""
     rows, name, dt = res["rows"], t["target"], t["dtype"]
-    if "shape" in t:                                           # bench/peer_scale.py
-        ll = _decode(rows, system="llamacpp_dense", dtype=dt, threads=1)["decode_ms_per_token"]
-        if name == "dense_speedup_vs_llamacpp_dense":
-            return ll / _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=1)["decode_ms_per_token"]
-        lr = _decode(rows, system="lowrank_lib_lowrank", dtype=dt, threads=1, keep=t["keep"])
-        values = {"roofline_x": lr["roofline_x"], "speedup_vs_llamacpp_dense": ll / lr["decode_ms_per_token"]}
-        assert name in values, f"target {name!r}: a new kind, teach _measured to recompute it from the rows"
-        return values[name]
+    if "shape" in t:            # bench/peer_scale.py, and bench/peer.py since its targets name the comparison key
+        th, key, head = t.get("threads", 1), t.get("key", name), _head(t)
+        ref = lambda q: _decode(rows, system="llamacpp_dense", dtype=q, threads=th)["decode_ms_per_token"]  # noqa: E731
+        if t.get("system") == "lowrank_lib_dense" or name == "dense_speedup_vs_llamacpp_dense":
+            r = _decode(rows, head, system="lowrank_lib_dense", dtype=dt, threads=th)
+        else:
+            r = _decode(rows, head, system="lowrank_lib_lowrank", dtype=dt, threads=th, keep=t["keep"],
+                        factor_bits=t.get("factor_bits"))
+        values = {"roofline_x": lambda: r["roofline_x"], "speedup_vs_llamacpp_dense": lambda: ref(dt) / r["decode_ms_per_token"],
+                  "speedup_vs_llamacpp_q4_k_m": lambda: ref("q4_k_m") / r["decode_ms_per_token"],
+                  "dense_speedup_vs_llamacpp_dense": lambda: ref(dt) / r["decode_ms_per_token"]}
+        assert key in values, f"target {name!r}: a new kind, teach _measured to recompute it from the rows"
+        return values[key]()
     th = t["threads"]                                          # bench/peer.py
     ll = _decode(rows, system="llamacpp_dense", dtype=dt, threads=th)["decode_ms_per_token"]
     de = _decode(rows, system="lowrank_lib_dense", dtype=dt, threads=th)
@@ -209,9 +218,10 @@ def _expand(cells: list[str]) -> list[list[str]]:
 
 def _system(label: str) -> dict:
     """A README system label -> the row key it names."""
-    m = re.fullmatch(r"(llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|Q8_0|Q4_K_M)( \+ certified head)?", label)
+    m = re.fullmatch(r"(llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|Q8_0|Q4_K_M)( \+ certified head)?"
+                     r"(, int(8|4) factors)?", label)
     assert m, f"unknown system label {label!r}"
-    key = {"lm_head": "certified" if m.group(4) else "exact"}
+    key = {"lm_head": "certified" if m.group(4) else "exact", "factor_bits": int(m.group(6)) if m.group(6) else None}
     if m.group(1) == "llama.cpp":
         key["system"] = "llamacpp_dense"
         if m.group(2) in ("Q8_0", "Q4_K_M"):
@@ -224,7 +234,8 @@ def _system(label: str) -> dict:
 
 
 #: README anchor (the bold path of the run the table shows), JSON, (threads when the table has no such column)
-PEER_TABLES = [("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
+PEER_TABLES = [("**`benchmarks/results/peer_cpu_5.json`**", "peer_cpu_5.json", None),
+               ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
                ("**`benchmarks/results/peer_scale_llama3.2-1b.json`**", "peer_scale_llama3.2-1b.json", None)]
@@ -244,7 +255,8 @@ def test_readme_peer_table_equals_the_json(anchor, name, threads):
         key["threads"] = int(cells[col["threads"]]) if "threads" in col else threads
         rows_ = [r for r in res["rows"] if r["system"] == key["system"] and r["dtype"] == key["dtype"]
                  and r["threads"] == key["threads"] and _head(r) == key["lm_head"]
-                 and ("keep" not in key or r.get("keep", key["keep"]) == key["keep"])]
+                 and ("keep" not in key or r.get("keep", key["keep"]) == key["keep"])
+                 and r.get("factor_bits") == key["factor_bits"]]
         assert len(rows_) == 1, (name, cells, len(rows_))
         r = rows_[0]
         seen.add(id(r))
@@ -258,6 +270,11 @@ def test_readme_peer_table_equals_the_json(anchor, name, threads):
             if h.startswith("vs llama.cpp dense"):
                 assert len(ll) == 1, what
                 _same(cells[i], ll[0]["decode_ms_per_token"] / r["decode_ms_per_token"], what)
+            elif h == "vs llama.cpp Q4_K_M":
+                q4 = [x for x in res["rows"] if x["system"] == "llamacpp_dense" and x["dtype"] == "q4_k_m"
+                      and x["threads"] == key["threads"]]
+                assert len(q4) == 1, what
+                _same(cells[i], q4[0]["decode_ms_per_token"] / r["decode_ms_per_token"], what)
             else:
                 value = {"decode ms/token": lambda: r["decode_ms_per_token"], "prefill ms": lambda: r["prefill_ms"],
                          "MB/token": lambda: r["weight_bytes_per_token"] / 1e6,
