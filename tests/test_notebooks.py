@@ -175,10 +175,12 @@ def test_executed_outputs_are_clean(name):
 #: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing); the
 #: coordinator empties it when the reports are regenerated on an idle machine
 STALE: dict[str, str] = {
-    "03_graph_replay_ablation": "metrics.json says timings_meaningful=false (run on a busy machine): the coordinator "
-                                "regenerates it on an idle one",
-    "06_factor_space_attention": "metrics.json says timings_meaningful=false (run on a busy machine), and its "
-                                 "headings sit one cell after what they describe: the coordinator regenerates it",
+    "03_graph_replay_ablation": "notebook changed (library imports instead of bench, resolve_models, the peer cell keeps "
+                                "its exact-head rows); its committed report also says timings_meaningful=false: it is "
+                                "regenerated only on an idle machine (~15 min; a regeneration this stop hit a figure "
+                                "check, fixed in peer_base, and ran out of idle time)",
+    "06_factor_space_attention": "notebook changed (headings above their cells, duplicates removed); its committed report "
+                                 "also says timings_meaningful=false: it is regenerated only on an idle machine",
     "05_attsvd_quality_memory": "notebook changed (the KVzip + 8-bit control, paired claims, the exact point); its "
                                 "report was not regenerated on the shared machine (load ~15 on 2 cores): the "
                                 "coordinator regenerates it",
