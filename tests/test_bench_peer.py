@@ -238,7 +238,7 @@ def test_timed_rows_of_our_engine_hold_the_runner_protocols_counters(tiny):
     assert r["roofline_x"] == pytest.approx(r["decode_ms_per_token"] / 1e3 / (r["weight_bytes_per_token"] / 20e9))
     assert r["read_roofline_x"] == pytest.approx(r["roofline_x"] / 2) and r["decode_cpu_ms_per_token"] > 0
     assert r["decode_iqr_ms"][0] <= r["decode_ms_per_token"] <= r["decode_iqr_ms"][1]
-    assert "| lowrank_lib_lowrank | certified | fp32 | 0.5 | 1 |" in peer_base.format_table({"rows": [r]})
+    assert "| lowrank_lib_lowrank | certified | fp32 | 0.5 | - | 1 |" in peer_base.format_table({"rows": [r]})
 
 
 def test_result_files_never_overwrite(tmp_path):
@@ -402,7 +402,7 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
         assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["layers"] == 1
         assert r["peak_rss_gb"] > 0.1 and r["build_s"] > 0
     assert len(res["units"]) == 2 + cfg.gemv_classes and res["equivalence"] == []
-    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline"]
+    assert [t["target"] for t in res["targets"]] == ["lowrank_roofline", "lowrank_roofline_1t"]
     assert all(g["classes"] for g in res["gemv_classes"]) and len(res["gemv_classes"]) == 2 * cfg.gemv_classes
     assert "lowrank_lib_lowrank" in ps.table(res)
     assert Path(ps.save_figures([res], tmp_path / "fig")).stat().st_size > 10_000

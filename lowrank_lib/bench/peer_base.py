@@ -286,15 +286,17 @@ def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool
     seen = set()
     for r in rows:
         x, y, cert = r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], r.get("lm_head") == "certified"
+        bits = r.get("factor_bits")                  # quantized factors: their own marker and legend entry, no keep label
         label = (f"llama.cpp {r['dtype']}" if r["system"] == "llamacpp_dense" else
                  f"lowrank_lib {'dense' if r['system'] == 'lowrank_lib_dense' else 'low rank'} {r['dtype']}"
-                 + (" + certified head" if cert else ""))
-        ax.plot(x, y, "P" if cert else MARKERS[r["system"]], color=COLORS.get(r["dtype"], "gray"),
+                 + (" + certified head" if cert else "") + (f", int{bits} factors" if bits else ""))
+        marker = "P" if cert else {8: "v", 4: "^"}.get(bits, MARKERS[r["system"]])
+        ax.plot(x, y, marker, color=COLORS.get(r["dtype"], "gray"),
                 ms=11 if r["system"] == "lowrank_lib_lowrank" else 8, label="_" if label in seen else label)
         seen.add(label)
         if r["system"] == "llamacpp_dense" and not log:
             ax.axhline(y, color=COLORS.get(r["dtype"], "gray"), ls="--", lw=1)
-        if r["system"] == "lowrank_lib_lowrank" and r.get("keep") is not None:
+        if r["system"] == "lowrank_lib_lowrank" and r.get("keep") is not None and not bits and not cert:
             ax.annotate(f"{r['keep']}", (x, y), textcoords="offset points", xytext=(-8, 8), fontsize=8)
     if copy_gbs and rows:
         xs = [0.0 if not log else min(r["weight_bytes_per_token"] for r in rows) / 1e6 * 0.8,

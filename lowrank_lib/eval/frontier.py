@@ -36,7 +36,7 @@ import torch
 
 from .. import models
 
-__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "format_table", "gguf_file",
+__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
            "label", "llamacpp_points", "lowrank_points", "misses",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
@@ -391,3 +391,24 @@ def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read 
     fig.legend(handles.values(), handles.keys(), fontsize=9, loc="upper center", ncol=3, bbox_to_anchor=(0.5, 0.0),
                frameon=False)
     return fig
+
+
+def cross_check(model, tok, wd: Path, threads: int, types=("f32", "q8_0", "q4_k_m"), chunks: int = 40) -> dict:
+    """``llama-perplexity -c 512 --chunks 40 -f test.txt`` with llama-cpp-python on our GGUFs: the whole raw
+    file tokenised by our tokenizer (llama.cpp's own tokenizer is not in our GGUFs; no BOS: SmolLM2's vocabulary
+    adds none)."""
+    from ..data import data_dir
+    from .llamacpp import llama_perplexity
+
+    if tok is None:
+        ids = torch.randint(0, model.config.vocab_size, (512 * chunks,), generator=torch.Generator().manual_seed(0))
+    else:
+        ids = tok((data_dir() / "test.txt").read_text(encoding="utf-8"), return_tensors="pt",
+                  add_special_tokens=False).input_ids[0]
+    out = {"protocol": f"llama-perplexity: ctx 512, second half of each chunk scored, {chunks} chunks, "
+                       "test.txt tokenised whole", "points": {}}
+    for t in types:
+        r = llama_perplexity(gguf_file(model, wd, t), ids, n_ctx=512, chunks=chunks, threads=threads, bos=None)
+        out["points"][t] = {k: r[k] for k in ("ppl", "nll", "tokens", "chunks", "n_ctx")}
+        print(f"[frontier] llama-perplexity protocol {t}: {r['ppl']:.4f}", flush=True)
+    return out

@@ -89,7 +89,7 @@ def quality(a, res: dict, write) -> dict:
     import torch
 
     from ... import models
-    from ...eval.frontier import llamacpp_points, lowrank_points
+    from ...eval.frontier import cross_check, llamacpp_points, lowrank_points
     from ...eval.quality import QualityConfig, eval_tokens
     from ..options import one
 
@@ -124,30 +124,6 @@ def quality(a, res: dict, write) -> dict:
         res["cross_check"] = cross_check(model, tok, wd, threads, tuple(a.cross_check or ("f32", "q8_0", "q4_k_m")))
         write(res)
     return res
-
-
-def cross_check(model, tok, wd: Path, threads: int, types=("f32", "q8_0", "q4_k_m"), chunks: int = 40) -> dict:
-    """``llama-perplexity -c 512 --chunks 40 -f test.txt`` with llama-cpp-python on our GGUFs: the whole raw
-    file tokenised by our tokenizer (llama.cpp's own tokenizer is not in our GGUFs; no BOS: SmolLM2's vocabulary
-    adds none)."""
-    import torch
-
-    from ...data import data_dir
-    from ...eval.frontier import gguf_file
-    from ...eval.llamacpp import llama_perplexity
-
-    if tok is None:
-        ids = torch.randint(0, model.config.vocab_size, (512 * chunks,), generator=torch.Generator().manual_seed(0))
-    else:
-        ids = tok((data_dir() / "test.txt").read_text(encoding="utf-8"), return_tensors="pt",
-                  add_special_tokens=False).input_ids[0]
-    out = {"protocol": f"llama-perplexity: ctx 512, second half of each chunk scored, {chunks} chunks, "
-                       "test.txt tokenised whole", "points": {}}
-    for t in types:
-        r = llama_perplexity(gguf_file(model, wd, t), ids, n_ctx=512, chunks=chunks, threads=threads, bos=None)
-        out["points"][t] = {k: r[k] for k in ("ppl", "nll", "tokens", "chunks", "n_ctx")}
-        print(f"[frontier] llama-perplexity protocol {t}: {r['ppl']:.4f}", flush=True)
-    return out
 
 
 # --------------------------------------------------------------------------- speed
