@@ -149,7 +149,7 @@ def test_prepare_injects_ci_parameters_but_not_output_dirs(tmp_path):
     i = next(i for i, t in enumerate(tags) if "parameters" in t)
     assert "injected-parameters" in tags[i + 1]
     injected = nb.cells[i + 1].source
-    assert "SEQ_LEN = 256" in injected and "KEEP_RATIO = 0.5" in injected
+    assert "PROMPT_LEN = 256" in injected and "KEEP_RATIO = 0.5" in injected
     assert "OUT_DIR" not in injected and "FIG_DIR" not in injected
     assert not any(c.get("outputs") for c in nb.cells if c.cell_type == "code")   # prepared, not executed
 
