@@ -143,7 +143,8 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     n_ctx, shape = cfg.prompt_len + cfg.gen_len, Path(cfg.model).name
     res.update(prompt_tokens=ids.shape[1], copy_bandwidth_GBps_by_threads={}, read_bandwidth_GBps_by_threads={})
     fa = {}
-    quantized = {b: quantize_factors(copy.deepcopy(comp), b) for b in cfg.factor_bits}
+    q_bits = cfg.factor_bits if "bf16" in cfg.dtypes and "lowrank_lib_lowrank" in cfg.systems else ()
+    quantized = {b: quantize_factors(copy.deepcopy(comp), b) for b in q_bits}   # only where a bf16 row uses it
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
     if want_llama and "fp32" in ggufs:
@@ -180,7 +181,7 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
                 for head in cfg.lm_heads if s in cfg.systems else ():
                     timed[(s, dt, head)] = Timed(s, engine(model, dt, n_ctx, cfg.graph, head))
-            for b in cfg.factor_bits if dt == "bf16" and "lowrank_lib_lowrank" in cfg.systems else ():
+            for b in q_bits if dt == "bf16" else ():
                 timed[("lowrank_lib_lowrank", dt, "exact", b)] = Timed("lowrank_lib_lowrank", engine(
                     quantized[b], dt, n_ctx, cfg.graph, "exact"))
         for t in timed.values():
