@@ -12,6 +12,11 @@ On CUDA pass ``sync=torch.cuda.synchronize`` (each sample is bracketed by it) an
 host sync over back-to-back calls. A function that measures its own samples (the shared decode loop
 ``run_generation`` times every step itself) is scheduled the same way with :func:`interleaved_samples`.
 A single wall time of a one-off phase (a load, a prefill, a compile) is a plain ``perf_counter`` pair, not this.
+
+Across runs: the spread inside one run (its IQR) hides a slow or fast spell that shifts a whole run. A timing that
+is repeated as R runs (each reduced to its own median) is summarised by :func:`across_runs` (the median of the run
+medians, their min-max and quartiles), and two such timings differ only when their min-max ranges do not overlap
+(:func:`within_noise`).
 """
 from __future__ import annotations
 
@@ -19,7 +24,7 @@ import statistics
 import time
 from typing import Callable, Hashable, Iterable, Iterator
 
-__all__ = ["interleaved", "interleaved_samples", "rotations", "summary", "timed"]
+__all__ = ["across_runs", "interleaved", "interleaved_samples", "rotations", "summary", "timed", "within_noise"]
 
 
 def summary(seconds: list[float]) -> dict:
@@ -93,3 +98,20 @@ def interleaved_samples(fns: dict[Hashable, Callable[[], list[float]]], rounds: 
         if progress is not None:
             progress(r)
     return out
+
+
+def across_runs(run_medians_ms: list[float]) -> dict:
+    """R runs of one timing, each given as its own median (ms): the median of the run medians, their min, max and
+    quartiles (inclusive method), and R. ``min_ms <= q1_ms <= median_ms <= q3_ms <= max_ms`` always."""
+    if not run_medians_ms:
+        raise ValueError("across_runs of no runs")
+    ms = sorted(float(v) for v in run_medians_ms)
+    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "q1_ms": q[0], "q3_ms": q[2],
+            "runs": len(ms)}
+
+
+def within_noise(a: dict, b: dict) -> bool:
+    """Whether two :func:`across_runs` summaries overlap (``[min_ms, max_ms]`` ranges intersect): then neither is
+    faster by this measurement, and a sentence says "within noise"."""
+    return not (a["max_ms"] < b["min_ms"] or b["max_ms"] < a["min_ms"])
