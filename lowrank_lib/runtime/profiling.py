@@ -1,7 +1,11 @@
 """Counting what one decoded token costs: ATen dispatches (CPU) and kernel launches (CUDA).
 
-``count_dispatches`` records every ATen operator that reaches the dispatcher (a
-``TorchDispatchMode``: views and in-place ops included, as the Python->C++ overhead is paid per op).
+**A dispatch** (THE definition notebooks 02 and 03 share): one ATen operator (or one call of our compiled
+kernels, ``lowrank_lrk::``) reaching the dispatcher during a greedy decode step -- the runner's ``step`` plus the
+argmax that picks the next token -- recorded by :class:`DispatchCounter` (a ``TorchDispatchMode``: views and in-place
+ops included, as the Python->C++ overhead is paid per op), averaged over :data:`DISPATCH_TOKENS` steps after one
+warm step (:func:`per_token_counts`). Eager runners are also broken down per decoder layer (the ops dispatched while
+layer i runs; the rest -- embedding, final norm, LM head, argmax, the step's RoPE / context -- is ``outside_layers``).
 ``count_cuda_launches`` uses ``torch.profiler`` and counts host-side launch API calls
 (``cudaLaunchKernel``/``cuLaunchKernel``/``cudaGraphLaunch``/memcpy/memset): a graph replay is ONE
 launch, as in the paper's 1174 -> 54 count.
@@ -12,6 +16,7 @@ decode loop) and :func:`greedy_steps` (one greedy step per runner, the unit of i
 from __future__ import annotations
 
 from collections import Counter
+from contextlib import contextmanager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,8 +26,8 @@ from ..generation import run_generation
 from ..timing import interleaved_samples
 from .runner import Runner
 
-__all__ = ["count_cuda_launches", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
-           "DispatchCounter", "greedy_steps", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations"]
+__all__ = ["count_cuda_launches", "DISPATCH_TOKENS", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
+           "DispatchCounter", "greedy_steps", "layer_sections", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations"]
 
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
@@ -51,15 +56,24 @@ def op_class(name: str) -> str:
     return "elementwise"
 
 
+#: decode steps every dispatch count averages over (after one warm step): one number for notebooks 02 and 03
+DISPATCH_TOKENS = 4
+
+
 class DispatchCounter(TorchDispatchMode):
-    """Counts ATen operators dispatched inside the ``with`` block (``counts``: op name -> n)."""
+    """Counts ATen operators dispatched inside the ``with`` block (``counts``: op name -> n); ``by_section``: the
+    same ops by the value ``section`` held when each was dispatched (``None`` unless a caller sets it, e.g. the
+    decoder layer running: :func:`layer_sections`)."""
 
     def __init__(self):
         super().__init__()
         self.counts: Counter = Counter()
+        self.section = None
+        self.by_section: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.counts[str(func)] += 1
+        self.by_section[self.section] += 1
         return func(*args, **(kwargs or {}))
 
     @property
@@ -114,11 +128,49 @@ def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
     return c
 
 
-def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = 4, attention_mask=None) -> dict:
+@contextmanager
+def layer_sections(runner: Runner, counter: DispatchCounter):
+    """While inside, ``counter.section`` is i while decoder layer i of the eager ``runner`` runs (None elsewhere):
+    our engine's per-layer blocks (``_attn_block`` / ``_mlp_block``, or the fused layers ``_fused``) or a transformers
+    model's decoder layers (forward hooks). Yields whether the runner's layers were found."""
+    def tagged(i, fn):
+        def run(*a, **k):
+            prev, counter.section = counter.section, i
+            try:
+                return fn(*a, **k)
+            finally:
+                counter.section = prev
+        return run
+
+    undo = []
+    fused = getattr(runner, "_fused", None)
+    if fused is not None:
+        orig = list(fused)
+        fused[:] = [tagged(i, f) for i, f in enumerate(orig)]
+        undo.append(lambda: fused.__setitem__(slice(None), orig))
+    elif hasattr(runner, "_attn_block") and hasattr(runner, "_mlp_block"):
+        for name in ("_attn_block", "_mlp_block"):
+            block = getattr(runner, name)
+            setattr(runner, name, lambda i, *a, _b=block, **k: tagged(i, _b)(i, *a, **k))
+            undo.append(lambda name=name: delattr(runner, name))
+    elif hasattr(getattr(runner, "model", None), "get_decoder"):
+        for i, layer in enumerate(runner.model.get_decoder().layers):
+            undo.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "section", i)).remove)
+            undo.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "section", None)).remove)
+    try:
+        yield bool(undo)
+    finally:
+        for u in reversed(undo):
+            u()
+
+
+def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = DISPATCH_TOKENS,
+                     attention_mask=None) -> dict:
     """Prefill, then count over ``n_tokens`` greedy decode steps of a :class:`Runner`; returns per-token averages
     (a compiled / captured runner is counted by the profiler: a dispatch mode cannot run inside compiled code).
 
-    {'total': dispatches (CPU) or launches (CUDA) per token, 'by_class': {...}, 'kind': ...}
+    {'total': dispatches (CPU) or launches (CUDA) per token, 'by_class': {...}, 'kind': ...}; an eager runner on
+    CPU adds 'per_layer' (the dispatches per token of each decoder layer, measured) and 'outside_layers'.
     """
     dev = runner.device
     logits = runner.prefill(input_ids, attention_mask)
@@ -134,7 +186,7 @@ def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = 4,
         total, names = count_cuda_launches(run)
         return {"kind": "cuda_launches", "total": total / n_tokens,
                 "by_class": {k: v / n_tokens for k, v in names.items()}}
-    t = tok
+    t, layers = tok, {}
     if runner.compiled:
         def run():
             t = tok
@@ -145,18 +197,22 @@ def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = 4,
         kind = "aten_ops_profiler (compiled step: fused kernels not counted)"
     else:
         counter = DispatchCounter()
-        with counter, torch.no_grad():
+        with layer_sections(runner, counter) as found, counter, torch.no_grad():
             for _ in range(n_tokens):
                 logits = runner.step(t)
                 t = logits.argmax(-1)
         counts, kind = counter.counts, "aten_dispatches"
+        if found:
+            n_layers = 1 + max((k for k in counter.by_section if k is not None), default=-1)
+            layers = {"per_layer": [counter.by_section.get(i, 0) / n_tokens for i in range(n_layers)],
+                      "outside_layers": counter.by_section.get(None, 0) / n_tokens}
     # the argmax (sampling) is part of every system's loop; it is counted too
     by_class: Counter = Counter()
     for k, n in counts.items():
         by_class[op_class(k)] += n
     return {"kind": kind, "total": sum(counts.values()) / n_tokens,
             "by_class": {k: v / n_tokens for k, v in sorted(by_class.items())},
-            "ops": {k: v / n_tokens for k, v in counts.most_common()}}
+            "ops": {k: v / n_tokens for k, v in counts.most_common()}, **layers}
 
 
 def decode_attention(engine, q: torch.Tensor | None = None):
