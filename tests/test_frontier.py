@@ -73,13 +73,13 @@ def test_table_and_conclusion_come_from_the_points():
     pts = [P("llama.cpp:q4_k_m", 100e6, 20.0, "llama.cpp", "Q4_K_M"), P("lowrank_lib:svdllm@0.8:bf16", 200e6, 50.0),
            P("lowrank_lib:dense:bf16", 270e6, 19.0, method="dense")]
     t = fr.format_table(pts)
-    assert "| svdllm@0.8 bf16 | 50 | 200 | no | +30 (+150.0 %) | 2.00x |" in t
+    assert "| SVD-LLM v1 keep 0.8 bf16 | 50 | 200 | no | +30 (+150.0 %) | 2.00x |" in t
     assert "| llama.cpp Q4_K_M | 20 | 100 | yes |  |  |" in t
     c = fr.conclusion(pts)
     assert c.startswith("1 of 1 low-rank points are dominated: none is on the frontier.")
     assert "+150.0 %" in c and "llama.cpp Q4_K_M" in c
     pts[1]["weight_bytes_per_token"] = 50e6                  # now the smallest: on the frontier
-    assert "on the frontier: svdllm@0.8 bf16" in fr.conclusion(pts)
+    assert "on the frontier: SVD-LLM v1 keep 0.8 bf16" in fr.conclusion(pts)
 
 
 def test_weight_bytes_per_token_counts_a_tied_head_once_and_an_untied_embedding_not():

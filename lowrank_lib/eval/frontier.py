@@ -3,7 +3,8 @@ every other point misses it (issue 31).
 
 A *point* is a dict: ``id`` (unique), ``system`` (``"llama.cpp"`` or ``"lowrank_lib"``), ``method`` (a llama.cpp
 file type, ``"dense"`` or a compression family), ``keep`` (our points), ``weights`` (storage: ``f32``, ``bf16``,
-``q4_k_m``, ...), ``ppl`` (perplexity on OUR windows: :func:`lowrank_lib.eval.perplexity.perplexity`, llama.cpp's
+``q4_k_m``, ... ; our quantized factors ``int8`` / ``int4``), ``label`` (a short human name, :func:`label`: ``"Q4_K_M"``-like
+for llama.cpp, ``"SVD-LLM v1 keep 0.8 bf16"`` for ours), ``ppl`` (perplexity on OUR windows: :func:`lowrank_lib.eval.perplexity.perplexity`, llama.cpp's
 points through its own logits, :func:`lowrank_lib.eval.llamacpp.gguf_perplexity`), ``weight_bytes_per_token``
 (bytes of weights one decode step reads) and, once measured, ``speed`` (``{threads: {"ms_per_token", ...}}``).
 
@@ -14,7 +15,9 @@ Measuring:
   (:func:`~lowrank_lib.formats.gguf.decode_bytes_per_token`);
 - :func:`lowrank_points`: dense and every family at every keep, compressed by the family registry's compressors
   (``eval.quality.compress_family``; ASVD with its STRS search), weights rounded to bf16 (bf16 storage, the forward
-  in fp32 as llama.cpp's BF16 computes), bytes = :func:`weight_bytes_per_token`.
+  in fp32 as llama.cpp's BF16 computes), bytes = :func:`weight_bytes_per_token`; with ``weights`` ``int8`` /
+  ``int4`` also that bf16 model's factors quantized (:func:`lowrank_lib.quantize_factors`, issue 30), the
+  hybrid of low rank and quantization.
 
 Judging (``x`` and ``y`` both lower-is-better; a point without a finite value of either is left out, not judged):
 
@@ -37,7 +40,7 @@ import torch
 from .. import models
 
 __all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
-           "label", "llamacpp_points", "lowrank_points", "misses",
+           "label", "llamacpp_points", "lowrank_points", "make_label", "misses", "select_points",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
 #: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
@@ -99,10 +102,11 @@ def llamacpp_points(model, ids: torch.Tensor, workdir, types=LLAMACPP_TYPES, seq
         path = gguf_file(model, workdir, t)
         make_s = time.perf_counter() - t0
         r = gguf_perplexity(path, ids, seq_len=seq_len, max_windows=windows, threads=threads)
-        p = {"id": pid, "system": "llama.cpp", "method": t.upper(), "keep": None, "weights": t, **_ppl_fields(r),
+        p = _labelled({"id": pid, "system": "llama.cpp", "method": t.upper(), "keep": None, "weights": t,
+                       **_ppl_fields(r),
              "weight_bytes_per_token": decode_bytes_per_token(path), "file_bytes": path.stat().st_size,
              "file": str(path), "make_s": round(make_s, 1), "eval_s": round(time.perf_counter() - t0 - make_s, 1),
-             "llama_cpp_python": version()}
+             "llama_cpp_python": version()})
         log(f"[frontier] {pid}: ppl {p['ppl']:.4f}, {p['weight_bytes_per_token'] / 1e6:.1f} MB/token")
         out.append(p)
         if on_point is not None:
@@ -123,39 +127,75 @@ def _point(pid, method, keep, weights, stored, r, **extra) -> dict:
     from ..factorized import account
 
     a = account(stored)
-    return {"id": pid, "system": "lowrank_lib", "method": method, "keep": keep, "weights": weights, **_ppl_fields(r),
-            "weight_bytes_per_token": weight_bytes_per_token(stored), "total_params": a.total_params,
-            "linear_keep": a.linear_keep, **extra}
+    return _labelled({"id": pid, "system": "lowrank_lib", "method": method, "keep": keep, "weights": weights,
+                      **_ppl_fields(r), "weight_bytes_per_token": weight_bytes_per_token(stored),
+                      "total_params": a.total_params, "linear_keep": a.linear_keep, **extra})
+
+
+#: our factor storages beyond bf16 -> their bits (:func:`lowrank_lib.quantize_factors`)
+FACTOR_WEIGHTS = {"int8": 8, "int4": 4}
+
+
+def _bf16_params(model):
+    """``model`` (in place) with its Parameters in bf16; quantized factors (codes + fp16 scales, buffers) untouched."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def _saved_file(save_dir, pid: str) -> Path:
+    return Path(save_dir) / (pid.replace(":", "_").replace("@", "_") + ".pt")
+
+
+def _load_saved(f, like):
+    """A bf16 model :func:`lowrank_points` saved, back in fp32 (exact: its values are bf16's), with the buffers of
+    ``like`` (the source model) where it has the same name: ``torch.save`` of ``.to(bfloat16)`` rounded buffers
+    such as RoPE's ``inv_freq`` too, which the bf16 point's perplexity did not see."""
+    m = torch.load(f, weights_only=False).float()
+    src = dict(like.named_buffers())
+    for name, b in list(m.named_buffers()):
+        if name in src and src[name].shape == b.shape:
+            mod_name, _, attr = name.rpartition(".")
+            m.get_submodule(mod_name)._buffers[attr] = src[name].clone()
+    return m
 
 
 def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2", "basis_sharing", "dobi",
                                                             "dobi-remap", "asvd"),
                    keeps=(0.9, 0.8, 0.6), weights=("bf16",), seq_len: int = 2048, windows: int | None = 4,
                    calib_samples: int = 16, calib_len: int = 512, asvd_calib=(1, 256), seed: int = 0, done=(),
-                   on_point=None, save_dir=None, progress: bool = False, log=print) -> list[dict]:
+                   on_point=None, save_dir=None, progress: bool = False, factor_group: int | None = None,
+                   log=print) -> list[dict]:
     """Our points: the dense model and every family at every keep (fp32 compression on the same calibration
-    statistics, weights stored in bf16: rounded to bf16, the forward in fp32), perplexity on our windows. Quantized
-    factors (int8 / int4) are not points yet: ``weights`` other than ``("bf16",)`` is refused. ``save_dir``: also
-    write each bf16 model there (``torch.save`` of the module) for the speed phase (``point["file"]``)."""
+    statistics, weights stored in bf16: rounded to bf16, the forward in fp32), perplexity on our windows.
+    ``weights``: ``"bf16"`` and / or :data:`FACTOR_WEIGHTS` (``"int8"`` / ``"int4"``: the bf16 model's low-rank
+    factors quantized by :func:`lowrank_lib.quantize_factors` with ``factor_group`` columns per scale, default
+    its own; the other parameters stay bf16). ``save_dir``: also write each model there (``torch.save`` of the
+    module) for the speed phase (``point["file"]``); when a family's bf16 point is in ``done`` and its file is in
+    ``save_dir``, its quantized points start from that file instead of compressing again."""
     import copy
 
     from .. import families as registry
     from ..compress.calib import calibration_data, collect_stats
+    from ..factorized import quantize_factors
+    from ..quant import DEFAULT_GROUP
     from .perplexity import perplexity
     from .quality import QualityConfig, compress_family
 
-    if tuple(weights) != ("bf16",):
-        raise ValueError(f"weights={weights!r}: only bf16 low-rank points exist (quantized factors are not in yet)")
+    bad = [w for w in weights if w != "bf16" and w not in FACTOR_WEIGHTS]
+    if bad:
+        raise ValueError(f"weights {bad}: ours are bf16 or quantized factors {sorted(FACTOR_WEIGHTS)}")
+    group = DEFAULT_GROUP if factor_group is None else int(factor_group)
 
     def ppl(m, desc):
         return perplexity(m, ids, seq_len=seq_len, max_windows=windows, progress=progress, desc=desc)
 
-    def save(m, pid):
+    def save(stored, pid):
         if save_dir is None:
             return {}
-        f = Path(save_dir) / (pid.replace(":", "_").replace("@", "_") + ".pt")
+        f = _saved_file(save_dir, pid)
         f.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(copy.deepcopy(m).to(torch.bfloat16), f)
+        torch.save(stored, f)
         return {"file": str(f)}
 
     out = []
@@ -168,35 +208,58 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
 
     if "lowrank_lib:dense:bf16" not in done and "bf16" in weights:
         dense = _rounded(copy.deepcopy(model), torch.bfloat16)
-        emit(_point("lowrank_lib:dense:bf16", "dense", 1.0, "bf16", copy.deepcopy(dense).to(torch.bfloat16),
-                    ppl(dense, "dense"), **save(dense, "lowrank_lib:dense:bf16")))
-        del dense
+        stored = copy.deepcopy(dense).to(torch.bfloat16)
+        emit(_point("lowrank_lib:dense:bf16", "dense", 1.0, "bf16", stored, ppl(dense, "dense"),
+                    **save(stored, "lowrank_lib:dense:bf16")))
+        del dense, stored
     todo = [(f, k, w) for f in families for k in keeps for w in weights
             if f"lowrank_lib:{f}@{k}:{w}" not in done]
     if not todo:
         return out
-    t0 = time.perf_counter()
-    torch.manual_seed(seed)
-    calib = calibration_data(tok, calib_samples, calib_len, seed, model.config.vocab_size)
-    stats = collect_stats(model, calib, progress=progress)
-    log(f"[frontier] calibration {calib_samples} x {calib_len}: {time.perf_counter() - t0:.0f} s")
+    calib_stats = []
+
+    def stats_once():
+        if not calib_stats:
+            t0 = time.perf_counter()
+            torch.manual_seed(seed)
+            calib = calibration_data(tok, calib_samples, calib_len, seed, model.config.vocab_size)
+            calib_stats.extend([calib, collect_stats(model, calib, progress=progress)])
+            log(f"[frontier] calibration {calib_samples} x {calib_len}: {time.perf_counter() - t0:.0f} s")
+        return calib_stats
+
     cfg = QualityConfig(seq_len=seq_len, max_windows=windows, calib_samples=calib_samples, calib_seq_len=calib_len,
                         seed=seed, progress=False)
     for fam, keep in dict.fromkeys((f, k) for f, k, _ in todo):
+        base = f"lowrank_lib:{fam}@{keep}"
+        saved = None if save_dir is None else _saved_file(save_dir, f"{base}:bf16")
         t1 = time.perf_counter()
-        kw = {"calib_ids": calib[:asvd_calib[0], :asvd_calib[1]]} if fam == "asvd" else {}
-        cm = (registry.get(fam).compress(model, stats, keep, progress=False, **kw) if kw else
-              compress_family(model, fam, stats, keep, cfg))
-        comp_s = round(time.perf_counter() - t1, 1)
+        if f"{base}:bf16" in done and saved is not None and saved.exists():
+            m, comp_s = _load_saved(saved, model), None
+            log(f"[frontier] {base}: the bf16 model from {saved}")
+        else:
+            calib, stats = stats_once()
+            kw = {"calib_ids": calib[:asvd_calib[0], :asvd_calib[1]]} if fam == "asvd" else {}
+            cm = (registry.get(fam).compress(model, stats, keep, progress=False, **kw) if kw else
+                  compress_family(model, fam, stats, keep, cfg))
+            comp_s = round(time.perf_counter() - t1, 1)
+            m = _rounded(cm, torch.bfloat16)
+        extra = {} if comp_s is None else {"compress_s": comp_s}
         for w in weights:
-            pid = f"lowrank_lib:{fam}@{keep}:{w}"
+            pid = f"{base}:{w}"
             if pid in done:
                 continue
-            m = _rounded(copy.deepcopy(cm), torch.bfloat16)
-            emit(_point(pid, fam, keep, w, copy.deepcopy(m).to(torch.bfloat16), ppl(m, pid), compress_s=comp_s,
-                        **save(m, pid)))
-            del m
-        del cm
+            if w == "bf16":
+                stored = copy.deepcopy(m).to(torch.bfloat16)
+                emit(_point(pid, fam, keep, w, stored, ppl(m, pid), **extra, **save(stored, pid)))
+            else:
+                bits = FACTOR_WEIGHTS[w]
+                q = quantize_factors(copy.deepcopy(m), bits, group)
+                stored = _bf16_params(copy.deepcopy(q))
+                emit(_point(pid, fam, keep, w, stored, ppl(q, pid), factor_bits=bits, factor_group=group, **extra,
+                            **save(stored, pid)))
+                del q
+            del stored
+        del m
     return out
 
 
@@ -306,11 +369,47 @@ def misses(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl"
     return rows
 
 
-def label(p: dict) -> str:
-    """A point's short name: ``llama.cpp Q4_K_M``, ``svdllm@0.8 bf16``, ``dense bf16``."""
+def make_label(p: dict) -> str:
+    """A point's short human name, from its fields: ``llama.cpp Q4_K_M``, ``dense bf16``, ``SVD-LLM v1 keep 0.8
+    bf16``, ``Basis Sharing keep 0.6 int8`` (the family registry's title; an unknown method by its own name)."""
     if p["system"] == "llama.cpp":
         return f"llama.cpp {p['method']}"
-    return f"{p['method']} {p['weights']}" if p["method"] == "dense" else f"{p['method']}@{p['keep']} {p['weights']}"
+    if p["method"] == "dense":
+        return f"dense {p['weights']}"
+    return f"{_title(p['method'])} keep {p['keep']:g} {p['weights']}"
+
+
+def _title(method: str) -> str:
+    """A compression family's title in the registry (``svdllm`` -> ``SVD-LLM v1``); an unknown one as it is."""
+    from .. import families as registry
+
+    try:
+        return registry.get(method).title
+    except registry.UnknownFamily:
+        return method
+
+
+def _labelled(p: dict) -> dict:
+    """``p`` with its :func:`make_label` second (after ``id``)."""
+    return {"id": p["id"], "label": make_label(p), **{k: v for k, v in p.items() if k != "id"}}
+
+
+def label(p: dict) -> str:
+    """A point's label: the one stored in it (``p["label"]``), else :func:`make_label` (points of older files)."""
+    return p.get("label") or make_label(p)
+
+
+def select_points(points: list[dict], names) -> list[dict]:
+    """The points named in ``names`` (each an ``id`` or a :func:`label`, case-insensitive), in the points' order;
+    ``names`` empty or ``None``: all. A name that matches no point is a ``ValueError`` listing the labels."""
+    if not names:
+        return list(points)
+    key = {n.lower() for n in names}
+    known = {x.lower() for p in points for x in (p["id"], label(p))}
+    missing = [n for n in names if n.lower() not in known]
+    if missing:
+        raise ValueError(f"no point named {missing}; the points: " + "; ".join(label(p) for p in points))
+    return [p for p in points if p["id"].lower() in key or label(p).lower() in key]
 
 
 def format_table(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl", x_scale: float = 1e-6,
@@ -352,29 +451,34 @@ def conclusion(points: list[dict], x: str = "weight_bytes_per_token", y: str = "
     return s
 
 
-_MARK = {"llama.cpp": "s", "lowrank_lib": "o"}
+_MARK = {"llama.cpp": "s", "lowrank_lib": "o", "int8": "^", "int4": "v"}   # quantized factors: their own marker
 
 
 def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read per token", 1e-6),),
          y: str = "ppl", title: str | None = None, panel_size=(9.0, 5.0)):
-    """One panel per ``(x key, x label, x scale)`` in ``panels``: every judged point (one colour per method, squares
-    llama.cpp, circles ours, the keep written beside our points), the frontier as a step line. y on a log scale.
+    """One panel per ``(x key, x label, x scale)`` in ``panels``: every judged point (one colour per method and, for
+    ours, storage; squares llama.cpp, circles ours in bf16, triangles our int8 / int4 factors; one line per family
+    and storage across its keeps), the frontier as a step line. y on a log scale.
     Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
-    methods = list(dict.fromkeys((p["system"], p["method"]) for p in points))
+    def series(p):                          # ours: one line per method and storage (bf16 / int8 / int4)
+        return (p["system"], p["method"], p["weights"] if p["system"] == "lowrank_lib" else None)
+
+    methods = list(dict.fromkeys(series(p) for p in points))
     colours = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
     fig, axes = plt.subplots(len(panels), 1, figsize=(panel_size[0], panel_size[1] * len(panels) + 0.6),
                              squeeze=False)
     for ax, (x, xname, scale) in zip(axes[:, 0], panels):
         pts = _judged(points, x, y)
         for m in methods:
-            mp = sorted((px * scale, py, p) for p, px, py in pts if (p["system"], p["method"]) == m)
+            mp = sorted((px * scale, py, p["id"]) for p, px, py in pts if series(p) == m)
             if not mp:
                 continue
-            ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK[m[0]], color=colours[m], ms=7,
-                    ls="-" if m[0] == "lowrank_lib" and len(mp) > 1 else "none", lw=0.8,
-                    label=m[1] if m[0] == "lowrank_lib" else f"llama.cpp {m[1]}")
+            ours = m[0] == "lowrank_lib"
+            ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK.get(m[2], _MARK[m[0]]), color=colours[m],
+                    ms=7, ls="-" if ours and len(mp) > 1 else "none", lw=0.8,
+                    label=f"{_title(m[1])} {m[2]}" if ours else f"llama.cpp {m[1]}")
         front = [(px * scale, py) for p, px, py in sorted(pts, key=lambda t: t[1]) if p["id"] in set(pareto(points, x, y))]
         if front:
             ax.step([a for a, _ in front], [b for _, b in front], where="post", color="k", lw=1.5, alpha=0.5,

@@ -2,7 +2,9 @@
 
     python -m lowrank_lib.bench frontier --threads 2                      # quality + bytes of every point (long)
     python -m lowrank_lib.bench frontier --families svdllm --keep 0.8 --resume benchmarks/results/frontier_smollm2.json
+    python -m lowrank_lib.bench frontier --families svdllm --factor-bits 8 4 --resume benchmarks/results/frontier_smollm2.json
     python -m lowrank_lib.bench frontier --speed --resume benchmarks/results/frontier_smollm2.json   # idle machine
+    python -m lowrank_lib.bench frontier --speed --points Q4_K_M "SVD-LLM v1 keep 0.8 int8" --resume FILE
     python -m lowrank_lib.bench frontier --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2 \\
         --calib-len 64 --keep 0.8 --families svdllm                      # a smoke run
 
@@ -14,7 +16,12 @@ windows (``--windows`` x ``--prompt-len``, token ids of our tokenizer), and the 
   ``<cache>/frontier/<model>``, reused while present);
 * ours (``--families`` at every ``--keep``, and dense): the family registry's compressors on one calibration
   (``--calib-samples`` x ``--calib-len`` of WikiText-2 valid; ASVD with its STRS search on ``--asvd-calib``),
-  weights in bf16; each model is also saved under the cache for the speed phase.
+  weights in bf16 and, with ``--factor-bits 8 4``, also with int8 / int4 factors (``lowrank_lib.quantize_factors``,
+  ``--factor-group`` columns per scale; a family whose bf16 point is already measured starts from its saved file);
+  each model is also saved under the cache for the speed phase.
+
+Every point carries a short human ``label`` (``llama.cpp Q4_K_M``, ``SVD-LLM v1 keep 0.8 bf16``); points of older
+files get theirs when the file is resumed.
 
 ``--resume FILE`` continues a run: the points FILE holds are kept and not measured again, new points are added,
 and FILE is rewritten (one JSON for every point, however many sittings measured them); ``--merge OTHER...`` first
@@ -24,7 +31,8 @@ file is written (``frontier_<model>.json``, never overwriting). ``--cross-check`
 ``test.txt``) on the F32 / Q8_0 / Q4_K_M files (or the types it is given); ``--caveat`` the requantization measurement on a tiny random
 model (:func:`lowrank_lib.eval.frontier.requantize_caveat`).
 
-Speed phase (``--speed``): every point of ``--resume`` that has a file, one child process per point
+Speed phase (``--speed``): every point of ``--resume`` that has a file (or those ``--points`` names, by label or
+id), one child process per point
 (:mod:`lowrank_lib.bench.child`: its peak RSS), decode ms/token after a ``--prompt-len`` prompt (default 512)
 over ``--gen-len`` tokens at every ``--threads`` (default 1 2), ``--repeats`` timed generations after a warm-up
 (llama.cpp through :class:`~lowrank_lib.bench.llamacpp.LlamaCppRunner`, ours through the engine; both by the one
@@ -42,7 +50,7 @@ DEFAULT_FAMILIES = ("svdllm", "svdllm_v2", "basis_sharing", "dobi", "dobi-remap"
 
 def add_arguments(p) -> None:
     from ...eval.frontier import LLAMACPP_TYPES
-    from ..options import add_gen_len, add_keep, add_prompt_len, add_threads
+    from ..options import add_gen_len, add_keep, add_list, add_prompt_len, add_threads
 
     p.add_argument("--model", default="smollm2")
     add_keep(p, [0.9, 0.8, 0.6])
@@ -51,6 +59,10 @@ def add_arguments(p) -> None:
     p.add_argument("--quants", nargs="+", default=list(LLAMACPP_TYPES), help="llama.cpp file types; none: no "
                    "llama.cpp point")
     p.add_argument("--no-dense", action="store_true", help="skip our dense bf16 point")
+    add_list(p, "--factor-bits", int, [0], "our low-rank points also with their factors quantized to these bits "
+                                            "(8 4; 0: none, bf16 only)")
+    p.add_argument("--factor-group", type=int, default=None, help="columns per scale of quantized factors "
+                   "(default lowrank_lib.quant.DEFAULT_GROUP)")
     p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
     add_prompt_len(p, None, "quality: perplexity window tokens (default 2048); --speed: prompt before decode "
                    "(default 512)")
@@ -70,12 +82,25 @@ def add_arguments(p) -> None:
     p.add_argument("--caveat", action="store_true", help="measure how much a 4-bit grid flatters requantization")
     p.add_argument("--speed", action="store_true", help="the speed phase only (every point of --resume with a file)")
     p.add_argument("--repeats", type=int, default=3, help="--speed: timed generations per point and thread count")
+    p.add_argument("--points", nargs="+", default=None, metavar="NAME", help="--speed: only these points (each a "
+                   "label, e.g. 'llama.cpp Q4_K_M' 'SVD-LLM v1 keep 0.8 int8', or an id; case-insensitive)")
     p.add_argument("--graph", default="whole-step", choices=("whole-step", "none"),
                    help="--speed: our engine's decode step (as in bench peer)")
 
 
 def _none(v):
     return [] if v == ["none"] else v
+
+
+def factor_weights(bits) -> tuple[str, ...]:
+    """``--factor-bits`` -> our points' storages: bf16, then ``int<b>`` per bit width (0: none)."""
+    from ...eval.frontier import FACTOR_WEIGHTS
+
+    out = ("bf16",) + tuple(dict.fromkeys(f"int{b}" for b in bits if b))
+    bad = [w for w in out[1:] if w not in FACTOR_WEIGHTS]
+    if bad:
+        raise SystemExit(f"error: --factor-bits: {bad} (ours: {sorted(FACTOR_WEIGHTS)})")
+    return out
 
 
 def workdir(a) -> Path:
@@ -119,7 +144,7 @@ def quality(a, res: dict, write) -> dict:
         lowrank_points(model, tok, ids, fams, tuple(a.keep), seq_len=seq, windows=a.windows,
                        calib_samples=a.calib_samples, calib_len=a.calib_len, asvd_calib=tuple(a.asvd_calib),
                        done=done | ({"lowrank_lib:dense:bf16"} if a.no_dense else set()), on_point=add,
-                       save_dir=wd / "models")
+                       save_dir=wd / "models", weights=factor_weights(a.factor_bits), factor_group=a.factor_group)
     if a.cross_check is not None:
         res["cross_check"] = cross_check(model, tok, wd, threads, tuple(a.cross_check or ("f32", "q8_0", "q4_k_m")))
         write(res)
@@ -171,6 +196,7 @@ def speed_unit(point: dict, prompt_len: int, gen_len: int, threads: list[int], r
 def speed(a, res: dict, write) -> dict:
     from ..child import run_child
     from ..options import one
+    from ...eval.frontier import select_points
     from ...host import load_average
 
     prompt = one(a.prompt_len, "--prompt-len") or 512
@@ -178,7 +204,11 @@ def speed(a, res: dict, write) -> dict:
     res["speed_protocol"] = {"prompt_len": prompt, "gen_len": one(a.gen_len, "--gen-len"), "threads": threads,
                              "repeats": a.repeats, "graph": a.graph, "load_average_start": load_average(),
                              "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    for p in res["points"]:
+    try:
+        chosen = select_points(res["points"], a.points)
+    except ValueError as e:
+        raise SystemExit(f"error: --points: {e}") from None
+    for p in chosen:
         if not p.get("file") or not Path(p["file"]).exists():
             print(f"[frontier] {p['id']}: no file, no speed", flush=True)
             continue
@@ -208,13 +238,15 @@ def merge(res: dict, other: dict) -> dict:
 
 
 def run(a) -> int:
-    from ...eval.frontier import caveat_runs, format_table
+    from ...eval.frontier import caveat_runs, format_table, make_label
     from ..results import ResultFiles
 
     if a.resume:
         path = Path(a.resume)
         res = json.loads(path.read_text())
         md = path.with_suffix(".md")
+        for p in res["points"]:                 # points of files older than labels
+            p.setdefault("label", make_label(p))
     else:
         if a.speed:
             raise SystemExit("error: --speed times the points of a quality run: give it --resume FILE")
@@ -232,6 +264,8 @@ def run(a) -> int:
             raise SystemExit("error: --merge adds points into the file of --resume")
         merge(res, json.loads(Path(other).read_text()))
         write(res)
+    if a.points and not a.speed:
+        raise SystemExit("error: --points chooses the points --speed times")
     if a.speed:
         speed(a, res, write)
     else:

@@ -1,0 +1,110 @@
+"""The frontier's points: their human labels, the hybrid points (quantized factors), and the speed phase's
+``--points`` choice (issue 31)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from lowrank_lib.eval import frontier as fr
+
+SEQ, WIN = 32, 2
+
+
+def _p(i, system="lowrank_lib", method="svdllm", keep=0.8, weights="bf16", **kw):
+    return {"id": i, "system": system, "method": method, "keep": keep, "weights": weights, "ppl": 2.0,
+            "weight_bytes_per_token": 10, **kw}
+
+
+def test_labels_name_the_system_family_keep_and_storage():
+    assert fr.make_label(_p("a", "llama.cpp", "Q4_K_M", None, "q4_k_m")) == "llama.cpp Q4_K_M"
+    assert fr.make_label(_p("b", method="dense", keep=1.0)) == "dense bf16"
+    assert fr.make_label(_p("c")) == "SVD-LLM v1 keep 0.8 bf16"
+    assert fr.make_label(_p("d", method="basis_sharing", keep=0.6, weights="int8")) == "Basis Sharing keep 0.6 int8"
+    assert fr.make_label(_p("e", method="dobi-remap", keep=0.9)) == "Dobi-SVD (remap) keep 0.9 bf16"
+    assert fr.make_label(_p("f", method="svdllm_v2", keep=0.6, weights="int4")) == "SVD-LLM v2 keep 0.6 int4"
+    # the stored label wins; a point of an older file (none stored) gets the computed one
+    assert fr.label(_p("g", label="mine")) == "mine" and fr.label(_p("h")) == "SVD-LLM v1 keep 0.8 bf16"
+    assert "| SVD-LLM v1 keep 0.8 bf16 | 2 |" in fr.format_table([_p("h")])
+
+
+def test_select_points_by_label_or_id_and_refuses_an_unknown_name():
+    pts = [_p("llama.cpp:q4_k_m", "llama.cpp", "Q4_K_M", None, "q4_k_m"), _p("lowrank_lib:svdllm@0.8:bf16"),
+           _p("lowrank_lib:svdllm@0.8:int8", weights="int8")]
+    assert fr.select_points(pts, None) == pts
+    got = fr.select_points(pts, ["svd-llm v1 keep 0.8 INT8", "llama.cpp:q4_k_m"])
+    assert [p["id"] for p in got] == ["llama.cpp:q4_k_m", "lowrank_lib:svdllm@0.8:int8"]     # the points' order
+    with pytest.raises(ValueError, match="Q5_K_M"):
+        fr.select_points(pts, ["llama.cpp Q4_K_M", "Q5_K_M"])
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from lowrank_lib import models
+
+    return models.tiny_model("tiny-smol", seed=3)
+
+
+@pytest.fixture(scope="module")
+def ids(tiny):
+    return torch.randint(0, tiny.config.vocab_size, (WIN * SEQ + 1,), generator=torch.Generator().manual_seed(0))
+
+
+def _run(tiny, ids, weights, save_dir, done=(), log=None):
+    return fr.lowrank_points(tiny, None, ids, families=("svdllm",), keeps=(0.6,), weights=weights, seq_len=SEQ,
+                             windows=WIN, calib_samples=2, calib_len=32, done=done, save_dir=save_dir,
+                             log=log or (lambda s: None))
+
+
+def test_quantized_factor_points_read_fewer_bytes_and_resume_from_the_saved_bf16_model(tiny, ids, tmp_path):
+    from lowrank_lib.factorized import lowrank_modules
+
+    pts = {p["id"]: p for p in _run(tiny, ids, ("bf16", "int8", "int4"), tmp_path, done={"lowrank_lib:dense:bf16"})}
+    b16, i8, i4 = (pts[f"lowrank_lib:svdllm@0.6:{w}"] for w in ("bf16", "int8", "int4"))
+    assert (i8["label"], i8["factor_bits"], i8["factor_group"]) == ("SVD-LLM v1 keep 0.6 int8", 8, 32)
+    assert i4["weight_bytes_per_token"] < i8["weight_bytes_per_token"] < b16["weight_bytes_per_token"]
+    assert i8["ppl"] == pytest.approx(b16["ppl"], rel=0.02) and i8["ppl"] != b16["ppl"]
+    saved = torch.load(i8["file"], weights_only=False)
+    assert all(m.quantized for m in lowrank_modules(saved).values()) and saved.lowrank_meta["quant"]["bits"] == 8
+    # a later run wants int8 again with the bf16 point done: it starts from the saved bf16 file (no calibration,
+    # no compression) and measures exactly what the first run measured
+    logs = []
+    again = _run(tiny, ids, ("bf16", "int8"), tmp_path, done={"lowrank_lib:dense:bf16", b16["id"]}, log=logs.append)
+    assert [p["id"] for p in again] == [i8["id"]] and again[0]["ppl"] == i8["ppl"]
+    assert not any("calibration" in s for s in logs) and any("the bf16 model from" in s for s in logs)
+    assert again[0]["weight_bytes_per_token"] == i8["weight_bytes_per_token"] and "compress_s" not in again[0]
+
+
+def test_weights_other_than_bf16_int8_int4_are_refused(tiny, ids):
+    with pytest.raises(ValueError, match="int2"):
+        _run(tiny, ids, ("bf16", "int2"), None)
+
+
+def test_factor_bits_flag_and_the_speed_phase_times_only_the_chosen_points(monkeypatch, tmp_path):
+    from lowrank_lib.bench import child
+    from lowrank_lib.bench.commands import frontier as cmd
+
+    assert cmd.factor_weights([0]) == ("bf16",) and cmd.factor_weights([8, 4, 8]) == ("bf16", "int8", "int4")
+    with pytest.raises(SystemExit):
+        cmd.factor_weights([3])
+    f = tmp_path / "m.pt"
+    f.write_bytes(b"x")
+    res = {"points": [_p("llama.cpp:q4_k_m", "llama.cpp", "Q4_K_M", None, "q4_k_m", file=str(f)),
+                      _p("lowrank_lib:svdllm@0.8:bf16", file=str(f)),
+                      _p("lowrank_lib:svdllm@0.8:int8", weights="int8", file=str(f))]}
+    timed = []
+
+    def fake_child(target, point, **kw):
+        timed.append(point["id"])
+        return {"result": {"1": {"ms_per_token": 1.0}}, "peak_rss": 1, "wall_s": 0.1}
+
+    monkeypatch.setattr(child, "run_child", fake_child)
+    a = argparse.Namespace(prompt_len=None, gen_len=[4], threads=[1], repeats=1, graph="none",
+                           points=["SVD-LLM v1 keep 0.8 int8", "llama.cpp Q4_K_M"])
+    cmd.speed(a, res, lambda r: None)
+    assert timed == ["llama.cpp:q4_k_m", "lowrank_lib:svdllm@0.8:int8"]
+    assert "speed" not in res["points"][1] and res["points"][2]["speed"]["1"]["ms_per_token"] == 1.0
+    a.points = ["no such point"]
+    with pytest.raises(SystemExit, match="no such point"):
+        cmd.speed(a, res, lambda r: None)
