@@ -3,21 +3,29 @@ latency vs prompt length, generation length, keep ratio, and cached length.
 
 All timings come from :func:`lowrank_lib.runtime.run_generation` (the loop every system shares), the systems
 compared in interleaved rounds in a rotated order (:mod:`lowrank_lib.timing`); medians over all decode steps of all
-repeats, with that population's quartiles (``*_q1`` / ``*_q3``, the IQR bars of notebook 03) and each repeat's
-own median (``*_repeats``) beside them.
+repeats, with that population's quartiles (``*_q1`` / ``*_q3``) and each repeat's own median (``*_repeats``)
+beside them. A repeat is one run (one whole generation, in its own interleaved round): the timings notebooks 02 and
+03 print are medians ACROSS runs with the spread across runs (``decode_ms_run_median`` / ``_run_min`` /
+``_run_max``, :func:`lowrank_lib.timing.across_runs`), and two rows differ only when those ranges do not overlap
+(:func:`compare`).
+
+Every row the ablation can show is defined in :data:`DEFINITIONS`; :data:`ROW_SYSTEM` names the rows that are a
+:func:`~lowrank_lib.runtime.baselines.make_runner` system, so notebook 02 (which counts those systems) and notebook
+03 report the same dispatch count for the same configuration.
 """
 from __future__ import annotations
 
 import torch
 from tqdm.auto import tqdm
 
-from ..timing import interleaved, summary
+from ..timing import across_runs, interleaved, summary, within_noise
 from .baselines import make_runner
 from .config import PRESETS, EngineConfig
 from .engine import Engine
-from .profiling import greedy_steps, per_token_counts, timed_generations
+from .profiling import DISPATCH_TOKENS, greedy_steps, per_token_counts, timed_generations
 
-__all__ = ["MECHANISMS", "mechanism_table", "step_latency_vs_context", "sweep", "time_runners"]
+__all__ = ["COMPARISONS", "compare", "DEFINITIONS", "MECHANISMS", "mechanism_table", "mechanism_verdicts", "ROW_SYSTEM",
+           "step_latency_vs_context", "sweep", "time_runners", "UNCOMPRESSED"]
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels
@@ -43,6 +51,72 @@ MECHANISMS: dict[str, dict] = {
     "engine + fold norm (ulp drift)": dict(fold_norm=True, **_P),
 }
 
+#: rows of the UNCOMPRESSED model (``dense_model``) through the same runners: what compression itself buys.
+#: row name -> make_runner system (HF) or EngineConfig keywords (our engine on the dense weights)
+UNCOMPRESSED: dict[str, str | dict] = {
+    "uncompressed: HF static": "dense_hf_static",
+    "uncompressed: engine, eager": dict(_P),
+    "uncompressed: engine + our CPU kernels, eager": dict(kernels="auto"),
+}
+
+#: row -> the make_runner system it is (same model, same EngineConfig): the configurations notebook 02 also counts
+ROW_SYSTEM = {"hf_static": "hf_static", "hf_dynamic": "hf_dynamic", "naive: low-rank history rebuilt": "naive",
+              "dense KV": "dense_kv", "+ our CPU kernels (packed GEMV + attention), eager": "engine",
+              "uncompressed: HF static": "dense_hf_static",
+              "uncompressed: engine + our CPU kernels, eager": "dense_engine"}
+
+#: what every row of the ablation is (notebook 03 prints this table)
+DEFINITIONS = {
+    "hf_static": "transformers' own forward on the low-rank factors, with its StaticCache (preallocated KV)",
+    "hf_dynamic": "transformers' own forward on the low-rank factors, with its DynamicCache (KV grown by cat)",
+    "naive: low-rank history rebuilt": "our engine, portable path, every projection two GEMMs, the K/V history "
+                                       "kept as low-rank codes and rebuilt every step (the paper's naive path)",
+    "dense KV": "as naive, but K/V kept as dense rows (a preallocated cache): nothing rebuilt",
+    "dense KV + pack qkv": "dense KV, and the q/k/v first factors packed into one GEMM",
+    "dense KV + pack qkv + pack mlp": "and gate/up packed into one GEMM (+ a split)",
+    "+ fold RoPE": "and RoPE applied through a precomputed table folded into the step",
+    "+ weight layout (= engine, eager)": "and each matrix stored in the layout its one-row GEMM streams fastest: "
+                                         "the engine, eager, portable path (aten GEMMs, SDPA)",
+    "+ whole-step graph": "the engine with the whole fixed-shape step compiled (torch.compile, fused lowering)",
+    "whole-step graph - fused lowering (aten mm/SDPA)": "the whole-step graph keeping aten mm / SDPA calls",
+    "+ our CPU kernels (packed GEMV + attention), eager": "the engine with our compiled CPU kernels (runtime/kernels: "
+                                                          "packed GEMV, decode attention, fused layer), eager",
+    "+ our CPU kernels, whole-step graph": "our CPU kernels inside the compiled whole step",
+    "engine - pack qkv": "the eager engine without packing q/k/v",
+    "engine - pack mlp": "the eager engine without packing gate/up",
+    "engine - fold RoPE": "the eager engine without folding RoPE",
+    "engine - weight layout (out_major)": "the eager engine with every matrix stored out-major",
+    "engine + fold norm (ulp drift)": "the eager engine with the RMSNorm weights folded into the next matrix "
+                                      "(changes logits by float rounding)",
+    "uncompressed: HF static": "transformers on the UNCOMPRESSED model, StaticCache",
+    "uncompressed: engine, eager": "our eager engine (portable path) on the UNCOMPRESSED model",
+    "uncompressed: engine + our CPU kernels, eager": "our eager engine with our CPU kernels on the UNCOMPRESSED model",
+}
+
+#: (row, against, what the pair measures): the comparisons notebook 03's conclusion is computed from
+COMPARISONS = (
+    ("dense KV", "naive: low-rank history rebuilt", "a dense KV cache instead of the rebuilt history"),
+    ("dense KV + pack qkv", "dense KV", "packing q/k/v"),
+    ("dense KV + pack qkv + pack mlp", "dense KV + pack qkv", "packing gate/up"),
+    ("+ fold RoPE", "dense KV + pack qkv + pack mlp", "folding RoPE"),
+    ("+ weight layout (= engine, eager)", "+ fold RoPE", "the weight layout"),
+    ("+ weight layout (= engine, eager)", "dense KV", "the engine's mechanisms together (eager)"),
+    ("+ whole-step graph", "+ weight layout (= engine, eager)", "the whole-step graph"),
+    ("+ whole-step graph", "whole-step graph - fused lowering (aten mm/SDPA)", "the fused lowering"),
+    ("+ our CPU kernels (packed GEMV + attention), eager", "+ weight layout (= engine, eager)", "our CPU kernels (eager)"),
+    ("+ our CPU kernels, whole-step graph", "+ whole-step graph", "our CPU kernels (in the graph)"),
+    ("+ weight layout (= engine, eager)", "engine - pack qkv", "packing q/k/v (leave-one-out)"),
+    ("+ weight layout (= engine, eager)", "engine - pack mlp", "packing gate/up (leave-one-out)"),
+    ("+ weight layout (= engine, eager)", "engine - fold RoPE", "folding RoPE (leave-one-out)"),
+    ("+ weight layout (= engine, eager)", "engine - weight layout (out_major)", "the weight layout (leave-one-out)"),
+    ("engine + fold norm (ulp drift)", "+ weight layout (= engine, eager)", "folding the norms"),
+    ("+ weight layout (= engine, eager)", "hf_static", "the eager engine instead of HF static"),
+    ("hf_static", "uncompressed: HF static", "compression, through HF static"),
+    ("+ weight layout (= engine, eager)", "uncompressed: engine, eager", "compression, through the eager engine"),
+    ("+ our CPU kernels (packed GEMV + attention), eager", "uncompressed: engine + our CPU kernels, eager",
+     "compression, through the engine with our CPU kernels"),
+)
+
 
 def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
@@ -63,10 +137,34 @@ def _pool(a: dict, b: dict) -> dict:
 
 
 def _row(raw: dict) -> dict:
-    st = summary(raw["steps"])
+    st, runs = summary(raw["steps"]), across_runs(raw["per_repeat"])
     return {"decode_ms": st["median_ms"], "decode_ms_q1": st["q1_ms"], "decode_ms_q3": st["q3_ms"],
-            "decode_ms_repeats": raw["per_repeat"], "prefill_ms": summary(raw["prefill"])["median_ms"],
+            "decode_ms_repeats": raw["per_repeat"], "decode_ms_run_median": runs["median_ms"],
+            "decode_ms_run_min": runs["min_ms"], "decode_ms_run_max": runs["max_ms"], "runs": runs["runs"],
+            "prefill_ms": summary(raw["prefill"])["median_ms"],
             "prefill_ms_repeats": [1e3 * p for p in raw["prefill"]], "capture_s": raw["capture_s"]}
+
+
+def _runs(row: dict) -> dict:
+    return {"median_ms": row["decode_ms_run_median"], "min_ms": row["decode_ms_run_min"],
+            "max_ms": row["decode_ms_run_max"]}
+
+
+def compare(row: dict, against: dict) -> dict:
+    """``row`` against ``against`` (two timed rows): ``speedup`` (against's median of run medians over row's: > 1
+    when row is faster) and the verdict, ``"faster"`` / ``"slower"`` when their across-run ranges do not overlap,
+    ``"within noise"`` when they do."""
+    a, b = _runs(row), _runs(against)
+    verdict = "within noise" if within_noise(a, b) else ("faster" if a["median_ms"] < b["median_ms"] else "slower")
+    return {"speedup": b["median_ms"] / a["median_ms"], "verdict": verdict}
+
+
+def mechanism_verdicts(rows: list[dict], comparisons=COMPARISONS) -> list[dict]:
+    """Every comparison of ``comparisons`` whose two rows are in ``rows`` (mechanism_table's): the row, what it is
+    compared against, what the pair measures, and :func:`compare`'s speedup and verdict."""
+    by = {r["system"]: r for r in rows}
+    return [{"row": a, "against": b, "what": what, **compare(by[a], by[b])}
+            for a, b, what in comparisons if a in by and b in by]
 
 
 def time_runners(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -> dict:
@@ -77,21 +175,37 @@ def time_runners(runners: dict, ids: torch.Tensor, gen_len: int, repeats: int) -
     return {k: _row(raw) for k, raw in _generations(runners, ids, gen_len, repeats).items()}
 
 
+def _counts(runner, ids, n: int) -> dict:
+    """A row's dispatches per token (:func:`.profiling.per_token_counts`, THE definition notebook 02 shares): the
+    total and by operator class."""
+    c = per_token_counts(runner, ids, n)
+    return {"ops_per_token": c["total"], "ops_by_class": c["by_class"]}
+
+
 def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int = 32, repeats: int = 2,
-                    dtype=None, rows: list[str] | None = None, baselines=("hf_static",), count_tokens: int = 2,
-                    progress: bool = True) -> list[dict]:
-    """Every mechanism on/off under one setting. Rows: baselines then :data:`MECHANISMS` entries.
+                    dtype=None, rows: list[str] | None = None, baselines=("hf_static",),
+                    count_tokens: int = DISPATCH_TOKENS, uncompressed: bool = False, progress: bool = True) -> list[dict]:
+    """Every mechanism on/off under one setting. Rows: baselines then :data:`MECHANISMS` entries, then (with
+    ``uncompressed``) the :data:`UNCOMPRESSED` rows on ``dense_model``.
 
     The first row is the reference: every other row is timed interleaved with it (two runners alive at a
     time), and ``speedup_vs_<reference>`` is the ratio of the two medians of that pair (``reference_ms``: the
     reference's median in it). The reference's own row pools its samples of every pair."""
     ids = _prompt(model.config.vocab_size, prompt_len)
-    S = prompt_len + gen_len
-    names = list(baselines) + list(rows or MECHANISMS)
+    # the count: a warm step, then count_tokens steps, with a slot to spare (a full cache skips some ops)
+    S = prompt_len + max(gen_len, count_tokens + 2)
+    names = list(baselines) + list(rows or MECHANISMS) + (list(UNCOMPRESSED) if uncompressed else [])
+    if uncompressed and dense_model is None:
+        raise ValueError("the uncompressed rows need the uncompressed model (dense_model=...)")
 
     def build(name):
         if name in MECHANISMS:
             return Engine(model, EngineConfig(max_seq_len=S, dtype=dtype, **MECHANISMS[name]))
+        if name in UNCOMPRESSED:
+            u = UNCOMPRESSED[name]
+            if isinstance(u, str):
+                return make_runner(u, model, dense_model, dtype=dtype, max_seq_len=S)
+            return Engine(dense_model, EngineConfig(max_seq_len=S, dtype=dtype, **u))
         return make_runner(name, model, dense_model, dtype=dtype, max_seq_len=S)
 
     ref_name, ref = names[0], build(names[0])
@@ -102,13 +216,12 @@ def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int
         raw = _generations(pair, ids, gen_len, repeats)
         ref_raw = raw["reference"] if ref_raw is None else _pool(ref_raw, raw["reference"])
         if "row" in pair:
-            row = {"system": name, **_row(raw["row"]),
-                   "ops_per_token": per_token_counts(pair["row"], ids, count_tokens)["total"]}
+            row = {"system": name, **_row(raw["row"]), **_counts(pair["row"], ids, count_tokens)}
             row["reference_ms"] = summary(raw["reference"]["steps"])["median_ms"]
             row[key] = row["reference_ms"] / row["decode_ms"]
             out.append(row)
         del pair
-    first = {"system": ref_name, **_row(ref_raw), "ops_per_token": per_token_counts(ref, ids, count_tokens)["total"]}
+    first = {"system": ref_name, **_row(ref_raw), **_counts(ref, ids, count_tokens)}
     first["reference_ms"] = first["decode_ms"]
     first[key] = 1.0
     return [first] + out
