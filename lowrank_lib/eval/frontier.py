@@ -170,7 +170,9 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     statistics, weights stored in bf16: rounded to bf16, the forward in fp32), perplexity on our windows.
     ``weights``: ``"bf16"`` and / or :data:`FACTOR_WEIGHTS` (``"int8"`` / ``"int4"``: the bf16 model's low-rank
     factors quantized by :func:`lowrank_lib.quantize_factors` with ``factor_group`` columns per scale, default
-    its own; the other parameters stay bf16). ``save_dir``: also write each model there (``torch.save`` of the
+    its own; the other parameters stay bf16; the perplexity of the factors dequantized to fp32,
+    :func:`lowrank_lib.eval.quant_quality.dequantized`, the engine's prefill math, as ``bench quant-quality``
+    measures: the spec's float64 :func:`~lowrank_lib.quant.qmatmul` gives the same to 1e-4 and is far slower). ``save_dir``: also write each model there (``torch.save`` of the
     module) for the speed phase (``point["file"]``); when a family's bf16 point is in ``done`` and its file is in
     ``save_dir``, its quantized points start from that file instead of compressing again."""
     import copy
@@ -181,6 +183,7 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     from ..quant import DEFAULT_GROUP
     from .perplexity import perplexity
     from .quality import QualityConfig, compress_family
+    from .quant_quality import dequantized
 
     bad = [w for w in weights if w != "bf16" and w not in FACTOR_WEIGHTS]
     if bad:
@@ -255,8 +258,8 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
                 bits = FACTOR_WEIGHTS[w]
                 q = quantize_factors(copy.deepcopy(m), bits, group)
                 stored = _bf16_params(copy.deepcopy(q))
-                emit(_point(pid, fam, keep, w, stored, ppl(q, pid), factor_bits=bits, factor_group=group, **extra,
-                            **save(stored, pid)))
+                emit(_point(pid, fam, keep, w, stored, ppl(dequantized(q), pid), factor_bits=bits,
+                            factor_group=group, **extra, **save(stored, pid)))
                 del q
             del stored
         del m
