@@ -5,7 +5,7 @@ import pytest
 from lowrank_lib import models
 from lowrank_lib.compress import compress_svd
 from lowrank_lib.runtime.ablation import (COMPARISONS, DEFINITIONS, MECHANISMS, ROW_SYSTEM, UNCOMPRESSED, compare,
-                                          mechanism_table, mechanism_verdicts)
+                                          mechanism_table, mechanism_verdicts, step_latency_vs_context)
 from lowrank_lib.runtime.baselines import ENGINE_VARIANTS
 from lowrank_lib.runtime.config import PRESETS, EngineConfig
 from lowrank_lib.runtime.baselines import make_runner
@@ -65,3 +65,17 @@ def test_uncompressed_rows_run_the_dense_model():
     assert by["+ weight layout (= engine, eager)"]["ops_by_class"]["gemm"] == 11 * L + 1
     with pytest.raises(ValueError):
         mechanism_table(comp, None, 8, 3, 1, rows=[], uncompressed=True, progress=False)
+
+
+def test_step_latency_repeats_are_runs_with_their_spread():
+    import statistics
+
+    dense = models.tiny_model("tiny-gqa", seed=0)
+    comp = compress_svd(dense, 0.5)
+    rows = step_latency_vs_context(comp, dense, ("engine", "naive"), (8, 16), steps=4, progress=False, repeats=3)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["runs"] == len(r["step_ms_repeats"]) == 3 and len(r["step_ms_samples"]) == 3 * 3
+        assert r["step_ms_run_min"] <= r["step_ms_run_median"] <= r["step_ms_run_max"]
+        assert r["step_ms_run_median"] == pytest.approx(statistics.median(r["step_ms_repeats"]))
+        assert r["step_ms"] == pytest.approx(statistics.median(r["step_ms_samples"]))

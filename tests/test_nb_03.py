@@ -39,7 +39,7 @@ def test_graph_replay_ablation_notebook(executed_notebook):
         (k, s) for k in keeps for s in ("engine", "hf_static")]
     # the growth figures are the step latency at the longest over the shortest cached length
     for s in ("naive", "engine"):
-        lat = sorted((r["cached_len"], r["step_ms"]) for r in m["step_latency"] if r["system"] == s)
+        lat = sorted((r["cached_len"], r["step_ms_run_median"]) for r in m["step_latency"] if r["system"] == s)
         assert m[f"growth_{s}"] == pytest.approx(lat[-1][1] / lat[0][1])
     # llama.cpp side by side when the `peer` extra is installed, a plain reason when not
     peer = m["peer"]
@@ -76,6 +76,9 @@ def test_ablation_rows_defined_uncompressed_and_spread_across_runs(executed_note
         assert r["runs"] == len(r["decode_ms_repeats"]) >= m["repeats"]
         assert r["decode_ms_run_min"] <= r["decode_ms_run_median"] <= r["decode_ms_run_max"]
         assert r["decode_ms_run_median"] == pytest.approx(statistics.median(r["decode_ms_repeats"]))
+    for r in m["step_latency"]:              # section 4: REPEATS runs (a prefill, then STEPS steps) per point
+        assert r["runs"] == len(r["step_ms_repeats"]) == m["repeats"]
+        assert r["step_ms_run_min"] <= r["step_ms_run_median"] <= r["step_ms_run_max"]
     for v in m["verdicts"]:
         a, b = mech[v["row"]], mech[v["against"]]
         apart = a["decode_ms_run_max"] < b["decode_ms_run_min"] or b["decode_ms_run_max"] < a["decode_ms_run_min"]

@@ -242,19 +242,29 @@ def sweep(model, dense_model=None, systems=("hf_static", "dense_kv", "engine", "
 
 @torch.no_grad()
 def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv", "engine", "hf_static"),
-                            context_lens=(64, 256, 1024), steps: int = 8, dtype=None, progress: bool = True) -> list[dict]:
+                            context_lens=(64, 256, 1024), steps: int = 8, dtype=None, progress: bool = True,
+                            repeats: int = 1) -> list[dict]:
     """Latency of single decode steps after a prefill of each cached length (dense KV: flat;
-    rebuilt history: grows with the length). At each length every system prefills, then their steps are
-    interleaved (rotated order, :mod:`lowrank_lib.timing`); the first step of each is a warm-up, ``steps - 1`` are timed."""
+    rebuilt history: grows with the length). At each length, ``repeats`` runs: in each, every system prefills, then
+    their steps are interleaved (rotated order, :mod:`lowrank_lib.timing`); the first step of each is a warm-up,
+    ``steps - 1`` are timed. A row: the median and quartiles of every timed step (``step_ms``, ``_q1``, ``_q3``), each
+    run's median (``step_ms_repeats``) and the median of run medians with their min-max (``step_ms_run_*``)."""
     S = max(context_lens) + steps + 1
     runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
     by = {}
     for n in tqdm(context_lens, desc="step latency", disable=not progress):
         ids = _prompt(model.config.vocab_size, n)
-        tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
-        ts = interleaved(greedy_steps(runners, tok), rounds=steps - 1, warmup=1)
+        samples, medians = {s: [] for s in systems}, {s: [] for s in systems}
+        for _ in range(repeats):
+            tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
+            ts = interleaved(greedy_steps(runners, tok), rounds=steps - 1, warmup=1)
+            for s in systems:
+                samples[s] += ts[s]
+                medians[s].append(summary(ts[s])["median_ms"])
         for s in systems:
-            st = summary(ts[s])
+            st, runs = summary(samples[s]), across_runs(medians[s])
             by[(s, n)] = {"system": s, "cached_len": n, "step_ms": st["median_ms"], "step_ms_q1": st["q1_ms"],
-                          "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in ts[s]]}
+                          "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in samples[s]],
+                          "step_ms_repeats": medians[s], "step_ms_run_median": runs["median_ms"],
+                          "step_ms_run_min": runs["min_ms"], "step_ms_run_max": runs["max_ms"], "runs": runs["runs"]}
     return [by[(s, n)] for s in systems for n in context_lens]
