@@ -11,8 +11,9 @@
 //   o = attend(q, K, V)                           (lrk::attend_into, the lrk_attend kernel)
 //   x1 = x + o_proj(o); h = rmsnorm(x1) [* ln2]; g, u = gate_up(h); x2 = x1 + down(silu(g) * u)
 //
-// Design: the GEMVs and the attention are lrk.cpp's own code (lrk_api.h: gemv_into, attend_into), each splitting its
-// block jobs / (row, head) pairs over the kernel pool (lrk_pool.h), so every GEMV output and attention head is the
+// Design: the GEMVs and the attention are lrk.cpp's and qgemv.cpp's own code (lrk_api.h: gemv_into, or qgemv_into for
+// a quantized group; attend_into), each splitting its block jobs / (row, head) pairs over the kernel pool
+// (lrk_pool.h), so every GEMV output and attention head is the
 // same bits as the separate ops compute, at every thread count; the elementwise steps (norms, RoPE, KV write, bias,
 // SiLU, residuals: a few thousand values) run on the calling thread. Rounding follows the eager step op by op:
 // every GEMV output rounded once to the element type, and in bf16 each elementwise op of the step rounds its result
@@ -24,9 +25,11 @@
 //   decode_layer(x [B, H], ln1?, ln2? [H], w Tensor[], meta int[], rope [Smax, 2, D], kv(a!) [2L, >=B, Hkv, S, D],
 //                layer, length [1], pad [>=B], eps, n_heads, n_kv, folded) -> x_out [B, H]
 //   w, meta: the four projection groups (qkv, o, gate_up, down) in order, each described by meta as
-//     rows1, has_b1, nseg, (out, in, xoff) * nseg, has_b2, nmem, (src, off, width) * nmem
+//     qbits, qgroup, rows1, has_b1, nseg, (out, in, xoff) * nseg, has_b2, nmem, (src, off, width) * nmem
 //   and taking from w in order: S (packed [rows1, in]), b1 [rows1] if has_b1, the nseg packed stage-2 factors,
-//   b2 [sum outs] if has_b2. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
+//   b2 [sum outs] if has_b2. qbits 0: S and the factors are lrk::pack blobs of x's dtype (gemv_into); qbits 8 / 4:
+//   qpack blobs (uint8) of that many bits and qgroup columns per fp16 scale (qgemv_into, at most 8 rows), each
+//   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
 //   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
 // The Python side (layer.py) builds w / meta from the engine's ProjectionGroups and decides when the op runs.
 #include <ATen/ATen.h>
@@ -67,6 +70,7 @@ struct Member {
   int64_t src, off, width;
 };
 struct Group {
+  int64_t qbits = 0, qgroup = 0;  // quantized matrices (qgemv_into: int8 / int4, fp16 scales per qgroup), or 0
   const void* S = nullptr;
   int64_t rows = 0, in = 0;
   const void* b1 = nullptr;
@@ -83,14 +87,23 @@ static void add_bias(T* y, int64_t N, int64_t n, const T* b) {
     for (int64_t j = 0; j < n; j++) stf(y, r * n + j, ldf(y, r * n + j) + ldf(b, j));
 }
 
+// one GEMV call of a group: the packed fp32 / bf16 kernel, or the quantized one (the ops gemv / qgemv)
+static void group_gemv(bool bf, const Group& g, const void* x, int64_t ldx, int64_t N, const GemvMat* mats,
+                       int64_t M, void* y, int64_t ldy) {
+  if (g.qbits)
+    qgemv_into(bf, x, ldx, N, mats, M, y, ldy, g.qbits, g.qgroup);
+  else
+    gemv_into(bf, x, ldx, N, mats, M, y, ldy);
+}
+
 // x [N, in] (row stride ldx) -> h1 [N, rows], y2 [N, segw] (the group's two GEMV calls, biases added)
 template <typename T>
 static void run_group(bool bf, const Group& g, const T* x, int64_t ldx, int64_t N, T* h1, T* y2) {
   GemvMat s1{g.S, g.rows, g.in, 0, 0};
-  gemv_into(bf, x, ldx, N, &s1, 1, h1, g.rows);
+  group_gemv(bf, g, x, ldx, N, &s1, 1, h1, g.rows);
   if (g.b1) add_bias(h1, N, g.rows, (const T*)g.b1);
   if (!g.seg.empty()) {
-    gemv_into(bf, h1, g.rows, N, g.seg.data(), (int64_t)g.seg.size(), y2, g.segw);
+    group_gemv(bf, g, h1, g.rows, N, g.seg.data(), (int64_t)g.seg.size(), y2, g.segw);
     if (g.b2) add_bias(y2, N, g.segw, (const T*)g.b2);
   }
 }
@@ -233,16 +246,26 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln
     TORCH_CHECK(mi < meta.size(), E, "meta too short");
     return meta[mi++];
   };
-  auto next_t = [&](int64_t numel) -> const void* {
+  // q: a quantized matrix's qpack blob (uint8), else x's dtype
+  auto next_t = [&](int64_t numel, bool q = false) -> const void* {
     TORCH_CHECK(ti < w.size(), E, "too few weight tensors");
     const at::Tensor& t = w[ti++];
-    TORCH_CHECK(same(t) && t.dim() == 1 && t.numel() == numel, E, "weight tensor ", ti - 1, " has ", t.numel(),
-                " values, expected ", numel);
+    TORCH_CHECK((q ? t.scalar_type() == at::kByte && t.is_contiguous() : same(t)) && t.dim() == 1 &&
+                    t.numel() == numel,
+                E, "weight tensor ", ti - 1, " has ", t.numel(), " values of ", t.scalar_type(), ", expected ", numel,
+                q ? " uint8 (a qpack blob)" : " of x's dtype");
     return t.data_ptr();
   };
   for (int gi = 0; gi < 4; gi++) {
     Group& g = G[gi];
     g.in = gi == 3 ? G[2].mem.at(0).width : ins[gi];
+    g.qbits = next_int();
+    g.qgroup = next_int();
+    const bool q = g.qbits != 0;
+    TORCH_CHECK(!q || qgemv_shape_ok(g.qbits, g.qgroup), E, "group ", gi, ": quantized as ", g.qbits, " bits, group ",
+                g.qgroup, " (qgemv serves 8 / 4 bits, groups 32 / 64 / 128 / 256)");
+    TORCH_CHECK(!q || qgemv_runs(), E, "group ", gi, " is quantized and qgemv has no code for this CPU");
+    TORCH_CHECK(!q || N <= QGEMV_MAX_ROWS, E, "at most ", QGEMV_MAX_ROWS, " rows with quantized groups, got ", N);
     g.rows = next_int();
     const bool b1 = next_int() != 0;
     const int64_t nseg = next_int();
@@ -251,13 +274,14 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln
     const bool b2 = next_int() != 0;
     const int64_t nmem = next_int();
     TORCH_CHECK(g.rows > 0 && nseg >= 0 && nmem == (gi == 0 ? 3 : gi == 2 ? 2 : 1), E, "group ", gi, ": bad meta");
-    g.S = next_t(packed_size(g.rows, g.in, bf));
+    auto size = [&](int64_t o, int64_t i) { return q ? qpacked_size(o, i, g.qbits, g.qgroup) : packed_size(o, i, bf); };
+    g.S = next_t(size(g.rows, g.in), q);
     if (b1) g.b1 = next_t(g.rows);
     for (int64_t j = 0; j < nseg; j++) {
       const int64_t o = sd[3 * j], i = sd[3 * j + 1], xo = sd[3 * j + 2];
       TORCH_CHECK(o > 0 && i > 0 && xo >= 0 && xo + i <= g.rows, E, "group ", gi, ": stage-2 factor ", j,
                   " reads outside the stage-1 output");
-      g.seg.push_back({next_t(packed_size(o, i, bf)), o, i, xo, g.segw});
+      g.seg.push_back({next_t(size(o, i), q), o, i, xo, g.segw});
       g.segw += o;
     }
     if (b2) g.b2 = next_t(g.segw);

@@ -8,8 +8,11 @@ would run anyway, decided from capabilities, never from backend names:
 - the KV store is the dense store itself (:class:`~lowrank_lib.runtime.kv.dense.DenseKV`, not a subclass or another
   ``kv/`` store: those keep their own append / attend) and its attention backend is our native kernel reading the
   ``bhsd`` buffer and the cursor from memory (``BackendCaps.native``, ``layout``, no mask);
-- every projection group is packed (one stage-1 matrix: ``pack_qkv`` / ``pack_mlp``) in fp32 / bf16, its low-rank
-  members in one segmented stage-2 call (quantized factors keep the per-op step);
+- every projection group is packed (one stage-1 matrix: ``pack_qkv`` / ``pack_mlp``), its low-rank members in one
+  segmented stage-2 call: fp32 / bf16 packs (``lrk::pack``), or quantized factors (int8 / int4,
+  :class:`~lowrank_lib.runtime.packing.QuantizedProjectionGroup` with its ``qgemv`` blobs: where the packed
+  ``qgemv`` kernel has code for this CPU, else the group runs ``qmatmul`` and the step stays per-op); each group of a
+  layer is either kind;
 - the MLP activation is SiLU; at most :data:`~lowrank_lib.runtime.kernels.gemv.LRK_MAX_ROWS` rows (``max_batch``).
 
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
@@ -50,11 +53,15 @@ def fused_layer_unavailable(gemv, store, groups, act_is_silu: bool, max_batch: i
     if not caps.native or caps.layout != "bhsd" or caps.needs_mask:
         return f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not our native kernel"
     if not all(g.pack for g in groups):
-        return "a projection group is not packed (pack_qkv / pack_mlp off)"
-    odd = next((g for g in groups if not _plain(g)), None)
+        return ("a projection group is not packed (pack_qkv / pack_mlp off, or a quantized group with a dense "
+                "member)")
+    slow = next((g for g in groups if g.quantized and g.qgemv_reason is not None), None)
+    if slow is not None:
+        return f"the quantized group {'/'.join(slow.names)} cannot run qgemv ({slow.qgemv_reason})"
+    odd = next((g for g in groups if not (_quantized(g) if g.quantized else _plain(g))), None)
     if odd is not None:
-        return (f"the group {'/'.join(odd.names)} is not one packed fp32 / bf16 stage-1 matrix and one segmented "
-                f"stage-2 call (quantized factors)")
+        return (f"the group {'/'.join(odd.names)} is not one packed stage-1 matrix and one segmented stage-2 call of "
+                f"our kernels")
     if not act_is_silu:
         return "the MLP activation is not SiLU"
     if max_batch > LRK_MAX_ROWS:
@@ -75,6 +82,30 @@ def _plain(g) -> bool:
     return not lowrank or (g.seg is not None and list(g.seg["members"]) == lowrank)
 
 
+def _quantized(g) -> bool:
+    """A packed quantized group the op reads: its stage-1 matrix and every U qpack blobs (``S_q`` / ``U_q`` on the
+    kernel), one segmented stage-2 call over every low-rank member, no stage-1 bias."""
+    S = getattr(g, "S_q", None)
+    if S is None or not S.kernel or getattr(g, "S_bias", None) is not None:
+        return False
+    if not all(u.kernel for u in g.U_q if u is not None):
+        return False
+    lowrank = [i for i, m in enumerate(g.members) if m.lowrank]
+    return not lowrank or (g.qseg is not None and list(g.qseg["members"]) == lowrank)
+
+
+def quant_summary(groups) -> str:
+    """``"int8 group 32 factors through qgemv (avx512_vnni) in 96 of 120 groups"``, or "" without quantized groups."""
+    q = [g for g in groups if g.quantized]
+    if not q:
+        return ""
+    from .ops import qgemv_isa
+
+    kinds = sorted({(g.bits, g.group) for g in q}, reverse=True)
+    what = " / ".join(f"int{b} group {gr}" for b, gr in kinds)
+    return f"{what} factors through qgemv ({qgemv_isa()}) in {len(q)} of {len(groups)} groups"
+
+
 def select_fused_layer(mode: str, gemv, store, groups, act_is_silu: bool, max_batch: int) -> FusedChoice:
     """The decode-step form of an engine (``EngineConfig.fused_layer``), with the reason."""
     if mode not in FUSED_MODES:
@@ -83,30 +114,38 @@ def select_fused_layer(mode: str, gemv, store, groups, act_is_silu: bool, max_ba
         return FusedChoice(False, "requested: fused_layer='off'")
     why = fused_layer_unavailable(gemv, store, groups, act_is_silu, max_batch)
     if why is None:
+        qs = quant_summary(groups)
         return FusedChoice(True, f"{'requested' if mode == 'on' else 'auto'}: one lowrank_lrk::decode_layer call per "
-                                 f"layer ({gemv.name} GEMVs, {store.backend.name} attention)")
+                                 f"layer ({gemv.name} GEMVs, {store.backend.name} attention{'; ' + qs if qs else ''})")
     if mode == "on":
         raise RuntimeError(f"fused_layer='on' cannot run: {why}")
     return FusedChoice(False, f"auto: per-op step ({why})")
 
 
 def _describe(g) -> tuple[list[int], list[torch.Tensor]]:
-    """One packed ProjectionGroup as layer.cpp reads it: rows1, has_b1, nseg, (out, in, xoff)*, has_b2, nmem,
-    (src, off, width)* and its tensors S, [b1], U*, [b2]."""
-    seg = g.seg
-    meta = [g.S_p.out, int(g.S_bias is not None)]
-    ws = [g.S_p.P] + ([g.S_bias] if g.S_bias is not None else [])
+    """One packed ProjectionGroup as layer.cpp reads it: qbits, qgroup, rows1, has_b1, nseg, (out, in, xoff)*, has_b2,
+    nmem, (src, off, width)* and its tensors S, [b1], U*, [b2] (a quantized group: qpack blobs, bits and group)."""
+    if g.quantized:
+        seg = g.qseg
+        S, Ps = g.S_q, [] if seg is None else [g.U_q[i].P for i in seg["members"]]
+        meta = [g.bits, g.group]
+    else:
+        seg = g.seg
+        S, Ps = g.S_p, [] if seg is None else list(seg["Ps"])
+        meta = [0, 0]
+    meta += [S.out, int(g.S_bias is not None)]
+    ws = [S.P] + ([g.S_bias] if g.S_bias is not None else [])
     y_off = {}
     if seg is None:
         meta += [0, 0]
     else:
-        meta.append(len(seg["Ps"]))
+        meta.append(len(Ps))
         at = 0
         for i, o, n, xo in zip(seg["members"], seg["outs"], seg["ins"], seg["xoffs"]):
             meta += [o, n, xo]
             y_off[i] = at
             at += o
-        ws += list(seg["Ps"])
+        ws += Ps
         meta.append(int(seg["bias"] is not None))
         ws += [seg["bias"]] if seg["bias"] is not None else []
     meta.append(len(g.members))
@@ -130,8 +169,11 @@ class FusedLayer:
             m, ws = _describe(g)
             self.meta += m
             self.w += [t.contiguous() for t in ws]
-        self.ln1 = None if engine.fold_norm else L.ln1
-        self.ln2 = None if engine.fold_norm else L.ln2
+        # a folded norm weight lives in an fp32 / bf16 group's stage-1 matrix; a quantized group keeps it as x_scale
+        # (x * w after the unweighted norm: the op's norm with that weight, the same product and rounding)
+        norm = lambda ln, g: (g.x_scale if g.quantized else None) if engine.fold_norm else ln
+        self.ln1 = norm(L.ln1, L.qkv)
+        self.ln2 = norm(L.ln2, L.gate_up)
         self.args = (engine.eps, engine.n_heads, engine.n_kv, engine.fold)
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, length: torch.Tensor,

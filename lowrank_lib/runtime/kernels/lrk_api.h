@@ -1,5 +1,5 @@
 // The raw entry points of lrk.cpp's decode kernels, for other translation units of the library (layer.cpp, the
-// fused decode layer): the same code the ops `gemv` and `attend` run after checking their arguments, on plain
+// fused decode layer): the same code the ops `gemv`, `attend` and `qgemv` run after checking their arguments, on plain
 // pointers, writing into buffers the caller owns. Callers check the ISA first (kind_runs) and the shapes themselves.
 #pragma once
 
@@ -26,5 +26,16 @@ void gemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* ma
 // batch row, head, slot; unit stride in D) -> o [B, H * G * D]; (row, head) pairs split over the kernel pool
 void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const void* V, const int64_t* vs, int64_t B,
                  int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pad, float scale, void* o);
+
+// qgemv.cpp's quantized GEMV (int8 / int4 codes with fp16 group scales, QUANT_SPEC), the op qgemv's code after its
+// checks: whether it has code for this CPU (under set_isa_mask); whether it serves (bits, group); the bytes of one
+// qpack blob; qgemv's contract with GemvMat.P a qpack blob (uint8) of the given bits / group, N <= QGEMV_MAX_ROWS,
+// each matrix's outputs rounded once to the element type, the same bits as quant.qmatmul at every thread count
+constexpr int64_t QGEMV_MAX_ROWS = 8;
+bool qgemv_runs();
+bool qgemv_shape_ok(int64_t bits, int64_t group);
+int64_t qpacked_size(int64_t out, int64_t in, int64_t bits, int64_t group);
+void qgemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y, int64_t ldy,
+                int64_t bits, int64_t group);
 
 }  // namespace lrk

@@ -44,6 +44,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "lrk_api.h"
 #include "lrk_pool.h"
 
 #include <algorithm>
@@ -70,7 +71,7 @@ namespace q {
 constexpr int64_t BW = 64;     // outputs per block
 constexpr int64_t TAIL = 16;   // the last block rounded up to a multiple of this many outputs
 constexpr int MAXR = 4;        // rows of x per pass over a block (AVX-512)
-constexpr int64_t MAX_N = 8;   // rows of x per call (more: the caller dequantizes)
+constexpr int64_t MAX_N = QGEMV_MAX_ROWS;  // rows of x per call (more: the caller dequantizes)
 #ifndef LRK_QPREFETCH
 #define LRK_QPREFETCH 2048     // bytes ahead of the weight stream (lrk.cpp's LRK_PREFETCH)
 #endif
@@ -306,10 +307,11 @@ static const char* path_name(Path p) {
   return p == VNNI512 ? "avx512_vnni" : (p == BW512 ? "avx512bw" : (p == AVX2 ? "avx2" : "none"));
 }
 
+static bool group_ok(int64_t group) { return group == 32 || group == 64 || group == 128 || group == 256; }
+
 static void check_bits_group(const char* op, int64_t bits, int64_t group) {
   TORCH_CHECK(bits == 8 || bits == 4, "lowrank_lrk::", op, ": bits must be 8 or 4, got ", bits);
-  TORCH_CHECK(group == 32 || group == 64 || group == 128 || group == 256, "lowrank_lrk::", op,
-              ": group must be 32, 64, 128 or 256, got ", group);
+  TORCH_CHECK(group_ok(group), "lowrank_lrk::", op, ": group must be 32, 64, 128 or 256, got ", group);
 }
 
 // ------------------------------------------------------------------------------------ qpack / qunpack
@@ -397,39 +399,15 @@ struct Job {
   int64_t m, b, r0;
 };
 
-at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at::IntArrayRef ins,
-                 at::IntArrayRef xoffs, int64_t bits, int64_t group) {
-  check_bits_group("qgemv", bits, group);
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "lowrank_lrk::qgemv: x must be fp32 or bf16, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::qgemv: x must be [N, X] with unit column stride");
-  const int64_t M = (int64_t)Ps.size(), N = x.size(0), ldx = x.stride(0);
-  TORCH_CHECK(N <= MAX_N, "lowrank_lrk::qgemv: at most ", MAX_N, " rows of x per call, got ", N,
-              " (dequantize the matrix for more rows)");
-  TORCH_CHECK((int64_t)outs.size() == M && (int64_t)ins.size() == M && (int64_t)xoffs.size() == M,
-              "lowrank_lrk::qgemv: one out, in and x offset per matrix (", M, " matrices, ", outs.size(), " outs, ",
-              ins.size(), " ins, ", xoffs.size(), " x offsets)");
-  const Path isa = path();
-  TORCH_CHECK(isa != NONE, "lowrank_lrk::qgemv: this CPU lacks AVX512F/BW/VL and AVX2 + FMA + F16C (isa_flags=",
-              isa_flags(), ")");
-  std::vector<Geo> geo;
-  std::vector<int64_t> yoff(M + 1, 0);
-  for (int64_t m = 0; m < M; m++) {
-    TORCH_CHECK(outs[m] >= 1 && ins[m] >= 1, "lowrank_lrk::qgemv: matrix ", m, " is [", outs[m], ", ", ins[m], "]");
-    geo.emplace_back(bits, group, outs[m], ins[m]);
-    const at::Tensor& P = Ps[m];
-    TORCH_CHECK(P.scalar_type() == at::kByte && P.dim() == 1 && P.is_contiguous() && P.numel() == geo[m].nbytes(),
-                "lowrank_lrk::qgemv: matrix ", m, " is not a packed [", outs[m], ", ", ins[m], "] int", bits, " group ",
-                group, " matrix (", geo[m].nbytes(), " bytes)");
-    TORCH_CHECK(xoffs[m] >= 0 && xoffs[m] + ins[m] <= x.size(1), "lowrank_lrk::qgemv: matrix ", m,
-                " reads columns [", xoffs[m], ", ", xoffs[m] + ins[m], ") of x [", N, ", ", x.size(1), "]");
-    yoff[m + 1] = yoff[m] + outs[m];
-  }
-  auto y = at::empty({N, yoff[M]}, x.options());
-  if (N == 0 || M == 0) return y;
+// qgemv's work on raw pointers (lrk_api.h's qgemv_into): the caller checked the ISA, shapes and blob sizes
+static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y,
+                      int64_t ldy, int64_t bits, int64_t group) {
+  if (N == 0 || M == 0) return;
 #if LRK_X86
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  const int64_t es = bf ? 2 : 4, ldy = yoff[M];
+  const Path isa = path();
+  std::vector<Geo> geo;
+  for (int64_t m = 0; m < M; m++) geo.emplace_back(bits, group, mats[m].out, mats[m].in);
+  const int64_t es = bf ? 2 : 4;
   // 1. x quantized per matrix, row and group (on the calling thread: in * N values, a small part of the bytes)
   std::vector<int64_t> qo(M + 1, 0), go(M + 1, 0);
   int64_t pmax = 0;
@@ -441,11 +419,11 @@ at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, a
   std::vector<int16_t> xq(qo[M]);
   std::vector<float> xs(go[M]), xf(pmax);
   std::vector<int32_t> S(go[M]);
-  const char* xb = (const char*)x.data_ptr();
+  const char* xb = (const char*)x;
   for (int64_t m = 0; m < M; m++)
     for (int64_t r = 0; r < N; r++) {
       const Geo& Gm = geo[m];
-      const char* row = xb + (r * ldx + xoffs[m]) * es;
+      const char* row = xb + (r * ldx + mats[m].xoff) * es;
       if (bf)
         for (int64_t i = 0; i < Gm.in; i++) xf[i] = bits_to_f((uint32_t)((const uint16_t*)row)[i] << 16);
       else
@@ -475,7 +453,7 @@ at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, a
         total += bytes;
       }
   const int bi = bits == 8 ? 0 : 1;
-  char* yb = (char*)y.data_ptr();
+  char* yb = (char*)y;
   auto run = [&](const Job& J) {
     const Geo& Gm = geo[J.m];
     const int64_t bw = imin(BW, Gm.rows - J.b * BW), n = imin(bw, Gm.out - J.b * BW);
@@ -487,9 +465,9 @@ at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, a
       X.xq[r] = xq.data() + qo[J.m] + row * Gm.in_pad;
       X.xs[r] = xs.data() + go[J.m] + row * Gm.G;
       X.S[r] = S.data() + go[J.m] + row * Gm.G;
-      yr[r] = yb + (row * ldy + yoff[J.m] + J.b * BW) * es;
+      yr[r] = yb + (row * ldy + mats[J.m].yoff + J.b * BW) * es;
     }
-    const uint8_t* blk = Ps[J.m].data_ptr<uint8_t>() + Gm.block_off(J.b);
+    const uint8_t* blk = (const uint8_t*)mats[J.m].P + Gm.block_off(J.b);
     const int64_t nz = bw / 16 - 1;
     if (isa == VNNI512)
       KERNELS_vnni[bi][R - 1][nz](blk, Gm.G, Gm.g, X, yr, bf, n);
@@ -507,7 +485,42 @@ at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, a
       for (int64_t j = cut[c]; j < cut[c + 1]; j++) run(jobs[j]);
     });
   }
+#else
+  (void)bf, (void)x, (void)ldx, (void)mats, (void)y, (void)ldy, (void)bits, (void)group;
 #endif
+}
+
+at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, at::IntArrayRef ins,
+                 at::IntArrayRef xoffs, int64_t bits, int64_t group) {
+  check_bits_group("qgemv", bits, group);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "lowrank_lrk::qgemv: x must be fp32 or bf16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "lowrank_lrk::qgemv: x must be [N, X] with unit column stride");
+  const int64_t M = (int64_t)Ps.size(), N = x.size(0), ldx = x.stride(0);
+  TORCH_CHECK(N <= MAX_N, "lowrank_lrk::qgemv: at most ", MAX_N, " rows of x per call, got ", N,
+              " (dequantize the matrix for more rows)");
+  TORCH_CHECK((int64_t)outs.size() == M && (int64_t)ins.size() == M && (int64_t)xoffs.size() == M,
+              "lowrank_lrk::qgemv: one out, in and x offset per matrix (", M, " matrices, ", outs.size(), " outs, ",
+              ins.size(), " ins, ", xoffs.size(), " x offsets)");
+  const Path isa = path();
+  TORCH_CHECK(isa != NONE, "lowrank_lrk::qgemv: this CPU lacks AVX512F/BW/VL and AVX2 + FMA + F16C (isa_flags=",
+              isa_flags(), ")");
+  std::vector<GemvMat> mats;
+  int64_t yw = 0;
+  for (int64_t m = 0; m < M; m++) {
+    TORCH_CHECK(outs[m] >= 1 && ins[m] >= 1, "lowrank_lrk::qgemv: matrix ", m, " is [", outs[m], ", ", ins[m], "]");
+    const Geo gm(bits, group, outs[m], ins[m]);
+    const at::Tensor& P = Ps[m];
+    TORCH_CHECK(P.scalar_type() == at::kByte && P.dim() == 1 && P.is_contiguous() && P.numel() == gm.nbytes(),
+                "lowrank_lrk::qgemv: matrix ", m, " is not a packed [", outs[m], ", ", ins[m], "] int", bits, " group ",
+                group, " matrix (", gm.nbytes(), " bytes)");
+    TORCH_CHECK(xoffs[m] >= 0 && xoffs[m] + ins[m] <= x.size(1), "lowrank_lrk::qgemv: matrix ", m,
+                " reads columns [", xoffs[m], ", ", xoffs[m] + ins[m], ") of x [", N, ", ", x.size(1), "]");
+    mats.push_back({P.data_ptr(), outs[m], ins[m], xoffs[m], yw});
+    yw += outs[m];
+  }
+  auto y = at::empty({N, yw}, x.options());
+  qgemv_raw(x.scalar_type() == at::kBFloat16, x.data_ptr(), ldx, N, mats.data(), M, y.data_ptr(), yw, bits, group);
   return y;
 }
 
@@ -515,6 +528,20 @@ at::Tensor qgemv(const at::Tensor& x, at::TensorList Ps, at::IntArrayRef outs, a
 std::string qgemv_isa() { return path_name(path()); }
 
 }  // namespace q
+
+// lrk_api.h's quantized entry points (layer.cpp's fused decode layer)
+bool qgemv_runs() { return q::path() != q::NONE; }
+bool qgemv_shape_ok(int64_t bits, int64_t group) {
+  return (bits == 8 || bits == 4) && q::group_ok(group);
+}
+int64_t qpacked_size(int64_t out, int64_t in, int64_t bits, int64_t group) {
+  return q::Geo(bits, group, out, in).nbytes();
+}
+void qgemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y, int64_t ldy,
+                int64_t bits, int64_t group) {
+  q::qgemv_raw(bf, x, ldx, N, mats, M, y, ldy, bits, group);
+}
+
 }  // namespace lrk
 
 TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
