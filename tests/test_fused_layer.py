@@ -39,13 +39,19 @@ def _shared_basis(seed):
     return m
 
 
-def _mixed_bias(seed):
-    """Dense and low-rank members in one group, with biases on q / k / v and the MLP."""
+def biased_mha(seed):
+    """The dense tiny MHA model with random biases on q / k / v and the MLP."""
     m = models.tiny_model("tiny-mha", seed=seed, attention_bias=True, mlp_bias=True)
     g = _gen(seed)
     with torch.no_grad():
         for p in (p for n, p in m.named_parameters() if n.endswith(".bias")):
             p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return m
+
+
+def _mixed_bias(seed):
+    """Dense and low-rank members in one group, with biases on q / k / v and the MLP."""
+    m = biased_mha(seed)
     ranks = {"model.layers.0.self_attn.k_proj": 5, "model.layers.0.mlp.up_proj": 7,
              "model.layers.1.self_attn.q_proj": 6, "model.layers.1.mlp.down_proj": 11}
     return factorize(m, ranks=ranks)
@@ -86,13 +92,19 @@ def _rel_err(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b)) / scale
 
 
-def _check(name, dtype, graph="none", extra=None, n=6, batch=1):
-    model = _model(name)
+def prompt(batch):
+    """(ids [batch, 9], mask): row 1 left-padded by 4 when batch > 1, else no mask."""
     ids = torch.randint(0, 256, (batch, 9), generator=_gen(7))
     mask = None
     if batch > 1:
         mask = torch.ones(batch, 9, dtype=torch.long)
         mask[1, :4] = 0
+    return ids, mask
+
+
+def _check(name, dtype, graph="none", extra=None, n=6, batch=1):
+    model = _model(name)
+    ids, mask = prompt(batch)
     cfg = dict(max_seq_len=24, max_batch=batch, dtype=dtype, **(extra or {}))
     _, tokens, ref = _forced(model, dict(cfg, fused_layer="off"), ids, n, mask)
     eng, _, got = _forced(model, dict(cfg, fused_layer="on", graph=graph), ids, n, mask, tokens)
@@ -134,12 +146,23 @@ def test_fused_layer_same_bits_at_every_thread_count(dtype):
     """1, 2 and 3 threads with every GEMV and the attention split (pool min_bytes=1): each engine equals its per-op
     step within the bound, and the op itself (the same layer inputs and cache) gives the same bits, cache writes
     included. (Whole generations differ across thread counts in the prefill's aten GEMMs, not in the op.)"""
+    def engine():
+        eng, _, ref, got, _ = _check("lowrank-smol", dtype)
+        assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2)
+        return eng
+
+    same_bits_at_every_thread_count(engine)
+
+
+def same_bits_at_every_thread_count(engine):
+    """At each of THREADS with the pool splitting every call (min_bytes=1): ``engine()`` builds and checks a fused
+    engine; the first one's op, run on the same layer inputs and cache at every count, gives the same bits (output
+    and K / V writes), and the pool did split calls."""
     outs = {}
     for t in THREADS:
         with num_threads(t), build.pool(min_bytes=1):
             before = build.pool_info()["parallel_calls"]
-            eng, _, ref, got, (_, _, ids, _) = _check("lowrank-smol", dtype)
-            assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2)
+            eng = engine()
             if t == 1:
                 kv0, x0 = eng.kv.kv.clone(), torch.randn(1, eng.hidden, generator=_gen(3)).to(eng.dtype)
                 same = eng
