@@ -84,7 +84,8 @@ class EngineConfig:
         Python between the kernels of a step; a longer cold compile).
     fused_layer : ``"auto"`` (default), ``"off"`` or ``"on"``: the dense-KV decode step as ONE compiled call per layer
         (``runtime/kernels/layer.cpp``: norms, packed GEMVs, RoPE, KV write, attention, MLP, residuals), where what it
-        fuses is what would run anyway (packed GEMVs, the dense store with our attention kernel, packed groups, SiLU,
+        fuses is what would run anyway (packed GEMVs, the dense store with our attention kernel, packed fp32 / bf16 groups
+        and int8 / int4 quantized groups through ``qgemv`` where this CPU has it, SiLU,
         ``max_batch`` <= 8; ``kernels="portable"`` rules it out); ``Engine.report()["fused_layer_reason"]`` says why
         (not). ``"on"`` raises where it cannot run. Prefill and the other stores keep the per-op layer.
     lm_head : ``"exact"`` (default) or ``"certified"``: decode logits from an int8 copy of the head with
