@@ -1,6 +1,7 @@
 """Shared fixtures: tiny models, the real SmolLM2 (cached once by `make test`), executed notebooks."""
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -15,20 +16,37 @@ def pytest_configure(config):
 
 
 #: files whose tests share the session's notebook runs (``tests/nbruns.py``: the browser's Run All, reused by the
-#: metrics tests), so they must run in ONE process
-NOTEBOOK_GROUP = ("browser/", "test_nb_", "test_notebooks.py")
+#: metrics tests): a notebook's run and the tests that read it must run in ONE process
+NOTEBOOK_FILES = ("browser/test_lab.py", "test_nb_", "test_notebooks.py")
+#: the notebooks split into two units of about equal CI time (measured: 00 and 05 are the two longest Run Alls), so
+#: the two ``make test`` workers share them instead of one worker running every notebook while the other idles at
+#: the end; a notebook and every test reading its run are in the same unit (03's test reads 02's run too)
+NOTEBOOK_UNITS = {"notebooks-a": ("00", "02", "03", "07"), "notebooks-b": ("01", "04", "05", "06")}
+
+
+def _notebook_unit(nodeid: str) -> str:
+    """The unit of a notebook-group test: by the notebook its file or parameter names (``test_nb_03.py``,
+    ``[05_attsvd_quality_memory]``); a test that names none (``test_quickstart_metrics`` reads 00) joins unit a."""
+    path, _, rest = nodeid.partition("::")
+    m = re.search(r"test_nb_(\d\d)", path) or re.search(r"\[(\d\d)_", rest)
+    num = m.group(1) if m else "00"
+    for unit, nums in NOTEBOOK_UNITS.items():
+        if num in nums:
+            return unit
+    raise AssertionError(f"notebook {num} ({nodeid}) is in no unit of NOTEBOOK_UNITS: add it")
 
 
 def xdist_group_of(nodeid: str) -> str:
-    """The unit of work a pytest-xdist worker takes whole (``make test`` runs ``pytest -n 2``): the notebook group,
+    """The unit of work a pytest-xdist worker takes whole (``make test`` runs ``pytest -n 2``): a notebook unit,
     else the test's file, so module-scoped fixtures are built once, as in a serial run."""
     path = nodeid.split("::")[0].removeprefix("tests/")
-    return "notebooks" if path.startswith(NOTEBOOK_GROUP) else path
+    return _notebook_unit(nodeid) if path.startswith(NOTEBOOK_FILES) else path
 
 
 def pytest_collection_modifyitems(config, items):
-    """The notebook group first (the longest unit: a worker starts it at once); order kept within each group."""
-    items.sort(key=lambda it: xdist_group_of(it.nodeid) != "notebooks")
+    """The notebook units first (the longest units: each worker starts one at once); order kept within each unit
+    (the browser's Run All of a notebook before the tests that reuse it)."""
+    items.sort(key=lambda it: not xdist_group_of(it.nodeid).startswith("notebooks-"))
 
 
 def pytest_xdist_make_scheduler(config, log):
