@@ -175,13 +175,6 @@ def test_executed_outputs_are_clean(name):
 #: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing); the
 #: coordinator empties it when the reports are regenerated on an idle machine
 STALE: dict[str, str] = {
-    "03_graph_replay_ablation": "notebook changed (issue 27: uncompressed-model rows, every row defined, medians across "
-                                "runs with their min-max, computed verdicts, plain and certified heads); its committed "
-                                "report also says timings_meaningful=false: the coordinator regenerates it on an idle machine",
-    "02_launch_count_profiling": "notebook changed (issue 27: measured per-layer counts, the dispatch definition shared "
-                                 "with 03, times beside the counts): the coordinator regenerates it on an idle machine",
-    "06_factor_space_attention": "notebook changed (headings above their cells, duplicates removed); its committed report "
-                                 "also says timings_meaningful=false: it is regenerated only on an idle machine",
     "05_attsvd_quality_memory": "notebook changed (the KVzip + 8-bit control, paired claims, the exact point); its "
                                 "report was not regenerated on the shared machine (load ~15 on 2 cores): the "
                                 "coordinator regenerates it",
