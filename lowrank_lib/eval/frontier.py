@@ -39,7 +39,7 @@ import torch
 
 from .. import models
 
-__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
+__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "FACTOR_WEIGHTS", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
            "label", "llamacpp_points", "lowrank_points", "make_label", "misses", "select_points",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
