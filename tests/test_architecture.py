@@ -361,3 +361,15 @@ def test_the_bench_checker_sees_private_uses(tmp_path):
                                "        return eng.kv._t_dev, eng._B\n")
     found = {n for (_, n) in bench_private_uses(fake)}
     assert found == {"lowrank_lib.runtime.engine._rms", "eng.kv._t_dev", "eng._B"}, found
+
+
+#: issue 26: bench/ is a thin client of the library, at most this many lines (measurement code belongs in runtime/ or
+#: eval/, where notebooks can use it too)
+BENCH_MAX_LINES = 3000
+
+
+def test_bench_stays_a_thin_client():
+    lines = {p.relative_to(BENCH).as_posix(): len(p.read_text().splitlines()) for p in sorted(BENCH.rglob("*.py"))}
+    total = sum(lines.values())
+    assert total <= BENCH_MAX_LINES, (f"bench/ has {total} lines (at most {BENCH_MAX_LINES}); the largest: "
+                                      + ", ".join(f"{f} {n}" for f, n in sorted(lines.items(), key=lambda x: -x[1])[:5]))

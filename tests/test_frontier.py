@@ -111,7 +111,7 @@ def test_plot_draws_every_point_and_the_frontier():
 
 
 def test_merge_keeps_its_own_points_and_adds_the_others():
-    from lowrank_lib.bench.commands.frontier import merge
+    from lowrank_lib.eval.frontier import merge_runs as merge
 
     a = {"points": [P("x", 1, 2.0)], "cross_check": {"protocol": "p", "points": {"f32": {"ppl": 1.0}}},
          "commands": ["a"]}

@@ -40,7 +40,7 @@ import torch
 from .. import models
 
 __all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "FACTOR_WEIGHTS", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
-           "label", "llamacpp_points", "lowrank_points", "make_label", "misses", "select_points",
+           "label", "llamacpp_points", "lowrank_points", "make_label", "merge_runs", "misses", "select_points",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
 #: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
@@ -400,6 +400,20 @@ def _labelled(p: dict) -> dict:
 def label(p: dict) -> str:
     """A point's label: the one stored in it (``p["label"]``), else :func:`make_label` (points of older files)."""
     return p.get("label") or make_label(p)
+
+
+def merge_runs(res: dict, other: dict) -> dict:
+    """Add to ``res`` the points of ``other`` it lacks (by id; its own are kept), ``other``'s caveat where ``res`` has
+    none and its cross-check points ``res`` lacks; its commands are appended."""
+    have = {p["id"] for p in res["points"]}
+    res["points"] += [p for p in other["points"] if p["id"] not in have]
+    for k in ("cross_check", "caveat", "protocol"):
+        if k in other and k not in res:
+            res[k] = other[k]
+    if "cross_check" in other and res["cross_check"] is not other["cross_check"]:
+        res["cross_check"]["points"] = {**other["cross_check"]["points"], **res["cross_check"]["points"]}
+    res["commands"] = list(dict.fromkeys([*res.get("commands", []), *other.get("commands", [])]))
+    return res
 
 
 def select_points(points: list[dict], names) -> list[dict]:

@@ -8,17 +8,12 @@
     python -m lowrank_lib.bench frontier --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2 \\
         --calib-len 64 --keep 0.8 --families svdllm                      # a smoke run
 
-Quality phase (default; :mod:`lowrank_lib.eval.frontier`): perplexity of every point on the SAME WikiText-2 test
-windows (``--windows`` x ``--prompt-len``, token ids of our tokenizer), and the weight bytes one decode step reads:
-
-* llama.cpp (``--quants``): our dense model written as F32 / BF16 GGUFs, llama.cpp's quantizer for the rest, the
-  perplexity from llama.cpp's own logits of every position through our protocol (files under the model cache,
-  ``<cache>/frontier/<model>``, reused while present);
-* ours (``--families`` at every ``--keep``, and dense): the family registry's compressors on one calibration
-  (``--calib-samples`` x ``--calib-len`` of WikiText-2 valid; ASVD with its STRS search on ``--asvd-calib``),
-  weights in bf16 and, with ``--factor-bits 8 4``, also with int8 / int4 factors (``lowrank_lib.quantize_factors``,
-  ``--factor-group`` columns per scale; a family whose bf16 point is already measured starts from its saved file);
-  each model is also saved under the cache for the speed phase.
+Quality phase (default; :mod:`lowrank_lib.eval.frontier` measures, its docstring says how): perplexity of every
+point on the SAME WikiText-2 test windows (``--windows`` x ``--prompt-len``) and the weight bytes one decode step
+reads, for llama.cpp's types (``--quants``; GGUFs under ``<model cache>/frontier/<model>``, reused while present)
+and ours (``--families`` at every ``--keep``, and dense; one calibration of ``--calib-samples`` x ``--calib-len``,
+ASVD's on ``--asvd-calib``; bf16 weights and, with ``--factor-bits 8 4``, int8 / int4 factors in
+``--factor-group`` columns per scale); each of our models is saved under the cache for the speed phase.
 
 Every point carries a short human ``label`` (``llama.cpp Q4_K_M``, ``SVD-LLM v1 keep 0.8 bf16``); points of older
 files get theirs when the file is resumed.
@@ -223,22 +218,8 @@ def speed(a, res: dict, write) -> dict:
     return res
 
 
-def merge(res: dict, other: dict) -> dict:
-    """Add to ``res`` the points of ``other`` it lacks (by id; its own are kept), ``other``'s caveat where ``res`` has
-    none and its cross-check points ``res`` lacks; its commands are appended."""
-    have = {p["id"] for p in res["points"]}
-    res["points"] += [p for p in other["points"] if p["id"] not in have]
-    for k in ("cross_check", "caveat", "protocol"):
-        if k in other and k not in res:
-            res[k] = other[k]
-    if "cross_check" in other and res["cross_check"] is not other["cross_check"]:
-        res["cross_check"]["points"] = {**other["cross_check"]["points"], **res["cross_check"]["points"]}
-    res["commands"] = list(dict.fromkeys([*res.get("commands", []), *other.get("commands", [])]))
-    return res
-
-
 def run(a) -> int:
-    from ...eval.frontier import caveat_runs, format_table, make_label
+    from ...eval.frontier import caveat_runs, format_table, make_label, merge_runs
     from ..results import ResultFiles
 
     if a.resume:
@@ -262,7 +243,7 @@ def run(a) -> int:
     for other in a.merge:
         if not a.resume:
             raise SystemExit("error: --merge adds points into the file of --resume")
-        merge(res, json.loads(Path(other).read_text()))
+        merge_runs(res, json.loads(Path(other).read_text()))
         write(res)
     if a.points and not a.speed:
         raise SystemExit("error: --points chooses the points --speed times")
