@@ -7,38 +7,16 @@ import pytest
 import torch
 
 import deprecations
-
-
-#: the environment variables that size the BLAS / OpenMP pools of torch and of every process a test starts
-THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-#: the intra-op threads :func:`pytest_configure` gave this worker (None: not a worker, or the caller chose)
-WORKER_THREADS: int | None = None
-
-
-def worker_threads(cores: int, workers: int) -> int:
-    """Intra-op threads per pytest-xdist worker: the cores shared out, at least one. Every worker (and the notebook
-    kernel or child process it starts) at torch's default of one thread per core oversubscribes the machine, and
-    OpenMP's spinning threads then lose far more than the cores they wait for (measured on the 2-core VM: 20 fp32
-    SVDs of 576x1536 take 1.9 s alone at 2 threads, 8.3 s beside one busy 2-thread process, 3.4 s at 1 thread)."""
-    return max(1, cores // max(1, workers))
+import xdist_threads
 
 
 def pytest_configure(config):
     """Deprecations triggered by our calls are attributed to our frames (see ``deprecations.py``); the
     ``filterwarnings`` of pyproject.toml make those errors. In a pytest-xdist worker, torch and every process the
     worker starts (JupyterLab's kernels, papermill, benchmark children) get the worker's share of the cores
-    (:func:`worker_threads`), unless the caller already set ``OMP_NUM_THREADS``. Tests that measure thread
-    scaling set their thread counts explicitly."""
-    import os
-
-    global WORKER_THREADS
+    (``xdist_threads.py``)."""
     deprecations.install()
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
-        n = worker_threads(os.cpu_count() or 1, workers)
-        os.environ.update({k: str(n) for k in THREAD_ENV})
-        torch.set_num_threads(n)
-        WORKER_THREADS = n
+    xdist_threads.share_cores()
 
 
 #: files whose tests share the session's notebook runs (``tests/nbruns.py``: the browser's Run All, reused by the
