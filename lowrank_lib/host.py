@@ -121,6 +121,9 @@ class CpuClocked:
     def counters(self) -> dict:
         return self.runner.counters()
 
+    def layer_sections(self, mark):
+        return self.runner.layer_sections(mark)
+
     def reset_counters(self) -> None:
         """Zero the runner's counters and this wrapper's CPU times (count the timed generations only)."""
         self.runner.reset_counters()

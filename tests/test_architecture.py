@@ -373,3 +373,36 @@ def test_bench_stays_a_thin_client():
     total = sum(lines.values())
     assert total <= BENCH_MAX_LINES, (f"bench/ has {total} lines (at most {BENCH_MAX_LINES}); the largest: "
                                       + ", ".join(f"{f} {n}" for f, n in sorted(lines.items(), key=lambda x: -x[1])[:5]))
+
+
+# --------------------------------------------------------------------------- written protocols, no probing
+#: names under which the library holds a runner (``runtime.runner.Runner``) or a KV method: what they can do is
+#: their protocol's, never found out with hasattr / getattr
+PROTOCOL_NAMES = {"runner", "engine", "eng", "method", "spec"}
+
+
+def protocol_probes(root: Path) -> list[str]:
+    """``file:line`` of every ``hasattr(x, ...)`` / ``getattr(x, ...)`` under ``root`` whose ``x`` is a name in
+    :data:`PROTOCOL_NAMES` (or ``x.runner`` and the like)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+                    and node.args):
+                x = node.args[0]
+                name = x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else None
+                if name in PROTOCOL_NAMES:
+                    found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_runners_and_methods_are_never_probed():
+    assert protocol_probes(PKG) == [], "use (or extend) the written protocol instead of probing"
+
+
+def test_the_probe_checker_sees_a_probe(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("def f(runner, self, x):\n    return hasattr(runner, 'prepare'), "
+                              "getattr(self.method, 'fields', None), getattr(x, 'y', 0)\n")
+    assert protocol_probes(pkg) == ["p/a.py:2", "p/a.py:2"]

@@ -46,6 +46,17 @@ def check_runner(r, B: int = 1, T: int = 6) -> None:
         assert r.prepare(B) == 0.0
     out = r.step(logits.argmax(-1))
     assert out.shape == logits.shape and torch.isfinite(out).all()
+    if not r.compiled:          # the eager step marks every decoder layer, in order, until the undo
+        marks = []
+        undo = r.layer_sections(marks.append)
+        r.step(out.argmax(-1))
+        undo()
+        layers = [m for m in marks if m is not None]
+        assert layers and sorted(set(layers)) == list(range(layers[-1] + 1)) and layers == sorted(layers), marks
+        assert marks[-1] is None and len(marks) == 2 * len(layers), marks
+        marks.clear()
+        r.step(out.argmax(-1))
+        assert marks == []
     r.reset_counters()
     assert r.counters()["compiles"] == []
 

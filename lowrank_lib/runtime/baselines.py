@@ -89,6 +89,20 @@ class HFRunner(Runner):
         return out.logits[:, -1]
 
 
+    def layer_sections(self, mark):
+        """Forward hooks on the transformers model's decoder layers call ``mark(i)`` / ``mark(None)`` around layer
+        ``i`` until the returned undo removes them."""
+        hooks = []
+        for i, layer in enumerate(self.model.get_decoder().layers):
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: mark(i)))
+            hooks.append(layer.register_forward_hook(lambda m, a, o: mark(None)))
+
+        def undo():
+            for h in hooks:
+                h.remove()
+        return undo
+
+
 class HFCompiledRunner(HFRunner):
     """gpt-fast style: transformers' model, a ``StaticCache`` of ``max_cache_len`` slots, and ONE
     fixed-shape decode forward under ``torch.compile(fullgraph=True, dynamic=False)``.

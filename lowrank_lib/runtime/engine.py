@@ -302,6 +302,32 @@ class Engine:
         return {"lm_head": self.lm_head.report() if isinstance(self.lm_head, CertifiedHead) else {},
                 "compiles": list(self.graphs.compiles) if self.graphs is not None else []}
 
+    def layer_sections(self, mark):
+        """The eager step calls ``mark(i)`` / ``mark(None)`` around decoder layer ``i`` (the fused layers, or the
+        attention and MLP blocks of the per-op step) until the returned undo is called."""
+        def marked(i, fn):
+            def run(*a, **k):
+                mark(i)
+                try:
+                    return fn(*a, **k)
+                finally:
+                    mark(None)
+            return run
+
+        if self._fused is not None:
+            orig = list(self._fused)
+            self._fused[:] = [marked(i, f) for i, f in enumerate(orig)]
+            return lambda: self._fused.__setitem__(slice(None), orig)
+        blocks = ("_attn_block", "_mlp_block")
+        for name in blocks:                      # instance attributes over the methods, deleted by the undo
+            block = getattr(self, name)
+            setattr(self, name, lambda i, *a, _b=block, **k: marked(i, _b)(i, *a, **k))
+
+        def undo():
+            for name in blocks:
+                delattr(self, name)
+        return undo
+
     def reset_counters(self) -> None:
         """Zero :meth:`counters` (the certified head's statistics, the compile records)."""
         if isinstance(self.lm_head, CertifiedHead):

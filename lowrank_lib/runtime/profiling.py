@@ -130,38 +130,15 @@ def count_profiled_aten_ops(fn, *args, **kw) -> Counter:
 
 @contextmanager
 def layer_sections(runner: Runner, counter: DispatchCounter):
-    """While inside, ``counter.section`` is i while decoder layer i of the eager ``runner`` runs (None elsewhere):
-    our engine's per-layer blocks (``_attn_block`` / ``_mlp_block``, or the fused layers ``_fused``) or a transformers
-    model's decoder layers (forward hooks). Yields whether the runner's layers were found."""
-    def tagged(i, fn):
-        def run(*a, **k):
-            prev, counter.section = counter.section, i
-            try:
-                return fn(*a, **k)
-            finally:
-                counter.section = prev
-        return run
-
-    undo = []
-    fused = getattr(runner, "_fused", None)
-    if fused is not None:
-        orig = list(fused)
-        fused[:] = [tagged(i, f) for i, f in enumerate(orig)]
-        undo.append(lambda: fused.__setitem__(slice(None), orig))
-    elif hasattr(runner, "_attn_block") and hasattr(runner, "_mlp_block"):
-        for name in ("_attn_block", "_mlp_block"):
-            block = getattr(runner, name)
-            setattr(runner, name, lambda i, *a, _b=block, **k: tagged(i, _b)(i, *a, **k))
-            undo.append(lambda name=name: delattr(runner, name))
-    elif hasattr(getattr(runner, "model", None), "get_decoder"):
-        for i, layer in enumerate(runner.model.get_decoder().layers):
-            undo.append(layer.register_forward_pre_hook(lambda m, a, i=i: setattr(counter, "section", i)).remove)
-            undo.append(layer.register_forward_hook(lambda m, a, o: setattr(counter, "section", None)).remove)
+    """While inside, ``counter.section`` is i while decoder layer i of the eager ``runner`` runs (None elsewhere), by
+    the runner's own :meth:`~lowrank_lib.runtime.runner.Runner.layer_sections`. Yields whether the runner has
+    layers to mark."""
+    undo = runner.layer_sections(lambda i: setattr(counter, "section", i))
     try:
-        yield bool(undo)
+        yield undo is not None
     finally:
-        for u in reversed(undo):
-            u()
+        if undo is not None:
+            undo()
 
 
 def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = DISPATCH_TOKENS,

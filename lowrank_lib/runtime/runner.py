@@ -11,6 +11,7 @@ profiler (:mod:`lowrank_lib.runtime.profiling`) and the benchmarks may call on a
     runner.counters() -> dict             since the last reset: {"lm_head": {...}, "compiles": [...]}
     runner.reset_counters()
     runner.device                         where the logits live (the loop synchronises it)
+    runner.layer_sections(mark) -> undo | None   the eager step calls mark(i) / mark(None) around decoder layer i
 
 Every runner implements every member: callers never probe with ``hasattr`` / ``getattr``. A runner with no
 capture and no head of its own can subclass :class:`Runner` and inherit the eager defaults below (it still
@@ -21,7 +22,7 @@ graphs / compiled step), :class:`~lowrank_lib.runtime.baselines.HFRunner` and
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -67,4 +68,10 @@ class Runner(Protocol):
 
     def reset_counters(self) -> None:
         """Zero :meth:`counters`."""
+        return None
+
+    def layer_sections(self, mark: Callable[[int | None], None]) -> Callable[[], None] | None:
+        """Until the returned undo is called, the eager decode step calls ``mark(i)`` when decoder layer ``i`` starts
+        and ``mark(None)`` when it ends (how the profiler attributes work to layers). None: this runner cannot say
+        (no decoder layers of its own in Python, e.g. llama.cpp)."""
         return None
