@@ -27,14 +27,19 @@ from typing import Callable, Hashable, Iterable, Iterator
 __all__ = ["across_runs", "interleaved", "interleaved_samples", "rotations", "summary", "timed", "within_noise"]
 
 
+def _cuts(ms: list[float], n: int) -> list[float]:
+    """The n-1 cut points dividing sorted ``ms`` into n groups (inclusive method: within the sample's range; one
+    value: itself n-1 times). The one quantile rule of :func:`summary` and :func:`across_runs`."""
+    return statistics.quantiles(ms, n=n, method="inclusive") if len(ms) > 1 else [ms[0]] * (n - 1)
+
+
 def summary(seconds: list[float]) -> dict:
     """Median, quartiles and 10th / 90th percentiles of ``seconds`` in milliseconds (inclusive method: every
     value lies within the sample's range), and the sample count. THE place medians and quantiles are taken."""
     if not seconds:
         raise ValueError("summary of no samples")
     ms = sorted(1e3 * s for s in seconds)
-    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
-    d = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) > 1 else [ms[0]] * 9
+    q, d = _cuts(ms, 4), _cuts(ms, 10)
     return {"median_ms": statistics.median(ms), "q1_ms": q[0], "q3_ms": q[2], "p10_ms": d[0], "p90_ms": d[8],
             "n": len(ms)}
 
@@ -106,7 +111,7 @@ def across_runs(run_medians_ms: list[float]) -> dict:
     if not run_medians_ms:
         raise ValueError("across_runs of no runs")
     ms = sorted(float(v) for v in run_medians_ms)
-    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    q = _cuts(ms, 4)
     return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "q1_ms": q[0], "q3_ms": q[2],
             "runs": len(ms)}
 
