@@ -24,7 +24,8 @@ import statistics
 import time
 from typing import Callable, Hashable, Iterable, Iterator
 
-__all__ = ["across_runs", "interleaved", "interleaved_samples", "rotations", "summary", "timed", "within_noise"]
+__all__ = ["across_runs", "interleaved", "interleaved_samples", "repeated_runs", "rotations", "summary", "timed",
+           "within_noise"]
 
 
 def _cuts(ms: list[float], n: int) -> list[float]:
@@ -114,6 +115,21 @@ def across_runs(run_medians_ms: list[float]) -> dict:
     q = _cuts(ms, 4)
     return {"median_ms": statistics.median(ms), "min_ms": ms[0], "max_ms": ms[-1], "q1_ms": q[0], "q3_ms": q[2],
             "runs": len(ms)}
+
+
+def repeated_runs(run: Callable[[], dict[Hashable, list[float]]], runs: int,
+                  progress: Callable[[int], None] | None = None) -> dict[Hashable, dict]:
+    """``run()`` (one interleaved measurement: key -> seconds, e.g. a call of :func:`interleaved`) ``runs`` times;
+    per key, :func:`across_runs` of each run's median (ms)."""
+    if runs < 1:
+        raise ValueError(f"runs must be >= 1, got {runs}")
+    medians: dict[Hashable, list[float]] = {}
+    for i in range(runs):
+        for k, seconds in run().items():
+            medians.setdefault(k, []).append(summary(seconds)["median_ms"])
+        if progress is not None:
+            progress(i)
+    return {k: across_runs(v) for k, v in medians.items()}
 
 
 def within_noise(a: dict, b: dict) -> bool:

@@ -34,6 +34,13 @@ def test_a_paragraph_printed_twice_is_caught_and_a_short_one_is_not():
     # whitespace and line breaks do not hide a copy, and a Markdown output counts like a markdown cell
     rewrapped = LONG.replace(" so ", "\nso ")
     assert repeated_paragraphs(notebook(md(LONG), result("md", rewrapped)))
+    # notebook 06's mistake: two lines pasted twice INSIDE one paragraph (no blank line between the copies)
+    pasted = "Every measurement runs in ONE cell, the sections below\nonly read its results; times are medians.\n"
+    found = repeated_paragraphs(notebook(md("# 06\n\nIntro line.\n" + pasted + pasted + "Library: x.")))
+    assert len(found) == 2 and all("a line printed 2 times" in f for f in found), found
+    # table rows may repeat, short lines may repeat
+    table = "| route | ms |\n|---|---|\n| dense | 1.0 |\n| dense | 1.0 |\n"
+    assert repeated_paragraphs(notebook(md(table + "\nok\nok\n"))) == []
 
 
 def test_a_heading_placed_after_its_cell_is_caught():

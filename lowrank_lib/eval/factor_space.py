@@ -7,8 +7,9 @@ Part 1 (``attention``, :class:`AttnBenchConfig`): one decode step of ONE layer's
 (9 query heads, 3 KV heads, d = 64), batch 1: ``dense`` (our grouped attention on exact K/V), ``sdpa`` (torch
 SDPA, enable_gqa), ``rebuild`` (AttSVD's decode as the cache does it: A B rebuilt into fresh tensors, then dense
 attention), ``rebuildpre`` (the same rebuild into K/V buffers allocated once: only the GEMMs) and ``factor``
-(factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`lowrank_lib.timing`),
-medians with quartiles, the per-token estimate x the layer count, the cost model (:mod:`lowrank_lib.attsvd.cost`) beside them.
+(factor space), at each r/d with an exact window of w tokens; every route timed side by side (:mod:`lowrank_lib.timing`)
+in ``runs`` repeated runs: the median of the run medians with their min-max across runs
+(:func:`~lowrank_lib.timing.repeated_runs`; the same for parts 2 and 3), the per-token estimate x the layer count, the cost model (:mod:`lowrank_lib.attsvd.cost`) beside them.
 
 Part 2 (``--e2e``, :class:`FactorDecodeConfig`): SmolLM2 greedy decode ms/token after a WikiText-2 prompt of each
 length: the dense cache, AttSVD read by rebuild-then-attend and in factor space (ONE fit per rank, two readers),
@@ -28,10 +29,10 @@ from ..attsvd.cost import step_cost
 from ..compat import cache_kw
 from ..geometry import geometry
 from ..runtime.profiling import greedy_steps
-from ..timing import interleaved, summary
+from ..timing import interleaved, repeated_runs, within_noise
 
 __all__ = ["AttnBenchConfig", "FactorDecodeConfig", "attention_ratios", "attention_table", "bench_attention",
-           "bench_decode", "bench_engine", "cuda_graphed", "markdown", "rel_err", "svd_run"]
+           "bench_decode", "bench_engine", "cuda_graphed", "markdown", "rel_err", "speed_verdict", "svd_run"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,6 +62,7 @@ class AttnBenchConfig:
     batch: int = 1
     repeats: int = 40
     warmup: int = 5
+    runs: int = 3                    # repeated interleaved runs (medians across runs, their min-max)
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
@@ -100,7 +102,7 @@ def _rebuild_preallocated(q, kv: LowRankKV, seg, n_b: int):
 
 @torch.inference_mode()
 def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
-    """Rows {context, route, rank, ms_step (+ q1 / q3), ms_token_est, flops / bytes_read / bytes_stored per KV head,
+    """Rows {context, route, rank, ms_step (median across runs, + min / max across runs), runs, ms_token_est, flops / bytes_read / bytes_stored per KV head,
     rel_err_vs_rebuild}."""
     gen = torch.Generator().manual_seed(cfg.seed)
     dt = getattr(torch, cfg.dtype)
@@ -121,15 +123,15 @@ def bench_attention(cfg: AttnBenchConfig, progress: bool = True) -> list[dict]:
             fns[f"factor_r{r}"] = lambda kv=kv: factor_space_attention(q, kv)
         if cfg.cuda_graphs and cfg.device.startswith("cuda"):
             fns = {name: cuda_graphed(fn) for name, fn in fns.items()}
-        times = interleaved(fns, cfg.repeats, warmup=cfg.warmup, sync=sync, inner=cfg.inner)
-        for name, ts in times.items():
+        stats = repeated_runs(lambda: interleaved(fns, cfg.repeats, warmup=cfg.warmup, sync=sync, inner=cfg.inner),
+                              cfg.runs)
+        for name, st in stats.items():
             route, r = name.split("_r")[0], int(name.split("_r")[1]) if "_r" in name else cfg.head_dim
             cost_route = {"sdpa": "dense", "rebuildpre": "rebuild"}.get(route, route)
             c = step_cost(cost_route, n, cfg.head_dim, r, window=0 if cost_route == "dense" else w,
                           group=cfg.q_heads // cfg.kv_heads, dtype_bytes=dt.itemsize)
-            st = summary(ts)
-            rows.append({"context": n, "route": route, "rank": r, "ms_step": st["median_ms"], "ms_step_q1": st["q1_ms"],
-                         "ms_step_q3": st["q3_ms"], "ms_token_est": st["median_ms"] * cfg.layers,
+            rows.append({"context": n, "route": route, "rank": r, "ms_step": st["median_ms"], "ms_step_min": st["min_ms"],
+                         "ms_step_max": st["max_ms"], "runs": st["runs"], "ms_token_est": st["median_ms"] * cfg.layers,
                          "flops_per_kv_head": c.flops, "bytes_read_per_kv_head": c.bytes_read,
                          "bytes_stored_per_kv_head": c.bytes_stored,
                          "rel_err_vs_rebuild": rel_err(factor_space_attention(q, kvs[r]), rebuild_then_attend(q, kvs[r]))
@@ -152,6 +154,17 @@ def attention_ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
+def speed_verdict(a: dict, b: dict, col: str) -> str:
+    """How row ``a`` compares with row ``b`` in ``col`` (ms, lower is faster; ``col_min`` / ``col_max`` the range
+    across runs): "1.23× faster than" / "1.23× slower than", or "within noise of" (1.23×) when the two ranges
+    across runs overlap (:func:`lowrank_lib.timing.within_noise`)."""
+    x = b[col] / a[col]
+    if within_noise({"min_ms": a[f"{col}_min"], "max_ms": a[f"{col}_max"]},
+                    {"min_ms": b[f"{col}_min"], "max_ms": b[f"{col}_max"]}):
+        return f"within noise of ({x:.2f}× by the medians)"
+    return f"{x:.2f}× faster than" if x > 1 else f"{1 / x:.2f}× slower than"
+
+
 # --------------------------------------------------------------------------- part 2: end to end
 @dataclass
 class FactorDecodeConfig:
@@ -163,6 +176,7 @@ class FactorDecodeConfig:
     window: int = 32
     gen_tokens: int = 8
     warmup_tokens: int = 2
+    runs: int = 3                    # repeated runs of gen_tokens interleaved steps each (decode goes on)
     obs_window: int | None = None    # AttSVDConfig.obs_window (None = all prompt queries, the default)
     model: str = "smollm2"
 
@@ -208,14 +222,15 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
             return step
 
         with tiered_attention(model):       # interleaved steps, rotated order (timing); the warm-up untimed
-            times = interleaved({k: stepper(k) for k in caches}, cfg.gen_tokens, warmup=cfg.warmup_tokens)
-        for (route, r), ts in times.items():
+            steps = {k: stepper(k) for k in caches}
+            stats = repeated_runs(lambda: interleaved(steps, cfg.gen_tokens, warmup=cfg.warmup_tokens), cfg.runs)
+        for (route, r), st in stats.items():
             ref = ("rebuild", r) if route == "factor" else None
             c = caches[(route, r)]
             mem = c.describe()["bytes_ratio"] if isinstance(c, KVCache) else 1.0
-            st = summary(ts)
             rows.append({"context": n, "route": route, "rank": r, "ms_token": st["median_ms"],
-                         "ms_token_q1": st["q1_ms"], "ms_token_q3": st["q3_ms"], "tokens": toks[(route, r)],
+                         "ms_token_min": st["min_ms"], "ms_token_max": st["max_ms"], "runs": st["runs"],
+                         "tokens": toks[(route, r)],
                          "tokens_equal_rebuild": None if ref is None else toks[(route, r)] == toks[ref],
                          "max_logit_rel_err": None if ref is None else max(
                              rel_err(a, b) for a, b in zip(logits[(route, r)], logits[ref])),
@@ -226,10 +241,11 @@ def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> 
 
 @torch.inference_mode()
 def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], window: int = 32, gen_tokens: int = 8,
-                 progress: bool = True) -> list[dict]:
+                 progress: bool = True, runs: int = 3) -> list[dict]:
     """The runtime ``Engine`` with its dense store vs the AttSVD method served by the engine adapter, eager.
 
-    Rows {context, route, rank, ms_token (median step), prefill_s, kv_bytes, attsvd_ratio, tokens}.
+    Rows {context, route, rank, ms_token (median step, across ``runs`` runs of ``gen_tokens`` steps; + min / max across
+    runs), prefill_s, kv_bytes, attsvd_ratio, tokens}.
     All engines are prefilled, then their greedy decode steps are interleaved (rotated order per step, :mod:`lowrank_lib.timing`), so
     the ratios are measured side by side; the first step is a warm-up.
     """
@@ -242,7 +258,7 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     rows = []
     for n in tqdm(contexts, desc="engine contexts", disable=not progress):
         ids = ids_all[:n][None]
-        ecfg = EngineConfig(max_seq_len=n + gen_tokens + 2)
+        ecfg = EngineConfig(max_seq_len=n + runs * (gen_tokens + 1) + 2)
         engines = {("engine_dense", d): Engine(model, ecfg)}
         for f in rank_fracs:
             r = max(1, round(f * d))
@@ -253,12 +269,14 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
             state[k] = eng.prefill(ids).argmax(-1)                    # [1]
             prefill_s[k] = time.perf_counter() - t0
         toks = {k: [int(state[k])] for k in engines}
-        times = interleaved(greedy_steps(engines, state, toks), gen_tokens, warmup=1)   # rotated order (timing)
+        steps = greedy_steps(engines, state, toks)
+        stats = repeated_runs(lambda: interleaved(steps, gen_tokens, warmup=1), runs)   # rotated order (timing)
         for (route, r), eng in engines.items():
             fit = eng.report()["kv_store"].get("fit", {})
-            st = summary(times[(route, r)])
+            st = stats[(route, r)]
             rows.append({"context": n, "route": route, "rank": r, "ms_token": st["median_ms"],
-                         "ms_token_q1": st["q1_ms"], "ms_token_q3": st["q3_ms"], "prefill_s": prefill_s[(route, r)],
+                         "ms_token_min": st["min_ms"], "ms_token_max": st["max_ms"], "runs": st["runs"],
+                         "prefill_s": prefill_s[(route, r)],
                          "kv_bytes": eng.report()["kv_cache_bytes"], "attsvd_ratio": fit.get("bytes_ratio", 1.0),
                          "tokens": toks[(route, r)]})
         del engines

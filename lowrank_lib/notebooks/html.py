@@ -191,6 +191,8 @@ def _texts(nb):
 
 #: a paragraph shorter than this may repeat (a caption, "**Next:** ..."); a longer one printed twice is a mistake
 MIN_PARAGRAPH = 80
+#: a line of prose at least this long printed twice is a copy too (checked inside paragraphs as well)
+MIN_LINE = 40
 #: a numbered section heading: "## 3 · Title"
 SECTION_RE = re.compile(r"^#{2,3} +(\d+) +· ", re.M)
 CONCLUSION = "**What this shows.**"
@@ -211,12 +213,19 @@ def repeated_paragraphs(nb) -> list[str]:
     """Every paragraph (blank-line separated, whitespace normalised, at least :data:`MIN_PARAGRAPH` characters)
     that the notebook prints more than once, in its markdown cells and Markdown outputs."""
     seen: dict[str, list[str]] = {}
+    lines: dict[str, list[str]] = {}
     for where, text in _prose(nb):
         for para in re.split(r"\n\s*\n", text):
             norm = " ".join(para.split())
             if len(norm) >= MIN_PARAGRAPH:
                 seen.setdefault(norm, []).append(where)
-    return [f"a paragraph printed {len(w)} times ({', '.join(w)}): {p[:90]!r}" for p, w in seen.items() if len(w) > 1]
+            for line in para.splitlines():      # a copy pasted inside one paragraph (table rows may repeat)
+                norm = " ".join(line.split())
+                if len(norm) >= MIN_LINE and not norm.startswith("|"):
+                    lines.setdefault(norm, []).append(where)
+    out = [f"a paragraph printed {len(w)} times ({', '.join(w)}): {p[:90]!r}" for p, w in seen.items() if len(w) > 1]
+    return out + [f"a line printed {len(w)} times ({', '.join(w)}): {p[:90]!r}" for p, w in lines.items()
+                  if len(w) > 1 and not any(p in q for q in seen if len(seen[q]) > 1)]
 
 
 def _shows_result(c) -> bool:
