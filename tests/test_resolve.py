@@ -4,12 +4,20 @@ import torch
 
 from lowrank_lib import models, synthetic
 from lowrank_lib.factorized import LowRankLinear
-from lowrank_lib.formats import CheckpointError
-from lowrank_lib.resolve import resolve_models
+from lowrank_lib.formats import CheckpointError, load_checkpoint
+from lowrank_lib.resolve import (NO_TOKENIZER, Resolved, describe, load_normalised, normalised_path, resolve_models,
+                                 source_hash)
 
 #: the families whose native folder holds the tokenizer they were saved with (save_pretrained); the pickled ones
 #: (SVD-LLM, Dobi) pickle it into the .pt, which is never unpickled, and our format keeps none
 HF_FOLDERS = {"asvd", "basis_sharing", "dobi-remap", "palu"}
+
+
+@pytest.fixture(autouse=True)
+def model_cache(tmp_path, monkeypatch):
+    """Each test its own model cache (the normalised checkpoints resolve_models writes)."""
+    monkeypatch.setenv("LOWRANK_LIB_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +30,21 @@ def family_files(tmp_path_factory):
             for fam in synthetic.FAMILIES}
 
 
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory):
+    """A dense reference of the ``quick`` shape as a local HF directory (random weights), with the synthetic
+    tokenizer and without: what ``MODEL`` names beside such a checkpoint."""
+    shape = synthetic.SHAPES["quick"]
+    dense = models.tiny_model("tiny-gqa", **shape, tie_word_embeddings=False)
+    dirs = {"with": tmp_path_factory.mktemp("reference"), "bare": tmp_path_factory.mktemp("reference-bare")}
+    for path in dirs.values():
+        dense.save_pretrained(path)
+    synthetic.synthetic_tokenizer(shape["vocab_size"]).save_pretrained(dirs["with"])
+    return dirs
+
+
 @pytest.mark.parametrize("family", synthetic.FAMILIES)
-def test_a_checkpoint_of_every_family_resolves(family_files, family):
+def test_a_checkpoint_of_every_family_resolves(family_files, reference_dir, family):
     path = family_files[family]
     dense, comp, tok = resolve_models(None, path)
     assert dense is None
@@ -36,16 +57,31 @@ def test_a_checkpoint_of_every_family_resolves(family_files, family):
     assert (tok is not None) == (family in HF_FOLDERS), tok
     if tok is not None:
         assert len(tok) == synthetic.SHAPES["quick"]["vocab_size"]
-    # with a reference of the same vocabulary: the reference and ITS tokenizer (tiny presets have none)
-    dense, comp2, tok2 = resolve_models("tiny-smol", path)
-    assert dense.config.vocab_size == comp2.config.vocab_size and tok2 is None
-    for a, b in zip(comp.parameters(), comp2.parameters()):
-        assert torch.equal(a, b)
+    # with a reference of the same geometry: the reference and its tokenizer, else (a folder without one) the
+    # checkpoint's; the compressed model read from the normalised cache this time, the same tensors as the native file
+    dense, comp2, tok2 = resolve_models(reference_dir["with"], path)
+    assert dense.config.vocab_size == comp2.config.vocab_size and tok2 is not None
+    assert (resolve_models(reference_dir["bare"], path).tokenizer is not None) == (tok is not None)
+    ours = comp.lowrank_meta["family"] == "lowrank"                   # our own format: already mmap-able, read as is
+    assert comp2.lowrank_meta.get("normalised_cache") == (
+        None if ours else str(normalised_path(source_hash(path), torch.float32)))
+    assert comp2.lowrank_meta["source"] == str(path) and comp2.lowrank_meta["family"] == comp.lowrank_meta["family"]
+    native = load_checkpoint(path, dtype=torch.float32)
+    assert comp2.state_dict().keys() == native.state_dict().keys()
+    for (k, a), b in zip(comp2.state_dict().items(), native.state_dict().values()):
+        assert torch.equal(a, b), k
+    # what a notebook says it ran on; the banner only where there is no tokenizer at all
+    info = describe(None, path, Resolved(None, comp, tok))
+    assert info["label"].startswith(f"{path.name} ({comp.lowrank_meta['family']}, keep 0.6")
+    assert info["banner"] == (None if tok is not None else NO_TOKENIZER) and not info["random_weights"]
 
 
-def test_a_reference_of_another_vocabulary_is_refused(family_files):
+def test_a_reference_of_another_vocabulary_or_geometry_is_refused(family_files):
     with pytest.raises(ValueError, match="vocabulary of 512 tokens, the reference tiny-gqa 256"):
         resolve_models("tiny-gqa", family_files["svdllm"])
+    with pytest.raises(ValueError, match=r"differ in hidden_size \(64 vs 192\), intermediate_size \(160 vs 512\), "
+                                         r"num_hidden_layers \(2 vs 4\).*not its dense model"):
+        resolve_models("tiny-smol", family_files["svdllm"])
 
 
 @pytest.mark.parametrize("method", ["svd", "svdllm"])
@@ -96,3 +132,51 @@ def test_what_cannot_be_resolved():
         resolve_models("llama7b-random", "x.pt")
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         resolve_models("tiny-smol", method="nope")
+
+
+def test_the_second_resolve_reads_the_normalised_cache_and_a_changed_file_misses_it(tmp_path, monkeypatch,
+                                                                                    model_cache):
+    """Two notebooks of one run read the native file once: the second resolve maps the normalised copy back (the
+    native reader is not called); a file whose bytes changed (same size, same mtime) is read natively again."""
+    import os
+
+    from lowrank_lib import formats
+
+    path = synthetic.write_family("svdllm", "quick", tmp_path / "a", keep=0.6, seed=0)
+    calls = []
+    real = formats.load_checkpoint
+    monkeypatch.setattr(formats, "load_checkpoint", lambda p, *a, **k: calls.append(str(p)) or real(p, *a, **k))
+    first = resolve_models(None, path).compressed
+    entry = normalised_path(source_hash(path), torch.float32)
+    assert calls == [str(path)] and (entry / "model.safetensors").is_file()
+    calls.clear()
+    second = resolve_models(None, path).compressed
+    assert calls == [str(entry)]
+    for a, b in zip(first.state_dict().values(), second.state_dict().values()):
+        assert torch.equal(a, b)
+    # same size and mtime, other bytes (another seed): a miss, read natively, and its own entry
+    orig, st = path.read_bytes(), path.stat()
+    other = synthetic.write_family("svdllm", "quick", tmp_path / "b", keep=0.6, seed=1)
+    assert other.stat().st_size == st.st_size
+    path.write_bytes(other.read_bytes())
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    calls.clear()
+    third = resolve_models(None, path).compressed
+    assert calls == [str(path)] and normalised_path(source_hash(path), torch.float32) != entry
+    assert not torch.equal(third.model.layers[0].self_attn.q_proj.U, second.model.layers[0].self_attn.q_proj.U)
+    # a damaged entry is made again from the native file, never trusted
+    path.write_bytes(orig)
+    (entry / "model.safetensors").write_bytes(b"junk")
+    calls.clear()
+    again = resolve_models(None, path).compressed
+    assert calls == [str(entry), str(path)]
+    for a, b in zip(first.state_dict().values(), again.state_dict().values()):
+        assert torch.equal(a, b)
+    calls.clear()
+    resolve_models(None, path)
+    assert calls == [str(entry)]
+    # cache=False: the native file, nothing written
+    entries = sorted((model_cache / "normalised").iterdir())
+    calls.clear()
+    load_normalised(other, cache=False)
+    assert calls == [str(other)] and sorted((model_cache / "normalised").iterdir()) == entries
