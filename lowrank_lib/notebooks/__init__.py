@@ -10,6 +10,8 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
     python -m lowrank_lib.notebooks run --ci 00_quickstart
     python -m lowrank_lib.notebooks run --params notebooks/params/paper.yaml   # bigger machine
     python -m lowrank_lib.notebooks list
+    python -m lowrank_lib.notebooks run --checkpoint PATH [--model DIR] [--params quick|full] --out reports/NAME
+                                                        # your model through every notebook taking CHECKPOINT
 
     python -m lowrank_lib.notebooks prepare 04_attsvd_interpretability DIR   # CI-sized copy to open
     python -m lowrank_lib.notebooks html                # reports/<nb>.html + reports/index.html (offline)
@@ -303,12 +305,12 @@ def timing_banner(ci: bool, repeats: int | None = None) -> str | None:
 
 
 @contextlib.contextmanager
-def _report_run():
-    """While the runner executes: committed report files may be rewritten, and an unreadable figure is an
-    error (:mod:`lowrank_lib.figures`), in the kernels it starts too (they inherit the environment)."""
+def _report_run(tracked: bool = True):
+    """While the runner executes: committed report files may be rewritten (``tracked``), and an unreadable figure
+    is an error (:mod:`lowrank_lib.figures`), in the kernels it starts too (they inherit the environment)."""
     from ..figures import CHECK_ENV
 
-    set_to = {REPORT_RUN_ENV: "1", CHECK_ENV: "error"}
+    set_to = {REPORT_RUN_ENV: "1", CHECK_ENV: "error"} if tracked else {CHECK_ENV: "error"}
     old = {k: os.environ.get(k) for k in set_to}
     os.environ.update(set_to)
     try:
@@ -347,15 +349,23 @@ def plan(name: str, ci: bool, params_file: str | Path | None = None) -> dict:
 def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool = True,
             params_file: str | Path | None = None) -> dict:
     """Execute one notebook headless with papermill (one sweep task of :func:`run`); its metrics dict."""
+    base = root()
+    out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
+    return papermill_run(name, out_nb, plan(name, ci, params_file), kernel, progress)
+
+
+def papermill_run(name: str, out_nb: Path, params: dict, kernel: str = "python3", progress: bool = True,
+                  tracked: bool = True) -> dict:
+    """Execute notebook ``name`` with ``params`` into ``out_nb`` (working directory: the checkout root; widget
+    state no output shows pruned); its metrics dict (``OUT_DIR/metrics.json``). ``tracked``: the run may rewrite
+    committed report files (the report runner's own outputs)."""
     import papermill as pm
 
     base = root()
-    params = plan(name, ci, params_file)
-    out_nb = base / ("reports/ci" if ci else "reports") / f"{name}.ipynb"
     out_nb.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     print(f"[notebooks] {name}: {json.dumps(params)}", file=sys.stderr, flush=True)
-    with _report_run():
+    with _report_run(tracked):
         pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
                             kernel_name=kernel, cwd=str(base), progress_bar=progress,
                             request_save_on_cell_execute=False)
@@ -363,8 +373,7 @@ def execute(name: str, ci: bool = False, kernel: str = "python3", progress: bool
     metrics_path = base / params["OUT_DIR"] / "metrics.json"
     if not metrics_path.exists():
         raise RuntimeError(f"{name} ran but wrote no {metrics_path}")
-    print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {out_nb.relative_to(base)}",
-          file=sys.stderr, flush=True)
+    print(f"[notebooks] {name}: done in {time.time() - t0:.1f}s -> {_shown(out_nb)}", file=sys.stderr, flush=True)
     return json.loads(metrics_path.read_text())
 
 
@@ -461,7 +470,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("names", nargs="*", help="notebook stems (default: all)")
     r.add_argument("--ci", action="store_true", help="small CI parameters from notebooks/params/ci.yaml")
     r.add_argument("--params", default=None, help="report run: a YAML of parameters/overrides on top of the "
-                   "defaults (e.g. notebooks/params/paper.yaml)")
+                   "defaults (e.g. notebooks/params/paper.yaml); with --checkpoint also quick (default) or full")
+    r.add_argument("--checkpoint", default=None, help="YOUR compressed model (any family's checkpoint): run every "
+                   "notebook that takes CHECKPOINT on it into --out (lowrank_lib.notebooks.checkpoint)")
+    r.add_argument("--model", default=None, help="with --checkpoint: its dense reference (smollm2, a tiny preset, a "
+                   "local HF directory); default none")
+    r.add_argument("--out", default=None, help="with --checkpoint: the report folder (reports/NAME)")
     r.add_argument("--no-progress", action="store_true")
     from ..executor import add_arguments as add_executor_arguments
 
@@ -491,6 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.names:
             print(prepare(n, args.dest, ci=args.params is None, params_file=args.params))
         return 0
+    if args.checkpoint is not None or args.model is not None or args.out is not None:
+        if args.checkpoint is None or args.out is None or args.ci:
+            ap.error("run on your model: --checkpoint PATH and --out DIR together (and no --ci)")
+        from .checkpoint import main as run_checkpoint
+
+        return run_checkpoint(args)
     from ..executor import SweepError, from_args
 
     try:

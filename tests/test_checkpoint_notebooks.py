@@ -1,0 +1,159 @@
+"""Your checkpoint through the notebooks (issue 28): CHECKPOINT in 02 / 03 / 04, a refused checkpoint stopping a
+notebook at its first code cell, ``python -m lowrank_lib.notebooks run --checkpoint`` end to end.
+
+Every family goes through notebook 02's library path (resolve, describe, the systems' dispatch counts) with and
+without a reference; ONE family runs through the real notebook 02 without a tokenizer or a reference, and one (with
+both) through every CHECKPOINT notebook by the command: a papermill run per family would cost minutes."""
+import json
+
+import nbformat
+import pytest
+import torch
+import yaml
+
+from lowrank_lib import notebooks, synthetic
+from lowrank_lib.notebooks import checkpoint as own
+from lowrank_lib.notebooks.html import output_problems
+from lowrank_lib.resolve import NO_TOKENIZER, describe, normalised_path, resolve_models, source_hash
+from test_resolve import family_files, reference_dir  # noqa: F401 (fixtures: the families' small files, a reference)
+
+NB02 = "02_launch_count_profiling"
+
+
+def test_the_notebooks_taking_a_checkpoint_resolve_it_in_their_first_code_cell():
+    """02 / 03 / 04 declare CHECKPOINT, and the first code cell after the parameters reads it (so a refused file
+    stops the notebook there); the quick parameters name only what each declares."""
+    names = own.checkpoint_notebooks()
+    assert names == [NB02, "03_graph_replay_ablation", "04_attsvd_interpretability"]
+    for n in names:
+        nb = nbformat.read(notebooks.notebooks_dir() / f"{n}.ipynb", as_version=4)
+        code = [c for c in nb.cells if c.cell_type == "code"]
+        assert "parameters" in code[0].metadata.get("tags", []) and "CHECKPOINT = None" in code[0].source
+        assert "resolve_models(MODEL, CHECKPOINT" in code[1].source, n
+        p = own.plan(n, "x.pt", None, notebooks.root() / "reports" / "mine", "quick")
+        assert p["CHECKPOINT"].endswith("/x.pt") and p["CHECKPOINT"].startswith("/") and p["MODEL"] is None
+        assert p["OUT_DIR"].endswith(f"reports/mine/{n}") and p["FIG_DIR"].endswith("reports/mine/figures")
+        assert own.plan(n, "x.pt", "smollm2", notebooks.root(), "full").keys() == {"CHECKPOINT", "MODEL", "OUT_DIR",
+                                                                                   "FIG_DIR"}
+
+
+@pytest.mark.parametrize("family", synthetic.FAMILIES)
+def test_every_family_through_notebook_02s_library_path(family_files, reference_dir, family):  # noqa: F811
+    """What notebook 02 does with a checkpoint, for every family: resolve (with the tiny reference and without),
+    what it says it ran on, and the dispatch count of each system it runs (the uncompressed ones only with a
+    reference)."""
+    from lowrank_lib.runtime.baselines import make_runner
+    from lowrank_lib.runtime.profiling import DISPATCH_TOKENS, per_token_counts
+
+    path = family_files[family]
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    for model in (None, reference_dir["with"]):
+        resolved = resolve_models(model, path)
+        dense, comp, tok = resolved
+        info = describe(model, path, resolved)
+        assert info["reference"] == (model is not None) and info["checkpoint"] == str(path)
+        assert (info["banner"] is None) == (tok is not None)
+        systems = ["naive", "engine", "hf_static"] + (["dense_engine"] if dense is not None else [])
+        counts = {s: per_token_counts(make_runner(s, comp, dense, dtype=torch.float32,
+                                                  max_seq_len=16 + DISPATCH_TOKENS + 2), ids)["total"]
+                  for s in systems}
+        assert all(v > 0 for v in counts.values()), counts
+        assert counts["naive"] > counts["engine"], counts
+        if dense is None:
+            with pytest.raises(ValueError, match="needs the uncompressed model"):
+                make_runner("dense_engine", comp, dense)
+
+
+def _ci_params(name, tmp_path, **extra):
+    p = {**notebooks.plan(name, ci=True), "OUT_DIR": str(tmp_path / name), "FIG_DIR": str(tmp_path / "figures")}
+    p.update(extra)
+    return p
+
+
+def _outputs(nb) -> str:
+    return "\n".join(str(o.get("data", {}).get("text/plain", o.get("text", ""))) for c in nb.cells
+                     for o in c.get("outputs", []))
+
+
+@pytest.mark.notebook
+def test_notebook_02_on_a_checkpoint_without_tokenizer_or_reference(family_files, tmp_path):  # noqa: F811
+    """The real notebook 02 at CI size on an SVD-LLM file alone: the banner, no uncompressed rows, clean output."""
+    path = family_files["svdllm"]
+    out_nb = tmp_path / f"{NB02}.ipynb"
+    m = notebooks.papermill_run(NB02, out_nb, _ci_params(NB02, tmp_path, MODEL=None, CHECKPOINT=str(path)),
+                                progress=False, tracked=False)
+    assert m["checkpoint"] == str(path) and m["family"] == "svdllm" and m["keep"] == pytest.approx(0.6)
+    assert not m["reference"] and not m["tokenizer"] and not m["random_weights"]
+    assert not any(s.startswith("dense_") and s != "dense_kv" for s in m["systems"]) and "engine" in m["systems"]
+    assert m["per_token"]["naive"] > m["per_token"]["engine"] > 0
+    assert m["headline"]["model"].startswith(path.name)
+    nb = nbformat.read(out_nb, as_version=4)
+    assert NO_TOKENIZER in _outputs(nb)
+    assert output_problems(nb) == []
+
+
+@pytest.mark.notebook
+def test_an_unreadable_checkpoint_stops_the_notebook_at_its_first_code_cell(family_files, tmp_path):  # noqa: F811
+    import papermill as pm
+
+    good = family_files["svdllm"]
+    bad = tmp_path / good.name
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])              # truncated
+    out_nb = tmp_path / f"{NB02}.ipynb"
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        notebooks.papermill_run(NB02, out_nb, _ci_params(NB02, tmp_path, MODEL=None, CHECKPOINT=str(bad)),
+                                progress=False, tracked=False)
+    assert e.value.ename == "CheckpointError" and str(bad) in e.value.evalue
+    nb = nbformat.read(out_nb, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tags = [c.metadata.get("tags", []) for c in code]
+    assert "parameters" in tags[0] and "injected-parameters" in tags[1]
+    first = code[2]                                          # the notebook's first code cell after its parameters
+    assert [o.get("ename") for o in first.outputs if o.output_type == "error"] == ["CheckpointError"]
+    assert all(c.execution_count is None for c in code[3:])
+
+
+@pytest.mark.notebook
+def test_the_command_reports_on_a_checkpoint(family_files, reference_dir, tmp_path, capsys):  # noqa: F811
+    """``run --checkpoint --model --params --out``: every CHECKPOINT notebook on an ASVD folder with its reference
+    (and the reference's tokenizer), HTML + index, one table naming the model, the checkpoint normalised once: by
+    the first notebook, the others read the normalised copy."""
+    import shutil
+
+    short = {"PROMPT_LEN": 16, "GEN_LEN": 3, "REPEATS": 2, "INCLUDE_COMPILED": False}
+    small = {"parameters": {"SEED": 0, "CI": True},          # smaller than ci.yaml: three kernels in one test
+             "overrides": {NB02: short,
+                           "03_graph_replay_ablation": {**short, "PROMPT_LENS": [8, 16], "GEN_LENS": [2, 3],
+                                                        "CONTEXT_LENS": [8, 16], "STEPS": 2, "PEER": False},
+                           "04_attsvd_interpretability": {"PROMPT_LEN": 48, "GEN_LEN": 8, "KEEP_RATIO": 0.5}}}
+    params = tmp_path / "small.yaml"
+    params.write_text(yaml.safe_dump(small))
+    path, out = family_files["asvd"], tmp_path / "mine"
+    shutil.rmtree(normalised_path(source_hash(path), torch.float32), ignore_errors=True)   # from an earlier run
+    rc = notebooks.main(["run", "--checkpoint", str(path), "--model", str(reference_dir["with"]),
+                         "--params", str(params), "--out", str(out), "--no-progress"])
+    table = capsys.readouterr().out
+    assert rc == 0, table
+    names = own.checkpoint_notebooks()
+    for n in names:
+        assert f"{n}: on {path.name} (asvd, keep 0.60)" in table, table
+        assert f"(reference {reference_dir['with']}, tokenizer yes" in table, table
+        assert (out / f"{n}.html").is_file()
+        nb = nbformat.read(out / f"{n}.ipynb", as_version=4)
+        assert output_problems(nb) == [], n
+        m = json.loads((out / n / "metrics.json").read_text())
+        assert m["checkpoint"] == str(path.resolve()) and m["tokenizer"]
+        assert m["cache_hit"] == (n != names[0]), n                    # normalised by the first notebook only
+    assert f"index: {out / 'index.html'}" in table and all(f"{n}.html" in (out / "index.html").read_text()
+                                                           for n in names)
+    m03 = json.loads((out / "03_graph_replay_ablation" / "metrics.json").read_text())
+    assert m03["by_keep"] == [] and not m03["peer"]["ran"] and "uncompressed: HF static" in m03["mechanisms"]
+
+
+def test_the_command_refuses_what_it_cannot_run(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        notebooks.main(["run", "--checkpoint", "x.pt"])                  # no --out
+    with pytest.raises(SystemExit):
+        notebooks.main(["run", "--ci", "--checkpoint", "x.pt", "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="committed reports' folder"):
+        own.run("x.pt", notebooks.root() / "reports")
