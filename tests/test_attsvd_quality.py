@@ -32,3 +32,21 @@ def test_continuation_quality_protocol():
     assert t["kl_ratio_svd_over_attsvd"] == pytest.approx(q["svd@0.5"]["kl"] / q["attsvd@0.5"]["kl"])
     assert t["best_eviction"] == "h2o"
     assert "attsvd" in table({"quality": {"64": q}, "args": {"windows": 3, "cont": 32}, "targets": {"64": t}})
+
+
+def test_caches_continued_together_equal_each_alone():
+    """continuation_quality continues a window's caches in one batched forward (kvquality.StackedCache): every
+    cache's numbers equal those of continuing it alone (batch=1), stream mode's reshaping appends included."""
+    model = models.tiny_model("tiny-gqa", seed=0).eval()
+    windows = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(3))
+    specs = {f"{m}@{b:g}": sweep_method(m, b, 4, 24) for m in ("dense", "attsvd", "attsvd-stream", "svd", "h2o")
+             for b in (0.5, 0.25)}
+    alone = continuation_quality(model, windows, 48, specs, step=8, progress=False, batch=1)
+    for batch in (None, 3):                                  # every cache in one forward; groups of 3
+        together = continuation_quality(model, windows, 48, specs, step=8, progress=False, batch=batch)
+        for k, a in alone.items():
+            t = together[k]
+            assert t.window_kl == pytest.approx(a.window_kl, rel=1e-4, abs=1e-7), k
+            assert t.window_nll == pytest.approx(a.window_nll, rel=1e-6), k
+            assert (t.memory_ratio, t.memory_ratio_end, t.memory, t.attention_calls) == \
+                   (a.memory_ratio, a.memory_ratio_end, a.memory, a.attention_calls), k

@@ -5,6 +5,11 @@ For each of ``n_windows`` WikiText-2 windows of ``prefill_len + cont_len`` token
 from it (``KVCache.from_prefill``), and the continuation is fed teacher-forced in forwards of ``step`` tokens. Reported per method: perplexity of the continuation
 and the mean per-token KL(p_dense || p_method), averaged over windows with the spread (std, min, max).
 Judge by KL: one window's perplexity is noisy.
+
+The caches of one window are continued together, one batch row each (:class:`StackedCache`): one forward reads the
+weights once for all of them (a forward of a few tokens is bound by reading the weights), and each row's attention
+reads its own cache's tiers. Each row's numbers are its cache's alone, up to the float round-off of a batched
+matrix product.
 """
 from __future__ import annotations
 
@@ -15,11 +20,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..compat import cache_kw
-from ..kv.hf_adapter import KVCache, dense_cache, record
+from ..kv.hf_adapter import KVCache, TieredRead, dense_cache, record, tiered_attention
 
-__all__ = ["continuation_by_rank", "continuation_quality", "QualityResult", "wikitext_windows"]
+__all__ = ["continuation_by_rank", "continuation_quality", "QualityResult", "StackedCache", "wikitext_windows"]
+
+#: caches continued in one batch hold at most this many dense prefill bytes together (then the next batch)
+BATCH_BYTES = 1 << 30
 
 
 @dataclass
@@ -56,26 +65,85 @@ def wikitext_windows(tok, n_windows: int, length: int, split: str = "test", seed
     return torch.stack([ids[i * length:(i + 1) * length] for i in pick.tolist()])
 
 
-@torch.no_grad()
+class _StackedRead(TieredRead):
+    """Batch row j's queries read cache j's fitted layer (each through its own method and backend)."""
+
+    def __init__(self, reads: list[TieredRead]):
+        self.reads = reads
+
+    def attend(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        return torch.cat([r.attend(query[j:j + 1], scaling) for j, r in enumerate(self.reads)])
+
+
+class _StackedLayer(CacheLayerMixin):
+    """One layer of a :class:`StackedCache`: row j's new tokens go to cache j's layer."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, members: list):
+        super().__init__()
+        self.members = members
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != len(self.members):
+            raise ValueError(f"StackedCache: a batch of {key_states.shape[0]} rows for {len(self.members)} caches")
+        r = _StackedRead([m.update(key_states[j:j + 1], value_states[j:j + 1], *args, **kwargs)[0]
+                          for j, m in enumerate(self.members)])
+        return r, r
+
+    def get_seq_length(self) -> int:
+        return self.members[0].get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, *args, **kwargs):
+        return self.members[0].get_mask_sizes(*args, **kwargs)
+
+
+class StackedCache(Cache):
+    """Several fitted :class:`~lowrank_lib.kv.hf_adapter.KVCache` of the same prompt length as ONE transformers
+    ``Cache``, batch row j served by cache j (appends through its method, attention over its tiers): a forward
+    of ``[len(caches), t]`` tokens continues every cache at once. Run the model inside
+    :func:`~lowrank_lib.kv.hf_adapter.tiered_attention`. The attention mask transformers builds is not read
+    (as for one KVCache)."""
+
+    def __init__(self, caches: list[KVCache]):
+        if not caches or any(c.layers[0].state is None for c in caches):
+            raise ValueError("StackedCache: give fitted caches (KVCache.from_prefill)")
+        if len({c.get_seq_length() for c in caches}) != 1:
+            raise ValueError("StackedCache: every cache must hold the same number of positions")
+        self.caches = caches
+        super().__init__(layers=[_StackedLayer([c.layers[i] for c in caches]) for i in range(len(caches[0].layers))])
+
+
 def _continue(model, cache, cont: torch.Tensor, step: int) -> torch.Tensor:
-    """Teacher-forced logits [T, V] (fp32) for ``cont`` [1, T] fed in forwards of ``step`` tokens (a KVCache inside
-    its adapter's routing)."""
+    """Teacher-forced logits [B, T, V] (fp32) for ``cont`` [B, T] fed in forwards of ``step`` tokens (a
+    StackedCache inside tiered attention)."""
     import contextlib
 
     outs = []
-    with cache.serving(model) if isinstance(cache, KVCache) else contextlib.nullcontext():
+    with tiered_attention(model) if isinstance(cache, StackedCache) else contextlib.nullcontext():
         for s in range(0, cont.shape[1], step):
-            outs.append(model(cont[:, s:s + step], **cache_kw(cache)).logits[0].float())
-    return torch.cat(outs)
+            outs.append(model(cont[:, s:s + step], **cache_kw(cache)).logits.float())
+    return torch.cat(outs, 1)
 
 
 @torch.no_grad()
 def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods: dict,
-                         step: int = 32, progress: bool = True, attention: dict | None = None) -> dict[str, QualityResult]:
+                         step: int = 32, progress: bool = True, attention: dict | None = None,
+                         batch: int | None = None) -> dict[str, QualityResult]:
     """Quality of each method's cache on ``windows`` [N, prefill_len + T].
 
     methods : name -> a KV method (``lowrank_lib.kv.make_method``); each is fitted from every window's prefill.
     attention : name -> the tiered attention backend that method's cache decodes with (default ``"portable"``).
+    batch : caches continued together in one batched forward (default: as many as hold :data:`BATCH_BYTES` of
+    dense prefill bytes together); 1 continues each cache on its own.
     """
     N, L = windows.shape
     T = L - prefill_len
@@ -93,18 +161,24 @@ def continuation_quality(model, windows: torch.Tensor, prefill_len: int, methods
         x = windows[w:w + 1].to(dev)
         pre, cont, tgt = x[:, :prefill_len], x[:, prefill_len:-1], x[0, prefill_len + 1:]
         rec = record(model, pre)
-        ref = F.log_softmax(_continue(model, dense_cache(rec, model), cont, step), -1)   # [T-1, V]
+        ref = F.log_softmax(_continue(model, dense_cache(rec, model), cont, step)[0], -1)   # [T-1, V]
         dense_nll.append(float(F.nll_loss(ref, tgt)))
-        for name, method in methods.items():
-            cache = KVCache.from_prefill(method, rec, model, (attention or {}).get(name, "portable"))
-            report[name] = cache.describe()
-            lp = F.log_softmax(_continue(model, cache, cont, step), -1)
-            mem[name].append(report[name]["bytes_ratio"])
-            mem_end[name].append(cache.nbytes / report[name]["dense_bytes"])
-            for b, c in cache.attention_calls.items():
-                calls[name][b] = calls[name].get(b, 0) + c
-            kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
-            nll[name].append(float(F.nll_loss(lp, tgt)))
+        per = batch or max(1, BATCH_BYTES // max(1, rec.dense_nbytes()))
+        names = list(methods)
+        for lo in range(0, len(names), per):
+            group = names[lo:lo + per]
+            caches = [KVCache.from_prefill(methods[n], rec, model, (attention or {}).get(n, "portable")) for n in group]
+            logits = _continue(model, StackedCache(caches), cont.expand(len(group), -1), step)
+            for name, cache, lg in zip(group, caches, logits):
+                report[name] = cache.describe()
+                lp = F.log_softmax(lg, -1)
+                mem[name].append(report[name]["bytes_ratio"])
+                mem_end[name].append(cache.nbytes / report[name]["dense_bytes"])
+                for b, c in cache.attention_calls.items():
+                    calls[name][b] = calls[name].get(b, 0) + c
+                kl[name].append(float(F.kl_div(lp, ref, log_target=True, reduction="batchmean")))
+                nll[name].append(float(F.nll_loss(lp, tgt)))
+            del caches, logits
         del rec
     out = {}
     ppl_dense = math.exp(statistics.fmean(dense_nll))
