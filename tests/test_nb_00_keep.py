@@ -157,3 +157,30 @@ def test_answer_escapes_invalid_bytes_inside_gibberish():
     tail = b"scratch\xe2\x80 scratch\xff done"          # what a broken model can emit
     text = answer(_Parrot(tail), _ByteTok(), "q", max_new_tokens=len(tail))
     assert "\ufffd" not in text and text == "scratch\\xe2\\x80 scratch\\xff done"
+
+
+def test_compressed_copies_share_no_tensor_with_the_dense_model(explorer):
+    """Every keep is a copy of the dense model with factors in place (compress.common.copy_for_factors: the
+    replaced weights are never copied): the copy shares no tensor with the dense model and holds no placeholder,
+    the dense model is untouched, and a tied head factorized in a copy unties the copy only."""
+    from lowrank_lib.compress import compress_svd
+
+    ex, m, compress, *_ = explorer
+    x = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        ref = m(x).logits
+    before = {n: t.clone() for n, t in m.state_dict().items()}
+    dense = {p.data_ptr() for p in m.parameters()}
+    assert m.lm_head.weight is m.model.embed_tokens.weight          # tied
+    one = next(iter(ex.spectra.u))                                    # one matrix factorized, the rest copied
+    for c in (compress(m, 0.5), compress(m, None, {one: 2}), compress_svd(m, 0.5),
+              compress_svd(m, 0.5, include_lm_head=True)):
+        ps = list(c.parameters())
+        assert all(p.numel() for p in ps) and not dense & {p.data_ptr() for p in ps}
+        with torch.no_grad():
+            for p in ps:
+                p.add_(1.0)
+    assert all(torch.equal(before[n], t) for n, t in m.state_dict().items())
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    with torch.no_grad():
+        assert torch.equal(m(x).logits, ref)

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 
-__all__ = ["whitened_factors", "compress_each", "leaf"]
+__all__ = ["whitened_factors", "compress_each", "copy_for_factors", "leaf"]
 
 
 def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -44,6 +44,24 @@ def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict
         b = None if lin.bias is None else lin.bias.detach().clone()
         new[name] = LowRankLinear(U.to(dt).contiguous(), V.to(dt).contiguous(), b)
     return replace_with_factors(m, new, meta)
+
+
+def copy_for_factors(model, names: Iterable[str]):
+    """A deep copy of ``model`` in which ``replace_with_factors`` is about to replace the Linear modules ``names``:
+    their weights are not copied (an empty placeholder stands in until the replacement), which saves a copy of
+    most of the model's bytes. A weight some other module also holds (a tied head) is copied as usual."""
+    mods = dict(model.named_modules())
+    names = set(names)
+    held = {}
+    for m in mods.values():
+        for p in m.parameters(recurse=False):
+            held[id(p)] = held.get(id(p), 0) + 1
+    memo = {}
+    for n in names:
+        w = getattr(mods.get(n), "weight", None)
+        if isinstance(w, torch.nn.Parameter) and held.get(id(w)) == 1:
+            memo[id(w)] = torch.nn.Parameter(w.new_empty(0), requires_grad=w.requires_grad)
+    return copy.deepcopy(model, memo)
 
 
 def leaf(name: str) -> str:

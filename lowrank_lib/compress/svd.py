@@ -5,7 +5,6 @@ and ``compress_svd(model, keep, spectra=...)`` only truncates.
 """
 from __future__ import annotations
 
-import copy
 from typing import Iterable
 
 import torch
@@ -13,6 +12,7 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, split_sqrt
 from ..ranks import keep_rank
+from .common import copy_for_factors
 
 
 class SVDSpectra:
@@ -54,6 +54,6 @@ def compress_svd(model, keep: float, targets: Iterable[str] = LLAMA_PROJ, includ
     """
     spectra = spectra or SVDSpectra(model, targets, include_lm_head, progress=progress)
     dtype = next(model.parameters()).dtype
-    m = model if inplace else copy.deepcopy(model)
-    return replace_with_factors(m, spectra.factors(keep=keep, dtype=dtype),
-                                {"family": "svd", "keep": keep, "shared_groups": []})
+    facs = spectra.factors(keep=keep, dtype=dtype)
+    m = model if inplace else copy_for_factors(model, facs)
+    return replace_with_factors(m, facs, {"family": "svd", "keep": keep, "shared_groups": []})

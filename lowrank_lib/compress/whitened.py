@@ -22,7 +22,6 @@ model's dtype, which is what ``compress_svdllm`` returns too).
 """
 from __future__ import annotations
 
-import copy
 from typing import Iterable
 
 import torch
@@ -31,6 +30,7 @@ from tqdm.auto import tqdm
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 from ..ranks import keep_rank
 from .calib import CalibStats, cholesky_lower
+from .common import copy_for_factors
 
 
 def whitened_full(W: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,4 +104,5 @@ class WhitenedSpectra:
     def compress(self, model, keep: float | None = None, ranks: dict[str, int] | None = None):
         """A factorized deep copy of the dense ``model`` these spectra came from (``compress_svdllm``'s result)."""
         meta = {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []}
-        return replace_with_factors(copy.deepcopy(model), self.factors(keep, ranks), meta)
+        facs = self.factors(keep, ranks)
+        return replace_with_factors(copy_for_factors(model, facs), facs, meta)
