@@ -387,7 +387,8 @@ def test_peer_run_without_llamacpp_on_tiny_model(tmp_path):
 
 def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     """The --shape pipeline where llama.cpp is not installed: files prepared in a child, each of our systems and the
-    GEMV classes in its own child (each row with its child's peak RSS), table and figure."""
+    GEMV classes in its own child (each row with its child's peak RSS), table and figure. (4 MB bandwidth buffers and
+    GEMV streams: the 256 MB / 1 GB of a real run took most of each child's time here.)"""
     from lowrank_lib.bench import peer_scale as ps
 
     small = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -395,7 +396,7 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("fp32",),
                          systems=peer_base.SYSTEMS[1:], threads=(1,), prompt_len=8, gen_len=4, repeats=1,
                          graph="none", gemv_classes=build.load().available, cache_dir=str(tmp_path / "c"),
-                         out=str(tmp_path), cleanup=True)
+                         out=str(tmp_path), cleanup=True, bandwidth_bytes=1 << 22, stream_bytes=4e6)
     res = ps.run_scale(cfg, log=lambda *_: None)
     assert {(r["system"], r["keep"]) for r in res["rows"]} == {("lowrank_lib_dense", None), ("lowrank_lib_lowrank", 0.5)}
     for r in res["rows"]:

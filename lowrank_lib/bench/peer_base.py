@@ -21,7 +21,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 from ..formats.gguf import decode_bytes_per_token
 from ..host import CpuClocked, copy_bandwidth, load_average, machine, read_bandwidth
 from ..runtime import Engine, EngineConfig, run_generation
@@ -61,15 +60,15 @@ def judged(res: dict) -> dict:
 
 
 class Bandwidths:
-    """Copy and read-only bandwidth (GB/s) measured before a timed block (at construction) and after it
-    (:meth:`after`, which returns the two means)."""
+    """Copy and read-only bandwidth (GB/s) over buffers of ``nbytes``, measured before a timed block (at construction)
+    and after it (:meth:`after`, which returns the two means)."""
 
-    def __init__(self):
-        self.copy, self.read = [copy_bandwidth("cpu")], [read_bandwidth("cpu")]
+    def __init__(self, nbytes: int = 1 << 28):
+        self.nbytes, self.copy, self.read = nbytes, [copy_bandwidth("cpu", nbytes)], [read_bandwidth("cpu", nbytes)]
 
     def after(self) -> tuple[float, float]:
-        self.copy.append(copy_bandwidth("cpu"))
-        self.read.append(read_bandwidth("cpu"))
+        self.copy.append(copy_bandwidth("cpu", self.nbytes))
+        self.read.append(read_bandwidth("cpu", self.nbytes))
         return sum(self.copy) / 2, sum(self.read) / 2
 
 

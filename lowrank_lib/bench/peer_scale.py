@@ -73,6 +73,8 @@ class ScaleConfig:
     llama_flash_attn: str = "on"                    # "on" | "off" (llama-bench's CPU default is on)
     lm_head: str = "exact"
     gemv_classes: bool = True                       # also time each GEMV class of the geometry (runtime.bandwidth)
+    bandwidth_bytes: int = 1 << 28                  # each copy / read bandwidth buffer (tests: small, numbers mean less)
+    stream_bytes: float = 1.0e9                     # bytes each GEMV class streams per timed pass (runtime.bandwidth)
     seed: int = 0
     out: str = "benchmarks/results"
     cache_dir: str | None = None                    # the random weights and GGUFs; None = the model cache
@@ -157,7 +159,6 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
     """(A child.) One system at every thread count; its first generation's tokens and logits saved to ``logits``."""
     from tqdm.auto import tqdm
 
-
     cfg, (system, dtype, keep) = ScaleConfig(**config), (unit["system"], unit["dtype"], unit["keep"])
     c = shape_config(cfg.shape, cfg.layers, cfg.overrides)
     ids = torch.randint(0, c.vocab_size, (1, cfg.prompt_len), generator=torch.Generator().manual_seed(cfg.seed))
@@ -176,7 +177,7 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
         else:
             runner.invalidate()                     # inductor fixes its thread count: compile afresh
             torch._dynamo.reset()
-        bws, la0 = Bandwidths(), load_average()
+        bws, la0 = Bandwidths(cfg.bandwidth_bytes), load_average()
         warm = t.warm(ids, cfg.gen_len if first is None else min(4, cfg.gen_len), return_logits=first is None)
         first = warm if first is None else first
         for _ in tqdm(range(cfg.repeats), desc=f"{system} {dtype} keep={keep} {th}t", leave=False):
@@ -199,7 +200,7 @@ def run_gemv_classes(config: dict, dtype: str) -> dict:
     c, out = shape_config(cfg.shape, cfg.layers, cfg.overrides), []
     for th in cfg.threads:
         torch.set_num_threads(th)
-        out += [measure(c, k, dtype) for k in (None, *cfg.keeps)]
+        out += [measure(c, k, dtype, cfg.stream_bytes, copy_bytes=cfg.bandwidth_bytes) for k in (None, *cfg.keeps)]
     return {"rows": [], "gemv_classes": out}
 
 

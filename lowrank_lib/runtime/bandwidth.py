@@ -121,10 +121,10 @@ def gemv_classes(cfg, keep: float | None) -> list[dict]:
 
 @torch.no_grad()
 def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: float = 1.0e9, repeats: int = 3,
-            seed: int = 0) -> dict:
+            seed: int = 0, copy_bytes: int = 1 << 28) -> dict:
     """GB/s of every class of :func:`gemv_classes` at ``dtype`` (``"fp32"``, ``"bf16"`` or a torch dtype), cold (the
-    median of ``repeats`` passes over every copy, :func:`lowrank_lib.timing.timed`), and the copy bandwidth
-    before and after."""
+    median of ``repeats`` passes over every copy, :func:`lowrank_lib.timing.timed`), and the copy bandwidth (over
+    ``copy_bytes`` buffers) before and after."""
     from .kernels import build, ops
 
     lib = build.load()
@@ -132,7 +132,7 @@ def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: flo
         return {"error": lib.reason}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype, dtype)
     g = torch.Generator().manual_seed(seed)
-    bw = [copy_bandwidth("cpu")]
+    bw = [copy_bandwidth("cpu", copy_bytes)]
     rows = []
     for c in gemv_classes(cfg, keep):
         nbytes = sum(o * i for o, i, _ in c["mats"]) * dtype.itemsize
@@ -149,7 +149,7 @@ def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: flo
         t = summary(timed(stream, repeats + 1)[1:])["median_ms"] / 1e3 / k      # the first pass warms up
         rows.append({"class": c["name"], "shapes": [[o, i] for o, i, _ in c["mats"]], "bytes": nbytes,
                      "us_per_call": t * 1e6, "GBps": nbytes / t / 1e9})
-    bw.append(copy_bandwidth("cpu"))
+    bw.append(copy_bandwidth("cpu", copy_bytes))
     cb = sum(bw) / 2
     for r in rows:
         r["x_copy_bandwidth"] = r["GBps"] / cb
