@@ -187,8 +187,6 @@ STALE: dict[str, str] = {
     "03_graph_replay_ablation": "notebook changed (issue 28: the CHECKPOINT parameter; a checkpoint run skips the keep "
                                 "sweep and the llama.cpp rows): its report holds timings that need an idle machine, "
                                 "the coordinator regenerates it",
-    "04_attsvd_interpretability": "notebook changed (issue 28: the CHECKPOINT parameter, studying the compressed model; "
-                                  "a model label in the headline): the coordinator regenerates its report",
     "06_factor_space_attention": "notebook changed (every timing repeated as RUNS runs: medians across runs, min-max "
                                  "bars, within-noise verdicts; a pasted paragraph removed): its report holds timings "
                                  "that need an idle machine, the coordinator regenerates it",
