@@ -35,10 +35,7 @@ def warm_read(path: Path) -> float:
     t0, n = time.perf_counter(), 0
     for p in ([path] if Path(path).is_file() else sorted(q for q in Path(path).rglob("*") if q.is_file())):
         with open(p, "rb", buffering=0) as fh:
-            while True:
-                b = fh.read(16 << 20)
-                if not b:
-                    break
+            while b := fh.read(16 << 20):
                 n += len(b)
     return n / max(time.perf_counter() - t0, 1e-9) / 1e9
 
@@ -99,11 +96,12 @@ def contract(row: dict) -> dict:
 
 # --------------------------------------------------------------------------- the benchmark
 def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: Path, keep: float = 0.8,
-             refusal: bool = True, one_child_per_row: bool = True, log=print) -> list[dict]:
+             refusal: bool = True, one_child_per_row: bool = True, log=print, extra: list[dict] = ()) -> list[dict]:
     """Write, warm, load (in a child) and delete each family's checkpoint at ``shape``; one row per (family,
     dtype), plus the refusal row. ``dtypes``: family -> list of "stored" / "float32" / "bfloat16".
     ``one_child_per_row``: each load in its own child with only its file on disk (big files); else every load
-    in one child after all are written (the tests' small files)."""
+    in one child after all are written (the tests' small files). ``extra``: rows ({family, shape, path, file_bytes})
+    of files written elsewhere, loaded as stored last (in that same child) and left on disk."""
     tok = synthetic_tokenizer(SHAPES[shape]["vocab_size"])
     pending: list[tuple[dict, dict]] = []
     rows, written = [], []
@@ -133,6 +131,7 @@ def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: 
         if one_child_per_row:           # big files: one at a time on disk
             flush()
             shutil.rmtree(d, ignore_errors=True)
+    pending += [({"path": r["path"], "dtype": "stored"}, {**r, "refusal": False, "dtype": "stored"}) for r in extra]
     flush()
     for d in written:
         shutil.rmtree(d, ignore_errors=True)
