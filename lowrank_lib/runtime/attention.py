@@ -94,10 +94,9 @@ def _triton_kernel():
     @triton.jit
     def _decode_attn(Q, K, V, O, LEN, PAD, sqb, sqh, skb, skh, sks, sob, soh, scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per (batch row, query head); online softmax over live slots [pad, length]. tl.zeros / tl.sum /
-        # tl.max are spelled as the tl.full / tl.reduce they expand to (same IR on fp32): Triton's CPU interpreter
-        # re-patches triton.language on every call of a nested jit function such as tl.sum, and runs tl.reduce with
-        # these combine functions in numpy.
+        # one program per (batch row, query head); online softmax over live slots [pad, length]. The reductions are
+        # tl.sum / tl.max spelled as the tl.reduce they are (same IR on fp32): Triton's CPU interpreter runs tl.reduce
+        # with these combine functions in numpy, but re-patches triton.language on every nested jit call (tl.sum).
         b = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // G
@@ -106,8 +105,8 @@ def _triton_kernel():
         d = tl.arange(0, D)
         q = tl.load(Q + b * sqb + h * sqh + d).to(tl.float32) * scale
         m_i = tl.full((1,), -1e30, tl.float32)
-        l_i = tl.full((1,), 0, tl.float32)
-        acc = tl.full((D,), 0, tl.float32)
+        l_i = tl.zeros((1,), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
         base = b * skb + kvh * skh
         for s0 in range(0, n, BLOCK):
             offs = s0 + tl.arange(0, BLOCK)
