@@ -94,9 +94,7 @@ def _triton_kernel():
     @triton.jit
     def _decode_attn(Q, K, V, O, LEN, PAD, sqb, sqh, skb, skh, sks, sob, soh, scale,
                      G: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per (batch row, query head); online softmax over live slots [pad, length]. The reductions are
-        # tl.sum / tl.max spelled as the tl.reduce they are (same IR on fp32): Triton's CPU interpreter runs tl.reduce
-        # with these combine functions in numpy, but re-patches triton.language on every nested jit call (tl.sum).
+        # one program per (batch row, query head); online softmax over live slots [pad, length]
         b = tl.program_id(0)
         h = tl.program_id(1)
         kvh = h // G
@@ -112,15 +110,15 @@ def _triton_kernel():
             offs = s0 + tl.arange(0, BLOCK)
             ok = (offs >= start) & (offs < n)
             kk = tl.load(K + base + offs[:, None] * sks + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            s = tl.reduce(kk * q[None, :], 1, tl.standard._sum_combine)
+            s = tl.sum(kk * q[None, :], 1)
             s = tl.where(ok, s, -1e30)
-            m_new = tl.maximum(m_i, tl.reduce(s, 0, tl.standard._elementwise_max))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new)
             p = tl.where(ok, p, 0.0)
             vv = tl.load(V + base + offs[:, None] * sks + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha + tl.reduce(p[:, None] * vv, 0, tl.standard._sum_combine)
-            l_i = l_i * alpha + tl.reduce(p, 0, tl.standard._sum_combine)
+            acc = acc * alpha + tl.sum(p[:, None] * vv, 0)
+            l_i = l_i * alpha + tl.sum(p, 0)
             m_i = m_new
         out = acc / l_i
         tl.store(O + b * sob + h * soh + d, out.to(O.dtype.element_ty))
