@@ -178,15 +178,6 @@ STALE: dict[str, str] = {
     "01_checkpoint_normalization": "notebook changed (families ranked at matched real size, not the nominal keep); "
                                    "its report (SmolLM2, 15-30 min idle) was not regenerated on the shared machine: "
                                    "the coordinator regenerates it",
-    "02_launch_count_profiling": "notebook changed (issue 28: the CHECKPOINT parameter, resolved in its first code "
-                                 "cell; CHECKPOINT=None computes what it did): its report holds timings that need "
-                                 "an idle machine, the coordinator regenerates it",
-    "03_graph_replay_ablation": "notebook changed (issue 28: the CHECKPOINT parameter; a checkpoint run skips the keep "
-                                "sweep and the llama.cpp rows): its report holds timings that need an idle machine, "
-                                "the coordinator regenerates it",
-    "06_factor_space_attention": "notebook changed (every timing repeated as RUNS runs: medians across runs, min-max "
-                                 "bars, within-noise verdicts; a pasted paragraph removed): its report holds timings "
-                                 "that need an idle machine, the coordinator regenerates it",
 }
 
 
