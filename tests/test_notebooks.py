@@ -175,9 +175,6 @@ def test_executed_outputs_are_clean(name):
 #: reports that are stale on purpose, by name, with the reason (the test xfails them instead of failing); the
 #: coordinator empties it when the reports are regenerated on an idle machine
 STALE: dict[str, str] = {
-    "01_checkpoint_normalization": "notebook changed (families ranked at matched real size, not the nominal keep); "
-                                   "its report (SmolLM2, 15-30 min idle) was not regenerated on the shared machine: "
-                                   "the coordinator regenerates it",
 }
 
 
