@@ -195,6 +195,22 @@ def test_plain_data_globals_stay_data(tmp_path):
     refused(safe_torch_load, bad, cls=UnsafePickleError, match="torch.device")
 
 
+def test_hf_kernels_function_wrapper_stays_data(tmp_path):
+    """transformers >= 5.25 pickles LlamaAttention.rotary_pos_emb as kernels' _rebuild_kernel_func(module, name)
+    (bytes as torch.save writes them there): an inert stub, nothing imported; anything but two dotted names refused."""
+    call = lambda *args: glob("kernels._internals.layer.layer", "_rebuild_kernel_func") + b"(" + b"".join(args) + b"tR"  # noqa: E731
+    ok = torch_zip(tmp_path / "k.pt", pickle_bytes(dict_of(
+        f=call(uni("transformers.models.llama.modeling_llama"), uni("apply_rotary_pos_emb"))
+        + b"}(" + uni("training") + b"\x88ub")))                      # then BUILD with nn.Module state
+    f = safe_torch_load(ok)["f"]
+    assert f.stub_path == "kernels.KernelFunction" and not callable(f) and f.training is True
+    assert f.stub_args == ("transformers.models.llama.modeling_llama", "apply_rotary_pos_emb")
+    for i, args in enumerate([(uni("os"),), (uni("os"), binint(1)), (uni("os; import x"), uni("system")),
+                              (uni("os"), uni("system"), uni("extra")), (uni(""), uni("f"))]):
+        bad = torch_zip(tmp_path / f"k{i}.pt", pickle_bytes(dict_of(f=call(*args))))
+        refused(safe_torch_load, bad, cls=UnsafePickleError, match="_rebuild_kernel_func")
+
+
 # =========================================================================== 2. seeing the file as torch does
 def test_legacy_pickle_with_a_zip_appended_is_the_legacy_pickle(ckpts, tmp_path):
     """torch.load decides by the leading bytes: such a file IS the legacy pickle; the old reader certified the zip."""

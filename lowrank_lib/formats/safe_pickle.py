@@ -15,7 +15,8 @@ What a pickle may name (exact ``module.name`` pairs, no prefixes, so ``tokenizer
   OUR implementations, which only slice byte buffers of the file (and check every offset, size and
   stride first); ``OrderedDict``, ``set``, ``frozenset``, ``torch.Size``, dtypes, ``torch.device``
   (kept as the plain tuple ``('device', type, index)``); ``_codecs.encode`` restricted to latin-1
-  (protocol 2 stores bytes that way);
+  (protocol 2 stores bytes that way); HF ``kernels``' ``_rebuild_kernel_func`` (transformers >= 5.25 pickles
+  a module's functions through it; an inert stub holding the function's module and name, nothing imported);
 * :data:`FAMILY_CLASSES`: per family, the classes its original code really pickles (transformers
   4.35 to 4.45 and 5.x Llama/Mistral module, config and tokenizer classes, ``torch.nn`` containers,
   the family's own ``component.*`` / ``modules.*`` classes). Each becomes an inert :class:`Stub`
@@ -287,6 +288,22 @@ def _device(*args):
     return ("device",) + args
 
 
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_.]{0,199}")
+
+
+def _kernel_func(*args):
+    """``kernels._internals.layer.layer._rebuild_kernel_func(module, name)``: transformers >= 5.25 wraps a
+    module's functions (``LlamaAttention.rotary_pos_emb`` = ``apply_rotary_pos_emb``) in HF ``kernels``
+    hub-kernel objects (``nn.Module`` s, so a BUILD with module state follows), pickled as this call with the
+    function's dotted module and name. Nothing is imported or resolved: the attribute becomes an inert
+    :class:`Stub` (path ``kernels.KernelFunction``, ``stub_args == (module, name)``) holding that state."""
+    module, name = args if len(args) == 2 else (None, None)
+    if not (isinstance(module, str) and isinstance(name, str) and _DOTTED.fullmatch(module) and _DOTTED.fullmatch(name)):
+        raise UnsafePickleError(f"kernels' _rebuild_kernel_func of {brief(args)} "
+                                f"(expects a dotted module name and a function name)")
+    return stub_class("kernels.KernelFunction")(module, name)
+
+
 _STORAGE_DTYPES = {
     "FloatStorage": torch.float32, "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
     "DoubleStorage": torch.float64, "LongStorage": torch.int64, "IntStorage": torch.int32,
@@ -311,6 +328,7 @@ TENSOR_GLOBALS: dict[tuple[str, str], object] = {
     ("torch.nn.parameter", "Parameter"): _TensorType("Parameter"),
     ("torch", "Size"): _size,
     ("torch", "device"): _device,
+    ("kernels._internals.layer.layer", "_rebuild_kernel_func"): _kernel_func,
 }
 for _n, _dt in _STORAGE_DTYPES.items():
     TENSOR_GLOBALS[("torch", _n)] = _StorageType(_dt)
