@@ -21,6 +21,10 @@ def test_a_worker_and_the_processes_it_starts_run_at_its_share():
     assert n == workers.worker_threads(os.cpu_count() or 1, int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
     assert torch.get_num_threads() == n
     assert all(os.environ[k] == str(n) for k in workers.THREAD_ENV)
-    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+    import torch._inductor.config as inductor_config
+
+    assert inductor_config.compile_threads == 1 and os.environ[workers.COMPILE_ENV] == "1"   # no compile pool
+    child = subprocess.run([sys.executable, "-c", "import torch, torch._inductor.config as c; "
+                            "print(torch.get_num_threads(), c.compile_threads)"],
                            capture_output=True, text=True, check=True)
-    assert int(child.stdout) == n
+    assert child.stdout.split() == [str(n), "1"]

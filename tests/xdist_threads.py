@@ -15,6 +15,10 @@ import torch
 
 #: the environment variables that size the BLAS / OpenMP pools of torch and of every process a test starts
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+#: torch.compile's (inductor's) compile workers: one means it compiles in the worker's own process, not in a pool
+#: of ``compile_threads`` subprocesses started per worker (more processes than the worker's share of cores, and
+#: one more kind of child that can outlive or wedge a worker)
+COMPILE_ENV = "TORCHINDUCTOR_COMPILE_THREADS"
 #: where :func:`share_cores` records what it chose (unset: not a worker, or the caller chose the threads)
 CHOSEN = "LOWRANK_LIB_TEST_WORKER_THREADS"
 
@@ -31,6 +35,9 @@ def share_cores() -> int | None:
     if n_workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return None
     n = worker_threads(os.cpu_count() or 1, n_workers)
-    os.environ.update({k: str(n) for k in THREAD_ENV} | {CHOSEN: str(n)})
+    os.environ.update({k: str(n) for k in THREAD_ENV} | {CHOSEN: str(n), COMPILE_ENV: "1"})
     torch.set_num_threads(n)
+    import torch._inductor.config as inductor_config     # read the variable at import; set it if already imported
+
+    inductor_config.compile_threads = 1
     return n
