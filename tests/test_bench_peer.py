@@ -381,7 +381,13 @@ def test_peer_run_without_llamacpp_on_tiny_model(tmp_path):
     assert res["comparisons"] and not any("speedup_vs_llamacpp_dense" in c for c in res["comparisons"])
     assert [t["target"] for t in res["targets"]] == ["lowrank_roofline", "lowrank_roofline_1t"]     # no llama
     assert "equivalence" not in res
-    assert peer.table(res).count("| lowrank_lib_") == 4
+    assert peer.table(res).count("| lowrank_lib_") == 4 + 4 * build.load().available   # + the breakdown table
+    # where each token went: the fused layer's phases, profiled after the timed rounds (per-op step: why not)
+    for r in res["rows"]:
+        b = r["breakdown"]
+        assert b["available"] == build.load().available, b
+        if b["available"]:
+            assert b["steps"] == min(peer_base.BREAKDOWN_TOKENS, cfg.gen_len) - 1 and b["gemv_ms"] > 0 and b["outside_layers_ms"] > -1e-3
     assert json.loads(peer.save(res, tmp_path, peer.table(res)).read_text())["rows"]
 
 
@@ -402,6 +408,7 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     for r in res["rows"]:
         assert set(ps.ROW_KEYS) <= set(r) and r["decode_steps"] == 3 and r["layers"] == 1
         assert r["peak_rss_gb"] > 0.1 and r["build_s"] > 0
+        assert r["breakdown"]["available"] == build.load().available, r["breakdown"]
     assert len(res["units"]) == 2 + cfg.gemv_classes and res["equivalence"] == []
     assert [t["target"] for t in res["targets"]] == ["lowrank_roofline", "lowrank_roofline_1t"]
     assert all(g["classes"] for g in res["gemv_classes"]) and len(res["gemv_classes"]) == 2 * cfg.gemv_classes

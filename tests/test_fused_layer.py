@@ -285,3 +285,30 @@ def test_selection_without_packed_gemvs_says_why():
     assert not ch.enabled and "aten" in ch.reason and ch.name == "per-op"
     with pytest.raises(ValueError, match="fused_layer="):
         select_fused_layer("always", GemvChoice("aten", ""), None, [], True, 1)
+
+
+# --------------------------------------------------------------------------- where a token's time goes (issue 29)
+@needs_lrk_native
+@pytest.mark.parametrize("graph", ["none", "whole-step"])
+def test_token_breakdown_accounts_for_every_phase_inside_the_step(graph):
+    """token_breakdown: every phase of every layer call is timed (a lap left out would leave its phase at zero and
+    fold its time into the next), the phases fit inside the measured step, the GEMV bytes are the layers' groups."""
+    from lowrank_lib.runtime.kernels.layer import PHASES
+    from lowrank_lib.runtime.kernels.ops import layer_profile
+    from lowrank_lib.runtime.profiling import token_breakdown
+
+    model = _model("lowrank-smol")
+    ids = torch.randint(0, 256, (1, 9), generator=_gen(3))
+    eng = Engine(model, EngineConfig(max_seq_len=40, dtype="bf16", graph=graph))
+    b = token_breakdown(eng, ids, 12)
+    assert b["available"] and b["steps"] == 11 and b["layer_calls_per_token"] == len(eng.layers), b
+    assert set(b["phases_ms"]) == set(PHASES) and all(v > 0 for v in b["phases_ms"].values()), b["phases_ms"]
+    assert b["outside_layers_ms"] > -1e-3 and sum(b["phases_ms"].values()) <= b["step_ms"] + 1e-3, b
+    assert b["gemv_ms"] == pytest.approx(sum(b["phases_ms"][p] for p in ("qkv_gemv", "o_gemv", "gate_up_gemv",
+                                                                        "down_gemv")))
+    assert b["gemv_bytes_per_token"] == sum(g.nbytes for L in eng.layers for g in (L.qkv, L.o, L.gate_up, L.down))
+    assert b["gemv_bytes_per_token"] + b["head_and_other_bytes"] == eng.weight_bytes_per_token()
+    eng.generate(ids, 4)                                       # timers off outside the block: nothing counted
+    assert layer_profile(False) == [0] * (1 + len(PHASES))
+    off = token_breakdown(Engine(model, EngineConfig(max_seq_len=40, fused_layer="off")), ids, 4)
+    assert not off["available"] and "'off'" in off["reason"], off

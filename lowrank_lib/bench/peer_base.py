@@ -8,7 +8,9 @@ geometries, one system per process) both build on this module and on nothing of 
   ms/token = median over every step (quartiles, p10 / p90 by :func:`lowrank_lib.timing.summary`), prefill,
   weight bytes per token, achieved GB/s, ``roofline_x`` = decode time / (weight bytes / copy bandwidth) and the
   same against the read-only bandwidth, the calling thread's CPU time at 1 thread (:class:`lowrank_lib.host.CpuClocked`),
-  what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks;
+  what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks, and (:meth:`Timed.profile`,
+  after the timed generations) where our engine's token goes (``breakdown``:
+  :func:`lowrank_lib.runtime.profiling.token_breakdown`);
 - :func:`compare_greedy`: two runtimes' greedy tokens and logits on the same prompt;
 - :func:`comparisons`: every lowrank_lib row against llama.cpp dense of the same model, dtype and threads;
 - THE targets (:data:`TARGETS`, data: name, compared key, direction, bound, which rows, issue) and the ONE function
@@ -24,6 +26,7 @@ from pathlib import Path
 from ..formats.gguf import decode_bytes_per_token
 from ..host import CpuClocked, copy_bandwidth, load_average, machine, read_bandwidth
 from ..runtime import Engine, EngineConfig, run_generation
+from ..runtime.profiling import token_breakdown
 from ..timing import summary
 from .llamacpp import LlamaCppRunner, available, version
 
@@ -81,6 +84,10 @@ def engine(model, dtype: str, n_ctx: int, graph: str, lm_head: str = "exact") ->
     return Engine(model, EngineConfig(max_batch=1, max_seq_len=n_ctx, dtype=dtype, graph=graph, lm_head=lm_head))
 
 
+#: tokens of the profiled generation behind a row's ``breakdown``
+BREAKDOWN_TOKENS = 16
+
+
 class Timed:
     """One system's generations (a :class:`~lowrank_lib.runtime.Runner`, CPU-clocked) and its result row."""
 
@@ -88,6 +95,7 @@ class Timed:
         self.system, self.runner, self.clocked = system, runner, CpuClocked(runner)
         self.llama = system == "llamacpp_dense"
         self.outs, self.evals, self.perf, self.warmup_s = [], [], [], 0.0
+        self.breakdown = None
 
     def warm(self, ids, n: int, return_logits: bool = False):
         """An untimed generation (our engine compiles its step here: ``capture_s``, never in decode time); the
@@ -105,6 +113,12 @@ class Timed:
         if self.llama:
             self.evals += self.runner.eval_s
             self.perf.append(self.runner.perf())
+
+    def profile(self, ids, gen_len: int) -> None:
+        """Our engine only, after its timed generations (the timers are off while they run): the fused layer's phase
+        breakdown of a generation of :data:`BREAKDOWN_TOKENS` (at most ``gen_len``: the engine's cache holds no
+        more) tokens, into the next :meth:`row`."""
+        self.breakdown = None if self.llama else token_breakdown(self.runner, ids, min(BREAKDOWN_TOKENS, gen_len))
 
     def row(self, threads: int, copy_gbs: float, read_gbs: float, **fields) -> dict:
         st = summary([s for o in self.outs for s in o.step_s])
@@ -131,6 +145,8 @@ class Timed:
                        gemv_reason=info["gemv_reason"], attention=info["backend"],
                        attention_reason=info["backend_reason"],
                        info={k: v for k, v in info.items() if k not in ("config", "kv_store")})
+            if self.breakdown is not None:
+                row["breakdown"] = self.breakdown
         return row
 
 
@@ -268,11 +284,29 @@ def format_table(res: dict, lines: list[str] = ()) -> str:
                                                 SYSTEMS.index(r["system"]), str(r.get("lm_head")), r.get("keep") or 1)):
         cells = _Cells({k: v for k, v in r.items() if v is not None}, mb=r["weight_bytes_per_token"] / 1e6)
         out.append(" | ".join(f.format_map(cells) for _, f in COLUMNS))
+    out += breakdown_lines(res["rows"])
     out += list(lines)
     out += [f"target {t['target']} ({t['shape']}, {t['system']}, {t['dtype']}, keep {t['keep']}, issue {t['issue']}): "
             f"{t['measured']:.2f} vs {t['op']} {t['bound']}: " + ("met" if t["met"] else "NOT met")
             for t in res.get("targets", [])]
     return "\n".join(out)
+
+
+def breakdown_lines(rows: list[dict]) -> list[str]:
+    """Our rows' ``breakdown`` (ms per token) as a second Markdown table: where the step's time goes."""
+    have = [r for r in rows if (r.get("breakdown") or {}).get("available")]
+    if not have:
+        return []
+    out = ["", "where a decode token's time goes (the fused layer's phase timers; ms/token):", "",
+           "model | system | dtype | keep | factor bits | threads | step | GEMV | GEMV GB/s | attention | elementwise "
+           "| op prolog | outside layers (head, embedding, dispatch)", "|".join("---" for _ in range(13))]
+    for r in have:
+        b = r["breakdown"]
+        out.append(" | ".join(str(v) for v in (
+            r.get("shape"), r["system"], r["dtype"], r.get("keep") or "-", r.get("factor_bits") or "-", r["threads"],
+            f"{b['step_ms']:.2f}", f"{b['gemv_ms']:.2f}", f"{b['gemv_GBps']:.1f}", f"{b['attention_ms']:.2f}",
+            f"{b['elementwise_ms']:.2f}", f"{b['prolog_ms']:.2f}", f"{b['outside_layers_ms']:.2f}")))
+    return out
 
 
 MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}

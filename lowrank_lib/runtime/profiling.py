@@ -10,6 +10,9 @@ layer i runs; the rest -- embedding, final norm, LM head, argmax, the step's RoP
 (``cudaLaunchKernel``/``cuLaunchKernel``/``cudaGraphLaunch``/memcpy/memset): a graph replay is ONE
 launch, as in the paper's 1174 -> 54 count.
 
+Where a token's time goes: :func:`token_breakdown` (the fused layer op's own phase timers: GEMVs, attention,
+elementwise work, the op's fixed cost, and the rest of the step).
+
 Timing runners side by side: :func:`timed_generations` (warm-up, then interleaved generations through the shared
 decode loop) and :func:`greedy_steps` (one greedy step per runner, the unit of interleaved step timings).
 """
@@ -27,7 +30,8 @@ from ..timing import interleaved_samples
 from .runner import Runner
 
 __all__ = ["count_cuda_launches", "DISPATCH_TOKENS", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
-           "DispatchCounter", "greedy_steps", "layer_sections", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations"]
+           "DispatchCounter", "greedy_steps", "layer_sections", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations",
+           "token_breakdown"]
 
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
@@ -244,3 +248,41 @@ def timed_generations(runners: dict, ids: torch.Tensor, gen_len: int, repeats: i
     interleaved_samples({k: generation(k) for k in runners}, repeats)
     bar.close()
     return outs
+
+
+def token_breakdown(engine, ids: torch.Tensor, gen_len: int, warmup: int = 4) -> dict:
+    """Where one decode token's time goes in an engine whose step runs the fused layer op (issue 29): the op's own
+    phase timers (:func:`~lowrank_lib.runtime.kernels.layer.phase_times`) over one greedy generation of ``gen_len``
+    tokens after the prompt ``ids`` (following an untimed ``warmup``-token generation), as ms per decoded token:
+
+    - ``phases_ms``: each of :data:`~lowrank_lib.runtime.kernels.layer.PHASES` summed over the layers;
+    - ``gemv_ms`` (the four projection groups), ``elementwise_ms`` (norms, RoPE + KV write, residuals, SiLU * up),
+      ``attention_ms``, ``prolog_ms`` (the op's argument checks, parsing and scratch: its fixed cost per call);
+    - ``outside_layers_ms``: the rest of the step (embedding, final norm, LM head, the step's own dispatch / graph
+      replay), the measured step time minus the layers' phases;
+    - ``gemv_GBps``: the layers' GEMV weight bytes per token over ``gemv_ms`` (against the copy bandwidth it says
+      how far the GEMV kernels themselves are from the roofline), ``head_and_other_bytes`` the rest of the step's bytes.
+
+    The timers cost ~11 clock reads per layer call (~0.3 us), inside ``step_ms``. Returns ``{"available": False,
+    "reason": ...}`` when the engine runs the per-op step (no fused layer: the phases are not timed there)."""
+    from .kernels.layer import GEMV_PHASES, PHASES, phase_times
+
+    if not engine.fused.enabled:
+        return {"available": False, "reason": f"the step runs per op: {engine.fused.reason}"}
+    run_generation(engine, ids, min(warmup, gen_len))
+    with torch.no_grad(), phase_times() as ph:
+        out = run_generation(engine, ids, gen_len)
+    n = len(out.step_s)
+    if n == 0 or ph["calls"] != n * engine.n_layers:
+        return {"available": False, "reason": f"{ph['calls']} fused-layer calls over {n} steps of "
+                                              f"{engine.n_layers} layers (the decode step did not run the op)"}
+    per = {p: ph[p] * 1e3 / n for p in PHASES}
+    step_ms = sum(out.step_s) * 1e3 / n
+    gemv_ms = sum(per[p] for p in GEMV_PHASES)
+    gemv_bytes = sum(getattr(L, g).nbytes for L in engine.layers for g in GEMV_PHASES.values())
+    return {"available": True, "steps": n, "layer_calls_per_token": engine.n_layers, "step_ms": step_ms,
+            "phases_ms": per, "gemv_ms": gemv_ms, "attention_ms": per["attention"], "prolog_ms": per["prolog"],
+            "elementwise_ms": sum(per[p] for p in ("rmsnorm", "rope_kv_write", "residual", "silu_mul")),
+            "outside_layers_ms": step_ms - sum(per.values()),
+            "gemv_bytes_per_token": gemv_bytes, "gemv_GBps": gemv_bytes / (gemv_ms / 1e3) / 1e9 if gemv_ms else None,
+            "head_and_other_bytes": engine.weight_bytes_per_token() - gemv_bytes}

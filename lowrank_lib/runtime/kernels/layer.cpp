@@ -32,11 +32,16 @@
 //   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
 //   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
 // The Python side (layer.py) builds w / meta from the engine's ProjectionGroups and decides when the op runs.
+//   layer_profile(bool on) -> int[]   phase timers of decode_layer (issue 29's per-token breakdown): returns
+//     [calls, ns of each Phase below] accumulated since the previous layer_profile call, resets them, and turns the
+//     timers on or off (off: one relaxed load per decode_layer call; on: ~11 clock reads per call)
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "lrk_api.h"
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -44,6 +49,34 @@
 
 namespace lrk {
 namespace layer {
+
+// ---- phase timers (layer_profile): where a layer call's time goes; the order is layer.py's PHASES
+enum Phase { P_PROLOG, P_NORM, P_QKV, P_ROPE_KV, P_ATTN, P_O, P_RESID, P_GATE_UP, P_SILU, P_DOWN, N_PHASES };
+static std::atomic<bool> g_prof{false};
+static std::atomic<int64_t> g_prof_ns[N_PHASES];
+static std::atomic<int64_t> g_prof_calls{0};
+
+struct Clock {  // lap(p): the time since the previous lap (or the start) is phase p's
+  bool on;
+  std::chrono::steady_clock::time_point t;
+  Clock() : on(g_prof.load(std::memory_order_relaxed)) {
+    if (on) t = std::chrono::steady_clock::now();
+  }
+  void lap(Phase p) {
+    if (!on) return;
+    const auto n = std::chrono::steady_clock::now();
+    g_prof_ns[p].fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(n - t).count(),
+                           std::memory_order_relaxed);
+    t = n;
+  }
+};
+
+std::vector<int64_t> layer_profile(bool on) {
+  std::vector<int64_t> r{g_prof_calls.exchange(0)};
+  for (auto& a : g_prof_ns) r.push_back(a.exchange(0));
+  g_prof.store(on);
+  return r;
+}
 
 static inline float bf2f(uint16_t b) {
   const uint32_t u = (uint32_t)b << 16;
@@ -152,7 +185,7 @@ static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c,
 template <typename T>
 static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
                        const at::Tensor& rope, at::Tensor& kv, int64_t layer, int64_t hi, const int64_t* pad,
-                       float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out) {
+                       float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out, Clock& clk) {
   const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
   const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
   const int64_t I = gu.mem[0].width;
@@ -163,9 +196,12 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
       o(N * Hq * D), x1(N * H);
   const T* xp = (const T*)x.data_ptr();
   T* xo = (T*)out.data_ptr();
+  clk.lap(P_PROLOG);
   // attention half
   rms(xp, N, H, ln1, eps, h.data());
+  clk.lap(P_NORM);
   run_group(bf, qkv, h.data(), H, N, h1.data(), y2.data());
+  clk.lap(P_QKV);
   int64_t lq, lk, lv;
   const T* yq = member(qkv, 0, h1.data(), y2.data(), &lq);
   const T* yk = member(qkv, 1, h1.data(), y2.data(), &lk);
@@ -187,15 +223,21 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
       std::memcpy(V + b * ks[0] + hh * ks[1] + hi * ks[2], yv + b * lv + hh * D, D * es);
     }
   }
+  clk.lap(P_ROPE_KV);
   attend_into(bf, q.data(), K, ks, V, ks, N, Hkv, qg, D, hi, pad, (float)std::pow((double)D, -0.5), o.data());
+  clk.lap(P_ATTN);
   run_group(bf, og, o.data(), Hq * D, N, h1.data(), y2.data());
+  clk.lap(P_O);
   int64_t la;
   const T* ya = member(og, 0, h1.data(), y2.data(), &la);
   for (int64_t r = 0; r < N; r++)
     for (int64_t i = 0; i < H; i++) stf(x1.data(), r * H + i, ldf(xp, r * H + i) + ldf(ya, r * la + i));
+  clk.lap(P_RESID);
   // MLP half
   rms(x1.data(), N, H, ln2, eps, h.data());
+  clk.lap(P_NORM);
   run_group(bf, gu, h.data(), H, N, h1.data(), y2.data());
+  clk.lap(P_GATE_UP);
   int64_t lg, lu;
   const T* yg = member(gu, 0, h1.data(), y2.data(), &lg);
   const T* yu = member(gu, 1, h1.data(), y2.data(), &lu);
@@ -206,17 +248,21 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
       const float a = rnd(gv / (1.0f + std::exp(-gv)), yg);
       stf(m, r * I + i, a * ldf(yu, r * lu + i));
     }
+  clk.lap(P_SILU);
   run_group(bf, dn, m, I, N, h1.data(), y2.data());
+  clk.lap(P_DOWN);
   int64_t ld;
   const T* yd = member(dn, 0, h1.data(), y2.data(), &ld);
   for (int64_t r = 0; r < N; r++)
     for (int64_t i = 0; i < H; i++) stf(xo, r * H + i, ldf(x1.data(), r * H + i) + ldf(yd, r * ld + i));
+  clk.lap(P_RESID);
 }
 
 at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2,
                         at::TensorList w, at::IntArrayRef meta, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
                         const at::Tensor& length, const at::Tensor& pad, double eps, int64_t n_heads, int64_t n_kv,
                         bool folded) {
+  Clock clk;  // the checks and parsing below count as the call's prolog
   const char* E = "lowrank_lrk::decode_layer: ";
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               E, "x must be a contiguous fp32 or bf16 [B, H]");
@@ -302,14 +348,15 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln
   auto out = at::empty({N, H}, x.options());
   if (N == 0) return out;
   const int64_t* pd = pad.data_ptr<int64_t>();
+  if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
   if (bf) {
     auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const uint16_t*)t->data_ptr() : nullptr; };
     layer_impl<uint16_t>(true, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
-                         out);
+                         out, clk);
   } else {
     auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const float*)t->data_ptr() : nullptr; };
     layer_impl<float>(false, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
-                      out);
+                      out, clk);
   }
   return out;
 }
@@ -321,6 +368,7 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
   m.def(
       "decode_layer(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) kv, int layer, "
       "Tensor length, Tensor pad, float eps, int n_heads, int n_kv, bool folded) -> Tensor");
+  m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) { m.impl("decode_layer", &lrk::layer::decode_layer); }

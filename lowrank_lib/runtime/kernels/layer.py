@@ -18,14 +18,39 @@ would run anyway, decided from capabilities, never from backend names:
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
 calling it is one ``torch.ops.lowrank_lrk.decode_layer`` call, so a ``torch.compile``-d step traces one extern call
 per layer.
+
+:func:`phase_times` reads the op's own phase timers (:data:`PHASES`): where a decode token's time goes inside the
+layers (issue 29's breakdown; ``lowrank_lib.runtime.profiling.token_breakdown`` turns them into ms per token).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 FUSED_MODES = ("auto", "off", "on")
+#: decode_layer's timed phases, in layer.cpp's order: the call's checks / parsing / scratch (prolog), both RMSNorms,
+#: the four projection groups' GEMVs, RoPE + the KV write, attention, the residual adds, SiLU(gate) * up
+PHASES = ("prolog", "rmsnorm", "qkv_gemv", "rope_kv_write", "attention", "o_gemv", "residual", "gate_up_gemv",
+          "silu_mul", "down_gemv")
+#: the phases that are GEMVs (weights streamed), by the engine group each reads
+GEMV_PHASES = {"qkv_gemv": "qkv", "o_gemv": "o", "gate_up_gemv": "gate_up", "down_gemv": "down"}
+
+
+@contextmanager
+def phase_times():
+    """Turn decode_layer's phase timers on for the block; the yielded dict then holds ``calls`` and the seconds
+    spent in each of :data:`PHASES` by the fused-layer calls inside it (summed over calls and layers)."""
+    from .ops import layer_profile
+
+    layer_profile(True)                      # drops what an earlier block left
+    got: dict = {}
+    try:
+        yield got
+    finally:
+        calls, *ns = layer_profile(False)
+        got.update(calls=calls, **{p: n * 1e-9 for p, n in zip(PHASES, ns)})
 
 
 @dataclass(frozen=True)

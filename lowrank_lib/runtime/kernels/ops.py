@@ -63,6 +63,12 @@ def decode_layer(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | 
     return _ops().decode_layer.default(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded)
 
 
+def layer_profile(on: bool) -> list[int]:
+    """decode_layer's phase timers: [calls, ns per phase (``layer.PHASES``)] since the previous call (then reset),
+    and the timers turned on or off."""
+    return list(_ops().layer_profile(on))
+
+
 def qpack(data: torch.Tensor, scale: torch.Tensor, bits: int, group: int, out: int, inp: int) -> torch.Tensor:
     """A quantized [out, inp] matrix in the canonical storage of ``lowrank_lib.quant`` (``data``: int8 [out, in_pad],
     or uint8 [out, in_pad / 2] nibbles for 4 bits; ``scale``: fp16 [out, in_pad / group]) -> the packed uint8 blob of
