@@ -361,6 +361,8 @@ def papermill_run(name: str, out_nb: Path, params: dict, kernel: str = "python3"
     committed report files (the report runner's own outputs)."""
     import papermill as pm
 
+    from .kernel import PollingKernelManager
+
     base = root()
     out_nb.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -368,7 +370,8 @@ def papermill_run(name: str, out_nb: Path, params: dict, kernel: str = "python3"
     with _report_run(tracked):
         pm.execute_notebook(str(notebooks_dir() / f"{name}.ipynb"), str(out_nb), parameters=params,
                             kernel_name=kernel, cwd=str(base), progress_bar=progress,
-                            request_save_on_cell_execute=False)
+                            request_save_on_cell_execute=False,
+                            kernel_manager_class=PollingKernelManager)     # never waits on a lost wake-up: kernel.py
     _prune(out_nb)
     metrics_path = base / params["OUT_DIR"] / "metrics.json"
     if not metrics_path.exists():
