@@ -32,6 +32,8 @@
 //   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
 //   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
 // The Python side (layer.py) builds w / meta from the engine's ProjectionGroups and decides when the op runs.
+//   silu_mul(g, u, level) -> Tensor   the layer's SiLU(g) * u on its own (level -1: this CPU's code; 0 scalar, 1 AVX2,
+//     2 AVX-512), for the tests that compare it with ATen
 //   layer_profile(bool on) -> int[]   phase timers of decode_layer (issue 29's per-token breakdown): returns
 //     [calls, ns of each Phase below] accumulated since the previous layer_profile call, resets them, and turns the
 //     timers on or off (off: one relaxed load per decode_layer call; on: ~11 clock reads per call)
@@ -39,6 +41,13 @@
 #include <torch/library.h>
 
 #include "lrk_api.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define LRK_LAYER_X86 1
+#else
+#define LRK_LAYER_X86 0
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -48,6 +57,7 @@
 #include <vector>
 
 namespace lrk {
+int64_t isa_flags();  // lrk.cpp: bit 0 avx512f, 1 avx512bw, 2 avx512vl, 5 avx2, 6 fma (under set_isa_mask)
 namespace layer {
 
 // ---- phase timers (layer_profile): where a layer call's time goes; the order is layer.py's PHASES
@@ -182,6 +192,182 @@ static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c,
   }
 }
 
+// ---- SiLU(g) * u over one row of I values: the eager `silu(g) * u` (each op rounded to T)
+// silu(g) = g / (1 + exp(-g)) in fp32, as ATen's CPU kernel computes it; exp by Cephes' expf (2^n p(r), |r| <= ln2 / 2,
+// within 2 ulp of expf; ATen's own vectorised exp is Sleef's, within 1 ulp: after the bf16 rounding of silu the two
+// agree except at rounding ties). Arguments beyond +-88.38 are clamped (exp(-g) of g < -88.38 is 2.4e38, not inf: silu
+// of such g is -3.7e-37 where ATen gives -0.0); NaN stays NaN. AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), the tail
+// through a padded copy so every value takes the same path; scalar std::exp elsewhere.
+template <typename T>
+static void silu_mul_scalar(const T* g, const T* u, int64_t n, T* out) {
+  for (int64_t i = 0; i < n; i++) {
+    const float gv = ldf(g, i);
+    const float a = rnd(gv / (1.0f + std::exp(-gv)), g);
+    stf(out, i, a * ldf(u, i));
+  }
+}
+
+#if LRK_LAYER_X86
+#define LRK_EXP_CONSTS                                                                                             \
+  const float kHi = 88.3762626647949f, kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f, \
+              kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,      \
+              kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+static inline __m512 exp16(__m512 x) {
+  LRK_EXP_CONSTS;
+  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kHi)), _mm512_set1_ps(kHi));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kC1), xc);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kC2), r);
+  __m512 y = _mm512_set1_ps(kP0);
+  for (float c : {kP1, kP2, kP3, kP4, kP5}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  y = _mm512_scalef_ps(y, n);
+  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN in, NaN out
+}
+static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// round to the element type (round to nearest even; NaN -> quiet NaN), as f2bf
+static inline __m512i bf16_bits16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i rne = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                       _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+  const __m512i qnan = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(rne, nan, qnan);
+}
+static inline __m512 rnd16(__m512 v, const float*) { return v; }
+static inline __m512 rnd16(__m512 v, const uint16_t*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+static inline void st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline void st16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+template <typename T>
+static void silu_mul_512(const T* g, const T* u, int64_t n, T* out) {
+  auto one = [&](const T* gp, const T* up, T* op) {
+    const __m512 gv = ld16(gp);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 a = rnd16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), gp);
+    st16(op, _mm512_mul_ps(a, ld16(up)));
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) one(g + i, u + i, out + i);
+  if (i < n) {
+    T gb[16] = {}, ub[16] = {}, ob[16];
+    std::memcpy(gb, g + i, (n - i) * sizeof(T));
+    std::memcpy(ub, u + i, (n - i) * sizeof(T));
+    one(gb, ub, ob);
+    std::memcpy(out + i, ob, (n - i) * sizeof(T));
+  }
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+static inline __m256 exp8(__m256 x) {
+  LRK_EXP_CONSTS;
+  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kHi)), _mm256_set1_ps(kHi));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kC1), xc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kC2), r);
+  __m256 y = _mm256_set1_ps(kP0);
+  for (float c : {kP1, kP2, kP3, kP4, kP5}) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  // 2^n: n in [-128, 128] after the clamp; two factors keep every step a normal number (as scalef does)
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i h = _mm256_srai_epi32(ni, 1);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
+  y = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
+  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN in, NaN out
+}
+static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i rne = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
+                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
+  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+  // |u| > 0x7F800000 as signed compare: both sides are below 2^31 after the mask
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
+  return _mm256_blendv_epi8(rne, qnan, nan);
+}
+static inline __m256 rnd8(__m256 v, const float*) { return v; }
+static inline __m256 rnd8(__m256 v, const uint16_t*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void st8(uint16_t* p, __m256 v) {
+  const __m256i b = bf16_bits8(v);  // 8 x 32-bit, values < 2^16: pack to 16-bit without saturation effects
+  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(lo, hi));
+}
+template <typename T>
+static void silu_mul_256(const T* g, const T* u, int64_t n, T* out) {
+  auto one = [&](const T* gp, const T* up, T* op) {
+    const __m256 gv = ld8(gp);
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    const __m256 a = rnd8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), gp);
+    st8(op, _mm256_mul_ps(a, ld8(up)));
+  };
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) one(g + i, u + i, out + i);
+  if (i < n) {
+    T gb[8] = {}, ub[8] = {}, ob[8];
+    std::memcpy(gb, g + i, (n - i) * sizeof(T));
+    std::memcpy(ub, u + i, (n - i) * sizeof(T));
+    one(gb, ub, ob);
+    std::memcpy(out + i, ob, (n - i) * sizeof(T));
+  }
+}
+#pragma GCC pop_options
+#endif
+
+// which code runs silu_mul now: 2 AVX-512, 1 AVX2 + FMA, 0 scalar (the kernels' ISA mask applies)
+static int silu_level() {
+#if LRK_LAYER_X86
+  const int64_t f = isa_flags();
+  if ((f & 7) == 7) return 2;
+  if ((f & 96) == 96) return 1;
+#endif
+  return 0;
+}
+
+template <typename T>
+static void silu_mul(const T* g, const T* u, int64_t n, T* out, int level) {
+#if LRK_LAYER_X86
+  if (level == 2) return silu_mul_512(g, u, n, out);
+  if (level == 1) return silu_mul_256(g, u, n, out);
+#endif
+  silu_mul_scalar(g, u, n, out);
+}
+
+// op silu_mul(g, u, level) -> g's SiLU times u, the fused layer's code (level -1: what this CPU runs; 0 / 1 / 2 force
+// scalar / AVX2 / AVX-512 when the CPU has it): the tests compare it with ATen's silu(g) * u
+at::Tensor silu_mul_op(const at::Tensor& g, const at::Tensor& u, int64_t level) {
+  TORCH_CHECK(g.dim() == 1 && g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type() && g.is_contiguous() &&
+                  u.is_contiguous() && (g.scalar_type() == at::kFloat || g.scalar_type() == at::kBFloat16),
+              "lowrank_lrk::silu_mul: g and u must be contiguous 1-d fp32 or bf16 of one size");
+  const int have = silu_level();
+  TORCH_CHECK(level <= have, "lowrank_lrk::silu_mul: level ", level, " needs an ISA this CPU (or the mask) lacks");
+  const int lv = level < 0 ? have : (int)level;
+  auto out = at::empty_like(g);
+  if (g.scalar_type() == at::kBFloat16)
+    silu_mul((const uint16_t*)g.data_ptr(), (const uint16_t*)u.data_ptr(), g.numel(), (uint16_t*)out.data_ptr(), lv);
+  else
+    silu_mul(g.data_ptr<float>(), u.data_ptr<float>(), g.numel(), out.data_ptr<float>(), lv);
+  return out;
+}
+
 template <typename T>
 static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
                        const at::Tensor& rope, at::Tensor& kv, int64_t layer, int64_t hi, const int64_t* pad,
@@ -242,12 +428,8 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
   const T* yg = member(gu, 0, h1.data(), y2.data(), &lg);
   const T* yu = member(gu, 1, h1.data(), y2.data(), &lu);
   T* m = h.data();  // h is free again: silu(g) * u [N, I]
-  for (int64_t r = 0; r < N; r++)
-    for (int64_t i = 0; i < I; i++) {
-      const float gv = ldf(yg, r * lg + i);
-      const float a = rnd(gv / (1.0f + std::exp(-gv)), yg);
-      stf(m, r * I + i, a * ldf(yu, r * lu + i));
-    }
+  const int sl = silu_level();
+  for (int64_t r = 0; r < N; r++) silu_mul(yg + r * lg, yu + r * lu, I, m + r * I, sl);
   clk.lap(P_SILU);
   run_group(bf, dn, m, I, N, h1.data(), y2.data());
   clk.lap(P_DOWN);
@@ -369,6 +551,10 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
       "decode_layer(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) kv, int layer, "
       "Tensor length, Tensor pad, float eps, int n_heads, int n_kv, bool folded) -> Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
+  m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) { m.impl("decode_layer", &lrk::layer::decode_layer); }
+TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {
+  m.impl("decode_layer", &lrk::layer::decode_layer);
+  m.impl("silu_mul", &lrk::layer::silu_mul_op);
+}
