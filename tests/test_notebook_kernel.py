@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from queue import Empty
 
 import nbformat
@@ -10,6 +11,12 @@ from jupyter_client.channels import AsyncZMQSocketChannel
 
 from lowrank_lib import notebooks
 from lowrank_lib.notebooks import kernel
+
+
+def _run(coro):
+    """The coroutine on a fresh loop in its own thread (a test before may leave this thread's loop running)."""
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(asyncio.run, coro).result()
 
 
 def test_a_wait_without_timeout_becomes_repeated_level_checks(monkeypatch):
@@ -26,10 +33,10 @@ def test_a_wait_without_timeout_becomes_repeated_level_checks(monkeypatch):
 
     monkeypatch.setattr(AsyncZMQSocketChannel, "get_msg", base)
     ch = kernel.PollingChannel.__new__(kernel.PollingChannel)
-    assert asyncio.run(ch.get_msg()) == {"msg": 1} and seen == [kernel.POLL_S] * 3
+    assert _run(ch.get_msg()) == {"msg": 1} and seen == [kernel.POLL_S] * 3
     replies[:] = [Empty]
     with pytest.raises(Empty):
-        asyncio.run(ch.get_msg(0.5))
+        _run(ch.get_msg(0.5))
     assert seen[-1] == 0.5
 
 

@@ -190,14 +190,13 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         interleaved({k: (lambda t=t: t.generate(ids, cfg.gen_len)) for k, t in timed.items()}, rounds=cfg.repeats,
                     progress=lambda _: bar.update(1))
         bar.close()
-        for t in timed.values():
-            t.profile(ids, cfg.gen_len)                                              # after the timed rounds
         bw, rbw = bws.after()                                             # before and after
         res["copy_bandwidth_GBps_by_threads"][str(th)], res["read_bandwidth_GBps_by_threads"][str(th)] = bw, rbw
         res["load_average"][f"after_{th}_threads"] = load_average()      # what else ran shows here
         for (s, dt, *rest), t in timed.items():
             row = t.row(th, bw, rbw, shape=shape, dtype=dt, keep=cfg.keep if s == "lowrank_lib_lowrank" else None,
                         factor_bits=rest[1] if len(rest) > 1 else None)
+            row["breakdown"] = t.profile(ids, cfg.gen_len)                # after the row took the counters
             if t.llama:
                 row["info"]["flash_attn_probe"] = fa.get((dt, th), {}).get("probe")
                 t.runner.close()

@@ -11,7 +11,7 @@ geometries, one system per process) both build on this module and on nothing of 
   what our engine ran (kernels, compiles, the LM head's counters) or llama.cpp's own clocks, and (:meth:`Timed.profile`,
   after the timed generations) where our engine's token goes (``breakdown``:
   :func:`lowrank_lib.runtime.profiling.token_breakdown`);
-- :func:`compare_greedy`: two runtimes' greedy tokens and logits on the same prompt;
+- :func:`~lowrank_lib.eval.fidelity.compare_greedy` (re-exported): two runtimes' greedy tokens and logits on one prompt;
 - :func:`comparisons`: every lowrank_lib row against llama.cpp dense of the same model, dtype and threads;
 - THE targets (:data:`TARGETS`, data: name, compared key, direction, bound, which rows, issue) and the ONE function
   that judges them (:func:`evaluate`; ``met`` from ``measured`` and ``bound`` by :func:`met`);
@@ -26,7 +26,8 @@ from pathlib import Path
 from ..formats.gguf import decode_bytes_per_token
 from ..host import CpuClocked, copy_bandwidth, load_average, machine, read_bandwidth
 from ..runtime import Engine, EngineConfig, run_generation
-from ..runtime.profiling import token_breakdown
+from ..eval.fidelity import compare_greedy, equivalence_line  # noqa: F401  (peer / peer_scale use them from here)
+from ..runtime.profiling import breakdown_table, token_breakdown
 from ..timing import summary
 from .llamacpp import LlamaCppRunner, available, version
 
@@ -95,7 +96,6 @@ class Timed:
         self.system, self.runner, self.clocked = system, runner, CpuClocked(runner)
         self.llama = system == "llamacpp_dense"
         self.outs, self.evals, self.perf, self.warmup_s = [], [], [], 0.0
-        self.breakdown = None
 
     def warm(self, ids, n: int, return_logits: bool = False):
         """An untimed generation (our engine compiles its step here: ``capture_s``, never in decode time); the
@@ -114,11 +114,9 @@ class Timed:
             self.evals += self.runner.eval_s
             self.perf.append(self.runner.perf())
 
-    def profile(self, ids, gen_len: int) -> None:
-        """Our engine only, after its timed generations (the timers are off while they run): the fused layer's phase
-        breakdown of a generation of :data:`BREAKDOWN_TOKENS` (at most ``gen_len``: the engine's cache holds no
-        more) tokens, into the next :meth:`row`."""
-        self.breakdown = None if self.llama else token_breakdown(self.runner, ids, min(BREAKDOWN_TOKENS, gen_len))
+    def profile(self, ids, gen_len: int) -> dict | None:
+        """Our engine, after :meth:`row` (its generation would count in the row's counters): a phase breakdown."""
+        return None if self.llama else token_breakdown(self.runner, ids, min(BREAKDOWN_TOKENS, gen_len))
 
     def row(self, threads: int, copy_gbs: float, read_gbs: float, **fields) -> dict:
         st = summary([s for o in self.outs for s in o.step_s])
@@ -145,34 +143,7 @@ class Timed:
                        gemv_reason=info["gemv_reason"], attention=info["backend"],
                        attention_reason=info["backend_reason"],
                        info={k: v for k, v in info.items() if k not in ("config", "kv_store")})
-            if self.breakdown is not None:
-                row["breakdown"] = self.breakdown
         return row
-
-
-def compare_greedy(tokens_a, logits_a, tokens_b, logits_b) -> dict:
-    """Two runtimes' greedy tokens [n] and logits [n, V] (the prefill's first) on the same prompt: are the tokens
-    equal, where do they part, the logit differences (and the top-2 margins where they part)."""
-    n = min(len(tokens_a), len(tokens_b))
-    diff = (tokens_a[:n] != tokens_b[:n]).nonzero()
-    first = int(diff[0]) if len(diff) else None
-    dl = (logits_a[:n].float() - logits_b[:n].float()).abs().amax(-1)
-    res = {"tokens_equal": first is None and len(tokens_a) == len(tokens_b), "n_tokens": n,
-           "first_divergence": first, "n_equal_before_divergence": n if first is None else first,
-           "max_abs_logit_diff": float(dl.max()), "prefill_abs_logit_diff": float(dl[0]),
-           "logit_scale": float(logits_b[0].abs().max())}
-    if first is not None:
-        top = [lg[first].float().topk(2).values for lg in (logits_a, logits_b)]
-        res.update(tokens_a=int(tokens_a[first]), tokens_b=int(tokens_b[first]),
-                   top2_margin_a=float(top[0][0] - top[0][1]), top2_margin_b=float(top[1][0] - top[1][1]))
-    return res
-
-
-def equivalence_line(e: dict) -> str:
-    return (f"greedy tokens llama.cpp vs lowrank_lib dense ({e['dtype']}): "
-            + ("equal" if e["tokens_equal"] else f"diverge at {e['first_divergence']}")
-            + f" over {e['n_tokens']} (max |logit diff| {e['max_abs_logit_diff']:.3g}, prefill "
-              f"{e['prefill_abs_logit_diff']:.3g}, logit scale {e['logit_scale']:.3g})")
 
 
 # --------------------------------------------------------------------------- comparisons and targets
@@ -284,29 +255,12 @@ def format_table(res: dict, lines: list[str] = ()) -> str:
                                                 SYSTEMS.index(r["system"]), str(r.get("lm_head")), r.get("keep") or 1)):
         cells = _Cells({k: v for k, v in r.items() if v is not None}, mb=r["weight_bytes_per_token"] / 1e6)
         out.append(" | ".join(f.format_map(cells) for _, f in COLUMNS))
-    out += breakdown_lines(res["rows"])
+    out += breakdown_table(res["rows"])
     out += list(lines)
     out += [f"target {t['target']} ({t['shape']}, {t['system']}, {t['dtype']}, keep {t['keep']}, issue {t['issue']}): "
             f"{t['measured']:.2f} vs {t['op']} {t['bound']}: " + ("met" if t["met"] else "NOT met")
             for t in res.get("targets", [])]
     return "\n".join(out)
-
-
-def breakdown_lines(rows: list[dict]) -> list[str]:
-    """Our rows' ``breakdown`` (ms per token) as a second Markdown table: where the step's time goes."""
-    have = [r for r in rows if (r.get("breakdown") or {}).get("available")]
-    if not have:
-        return []
-    out = ["", "where a decode token's time goes (the fused layer's phase timers; ms/token):", "",
-           "model | system | dtype | keep | factor bits | threads | step | GEMV | GEMV GB/s | attention | elementwise "
-           "| op prolog | outside layers (head, embedding, dispatch)", "|".join("---" for _ in range(13))]
-    for r in have:
-        b = r["breakdown"]
-        out.append(" | ".join(str(v) for v in (
-            r.get("shape"), r["system"], r["dtype"], r.get("keep") or "-", r.get("factor_bits") or "-", r["threads"],
-            f"{b['step_ms']:.2f}", f"{b['gemv_ms']:.2f}", f"{b['gemv_GBps']:.1f}", f"{b['attention_ms']:.2f}",
-            f"{b['elementwise_ms']:.2f}", f"{b['prolog_ms']:.2f}", f"{b['outside_layers_ms']:.2f}")))
-    return out
 
 
 MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}

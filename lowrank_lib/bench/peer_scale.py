@@ -182,10 +182,10 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
         first = warm if first is None else first
         for _ in tqdm(range(cfg.repeats), desc=f"{system} {dtype} keep={keep} {th}t", leave=False):
             t.generate(ids, cfg.gen_len)
-        t.profile(ids, cfg.gen_len)
         rows.append(t.row(th, *bws.after(), shape=cfg.shape, layers=c.num_hidden_layers, dtype=dtype,
                           keep=keep, copy_gbs_before_after=bws.copy, build_s=build_s,
                           load_average={"before": la0, "after": load_average()}))
+        rows[-1]["breakdown"] = t.profile(ids, cfg.gen_len)
     torch.save({"tokens": first.tokens[0], "logits": torch.cat(first.logits)}, logits)
     if t.llama:
         runner.close()

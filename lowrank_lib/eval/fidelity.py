@@ -22,8 +22,8 @@ from ..runtime.config import EngineConfig
 from ..runtime.engine import Engine
 from .perplexity import windows
 
-__all__ = ["audit", "audit_line", "certified_audit", "perplexity_table", "PROMPTS", "reference_tokens",
-           "runtime_perplexity"]
+__all__ = ["audit", "audit_line", "certified_audit", "compare_greedy", "equivalence_line", "perplexity_table", "PROMPTS",
+           "reference_tokens", "runtime_perplexity"]
 
 PROMPTS = [
     "The capital of France is",
@@ -152,3 +152,28 @@ def audit_line(dtype: str, a: dict) -> str:
     return (f"certified head audit ({dtype}): {a['identical_prompts']}/{a['prompts']} prompts x {a['tokens']} greedy "
             f"tokens identical to the exact head; {h['head_bytes_fraction']:.3f} of the head's bytes read per token, "
             f"{h['fallback_calls']} fallbacks in {h['calls']} calls")
+
+
+def compare_greedy(tokens_a, logits_a, tokens_b, logits_b) -> dict:
+    """Two runtimes' greedy tokens [n] and logits [n, V] (the prefill's first) on the same prompt: are the tokens
+    equal, where do they part, the logit differences (and the top-2 margins where they part)."""
+    n = min(len(tokens_a), len(tokens_b))
+    diff = (tokens_a[:n] != tokens_b[:n]).nonzero()
+    first = int(diff[0]) if len(diff) else None
+    dl = (logits_a[:n].float() - logits_b[:n].float()).abs().amax(-1)
+    res = {"tokens_equal": first is None and len(tokens_a) == len(tokens_b), "n_tokens": n,
+           "first_divergence": first, "n_equal_before_divergence": n if first is None else first,
+           "max_abs_logit_diff": float(dl.max()), "prefill_abs_logit_diff": float(dl[0]),
+           "logit_scale": float(logits_b[0].abs().max())}
+    if first is not None:
+        top = [lg[first].float().topk(2).values for lg in (logits_a, logits_b)]
+        res.update(tokens_a=int(tokens_a[first]), tokens_b=int(tokens_b[first]),
+                   top2_margin_a=float(top[0][0] - top[0][1]), top2_margin_b=float(top[1][0] - top[1][1]))
+    return res
+
+
+def equivalence_line(e: dict) -> str:
+    return (f"greedy tokens llama.cpp vs lowrank_lib dense ({e['dtype']}): "
+            + ("equal" if e["tokens_equal"] else f"diverge at {e['first_divergence']}")
+            + f" over {e['n_tokens']} (max |logit diff| {e['max_abs_logit_diff']:.3g}, prefill "
+              f"{e['prefill_abs_logit_diff']:.3g}, logit scale {e['logit_scale']:.3g})")

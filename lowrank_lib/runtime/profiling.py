@@ -31,7 +31,7 @@ from .runner import Runner
 
 __all__ = ["count_cuda_launches", "DISPATCH_TOKENS", "count_profiled_aten_ops", "CUDA_LAUNCH_NAMES", "decode_attention",
            "DispatchCounter", "greedy_steps", "layer_sections", "op_class", "OP_CLASSES", "per_token_counts", "timed_generations",
-           "token_breakdown"]
+           "token_breakdown", "breakdown_table"]
 
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
@@ -286,3 +286,21 @@ def token_breakdown(engine, ids: torch.Tensor, gen_len: int, warmup: int = 4) ->
             "outside_layers_ms": step_ms - sum(per.values()),
             "gemv_bytes_per_token": gemv_bytes, "gemv_GBps": gemv_bytes / (gemv_ms / 1e3) / 1e9 if gemv_ms else None,
             "head_and_other_bytes": engine.weight_bytes_per_token() - gemv_bytes}
+
+
+def breakdown_table(rows: list[dict]) -> list[str]:
+    """Benchmark rows holding a :func:`token_breakdown` (``breakdown``; labelled by their ``shape``, ``system``,
+    ``dtype``, ``keep``, ``factor_bits``, ``threads``) as Markdown lines: where each row's step time goes."""
+    have = [r for r in rows if (r.get("breakdown") or {}).get("available")]
+    if not have:
+        return []
+    out = ["", "where a decode token's time goes (the fused layer's phase timers; ms/token):", "",
+           "model | system | dtype | keep | factor bits | threads | step | GEMV | GEMV GB/s | attention | elementwise "
+           "| op prolog | outside layers (head, embedding, dispatch)", "|".join("---" for _ in range(13))]
+    for r in have:
+        b = r["breakdown"]
+        out.append(" | ".join(str(v) for v in (
+            r.get("shape"), r["system"], r["dtype"], r.get("keep") or "-", r.get("factor_bits") or "-", r["threads"],
+            f"{b['step_ms']:.2f}", f"{b['gemv_ms']:.2f}", f"{b['gemv_GBps']:.1f}", f"{b['attention_ms']:.2f}",
+            f"{b['elementwise_ms']:.2f}", f"{b['prolog_ms']:.2f}", f"{b['outside_layers_ms']:.2f}")))
+    return out
