@@ -234,7 +234,7 @@ def _system(label: str) -> dict:
 
 
 #: README anchor (the bold path of the run the table shows), JSON, (threads when the table has no such column)
-PEER_TABLES = [("**`benchmarks/results/peer_cpu_6.json`**", "peer_cpu_6.json", None),
+PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -410,3 +410,19 @@ def test_readme_kv_frontier_table_equals_the_json():
         _same(ppl, 100 * (ours["ppl"] / ours["ppl_dense"] - 1), what + " composed PPL change")
         _same(cells[4], best["kl_ratio_eviction_over_ours"], what + " ratio")
         _same(cells[5], by[("attsvd-ext", P, b)]["kl_mean"], what + " attsvd-ext KL")
+
+
+def test_readme_breakdown_table_equals_the_json():
+    """The README's 'Where a token's time goes' table (1 thread, exact head) is peer_cpu_7.json's breakdown, rounded."""
+    res = _load("peer_cpu_7.json")
+    header, rows = _readme_table("**Where a token's time goes**")
+    assert len(rows) == 4
+    for cells in rows:
+        key = _system("lowrank_lib, " + cells[0])
+        [r] = [r for r in res["rows"] if r["system"] == key["system"] and r["threads"] == 1 and _head(r) == "exact"
+               and r.get("factor_bits") == key["factor_bits"]]
+        b, p = r["breakdown"], r["breakdown"]["phases_ms"]
+        want = [f"{b['step_ms']:.2f}", f"{b['gemv_ms']:.2f} ({b['gemv_GBps']:.1f})", f"{b['attention_ms']:.2f}",
+                f"{p['rmsnorm'] + p['rope_kv_write'] + p['residual']:.2f}", f"{p['silu_mul']:.2f}",
+                f"{b['prolog_ms']:.2f}", f"{b['outside_layers_ms']:.2f}"]
+        assert cells[1:] == want, (cells, want)
