@@ -79,6 +79,8 @@ TRANSFORMERS_CLASSES = {
     "transformers.tokenization_utils": ("Trie",),                             # slow tokenizers' added-token trie
     "tokenizers": ("Tokenizer", "AddedToken"),
     "tokenizers.models": ("Model", "BPE", "Unigram", "WordPiece", "WordLevel"),
+    # transformers >= 5.25 with HF `kernels`: a model's kernel mode (an enum); its functions: _rebuild_kernel_func
+    "kernels._internals.layer.mode": ("Mode",),
 }
 #: Per pickling family: the classes its saved files hold (``module`` -> class names).
 FAMILY_CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
