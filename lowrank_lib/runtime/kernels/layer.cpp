@@ -213,6 +213,21 @@ static void silu_mul_scalar(const T* g, const T* u, int64_t n, T* out) {
               kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,      \
               kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f
 
+// one(g, u, out) on every run of W values of [0, n), the last short run through zero-padded copies, so every value takes
+// the same vector path (inlined into each ISA's caller, which gives the vector code its target)
+template <int W, typename T, typename One>
+__attribute__((always_inline)) static inline void by_lanes(const T* g, const T* u, int64_t n, T* out, One&& one) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) one(g + i, u + i, out + i);
+  if (i < n) {
+    T gb[W] = {}, ub[W] = {}, ob[W];
+    std::memcpy(gb, g + i, (n - i) * sizeof(T));
+    std::memcpy(ub, u + i, (n - i) * sizeof(T));
+    one(gb, ub, ob);
+    std::memcpy(out + i, ob, (n - i) * sizeof(T));
+  }
+}
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
 static inline __m512 exp16(__m512 x) {
@@ -252,21 +267,12 @@ static inline void st16(uint16_t* p, __m512 v) {
 }
 template <typename T>
 static void silu_mul_512(const T* g, const T* u, int64_t n, T* out) {
-  auto one = [&](const T* gp, const T* up, T* op) {
+  by_lanes<16>(g, u, n, out, [&](const T* gp, const T* up, T* op) {
     const __m512 gv = ld16(gp);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 a = rnd16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), gp);
     st16(op, _mm512_mul_ps(a, ld16(up)));
-  };
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) one(g + i, u + i, out + i);
-  if (i < n) {
-    T gb[16] = {}, ub[16] = {}, ob[16];
-    std::memcpy(gb, g + i, (n - i) * sizeof(T));
-    std::memcpy(ub, u + i, (n - i) * sizeof(T));
-    one(gb, ub, ob);
-    std::memcpy(out + i, ob, (n - i) * sizeof(T));
-  }
+  });
 }
 #pragma GCC pop_options
 
@@ -313,21 +319,12 @@ static inline void st8(uint16_t* p, __m256 v) {
 }
 template <typename T>
 static void silu_mul_256(const T* g, const T* u, int64_t n, T* out) {
-  auto one = [&](const T* gp, const T* up, T* op) {
+  by_lanes<8>(g, u, n, out, [&](const T* gp, const T* up, T* op) {
     const __m256 gv = ld8(gp);
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
     const __m256 a = rnd8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), gp);
     st8(op, _mm256_mul_ps(a, ld8(up)));
-  };
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) one(g + i, u + i, out + i);
-  if (i < n) {
-    T gb[8] = {}, ub[8] = {}, ob[8];
-    std::memcpy(gb, g + i, (n - i) * sizeof(T));
-    std::memcpy(ub, u + i, (n - i) * sizeof(T));
-    one(gb, ub, ob);
-    std::memcpy(out + i, ob, (n - i) * sizeof(T));
-  }
+  });
 }
 #pragma GCC pop_options
 #endif
