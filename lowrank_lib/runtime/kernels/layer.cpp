@@ -193,11 +193,12 @@ static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c,
 }
 
 // ---- SiLU(g) * u over one row of I values: the eager `silu(g) * u` (each op rounded to T)
-// silu(g) = g / (1 + exp(-g)) in fp32, as ATen's CPU kernel computes it; exp by Cephes' expf (2^n p(r), |r| <= ln2 / 2,
-// within 2 ulp of expf; ATen's own vectorised exp is Sleef's, within 1 ulp: after the bf16 rounding of silu the two
-// agree except at rounding ties). Arguments beyond +-88.38 are clamped (exp(-g) of g < -88.38 is 2.4e38, not inf: silu
-// of such g is -3.7e-37 where ATen gives -0.0); NaN stays NaN. AVX-512 (16 lanes) or AVX2 + FMA (8 lanes), the tail
-// through a padded copy so every value takes the same path; scalar std::exp elsewhere.
+// silu(g) = g / (1 + exp(-g)) in fp32, as ATen's CPU kernel computes it; exp by the kernels' own e^x (exp512 /
+// exp256 of lrk_simd.h / lrk_simd2.h: Cody-Waite + degree-6 Taylor, ~2e-7 relative; ATen's vectorised exp is Sleef's,
+// within 1 ulp: after the bf16 rounding of silu the two agree except at rounding ties). exp256 clamps at 88.38 (silu of
+// g < -88.38 is -3.7e-37 there, -0.0 in ATen and in the AVX-512 code); NaN stays NaN (g / anything). AVX-512 (16
+// lanes) or AVX2 + FMA (8 lanes), the tail through a padded copy so every value takes the same path; scalar std::exp
+// elsewhere.
 template <typename T>
 static void silu_mul_scalar(const T* g, const T* u, int64_t n, T* out) {
   for (int64_t i = 0; i < n; i++) {
@@ -208,10 +209,6 @@ static void silu_mul_scalar(const T* g, const T* u, int64_t n, T* out) {
 }
 
 #if LRK_LAYER_X86
-#define LRK_EXP_CONSTS                                                                                             \
-  const float kHi = 88.3762626647949f, kLog2e = 1.44269504088896341f, kC1 = 0.693359375f, kC2 = -2.12194440e-4f, \
-              kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,      \
-              kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f
 
 // one(g, u, out) on every run of W values of [0, n), the last short run through zero-padded copies, so every value takes
 // the same vector path (inlined into each ISA's caller, which gives the vector code its target)
@@ -230,22 +227,7 @@ __attribute__((always_inline)) static inline void by_lanes(const T* g, const T* 
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
-static inline __m512 exp16(__m512 x) {
-  LRK_EXP_CONSTS;
-  const __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-kHi)), _mm512_set1_ps(kHi));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kC1), xc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kC2), r);
-  __m512 y = _mm512_set1_ps(kP0);
-  for (float c : {kP1, kP2, kP3, kP4, kP5}) y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  y = _mm512_scalef_ps(y, n);
-  return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);  // NaN in, NaN out
-}
-static inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+#include "lrk_simd.h"  // exp512, ld (fp32, bf16); its bf16 `st` needs AVX512_BF16, so the stores below are ours
 // round to the element type (round to nearest even; NaN -> quiet NaN), as f2bf
 static inline __m512i bf16_bits16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -268,60 +250,26 @@ static inline void st16(uint16_t* p, __m512 v) {
 template <typename T>
 static void silu_mul_512(const T* g, const T* u, int64_t n, T* out) {
   by_lanes<16>(g, u, n, out, [&](const T* gp, const T* up, T* op) {
-    const __m512 gv = ld16(gp);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    const __m512 gv = ld(gp);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
     const __m512 a = rnd16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), gp);
-    st16(op, _mm512_mul_ps(a, ld16(up)));
+    st16(op, _mm512_mul_ps(a, ld(up)));
   });
 }
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
-static inline __m256 exp8(__m256 x) {
-  LRK_EXP_CONSTS;
-  const __m256 xc = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-kHi)), _mm256_set1_ps(kHi));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kC1), xc);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kC2), r);
-  __m256 y = _mm256_set1_ps(kP0);
-  for (float c : {kP1, kP2, kP3, kP4, kP5}) y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  // 2^n: n in [-128, 128] after the clamp; two factors keep every step a normal number (as scalef does)
-  const __m256i ni = _mm256_cvtps_epi32(n);
-  const __m256i h = _mm256_srai_epi32(ni, 1);
-  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(h, _mm256_set1_epi32(127)), 23));
-  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23));
-  y = _mm256_mul_ps(_mm256_mul_ps(y, s1), s2);
-  return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // NaN in, NaN out
-}
-static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
-static inline __m256 ld8(const uint16_t* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-static inline __m256i bf16_bits8(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i rne = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)),
-                       _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))), 16);
-  const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
-  // |u| > 0x7F800000 as signed compare: both sides are below 2^31 after the mask
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF)), _mm256_set1_epi32(0x7F800000));
-  return _mm256_blendv_epi8(rne, qnan, nan);
-}
+#include "lrk_simd2.h"  // exp256, to_bf16x8, ld8 / st8 (fp32, bf16)
 static inline __m256 rnd8(__m256 v, const float*) { return v; }
-static inline __m256 rnd8(__m256 v, const uint16_t*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
-static inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-static inline void st8(uint16_t* p, __m256 v) {
-  const __m256i b = bf16_bits8(v);  // 8 x 32-bit, values < 2^16: pack to 16-bit without saturation effects
-  const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
-  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(lo, hi));
+static inline __m256 rnd8(__m256 v, const uint16_t*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16x8(v)), 16));
 }
 template <typename T>
 static void silu_mul_256(const T* g, const T* u, int64_t n, T* out) {
   by_lanes<8>(g, u, n, out, [&](const T* gp, const T* up, T* op) {
     const __m256 gv = ld8(gp);
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv));
     const __m256 a = rnd8(_mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), gp);
     st8(op, _mm256_mul_ps(a, ld8(up)));
   });
