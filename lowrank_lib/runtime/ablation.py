@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from ..host import release_memory
 from ..timing import across_runs, interleaved, summary, within_noise
 from .baselines import make_runner
 from .config import PRESETS, EngineConfig
@@ -221,6 +222,7 @@ def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int
             row[key] = row["reference_ms"] / row["decode_ms"]
             out.append(row)
         del pair
+        release_memory()                  # this row's runner is gone before the next one is built
     first = {"system": ref_name, **_row(ref_raw), **_counts(ref, ids, count_tokens)}
     first["reference_ms"] = first["decode_ms"]
     first[key] = 1.0
@@ -237,6 +239,8 @@ def sweep(model, dense_model=None, systems=("hf_static", "dense_kv", "engine", "
     for p, g in tqdm([(p, g) for p in prompt_lens for g in gen_lens], desc="sweep", disable=not progress):
         for s, row in time_runners(runners, _prompt(model.config.vocab_size, p), g, repeats).items():
             by[(s, p, g)] = {"system": s, "prompt_len": p, "gen_len": g, **row}
+    del runners
+    release_memory()
     return [by[(s, p, g)] for s in systems for p in prompt_lens for g in gen_lens]
 
 
@@ -267,4 +271,6 @@ def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv
                           "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in samples[s]],
                           "step_ms_repeats": medians[s], "step_ms_run_median": runs["median_ms"],
                           "step_ms_run_min": runs["min_ms"], "step_ms_run_max": runs["max_ms"], "runs": runs["runs"]}
+    del runners
+    release_memory()
     return [by[(s, n)] for s in systems for n in context_lens]
