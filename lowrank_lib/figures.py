@@ -37,6 +37,30 @@ MIN_PT = 8.0
 CHECK_ENV = "LOWRANK_LIB_FIGURE_CHECK"
 
 
+def wrapped(text: str, width: int = 44) -> str:
+    """``text`` in lines of at most ``width`` characters, broken at spaces, and a word longer than a line (a
+    checkpoint's file name) after a ``_``, ``-`` or ``.`` where it can be: a title that names the user's model stays
+    inside its panel. A text that fits is returned as it is."""
+    import re
+
+    pieces = []                                   # (piece, glued to the previous one)
+    for w in text.split():
+        glued = False
+        while len(w) > width:
+            cut = max((m.end() for m in re.finditer(r"[_\-.]", w[:width])), default=width)
+            pieces.append((w[:cut], glued))
+            w, glued = w[cut:], True
+        pieces.append((w, glued))
+    lines = [""]
+    for piece, glued in pieces:
+        joined = lines[-1] + ("" if glued or not lines[-1] else " ") + piece
+        if len(joined) <= width or not lines[-1]:
+            lines[-1] = joined
+        else:
+            lines.append(piece)
+    return "\n".join(lines)
+
+
 class FigureCheckError(ValueError):
     """A figure fails :func:`check`; ``problems`` lists why."""
 

@@ -32,7 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["NO_TOKENIZER", "Resolved", "checkpoint_tokenizer", "describe", "load_normalised", "normalised_path",
+__all__ = ["NO_TOKENIZER", "Resolved", "check_reference", "checkpoint_tokenizer", "describe", "load_normalised",
+           "normalised_path",
            "resolve_models", "source_hash"]
 
 #: the banner of a notebook run on a checkpoint without any tokenizer
@@ -134,6 +135,19 @@ def load_normalised(checkpoint: str | Path, dtype: torch.dtype | None = torch.fl
     return model
 
 
+def check_reference(checkpoint, comp_config, model, dense_config) -> None:
+    """ValueError unless the reference ``model`` (its ``dense_config``) is the dense model of ``checkpoint``
+    (``comp_config``): the same vocabulary and :data:`GEOMETRY`."""
+    if dense_config.vocab_size != comp_config.vocab_size:
+        raise ValueError(f"the checkpoint {checkpoint} has a vocabulary of {comp_config.vocab_size} tokens, the "
+                         f"reference {model} {dense_config.vocab_size}: not its dense model")
+    differ = {k: (getattr(comp_config, k, None), getattr(dense_config, k, None)) for k in GEOMETRY
+              if getattr(comp_config, k, None) != getattr(dense_config, k, None)}
+    if differ:
+        raise ValueError(f"the checkpoint {checkpoint} and the reference {model} differ in "
+                         + ", ".join(f"{k} ({a} vs {b})" for k, (a, b) in differ.items()) + ": not its dense model")
+
+
 def describe(model: str | Path | None, checkpoint: str | Path | None, resolved: Resolved) -> dict:
     """What a notebook ran on: ``label`` (for titles and the report index), ``model``, ``checkpoint``, ``family``,
     ``keep``, ``reference`` (a dense model was given), ``random_weights`` (a tiny preset), ``tokenizer``,
@@ -178,14 +192,8 @@ def resolve_models(model: str | Path | None = "smollm2", checkpoint: str | Path 
         comp = load_normalised(checkpoint, dtype=dtype, cache=cache).to(device).eval()
     dense, tok = models.load(model, dtype=dtype, device=device) if model is not None else (None, None)
     if comp is not None:
-        if dense is not None and dense.config.vocab_size != comp.config.vocab_size:
-            raise ValueError(f"the checkpoint {checkpoint} has a vocabulary of {comp.config.vocab_size} tokens, the "
-                             f"reference {model} {dense.config.vocab_size}: not its dense model")
-        differ = {k: (getattr(comp.config, k, None), getattr(dense.config, k, None)) for k in GEOMETRY
-                  if dense is not None and getattr(comp.config, k, None) != getattr(dense.config, k, None)}
-        if differ:
-            raise ValueError(f"the checkpoint {checkpoint} and the reference {model} differ in "
-                             + ", ".join(f"{k} ({a} vs {b})" for k, (a, b) in differ.items()) + ": not its dense model")
+        if dense is not None:
+            check_reference(checkpoint, comp.config, model, dense.config)
         return Resolved(dense, comp, tok if tok is not None else checkpoint_tokenizer(checkpoint))
     if method == "svd":
         from .compress import compress_svd

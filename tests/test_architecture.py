@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     # and the two adapters
     "kv": CORE | {"hf", "attsvd", "eviction", "runtime.kv", "runtime.kernels"},
     "eval": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "families", "executor",
-                    "timing", "host"},
+                    "timing", "host", "resolve"},    # resolve: the checkpoint you bring, through the model cache
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "eval", "families",
                      "executor", "timing", "synthetic", "resolve", "host"},
     "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures"},   # the notebooks' sliders

@@ -1,10 +1,10 @@
-"""Your checkpoint through the notebooks (issue 28): CHECKPOINT in 02 / 03 / 04, a refused checkpoint stopping a
+"""Your checkpoint through the notebooks (issue 28): CHECKPOINT in 01 / 02 / 03 / 04, a refused checkpoint stopping a
 notebook at its first code cell, ``python -m lowrank_lib.notebooks run --checkpoint`` end to end.
 
-Every family goes through notebook 02's library path (resolve, describe, the systems' dispatch counts) with and
-without a reference; ONE family runs through the real notebook 02 without a tokenizer or a reference, and one (with
-both) through 02 and 04 by the command: a papermill run per family would cost minutes (each kernel ~12 s of imports
-alone)."""
+Every family goes through notebook 01's and 02's library paths (01: ``checkpoint_rows``; 02: resolve, describe, the
+systems' dispatch counts) with and without a reference; ONE family runs through the real notebooks 01 and 02 without
+a tokenizer or a reference, and one (with both) through 01, 02 and 04 by the command: a papermill run per family
+would cost minutes (each kernel ~12 s of imports alone)."""
 import json
 
 import nbformat
@@ -12,25 +12,27 @@ import pytest
 import torch
 import yaml
 
-from lowrank_lib import notebooks, synthetic
+from lowrank_lib import models, notebooks, synthetic
 from lowrank_lib.notebooks import checkpoint as own
 from lowrank_lib.notebooks.html import output_problems
 from lowrank_lib.resolve import NO_TOKENIZER, describe, normalised_path, resolve_models, source_hash
 from test_resolve import family_files, reference_dir  # noqa: F401 (fixtures: the families' small files, a reference)
 
-NB02, NB04 = "02_launch_count_profiling", "04_attsvd_interpretability"
+NB00, NB01, NB02, NB04 = ("00_quickstart", "01_checkpoint_normalization", "02_launch_count_profiling",
+                          "04_attsvd_interpretability")
 
 
 def test_the_notebooks_taking_a_checkpoint_resolve_it_in_their_first_code_cell():
-    """02 / 03 / 04 declare CHECKPOINT, and the first code cell after the parameters reads it (so a refused file
-    stops the notebook there); the quick parameters name only what each declares."""
+    """00 / 01 / 02 / 03 / 04 declare CHECKPOINT, and the first code cell after the parameters reads it (so a refused
+    file stops the notebook there); the quick parameters name only what each declares."""
     names = own.checkpoint_notebooks()
-    assert names == [NB02, "03_graph_replay_ablation", "04_attsvd_interpretability"]
+    assert names == [NB00, NB01, NB02, "03_graph_replay_ablation", "04_attsvd_interpretability"]
     for n in names:
         nb = nbformat.read(notebooks.notebooks_dir() / f"{n}.ipynb", as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
         assert "parameters" in code[0].metadata.get("tags", []) and "CHECKPOINT = None" in code[0].source
-        assert "resolve_models(MODEL, CHECKPOINT" in code[1].source, n
+        reads = "checkpoint_rows(CHECKPOINT, MODEL" if n == NB01 else "resolve_models(MODEL, CHECKPOINT"
+        assert reads in code[1].source, n
         p = own.plan(n, "x.pt", None, notebooks.root() / "reports" / "mine", "quick")
         assert p["CHECKPOINT"].endswith("/x.pt") and p["CHECKPOINT"].startswith("/") and p["MODEL"] is None
         assert p["OUT_DIR"].endswith(f"reports/mine/{n}") and p["FIG_DIR"].endswith("reports/mine/figures")
@@ -65,6 +67,73 @@ def test_every_family_through_notebook_02s_library_path(family_files, reference_
                 make_runner("dense_engine", comp, dense)
 
 
+@pytest.mark.parametrize("family", synthetic.FAMILIES)
+def test_every_family_through_notebook_01s_library_path(family_files, reference_dir, family):  # noqa: F811
+    """What notebook 01 does with a checkpoint, for every family: its row (and the reference's), the normalised
+    copy equal to the native file, the comparison with the reference only when one is given, perplexity only with a
+    tokenizer, the dense size the checkpoint's own accounting gives equal to the reference's measured one."""
+    from lowrank_lib.eval.quality import QualityConfig, checkpoint_rows
+
+    path = family_files[family]
+    cfg = QualityConfig(model=None, keeps=(), families=(), seq_len=32, max_windows=1, progress=False)
+    for model in (None, reference_dir["with"], reference_dir["bare"]):
+        res = checkpoint_rows(path, model, cfg, probe_len=16)
+        rows = res["rows"]
+        mine = rows[-1]
+        assert [r["family"] for r in rows] == (["dense"] if model is not None else []) + [mine["family"]]
+        assert mine["family"] == synthetic.families_format(family) and mine["format"] == mine["family"]
+        assert mine["path"] == str(path) and mine["disk_bytes"] > 0 and mine["factorized"] > 0
+        assert mine["roundtrip_rel_err"] < 1e-6, mine["roundtrip_rel_err"]
+        has_tok = model != reference_dir["bare"] and (model is not None or family_tokenizer(path))
+        assert res["config"]["tokenizer"] == bool(has_tok)
+        assert (mine["ppl"] is not None) == bool(has_tok) and (mine["ppl"] is None or mine["ppl"] > 1)
+        assert ("ref_logit_rel_err" in mine) == (model is not None)
+        if model is not None:
+            assert rows[0]["total_params"] == mine["dense_params"]
+            assert 0 <= mine["ref_top1_agree"] <= 1 and mine["ref_logit_rel_err"] > 0
+
+
+def family_tokenizer(path) -> bool:
+    from lowrank_lib.resolve import checkpoint_tokenizer
+
+    return checkpoint_tokenizer(path) is not None
+
+
+def test_notebook_01s_roundtrip_check_catches_a_damaged_normalised_copy(family_files, tmp_path):  # noqa: F811
+    """The roundtrip error of a checkpoint's row compares two real reads: damage one tensor of the normalised copy in
+    the model cache and the next row (which reads that copy) shows it; a reference of another geometry is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from lowrank_lib.eval.quality import QualityConfig, checkpoint_rows
+
+    path = family_files["svdllm"]
+    cfg = QualityConfig(model=None, keeps=(), families=(), seq_len=32, max_windows=1, progress=False)
+    entry = normalised_path(source_hash(path), torch.float32)
+    checkpoint_rows(path, None, cfg, probe_len=16)                      # writes (or finds) the normalised copy
+    files = sorted(entry.glob("*.safetensors"))
+    assert files
+    f = files[0]
+    import json as _json
+    import struct
+
+    head = _json.loads(f.read_bytes()[8:8 + struct.unpack("<Q", f.read_bytes()[:8])[0]])
+    tensors = load_file(f)
+    name = next(k for k in tensors if "layers.0" in k and tensors[k].dim() == 2)
+    tensors[name] = tensors[name] * 1.5
+    save_file(tensors, f, metadata=head.get("__metadata__"))
+    try:
+        row = checkpoint_rows(path, None, cfg, probe_len=16)["rows"][-1]
+        assert row["normalised_cache_hit"] and row["roundtrip_rel_err"] > 1e-3, row["roundtrip_rel_err"]
+    finally:
+        import shutil
+
+        shutil.rmtree(entry, ignore_errors=True)
+    other = tmp_path / "other"
+    models.tiny_model("tiny-gqa", **{**synthetic.SHAPES["quick"], "hidden_size": 96}).save_pretrained(other)
+    with pytest.raises(ValueError, match="not its dense model"):
+        checkpoint_rows(path, other, cfg)
+
+
 def _ci_params(name, tmp_path, **extra):
     p = {**notebooks.plan(name, ci=True), "OUT_DIR": str(tmp_path / name), "FIG_DIR": str(tmp_path / "figures")}
     p.update(extra)
@@ -94,6 +163,30 @@ def test_notebook_02_on_a_checkpoint_without_tokenizer_or_reference(family_files
 
 
 @pytest.mark.notebook
+@pytest.mark.parametrize("name", [NB00, NB01])
+def test_notebooks_00_and_01_on_a_checkpoint_without_tokenizer_or_reference(family_files, tmp_path, name):  # noqa: F811
+    """The real notebooks 00 (the slider on the file's own factors) and 01 (the tour of the file) at CI size on a
+    Dobi file alone: the banner, no perplexity anywhere, clean output; 00 compares with the checkpoint as stored."""
+    path = family_files["dobi"]
+    out_nb = tmp_path / f"{name}.ipynb"
+    m = notebooks.papermill_run(name, out_nb, _ci_params(name, tmp_path, MODEL=None, CHECKPOINT=str(path)),
+                                progress=False, tracked=False)
+    assert m["checkpoint"] == str(path) and not m["tokenizer"] and m["peak_rss_bytes"] > 0
+    if name == NB00:
+        rows = m["slider_rows"]
+        assert rows and all(r["ppl"] is None and r["method"] == "truncated" for r in rows)
+        assert m["reference_row"]["method"] == "your checkpoint" and m["reference_row"]["agreement"] == 1.0
+        lo, hi = m["slider_range"]
+        assert lo < hi <= m["keep"] + 1e-9 and rows[0]["params"] <= m["params_checkpoint"]  # starts at most at the file
+    else:
+        assert m["ppl"] == {"dobi@0.6": None} and m["roundtrip_rel_err"]["dobi@0.6"] < 1e-6
+        assert m["reference"] is None and not m["ref_logit_rel_err"]
+    nb = nbformat.read(out_nb, as_version=4)
+    assert NO_TOKENIZER in _outputs(nb)
+    assert output_problems(nb) == []
+
+
+@pytest.mark.notebook
 def test_an_unreadable_checkpoint_stops_the_notebook_at_its_first_code_cell(family_files, tmp_path):  # noqa: F811
     import papermill as pm
 
@@ -116,20 +209,22 @@ def test_an_unreadable_checkpoint_stops_the_notebook_at_its_first_code_cell(fami
 
 @pytest.mark.notebook
 def test_the_command_reports_on_a_checkpoint(family_files, reference_dir, tmp_path, capsys):  # noqa: F811
-    """``run 02 04 --checkpoint --model --params --out`` on an ASVD folder with its reference (and the reference's
-    tokenizer): HTML + index, one table naming the model, the checkpoint normalised once: by the first notebook, the
-    second reads the normalised copy. Two of the three notebooks (a kernel costs ~12 s of imports): 03 on a
-    checkpoint is not run here."""
+    """``run 00 01 02 04 --checkpoint --model --params --out`` on an ASVD folder with its reference (and the
+    reference's tokenizer): HTML + index, one table naming the model with each kernel's peak RSS, the checkpoint
+    normalised once: by the first notebook, the others read the normalised copy. 03 on a checkpoint is not run here
+    (a kernel costs ~12 s of imports)."""
     import shutil
 
     small = {"parameters": {"SEED": 0, "CI": True},          # smaller than ci.yaml
-             "overrides": {NB02: {"PROMPT_LEN": 16, "GEN_LEN": 3, "REPEATS": 2, "INCLUDE_COMPILED": False},
+             "overrides": {NB00: {"SLIDER_TOKENS": 64, "GEN_TOKENS": 8},
+                           NB01: {"SEQ_LEN": 64, "EVAL_WINDOWS": 1},
+                           NB02: {"PROMPT_LEN": 16, "GEN_LEN": 3, "REPEATS": 2, "INCLUDE_COMPILED": False},
                            NB04: {"PROMPT_LEN": 48, "GEN_LEN": 8, "KEEP_RATIO": 0.5}}}
     params = tmp_path / "small.yaml"
     params.write_text(yaml.safe_dump(small))
     path, out = family_files["asvd"], tmp_path / "mine"
     shutil.rmtree(normalised_path(source_hash(path), torch.float32), ignore_errors=True)   # from an earlier run
-    names = [NB02, NB04]
+    names = [NB00, NB01, NB02, NB04]
     rc = notebooks.main(["run", *names, "--checkpoint", str(path), "--model", str(reference_dir["with"]),
                          "--params", str(params), "--out", str(out), "--no-progress"])
     table = capsys.readouterr().out
@@ -141,8 +236,9 @@ def test_the_command_reports_on_a_checkpoint(family_files, reference_dir, tmp_pa
         nb = nbformat.read(out / f"{n}.ipynb", as_version=4)
         assert output_problems(nb) == [], n
         m = json.loads((out / n / "metrics.json").read_text())
-        assert m["checkpoint"] == str(path.resolve()) and m["tokenizer"]
+        assert m["checkpoint"] == str(path.resolve()) and m["tokenizer"] and m["peak_rss_bytes"] > 0
         assert m["cache_hit"] == (n != names[0]), n                    # normalised by the first notebook only
+    assert "peak RSS" in table
     assert f"index: {out / 'index.html'}" in table and all(f"{n}.html" in (out / "index.html").read_text()
                                                            for n in names)
 

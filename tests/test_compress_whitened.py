@@ -105,3 +105,51 @@ def test_errors(gqa):
         spectra.factors(ranks={"model.nope": 1})
     with pytest.raises(ValueError, match="already factorized"):
         WhitenedSpectra(spectra.compress(m, 0.5), stats, progress=False)
+
+
+
+def test_the_disk_cache_returns_the_same_spectra_and_misses_on_any_change(tmp_path):
+    """cached(): a miss computes and writes, the next call reads the same bits back (no calibration, no SVD); other
+    weights, other calibration tokens or a damaged file are a miss, and a damaged file is replaced."""
+    m = models.tiny_model("tiny-gqa", seed=0)
+    ids = random_token_batches(256, 4, 32, seed=1)
+    a, ia = WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)
+    b, ib = WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)
+    assert not ia["hit"] and ib["hit"] and ia["path"] == ib["path"] and ia["whiten_s"] > 0 and ib["whiten_s"] == 0
+    assert set(a.u) == set(b.u) and all(torch.equal(a.u[n], b.u[n]) and torch.equal(a.v[n], b.v[n]) for n in a.u)
+    direct = WhitenedSpectra(m, collect_stats(m, ids, progress=False), progress=False)
+    assert all(torch.equal(direct.u[n], b.u[n]) for n in direct.u)
+    x = random_token_batches(256, 1, 16, seed=3)
+    with torch.no_grad():
+        assert torch.equal(a.compress(m, 0.5)(x).logits, b.compress(m, 0.5)(x).logits)
+    other_ids = ids.clone()
+    other_ids[0, 0] = (other_ids[0, 0] + 1) % 256
+    assert not WhitenedSpectra.cached(m, other_ids, cache_dir=tmp_path, progress=False)[1]["hit"]
+    m2 = models.tiny_model("tiny-gqa", seed=0)
+    with torch.no_grad():
+        m2.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
+    _, i2 = WhitenedSpectra.cached(m2, ids, cache_dir=tmp_path, progress=False)
+    assert not i2["hit"] and i2["key"] != ia["key"] and len(list(tmp_path.glob("*.safetensors"))) == 3
+    p = tmp_path / f"{ia['key']}.safetensors"
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])                 # damaged: computed and written again
+    c, ic = WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)
+    assert not ic["hit"] and all(torch.equal(c.u[n], a.u[n]) for n in a.u)
+    assert WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)[1]["hit"]
+
+
+def test_the_cache_is_pruned_least_recently_used_first(tmp_path):
+    import os
+
+    from lowrank_lib.compress.whitened import prune_cache
+
+    files = []
+    for i in range(4):
+        f = tmp_path / f"{i}.safetensors"
+        f.write_bytes(b"x" * 1000)
+        os.utime(f, (1000 + i, 1000 + i))
+        files.append(f)
+    os.utime(files[0], (2000, 2000))                                   # 0 used last: 1 is the oldest now
+    assert prune_cache(tmp_path, 3000, keep=files[1]) == [files[2]]    # 1, the oldest, is kept: 2 goes
+    assert [f.exists() for f in files] == [True, True, False, True]
+    assert prune_cache(tmp_path, 1000) == [files[1], files[3]]
+    assert prune_cache(tmp_path, 10 ** 6) == []

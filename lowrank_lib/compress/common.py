@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 
-__all__ = ["whitened_factors", "compress_each", "copy_for_factors", "leaf"]
+__all__ = ["FullRankFactors", "whitened_factors", "compress_each", "copy_for_factors", "leaf"]
 
 
 def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,3 +66,33 @@ def copy_for_factors(model, names: Iterable[str]):
 
 def leaf(name: str) -> str:
     return name.rsplit(".", 1)[-1]
+
+
+class FullRankFactors:
+    """Full-rank factors ``u[name]`` [out, k] / ``v[name]`` [k, in] (components by decreasing importance) and
+    ``bias[name]``, of which every lower rank is a slice; a subclass defines ``rank(name, keep)``."""
+
+    u: dict[str, torch.Tensor]
+    v: dict[str, torch.Tensor]
+    bias: dict[str, torch.Tensor | None]
+
+    def rank(self, name: str, keep: float) -> int:
+        raise NotImplementedError
+
+    def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None) -> dict[str, LowRankLinear]:
+        """``{name: LowRankLinear}`` at canonical ``keep`` (every matrix, :meth:`rank`) or for the matrices in
+        ``ranks``; copies, so a compressed model never aliases these factors."""
+        if (keep is None) == (ranks is None):
+            raise ValueError("give exactly one of keep= or ranks=")
+        out = {}
+        for name in (ranks if ranks is not None else self.u):
+            if name not in self.u:
+                raise KeyError(f"{name} is not a decomposed projection")
+            full = self.u[name].shape[1]
+            r = ranks[name] if ranks is not None else self.rank(name, keep)
+            if not 1 <= r <= full:
+                raise ValueError(f"{name}: rank {r} outside [1, {full}]")
+            b = self.bias[name]
+            out[name] = LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
+                                      self.v[name][:r].clone(), None if b is None else b.clone())
+        return out

@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, split_sqrt
 from ..ranks import keep_rank
-from .common import copy_for_factors
+from .common import FullRankFactors, copy_for_factors
 
 
 class SVDSpectra:
@@ -57,3 +57,60 @@ def compress_svd(model, keep: float, targets: Iterable[str] = LLAMA_PROJ, includ
     facs = spectra.factors(keep=keep, dtype=dtype)
     m = model if inplace else copy_for_factors(model, facs)
     return replace_with_factors(m, facs, {"family": "svd", "keep": keep, "shared_groups": []})
+
+
+class FactorSpectra(FullRankFactors):
+    """The factors of an ALREADY compressed model, re-decomposed so that every lower rank is a slice (the keep
+    slider of notebook 00 on a checkpoint you bring).
+
+    For each ``LowRankLinear`` (U [out, r], V [r, in]): U = Q_u R_u and V^T = Q_v R_v (thin QR), SVD(R_u R_v^T) =
+    A S B^T, and u = Q_u A sqrt(S), v = sqrt(S) B^T Q_v^T. Then u v = U V (the same map, float64 rounding), its
+    components ordered by singular value, so u[:, :k] v[:k] is the best rank-k approximation of the STORED map
+    (Eckart-Young; no calibration data: a checkpoint may come without its tokenizer or its dense model). Costs two
+    QRs and an r x r SVD per matrix, not an SVD of the dense map. Truncating a shared basis (Basis Sharing) gives
+    each matrix its own factors: the parameters really held may then grow, and :func:`lowrank_lib.account` says so.
+    Dense projections of the model stay as they are.
+    """
+
+    method, label = "truncated", "your factors, truncated"      # the rows' name, the screen's
+
+    def __init__(self, model, targets: Iterable[str] = LLAMA_PROJ, progress: bool = True):
+        self.base, self.targets = model, tuple(targets)
+        self.u: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
+        self.bias: dict[str, torch.Tensor | None] = {}
+        lins = [(n, m) for n, m in iter_linears(model, self.targets) if isinstance(m, LowRankLinear)]
+        if not lins:
+            raise ValueError("the model has no LowRankLinear projection: FactorSpectra truncates stored factors "
+                             "(use SVDSpectra or WhitenedSpectra on a dense model)")
+        for name, lin in tqdm(lins, desc="factor SVD", disable=not progress, leave=False):
+            U, V = lin.U.detach().double(), lin.V.detach().double()
+            qu, ru = torch.linalg.qr(U)
+            qv, rv = torch.linalg.qr(V.T)
+            a, s, bh = torch.linalg.svd(ru @ rv.T)
+            rs = s.sqrt()
+            dt = lin.U.dtype
+            self.u[name] = ((qu @ a) * rs).to(dt).contiguous()
+            self.v[name] = (rs[:, None] * (bh @ qv.T)).to(dt).contiguous()
+            self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
+
+    def stored_rank(self, name: str) -> int:
+        return self.u[name].shape[1]
+
+    def rank(self, name: str, keep: float) -> int:
+        """The rank at canonical ``keep`` (:func:`keep_rank`), never above what the checkpoint stores."""
+        return max(1, min(self.stored_rank(name), keep_rank(self.u[name].shape[0], self.v[name].shape[1], keep)))
+
+    @torch.no_grad()
+    def compress(self, model=None, keep: float | None = None, ranks: dict[str, int] | None = None):
+        """A copy of the compressed model these spectra came from (``model``: that model or None; another one is
+        refused), its factors truncated to ``keep`` / ``ranks``."""
+        import copy
+
+        if model is not None and model is not self.base:
+            raise ValueError("FactorSpectra truncates the model it was built from; pass that model or None")
+        facs = self.factors(keep, ranks)
+        meta = dict(getattr(self.base, "lowrank_meta", None) or {})
+        m = copy.deepcopy(self.base)
+        return replace_with_factors(m, facs, {**meta, "keep": keep, "truncated_from": meta.get("keep"),
+                                              "shared_groups": []})

@@ -19,9 +19,20 @@ the factors equal ``compress_svdllm``'s up to float64 rounding and the sign of e
 
 Memory: the full-rank factors, about 1.5x the projection weights in ``dtype`` (default: the
 model's dtype, which is what ``compress_svdllm`` returns too).
+
+On disk: :meth:`WhitenedSpectra.cached` keeps the factors of a (model, calibration tokens, targets, dtype) as one
+safetensors file under ``<model cache>/whitened/<key>.safetensors`` (the key: sha256 of the weights, the
+calibration token ids, the targets and the dtype), memory-mapped back on the next call: a notebook reopened
+skips the calibration and the SVDs (SmolLM2: 32 s -> under a second). :func:`prune_cache` keeps that folder
+under a byte limit, least recently used first out.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -29,8 +40,8 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 from ..ranks import keep_rank
-from .calib import CalibStats, cholesky_lower
-from .common import copy_for_factors
+from .calib import CalibStats, cholesky_lower, collect_stats
+from .common import FullRankFactors, copy_for_factors
 
 
 def whitened_full(W: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +64,7 @@ def whitened_full(W: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch
     return (M @ E) * (alive / rs), v                                   # M^T M = V S^2 V^T
 
 
-class WhitenedSpectra:
+class WhitenedSpectra(FullRankFactors):
     """Full-rank SVD-LLM v1 factors of every target projection of a dense model, computed once.
 
     ``factors(keep)`` / ``compress(model, keep)`` then truncate to SVD-LLM's rank rule
@@ -79,26 +90,102 @@ class WhitenedSpectra:
             self.u[name], self.v[name] = u.to(dt), v.to(dt)
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
 
+    method, label = "svdllm", "SVD-LLM v1"      # the rows' name, the screen's
+
+    #: bump when the stored factors change meaning (an old file then has another key: a miss)
+    FORMAT = 1
+
+    @classmethod
+    def from_factors(cls, u: dict, v: dict, bias: dict, targets: Iterable[str] = LLAMA_PROJ) -> "WhitenedSpectra":
+        """Spectra from stored full-rank factors (what :meth:`save` wrote), without computing anything."""
+        self = cls.__new__(cls)
+        self.targets, self.u, self.v, self.bias = tuple(targets), dict(u), dict(v), dict(bias)
+        return self
+
+    def save(self, path: str | Path) -> Path:
+        """Write the factors as one safetensors file (``u.<name>``, ``v.<name>``, ``bias.<name>``)."""
+        from safetensors.torch import save_file
+
+        tensors = {f"u.{n}": t.contiguous() for n, t in self.u.items()}
+        tensors.update({f"v.{n}": t.contiguous() for n, t in self.v.items()})
+        tensors.update({f"bias.{n}": b.contiguous() for n, b in self.bias.items() if b is not None})
+        meta = {"format": str(self.FORMAT), "targets": json.dumps(list(self.targets)),
+                "names": json.dumps(list(self.u))}
+        path = Path(path)
+        save_file(tensors, str(path), metadata=meta)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "WhitenedSpectra":
+        """The spectra :meth:`save` wrote, memory-mapped (ValueError for a file of another format or a missing
+        tensor)."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if meta.get("format") != str(cls.FORMAT):
+                raise ValueError(f"{path}: whitened spectra of format {meta.get('format')!r}, expected {cls.FORMAT}")
+            names, keys = json.loads(meta["names"]), set(f.keys())
+            missing = [k for n in names for k in (f"u.{n}", f"v.{n}") if k not in keys]
+            if missing:
+                raise ValueError(f"{path}: missing {missing[:3]}")
+            u = {n: f.get_tensor(f"u.{n}") for n in names}
+            v = {n: f.get_tensor(f"v.{n}") for n in names}
+            bias = {n: f.get_tensor(f"bias.{n}") if f"bias.{n}" in keys else None for n in names}
+        return cls.from_factors(u, v, bias, json.loads(meta["targets"]))
+
+    @staticmethod
+    def key(model, calib_ids: torch.Tensor, targets: Iterable[str] = LLAMA_PROJ,
+            dtype: torch.dtype | None = None) -> str:
+        """The cache key: sha256 of the weights (names and bytes), the calibration token ids, the targets, the
+        dtype and :attr:`FORMAT`."""
+        h = hashlib.sha256()
+        for name, t in sorted(model.state_dict().items()):
+            h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            if t.numel():
+                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
+        h.update(json.dumps([list(targets), str(dtype), WhitenedSpectra.FORMAT]).encode())
+        return h.hexdigest()[:32]
+
+    @classmethod
+    def cached(cls, model, calib_ids: torch.Tensor, targets: Iterable[str] = LLAMA_PROJ,
+               dtype: torch.dtype | None = None, cache_dir: str | Path | None = None, progress: bool = True,
+               max_cache_bytes: int | None = None) -> tuple["WhitenedSpectra", dict]:
+        """``(spectra, info)`` of ``model`` calibrated on ``calib_ids`` [n, seq]: read from the cache when this
+        (weights, tokens, targets, dtype) was decomposed before, else calibrated (:func:`collect_stats`),
+        decomposed and written there (atomically). ``info``: ``hit``, ``path``, ``key``, ``stats_s`` /
+        ``whiten_s`` (the work done now; 0 on a hit), ``seconds`` (all of it, the key's hashing included).
+        ``cache_dir`` default: ``<model cache>/whitened``; after a write the folder is pruned to
+        ``max_cache_bytes`` (default :func:`cache_limit`)."""
+        t0 = time.perf_counter()
+        targets = tuple(targets)
+        folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        key = cls.key(model, calib_ids, targets, dtype)
+        path = folder / f"{key}.safetensors"
+        info = {"key": key, "path": str(path), "hit": False, "stats_s": 0.0, "whiten_s": 0.0}
+        if path.is_file():
+            try:
+                spectra = cls.load(path)
+                os.utime(path)                                  # recently used: the last to be pruned
+                return spectra, {**info, "hit": True, "seconds": time.perf_counter() - t0}
+            except Exception:            # noqa: BLE001  damaged (safetensors' own error type), foreign: made again
+                path.unlink(missing_ok=True)
+        t1 = time.perf_counter()
+        stats = collect_stats(model, calib_ids, targets, progress=progress)
+        t2 = time.perf_counter()
+        spectra = cls(model, stats, targets, dtype, progress)
+        t3 = time.perf_counter()
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        spectra.save(tmp)
+        os.replace(tmp, path)
+        prune_cache(folder, cache_limit() if max_cache_bytes is None else max_cache_bytes, keep=path)
+        return spectra, {**info, "stats_s": t2 - t1, "whiten_s": t3 - t2, "seconds": time.perf_counter() - t0}
+
     def rank(self, name: str, keep: float) -> int:
         """SVD-LLM's rank for matrix ``name`` at canonical ``keep``."""
         return keep_rank(self.u[name].shape[0], self.v[name].shape[1], keep)
-
-    def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None) -> dict[str, LowRankLinear]:
-        """``{name: LowRankLinear}`` at canonical ``keep`` (every matrix) or for the matrices in ``ranks``."""
-        if (keep is None) == (ranks is None):
-            raise ValueError("give exactly one of keep= or ranks=")
-        out = {}
-        for name in (ranks if ranks is not None else self.u):
-            if name not in self.u:
-                raise KeyError(f"{name} is not a decomposed projection")
-            full = self.u[name].shape[1]
-            r = ranks[name] if ranks is not None else self.rank(name, keep)
-            if not 1 <= r <= full:
-                raise ValueError(f"{name}: rank {r} outside [1, {full}]")
-            b = self.bias[name]      # copies: a compressed model never aliases the cache
-            out[name] = LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
-                                      self.v[name][:r].clone(), None if b is None else b.clone())
-        return out
 
     @torch.no_grad()
     def compress(self, model, keep: float | None = None, ranks: dict[str, int] | None = None):
@@ -106,3 +193,38 @@ class WhitenedSpectra:
         meta = {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []}
         facs = self.factors(keep, ranks)
         return replace_with_factors(copy_for_factors(model, facs), facs, meta)
+
+
+def default_cache_dir() -> Path:
+    """``<model cache>/whitened`` (:func:`lowrank_lib.models.default_cache_dir`)."""
+    from ..models import default_cache_dir as root
+
+    return root() / "whitened"
+
+
+def cache_limit() -> int:
+    """Bytes the spectra cache may hold: ``$LOWRANK_LIB_WHITENED_CACHE_GB`` (default 8 GB, a few models' worth)."""
+    return int(float(os.environ.get("LOWRANK_LIB_WHITENED_CACHE_GB", "8")) * 1e9)
+
+
+def prune_cache(folder: str | Path, max_bytes: int, keep: str | Path | None = None) -> list[Path]:
+    """Delete the least recently used ``*.safetensors`` of ``folder`` (by modification time: a hit touches its
+    file) until the rest hold at most ``max_bytes``; ``keep`` is never deleted. Returns what was deleted."""
+    files = []
+    for p in Path(folder).glob("*.safetensors"):
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    total = sum(size for _, size, _ in files)
+    gone = []
+    for _, size, p in sorted(files, key=lambda f: f[0]):
+        if total <= max_bytes:
+            break
+        if keep is not None and p == Path(keep):
+            continue
+        p.unlink(missing_ok=True)
+        total -= size
+        gone.append(p)
+    return gone

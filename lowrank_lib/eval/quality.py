@@ -22,8 +22,8 @@ import torch
 from .. import families
 from ..geometry import geometry
 
-__all__ = ["compress_family", "dense_rows", "dir_bytes", "eval_tokens", "family_rows", "format_table", "METHOD_NAMES",
-           "QualityConfig", "run"]
+__all__ = ["checkpoint_rows", "compress_family", "dense_rows", "dir_bytes", "eval_tokens", "family_rows",
+           "format_table", "METHOD_NAMES", "normalisation_facts", "QualityConfig", "run"]
 
 #: every compression method of the family registry, in table order (each is written in its own
 #: native format: ``families.get_format(name)``; "svd" = plain SVD, kept in our own format)
@@ -123,6 +123,113 @@ def dense_rows(cfg: QualityConfig) -> dict:
                       "memory_bytes": acc.total_bytes, "disk_bytes": None}]}
 
 
+def normalisation_facts(model) -> dict:
+    """What reading a checkpoint produced: layer 0's ``q_proj`` (class and rank), how many projections are
+    factorized and how many shared groups (one parameter each) the model holds (``lowrank_meta`` of the reader)."""
+    from ..factorized import LowRankLinear
+
+    meta = getattr(model, "lowrank_meta", None) or {}
+    q = model.model.layers[0].self_attn.q_proj
+    return {"q_proj_layer0": type(q).__name__ + (f" r={q.rank}" if isinstance(q, LowRankLinear) else ""),
+            "factorized": len(meta.get("ranks", {})), "shared_groups": len(meta.get("shared_groups", []))}
+
+
+def _logits(model, probe: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(probe).logits.float()
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a - ref).norm() / ref.norm())
+
+
+def checkpoint_rows(checkpoint: str | Path, model: str | Path | None = None, cfg: QualityConfig | None = None,
+                    dtype: torch.dtype = torch.float32, probe_len: int = 64) -> dict:
+    """The quality table of ONE checkpoint you bring (notebook 01 with ``CHECKPOINT``): ``{"config", "rows"}`` with
+    the rows of :func:`run` (the dense reference's row when ``model`` is given, then the checkpoint's).
+
+    The checkpoint is detected and read through the normalised-model cache
+    (:func:`lowrank_lib.resolve.load_normalised`; an unreadable file raises the loader's ``CheckpointError`` before
+    anything else loads); its row: the family and keep its reader reports, perplexity on the first
+    ``cfg.max_windows`` windows of ``cfg.seq_len`` WikiText-2 test tokens (None without a tokenizer: no number on
+    random ids), the parameters and bytes really held, the file's bytes, :func:`normalisation_facts`,
+    ``roundtrip_rel_err`` (logits of the normalised copy against the native file's, on ``probe_len`` tokens) and,
+    with a reference, ``ref_logit_rel_err`` / ``ref_top1_agree`` (the compressed logits against the dense model's).
+    Only one model is in memory at a time (a 7B checkpoint and its reference do not fit together in 24 GB)."""
+    import gc
+
+    from .. import models
+    from ..factorized import account
+    from ..formats import detect_format, load_checkpoint, save_checkpoint
+    from ..resolve import check_reference, checkpoint_tokenizer, load_normalised
+
+    cfg = cfg or QualityConfig(model=None, families=())
+    torch.manual_seed(cfg.seed)
+    fmt = detect_format(checkpoint)
+    t0 = time.perf_counter()
+    comp = load_normalised(checkpoint, dtype=dtype)
+    load_s = time.perf_counter() - t0
+    first_hit = bool(comp.lowrank_meta.get("normalised_cache_hit"))
+    entry = comp.lowrank_meta.get("normalised_cache")
+    rows, ref = [], None
+    if model is not None:                     # the reference alone in memory: its logits, perplexity, tokenizer
+        comp_config = comp.config
+        del comp
+        gc.collect()
+        dense, tok = models.load(model, dtype=dtype)
+        check_reference(checkpoint, comp_config, model, dense.config)
+        ids = eval_tokens(dense, tok, cfg)
+        ref = _logits(dense, ids[None, :probe_len])
+        a = account(dense)
+        rows.append({"family": "dense", "format": None, "keep": 1.0,
+                     "ppl": _ppl(dense, ids, cfg, "dense") if tok is not None else None,
+                     "total_params": a.total_params, "linear_params": a.linear_params, "linear_keep": 1.0,
+                     "memory_bytes": a.total_bytes, "disk_bytes": None, "path": None})
+        del dense
+        gc.collect()
+        comp = load_normalised(checkpoint, dtype=dtype)       # mapped back from the cache
+    else:
+        tok = checkpoint_tokenizer(checkpoint)
+        ids = eval_tokens(comp, tok, cfg)
+    probe = ids[None, :probe_len]
+    meta = comp.lowrank_meta
+    lc = _logits(comp, probe)
+    a = account(comp)
+    row = {"family": meta.get("family", fmt), "format": fmt, "keep": meta.get("keep"),
+           "ppl": _ppl(comp, ids, cfg, Path(checkpoint).name) if tok is not None else None,
+           "total_params": a.total_params, "linear_params": a.linear_params, "linear_keep": a.linear_keep,
+           "dense_params": a.total_params - a.linear_params + a.dense_linear_params,
+           "memory_bytes": a.total_bytes, "disk_bytes": dir_bytes(Path(checkpoint)),
+           "shared_params_saved": a.shared_params_saved, "load_s": round(load_s, 2), "normalised_cache": entry,
+           "normalised_cache_hit": first_hit, **normalisation_facts(comp), "path": str(checkpoint)}
+    if ref is not None:
+        row["ref_logit_rel_err"] = _rel(lc, ref)
+        row["ref_top1_agree"] = float((lc.argmax(-1) == ref.argmax(-1)).float().mean())
+    from_cache = bool(meta.get("normalised_cache_hit"))
+    del comp
+    gc.collect()
+    tmp = None
+    if entry is None:                          # our own format (or no cache): write it out and read it back
+        tmp = Path(tempfile.mkdtemp(prefix="lowrank_roundtrip_"))
+        other = load_checkpoint(save_checkpoint(load_checkpoint(checkpoint, dtype=dtype), tmp / "m"), dtype=dtype)
+    elif from_cache:                           # the model above was the normalised copy: now the native file
+        other = load_checkpoint(checkpoint, dtype=dtype)
+    else:
+        other = load_checkpoint(entry, family="lowrank", dtype=dtype)
+    lo = _logits(other, probe)
+    del other
+    if tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    native, normalised = (lo, lc) if from_cache else (lc, lo)
+    row["roundtrip_rel_err"] = _rel(normalised, native)
+    rows.append(row)
+    return {"config": {**asdict(cfg), "checkpoint": str(checkpoint), "reference": None if model is None else str(model),
+                       "tokenizer": tok is not None, "probe_tokens": int(probe.shape[1]),
+                       "eval_split": "wikitext-2 test" if tok is not None else None, "torch": torch.__version__,
+                       "threads": torch.get_num_threads()},
+            "rows": rows}
+
+
 def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> dict:
     """One sweep task: family ``fam`` at every keep of ``cfg``, each row measured on the read-back model."""
     from ..factorized import account
@@ -140,6 +247,7 @@ def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> di
             t_comp = time.perf_counter() - t1
             fmt = families.get_format(fam).name
             disk = err = p = None
+            facts = {}
             if cfg.roundtrip:
                 p = write_native(cm, fmt, tmp / f"{fam}-{keep}", tokenizer=None)
                 if detect_format(p) != fmt:
@@ -150,6 +258,7 @@ def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> di
                     ref = cm(probe).logits
                     err = float((back(probe).logits - ref).norm() / ref.norm())
                 cm = back
+                facts = normalisation_facts(back)
                 if keep_dir is None:
                     shutil.rmtree(p) if p.is_dir() else p.unlink()
             a = account(cm)
@@ -157,7 +266,8 @@ def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> di
                          "total_params": a.total_params, "linear_params": a.linear_params,
                          "linear_keep": a.linear_keep, "memory_bytes": a.total_bytes, "disk_bytes": disk,
                          "shared_params_saved": a.shared_params_saved, "compress_s": round(t_comp, 2),
-                         "roundtrip_rel_err": err, "path": None if keep_dir is None or p is None else str(p)})
+                         "roundtrip_rel_err": err, "path": None if keep_dir is None or p is None else str(p),
+                         **facts})
             del cm
     finally:
         if keep_dir is None:

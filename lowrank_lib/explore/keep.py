@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..compress.svd import FactorSpectra
 from ..compress.whitened import WhitenedSpectra
 from ..eval.perplexity import perplexity
 from ..factorized import account
@@ -109,24 +110,35 @@ class AnswerComparison:
 
 
 class KeepExplorer:
-    """Perplexity on ``window`` (1-D token ids, one window) and the answer comparison at each keep."""
+    """Perplexity on ``window`` (1-D token ids, one window; None without a tokenizer: no perplexity, rather than
+    one of random ids) and the answer comparison at each keep.
 
-    def __init__(self, model, spectra: WhitenedSpectra, window: torch.Tensor, answers: AnswerComparison):
-        if window.dim() != 1:
+    ``model``: the reference every keep is compared with (the dense model; ``reference`` names it); ``spectra``
+    compresses ``base`` (default: ``model``) at a keep: :class:`WhitenedSpectra` of the dense model, or
+    :class:`lowrank_lib.compress.FactorSpectra` of a checkpoint (then ``base`` is the checkpoint and ``model`` its
+    dense reference, or the checkpoint itself when there is none). ``spectra.method`` names the method in the rows,
+    ``spectra.label`` on screen."""
+
+    def __init__(self, model, spectra: WhitenedSpectra | FactorSpectra, window: torch.Tensor | None,
+                 answers: AnswerComparison, base=None, reference: str = "dense"):
+        if window is not None and window.dim() != 1:
             raise ValueError(f"window must be 1-D token ids, got shape {tuple(window.shape)}")
         self.model, self.spectra, self.window, self.answers = model, spectra, window, answers
+        self.base = model if base is None else base
+        self.reference = reference
         self.results: dict[float, dict] = {}
         self._dense: dict | None = None
 
     def _measure(self, m) -> dict:
-        ppl = perplexity(m, self.window, seq_len=self.window.numel(), progress=False).ppl
+        ppl = (None if self.window is None else
+               perplexity(m, self.window, seq_len=self.window.numel(), progress=False).ppl)
         acc = account(m)
         return {"ppl": ppl, "params": acc.total_params, "linear_keep": acc.linear_keep}
 
     def dense(self) -> dict:
         """The dense model's row (computed once)."""
         if self._dense is None:
-            self._dense = {"keep": 1.0, "method": "dense", **self._measure(self.model), **self.answers.dense}
+            self._dense = {"keep": 1.0, "method": self.reference, **self._measure(self.model), **self.answers.dense}
         return self._dense
 
     @staticmethod
@@ -139,8 +151,8 @@ class KeepExplorer:
         if k in self.results:
             return {**self.results[k], "cached": True}
         t0 = time.perf_counter()
-        m = self.spectra.compress(self.model, k)
-        row = {"keep": k, "method": "svdllm", **self._measure(m), **self.answers.compare(m)}
+        m = self.spectra.compress(self.base, k)
+        row = {"keep": k, "method": self.spectra.method, **self._measure(m), **self.answers.compare(m)}
         row["seconds"] = time.perf_counter() - t0
         del m
         gc.collect()
@@ -152,12 +164,15 @@ class KeepExplorer:
         import pandas as pd
 
         d = self.dense()
-        n = self.window.numel()
+        n = self.window.numel() if self.window is not None else 0
         rows = []
-        for r, name in ((d, "dense"), (row, f"SVD-LLM v1, keep {row['keep']:.2f}")):
+        ref = self.reference
+        for r, name in ((d, ref), (row, f"{self.spectra.label}, keep {row['keep']:.2f}")):
             rows.append({"model": name, "parameters (M)": f"{r['params'] / 1e6:.1f} ({r['params'] / d['params']:.0%})",
-                         f"perplexity (1 × {n} tokens)": f"{r['ppl']:.2f}",
-                         "agreement with dense answer": f"{r['agreement']:.0%}", "KL to dense / token": f"{r['kl']:.3f}",
+                         f"perplexity (1 × {n} tokens)": ("none: no tokenizer" if r["ppl"] is None
+                                                          else f"{r['ppl']:.2f}"),
+                         f"agreement with {ref} answer": f"{r['agreement']:.0%}",
+                                 f"KL to {ref} / token": f"{r['kl']:.3f}",
                          "greedy answer": readable(r["answer"])})
         return pd.DataFrame(rows).set_index("model")
 
@@ -165,27 +180,31 @@ class KeepExplorer:
         """One line: the numbers at this keep next to dense, and how they were obtained."""
         d = self.dense()
         how = "cached" if row.get("cached") else f"computed in {row['seconds']:.1f} s"
-        return (f"keep {row['keep']:.2f} (SVD-LLM v1): {row['params'] / 1e6:.1f} M parameters "
-                f"({row['params'] / d['params']:.0%} of dense), perplexity {row['ppl']:.2f} on {self.window.numel()} "
-                f"WikiText-2 tokens (dense {d['ppl']:.2f}), answer agreement {row['agreement']:.0%}, "
+        ref = self.reference
+        return (f"keep {row['keep']:.2f} ({self.spectra.label}): {row['params'] / 1e6:.1f} M parameters "
+                f"({row['params'] / d['params']:.0%} of {ref}), "
+                + (f"perplexity {row['ppl']:.2f} on {self.window.numel()} tokens ({ref} {d['ppl']:.2f}), "
+                   if row["ppl"] is not None else "")
+                + f"answer agreement {row['agreement']:.0%}, "
                 f"KL {row['kl']:.3f}; {how}")
 
     def draw(self, axes, current: float | None = None):
-        """(a) perplexity and (b) answer agreement of every keep computed so far; the current one highlighted."""
+        """(a) perplexity (without a tokenizer: the KL to the reference answer) and (b) answer agreement of every
+        keep computed so far; the current one highlighted."""
         d = self.dense()
         rows = sorted(self.results.values(), key=lambda r: r["keep"])
         ks = [r["keep"] for r in rows]
         cur = self.results.get(self.key(current)) if current is not None else None
-        n = self.window.numel()
-        for ax, key, label, ref in ((axes[0], "ppl", f"perplexity (1 × {n} tokens)", d["ppl"]),
-                                    (axes[1], "agreement", "agreement with dense answer", 1.0)):
+        first = ((axes[0], "ppl", f"perplexity (1 × {self.window.numel()} tokens)", d["ppl"])
+                 if self.window is not None else (axes[0], "kl", f"KL to {self.reference} answer / token", 0.0))
+        for ax, key, label, ref in (first, (axes[1], "agreement", f"agreement with {self.reference} answer", 1.0)):
             ax.plot(ks, [r[key] for r in rows], "o-", color="tab:blue", ms=4, label="keeps visited")
             if cur is not None:
                 ax.plot([cur["keep"]], [cur[key]], "o", color="tab:orange", ms=9, label=f"keep {cur['keep']:.2f}")
-            ax.axhline(ref, color="k", ls="--", lw=1, label=f"dense ({ref:.3g})")
-            ax.set(xlabel="keep ratio (SVD-LLM v1)", ylabel=label)
+            ax.axhline(ref, color="k", ls="--", lw=1, label=f"{self.reference} ({ref:.3g})")
+            ax.set(xlabel=f"keep ratio ({self.spectra.label})", ylabel=label)
             ax.legend(fontsize=9)
-        axes[0].set_yscale("log")
+        axes[0].set_yscale("log" if self.window is not None else "linear")
         axes[1].set_ylim(-0.05, 1.05)
 
     def panel(self, value: float, lo: float = 0.4, hi: float = 1.0, step: float = 0.05):

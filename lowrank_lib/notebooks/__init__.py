@@ -125,6 +125,12 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
+def _peak_rss() -> int | None:
+    from ..host import status_bytes
+
+    return status_bytes("VmHWM")
+
+
 @dataclass
 class NotebookContext:
     """Where a notebook writes: figures into ``FIG_DIR``, ``metrics.json`` into ``OUT_DIR``.
@@ -176,13 +182,15 @@ class NotebookContext:
         self.figures.append(_shown(path))
 
     def write_metrics(self, metrics: dict, headline: dict | None = None) -> None:
-        """Write ``OUT_DIR/metrics.json`` (adds the figure list and the wall time); path in ``self.metrics_path``.
+        """Write ``OUT_DIR/metrics.json`` (adds the figure list, the wall time and ``peak_rss_bytes``: the kernel
+        process's peak RSS so far, ``VmHWM``); path in ``self.metrics_path``.
 
         ``headline``: a few ``{label: formatted value}`` pairs, the numbers ``reports/index.html`` lists for
         this notebook."""
         data = dict(_json_safe(metrics))
         data.setdefault("figures", self.figures)
         data.setdefault("wall_s", round(time.time() - self.started, 2))
+        data.setdefault("peak_rss_bytes", _peak_rss())
         if headline is not None:
             data["headline"] = {str(k): str(v) for k, v in headline.items()}
         path = self._writable(self.out_dir / "metrics.json")
@@ -283,19 +291,24 @@ def banner(text: str, kind: str = "warning") -> None:
 
 def timing_banner(ci: bool, repeats: int | None = None) -> str | None:
     """The warning a notebook shows above its timings when they are not meaningful: at CI size, with fewer
-    than 3 repeats, or on a loaded machine (1-minute load average above half the cores); None otherwise.
+    than 3 repeats, or on a busy machine (other processes keeping half a core or more busy over 2 s; the load
+    average where /proc cannot tell); None otherwise.
     Displays it (:func:`banner`) and returns its text."""
-    from ..host import load_average
+    from ..host import load_average, others_busy_cores
 
     why = []
     if ci:
         why.append("this is the CI-sized run (tiny inputs, few repeats)")
     if repeats is not None and repeats < 3:
         why.append(f"each timing has only {repeats} repeat(s)")
-    load = load_average()
     cores = os.cpu_count() or 1
-    if load and load[0] > 0.5 * cores:
-        why.append(f"the machine was busy (load average {load[0]:.1f} on {cores} cores)")
+    busy = others_busy_cores()             # not the load average: that counts this kernel's own model loading
+    if busy is not None and busy > 0.5:
+        why.append(f"other processes kept {busy:.1f} of {cores} cores busy")
+    elif busy is None:
+        load = load_average()
+        if load and load[0] > 0.5 * cores:
+            why.append(f"the machine was busy (load average {load[0]:.1f} on {cores} cores)")
     if not why:
         return None
     text = ("The timings below are NOT meaningful: " + "; ".join(why) + ". Compare systems only by ratios "

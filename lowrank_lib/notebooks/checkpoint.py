@@ -49,7 +49,8 @@ def plan(name: str, checkpoint: str | Path, model: str | None, out: Path, params
 def run(checkpoint: str | Path, out: str | Path, model: str | None = None, params: str = "quick",
         names: list[str] | None = None, kernel: str = "python3", progress: bool = True) -> list[dict]:
     """Run ``names`` (default: :func:`checkpoint_notebooks`) on ``checkpoint`` into ``out``; one row per notebook
-    (:func:`table`). A notebook that fails is a row with its error; a refused checkpoint stops the run there."""
+    (:func:`table`: what it ran on, its wall time and its kernel's peak RSS, its headline). A notebook that fails is a
+    row with its error; a refused checkpoint stops the run there."""
     import papermill as pm
 
     from .html import to_html, write_index
@@ -72,6 +73,7 @@ def run(checkpoint: str | Path, out: str | Path, model: str | None = None, param
         head = m.get("headline", {})
         rows.append({**row, "measured on": head.get("model") or m.get("label") or m.get("model"),
                      "reference": model or "none", "tokenizer": m.get("tokenizer"), "wall_s": m.get("wall_s"),
+                     "peak_rss_bytes": m.get("peak_rss_bytes"),
                      "headline": {k: v for k, v in head.items() if k != "model"},
                      "html": str(to_html(out / f"{n}.ipynb"))})
     rows.append({"index": str(write_index(out, names))})
@@ -88,8 +90,9 @@ def table(rows: list[dict]) -> str:
             lines.append(f"{r['notebook']}: FAILED at execution {r['cell']}: {r['error']}")
         else:
             heads = "; ".join(f"{k}: {v}" for k, v in r["headline"].items())
+            rss = f", peak RSS {r['peak_rss_bytes'] / 2 ** 30:.2f} GiB" if r.get("peak_rss_bytes") else ""
             lines.append(f"{r['notebook']}: on {r['measured on']} (reference {r['reference']}, tokenizer "
-                         f"{'yes' if r['tokenizer'] else 'no: random token ids'}; {r['wall_s']:.0f} s) | {heads}")
+                         f"{'yes' if r['tokenizer'] else 'no: random token ids'}; {r['wall_s']:.0f} s{rss}) | {heads}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,73 @@
+"""FactorSpectra: a compressed model's own factors re-decomposed, so any lower rank is a slice (notebook 00's
+slider on a checkpoint you bring)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowrank_lib import models
+from lowrank_lib.compress import FactorSpectra, compress_svd, compress_svdllm, collect_stats
+from lowrank_lib.data import random_token_batches
+from lowrank_lib.factorized import LowRankLinear, account
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    dense = models.tiny_model("tiny-gqa", seed=0)
+    stats = collect_stats(dense, random_token_batches(256, 4, 32, seed=1), progress=False)
+    comp = compress_svdllm(dense, stats, 0.6, progress=False)       # factors with unequal sides, not orthogonal
+    return comp, FactorSpectra(comp, progress=False)
+
+
+def _lr(m):
+    return {n: x for n, x in m.named_modules() if isinstance(x, LowRankLinear)}
+
+
+def test_at_the_stored_rank_the_model_is_the_checkpoint(ckpt):
+    comp, sp = ckpt
+    same = sp.compress(comp, keep=1.0)                         # every rank clamps at the stored one
+    assert {n: x.rank for n, x in _lr(same).items()} == {n: x.rank for n, x in _lr(comp).items()}
+    x = random_token_batches(256, 1, 24, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(same(x).logits, comp(x).logits, rtol=1e-4, atol=1e-4)
+    assert same.lowrank_meta["truncated_from"] == comp.lowrank_meta["keep"]
+
+
+@pytest.mark.parametrize("keep", [0.1, 0.3, 0.5])
+def test_a_lower_rank_is_the_best_approximation_of_the_stored_map(ckpt, keep):
+    comp, sp = ckpt
+    got = _lr(sp.compress(keep=keep))
+    for name, orig in _lr(comp).items():
+        g = got[name]
+        assert g.rank == sp.rank(name, keep) <= orig.rank
+        W = orig.dense_weight().double()
+        U, S, Vh = torch.linalg.svd(W, full_matrices=False)
+        k = g.rank
+        best = (U[:, :k] * S[:k]) @ Vh[:k]
+        torch.testing.assert_close(g.dense_weight().double(), best, rtol=1e-4, atol=1e-5)
+    assert account(sp.compress(keep=keep)).total_params < account(comp).total_params
+
+
+def test_refusals(ckpt):
+    comp, sp = ckpt
+    with pytest.raises(ValueError, match="model it was built from"):
+        sp.compress(models.tiny_model("tiny-gqa", seed=0), keep=0.5)
+    with pytest.raises(ValueError, match="no LowRankLinear"):
+        FactorSpectra(models.tiny_model("tiny-gqa", seed=0))
+    name = next(iter(sp.u))
+    with pytest.raises(ValueError, match="outside"):
+        sp.factors(ranks={name: sp.stored_rank(name) + 1})
+    with pytest.raises(ValueError, match="exactly one"):
+        sp.factors()
+
+
+def test_plain_svd_checkpoint_truncates_like_compress_svd():
+    """A plain-SVD checkpoint truncated further equals plain SVD of the dense model at the lower keep (the
+    stored map's leading components ARE the dense matrix's)."""
+    dense = models.tiny_model("tiny-gqa", seed=0)
+    comp = compress_svd(dense, 0.8)
+    low = FactorSpectra(comp, progress=False).compress(keep=0.4)
+    ref = compress_svd(dense, 0.4)
+    x = random_token_batches(256, 1, 16, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(low(x).logits, ref(x).logits, rtol=1e-3, atol=1e-3)
