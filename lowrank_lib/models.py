@@ -33,7 +33,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CACHE_FORMAT_VERSION", "check_weight_file", "default_cache_dir", "download_gguf", "fetch_smollm2",
+__all__ = ["CACHE_FORMAT_VERSION", "cache_limit", "check_weight_file", "default_cache_dir", "download_gguf",
+           "fetch_smollm2", "prune_lru",
            "generated", "GENERATED_MARKER", "INIT_STD", "LLAMA7B", "load", "load_dir", "load_shape_model", "ModelLoadError", "PRESETS",
            "proj_shapes", "random_llama", "random_lowrank", "repo_root", "sha256_file", "shape_config", "shape_dir",
            "SHAPES", "SMOLLM2_GGUF", "SMOLLM2_PACKAGE", "smollm2_ggufs", "tiny_config", "tiny_model", "TinyPreset",
@@ -68,6 +69,42 @@ def default_cache_dir() -> Path:
     if root is not None:
         return root / ".cache"
     return Path.home() / ".cache" / "lowrank_lib"
+
+
+def cache_limit(env: str, default_gb: float) -> int:
+    """Bytes a cache folder may hold: ``$<env>`` in GB, else ``default_gb``."""
+    return int(float(os.environ.get(env, default_gb)) * 1e9)
+
+
+def _entry_bytes(p: Path) -> int:
+    if p.is_dir():
+        return sum(f.stat().st_size for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    return p.stat().st_size
+
+
+def prune_lru(folder: str | Path, max_bytes: int, keep: str | Path | None = None, pattern: str = "*") -> list[Path]:
+    """Delete the least recently used entries (files or folders matching ``pattern``; by modification time: a
+    cache hit touches its entry) of ``folder`` until the rest hold at most ``max_bytes``; ``keep`` is never
+    deleted, nor an entry being written (a name with ``.tmp``). Returns what was deleted, oldest first."""
+    entries = []
+    for p in Path(folder).glob(pattern):
+        if ".tmp" in p.name:
+            continue
+        try:
+            entries.append((p.stat().st_mtime, _entry_bytes(p), p))
+        except OSError:                       # gone meanwhile (another process pruned it)
+            continue
+    total = sum(size for _, size, _ in entries)
+    gone = []
+    for _, size, p in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        if keep is not None and p == Path(keep):
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        total -= size
+        gone.append(p)
+    return gone
 
 
 # --------------------------------------------------------------------------- tiny presets

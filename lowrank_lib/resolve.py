@@ -104,10 +104,13 @@ def normalised_path(digest: str, dtype: torch.dtype | None) -> Path:
 def load_normalised(checkpoint: str | Path, dtype: torch.dtype | None = torch.float32, cache: bool = True):
     """:func:`lowrank_lib.formats.load_checkpoint` of ``checkpoint``, through the normalised-model cache: the
     first read of a content writes our safetensors format under :func:`normalised_path`, every later read of the
-    same bytes maps that back instead of the native file (a changed file has another hash: a miss). Our own format
+    same bytes maps that back instead of the native file (a changed file has another hash: a miss); after a write the
+    least recently used entries go until the folder holds at most ``$LOWRANK_LIB_NORMALISED_CACHE_GB`` (default 64:
+    two 7B models in fp32). Our own format
     is read directly. ``lowrank_meta["source"]`` stays the checkpoint; ``["normalised_cache"]`` names the entry,
     ``["normalised_cache_hit"]`` says whether it was read from there."""
     from .formats import CheckpointError, detect_format, load_checkpoint, save_checkpoint
+    from .models import cache_limit, prune_lru
 
     if not cache or detect_format(checkpoint) == "lowrank":       # detect: an unreadable layout raises here
         return load_checkpoint(checkpoint, dtype=dtype)
@@ -119,6 +122,7 @@ def load_normalised(checkpoint: str | Path, dtype: torch.dtype | None = torch.fl
     if entry.is_dir():
         try:
             model, hit = load_checkpoint(entry, family="lowrank", dtype=dtype, progress=False), True
+            os.utime(entry)                                       # recently used: the last to be pruned
         except CheckpointError:                                   # a damaged entry: made again below
             shutil.rmtree(entry, ignore_errors=True)
     if model is None:
@@ -130,6 +134,7 @@ def load_normalised(checkpoint: str | Path, dtype: torch.dtype | None = torch.fl
             os.replace(tmp, entry)
         except OSError:                                           # another process wrote it first
             shutil.rmtree(tmp, ignore_errors=True)
+        prune_lru(entry.parent, cache_limit("LOWRANK_LIB_NORMALISED_CACHE_GB", 64), keep=entry)
     model.lowrank_meta = {**(getattr(model, "lowrank_meta", None) or {}), "source": str(checkpoint),
                           "normalised_cache": str(entry), "normalised_cache_hit": hit}
     return model

@@ -180,3 +180,30 @@ def test_the_second_resolve_reads_the_normalised_cache_and_a_changed_file_misses
     calls.clear()
     load_normalised(other, cache=False)
     assert calls == [str(other)] and sorted((model_cache / "normalised").iterdir()) == entries
+
+
+def test_the_normalised_cache_is_pruned_least_recently_used_first(family_files, model_cache, monkeypatch):
+    """Past $LOWRANK_LIB_NORMALISED_CACHE_GB, writing an entry deletes the least recently used others (a hit
+    refreshes its entry); the entry just written and entries being written (``.tmp``) stay."""
+    import os
+    import time
+
+    from lowrank_lib.models import prune_lru
+
+    a, b, c = family_files["svdllm"], family_files["dobi"], family_files["asvd"]      # entries of about one size
+    load_normalised(a)
+    load_normalised(b)
+    ea, eb = (normalised_path(source_hash(p), torch.float32) for p in (a, b))
+    old = time.time() - 100
+    os.utime(ea, (old, old))
+    os.utime(eb, (old - 50, old - 50))                    # b the least recently used ...
+    assert load_normalised(b).lowrank_meta["normalised_cache_hit"]      # ... until this hit refreshes it
+    writing = model_cache / "normalised" / "f00-float32.tmp123"
+    writing.mkdir()
+    size = max(sum(f.stat().st_size for f in e.rglob("*") if f.is_file()) for e in (ea, eb))
+    monkeypatch.setenv("LOWRANK_LIB_NORMALISED_CACHE_GB", str(2.5 * size / 1e9))   # room for about two entries
+    load_normalised(c)
+    ec = normalised_path(source_hash(c), torch.float32)
+    assert ec.is_dir() and eb.is_dir() and not ea.exists() and writing.is_dir()
+    assert prune_lru(model_cache / "normalised", 0, keep=ec) == [eb]             # everything but the kept one
+    assert ec.is_dir() and writing.is_dir()

@@ -204,27 +204,14 @@ def default_cache_dir() -> Path:
 
 def cache_limit() -> int:
     """Bytes the spectra cache may hold: ``$LOWRANK_LIB_WHITENED_CACHE_GB`` (default 8 GB, a few models' worth)."""
-    return int(float(os.environ.get("LOWRANK_LIB_WHITENED_CACHE_GB", "8")) * 1e9)
+    from ..models import cache_limit as limit
+
+    return limit("LOWRANK_LIB_WHITENED_CACHE_GB", 8)
 
 
 def prune_cache(folder: str | Path, max_bytes: int, keep: str | Path | None = None) -> list[Path]:
-    """Delete the least recently used ``*.safetensors`` of ``folder`` (by modification time: a hit touches its
-    file) until the rest hold at most ``max_bytes``; ``keep`` is never deleted. Returns what was deleted."""
-    files = []
-    for p in Path(folder).glob("*.safetensors"):
-        try:
-            st = p.stat()
-        except OSError:
-            continue
-        files.append((st.st_mtime, st.st_size, p))
-    total = sum(size for _, size, _ in files)
-    gone = []
-    for _, size, p in sorted(files, key=lambda f: f[0]):
-        if total <= max_bytes:
-            break
-        if keep is not None and p == Path(keep):
-            continue
-        p.unlink(missing_ok=True)
-        total -= size
-        gone.append(p)
-    return gone
+    """The least recently used spectra files of ``folder`` deleted until the rest hold at most ``max_bytes``
+    (:func:`lowrank_lib.models.prune_lru`); ``keep`` never. Returns what was deleted."""
+    from ..models import prune_lru
+
+    return prune_lru(folder, max_bytes, keep, "*.safetensors")
