@@ -61,6 +61,21 @@ def wrapped(text: str, width: int = 44) -> str:
     return "\n".join(lines)
 
 
+def plain_log_ticks(ax, axis: str = "both") -> None:
+    """Tick labels of a log axis as plain numbers ("0.7", not "7×10⁻¹"), the minor ones labelled only where the
+    axis spans less than about two decades: a narrow log range (a ratio near 1 on a user's model) otherwise gets
+    long overlapping minor labels, which :func:`check` refuses."""
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:.3g}"
+
+    for a in ([ax.xaxis, ax.yaxis] if axis == "both" else [ax.xaxis] if axis == "x" else [ax.yaxis]):
+        a.set_major_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+        a.set_minor_formatter(Plain(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
 class FigureCheckError(ValueError):
     """A figure fails :func:`check`; ``problems`` lists why."""
 

@@ -112,3 +112,33 @@ def test_rotated_labels_are_tested_as_rotated_rectangles():
     ax2.bar(range(12), range(12))
     ax2.set_xticks(range(12), [f"a long label {i}" for i in range(12)], rotation=30, ha="right")
     assert any("x tick labels" in p for p in figures.check(fig2))
+
+
+def test_plain_log_ticks_keep_a_narrow_log_range_readable():
+    """A log axis over 0.65-0.72 (ratios near 1 on a user's model): matplotlib's default minor labels
+    ("7×10⁻¹" for each of 0.66, 0.67, ...) overlap and repeat; plain_log_ticks labels them 0.66, 0.67, ... once each,
+    and the check passes."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from lowrank_lib.figures import check, plain_log_ticks
+
+    def draw(fix):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax in axes:
+            x = np.linspace(0.65, 0.72, 40)
+            ax.scatter(x, x[::-1], s=5)
+            ax.set(xscale="log", yscale="log", title="output error at r = 32, every head (colour = layer)")
+            if fix:
+                plain_log_ticks(ax)
+        fig.tight_layout()
+        return fig, axes
+
+    fig, _ = draw(False)
+    assert check(fig), "matplotlib's default labels no longer overlap here: the test lost its point"
+    plt.close(fig)
+    fig, axes = draw(True)
+    fig.canvas.draw()
+    labels = [t.get_text() for t in axes[0].get_xticklabels(minor=True) if t.get_text()]
+    assert check(fig) == [] and "0.7" in labels and len(labels) == len(set(labels))
+    plt.close(fig)
