@@ -254,9 +254,7 @@ def family_rows(cfg: QualityConfig, fam: str, keep_dir: str | None = None) -> di
                     raise RuntimeError(f"{p}: detected {detect_format(p)!r}, wrote {fmt!r}")
                 disk = dir_bytes(p)
                 back = load_checkpoint(p, dtype=torch.float32)     # the evaluations run in fp32
-                with torch.no_grad():
-                    ref = cm(probe).logits
-                    err = float((back(probe).logits - ref).norm() / ref.norm())
+                err = _rel(_logits(back, probe), _logits(cm, probe))
                 cm = back
                 facts = normalisation_facts(back)
                 if keep_dir is None:
