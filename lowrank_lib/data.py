@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["calibration_batches", "chat_calibration_batches", "data_dir", "load_text", "random_token_batches",
-           "SPLITS", "tokens"]
+           "SPLITS", "token_stream", "tokens"]
 
 SPLITS = ("valid", "test")
 
@@ -89,3 +89,14 @@ def random_token_batches(vocab_size: int, n_samples: int, seq_len: int, seed: in
     """Seeded random ids for tiny models without a tokenizer: ``[n_samples, seq_len]``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (n_samples, seq_len), generator=g)
+
+
+def token_stream(tokenizer, length: int, vocab_size: int, split: str = "test", seed: int = 0) -> torch.Tensor:
+    """The first ``length`` token ids of ``split`` (1-D), or, without a tokenizer (a checkpoint alone), ``length``
+    seeded random ids below ``vocab_size``: what a prompt of a timing or a recording is cut from."""
+    if tokenizer is None:
+        return random_token_batches(vocab_size, 1, length, seed)[0]
+    ids = tokens(tokenizer, split)
+    if ids.numel() < length:
+        raise ValueError(f"{split} has {ids.numel()} tokens, fewer than the {length} asked for")
+    return ids[:length]

@@ -1,11 +1,14 @@
-"""Your checkpoint through the notebooks (issue 28): CHECKPOINT in 01 / 02 / 03 / 04, a refused checkpoint stopping a
-notebook at its first code cell, ``python -m lowrank_lib.notebooks run --checkpoint`` end to end.
+"""Your checkpoint through the notebooks (issue 28): CHECKPOINT in 00 to 06, a refused checkpoint stopping a notebook
+at its first code cell, ``python -m lowrank_lib.notebooks run --checkpoint`` end to end.
 
-Every family goes through notebook 01's and 02's library paths (01: ``checkpoint_rows``; 02: resolve, describe, the
-systems' dispatch counts) with and without a reference; ONE family runs through the real notebooks 01 and 02 without
-a tokenizer or a reference, and one (with both) through 01, 02 and 04 by the command: a papermill run per family
-would cost minutes (each kernel ~12 s of imports alone)."""
+Every family goes through notebook 01's, 02's and 05 / 06's library paths (01: ``checkpoint_rows``; 02: resolve,
+describe, the systems' dispatch counts; 05 / 06: the continuation protocol and the engine serving AttSVD on the
+compressed model) with and without a reference; ONE family runs through the real notebooks 00, 01, 02, 05 and 06
+without a tokenizer or a reference (00 and 02 in JupyterLab: tests/browser/test_lab.py), and one (with both)
+through 00, 01, 02 and 04 by the command: a papermill run per
+family would cost minutes (each kernel ~12 s of imports alone)."""
 import json
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -18,15 +21,16 @@ from lowrank_lib.notebooks.html import output_problems
 from lowrank_lib.resolve import NO_TOKENIZER, describe, normalised_path, resolve_models, source_hash
 from test_resolve import family_files, reference_dir  # noqa: F401 (fixtures: the families' small files, a reference)
 
-NB00, NB01, NB02, NB04 = ("00_quickstart", "01_checkpoint_normalization", "02_launch_count_profiling",
-                          "04_attsvd_interpretability")
+NB00, NB01, NB02, NB04, NB05, NB06 = ("00_quickstart", "01_checkpoint_normalization", "02_launch_count_profiling",
+                                      "04_attsvd_interpretability", "05_attsvd_quality_memory",
+                                      "06_factor_space_attention")
 
 
 def test_the_notebooks_taking_a_checkpoint_resolve_it_in_their_first_code_cell():
-    """00 / 01 / 02 / 03 / 04 declare CHECKPOINT, and the first code cell after the parameters reads it (so a refused
-    file stops the notebook there); the quick parameters name only what each declares."""
+    """00 to 06 declare CHECKPOINT, and the first code cell after the parameters reads it (so a refused file stops the
+    notebook there); the quick parameters name only what each declares. (07 reads a committed frontier of SmolLM2.)"""
     names = own.checkpoint_notebooks()
-    assert names == [NB00, NB01, NB02, "03_graph_replay_ablation", "04_attsvd_interpretability"]
+    assert names == [NB00, NB01, NB02, "03_graph_replay_ablation", NB04, NB05, NB06]
     for n in names:
         nb = nbformat.read(notebooks.notebooks_dir() / f"{n}.ipynb", as_version=4)
         code = [c for c in nb.cells if c.cell_type == "code"]
@@ -93,6 +97,36 @@ def test_every_family_through_notebook_01s_library_path(family_files, reference_
             assert 0 <= mine["ref_top1_agree"] <= 1 and mine["ref_logit_rel_err"] > 0
 
 
+@pytest.mark.parametrize("family", synthetic.FAMILIES)
+def test_every_family_through_notebook_05_and_06s_library_path(family_files, reference_dir, family):  # noqa: F811
+    """What notebooks 05 and 06 do with a checkpoint, for every family, with the tiny reference and without: the
+    windows (WikiText-2 through the tokenizer, else seeded random ids), the continuation protocol of the AttSVD cache
+    read in factor space and rebuilt (the same function: equal per-window NLL; perplexity only with text), and the
+    runtime Engine serving the AttSVD method on the compressed model."""
+    from lowrank_lib.eval.factor_space import bench_engine
+    from lowrank_lib.eval.kvquality import continuation_by_rank, eval_windows
+
+    path = family_files[family]
+    for model in (None, reference_dir["bare"]):
+        _, comp, tok = resolve_models(model, path)
+        vocab = comp.config.vocab_size
+        w = eval_windows(tok, 2, 24, vocab, seed=1)
+        assert w.shape == (2, 24) and int(w.max()) < vocab
+        assert torch.equal(w, eval_windows(tok, 2, 24, vocab, seed=1))
+        q = continuation_by_rank(comp, tok, [1.0, 0.5], prefill_len=32, cont_len=8, n_windows=1, window=4,
+                                 progress=False)
+        ident = q["identity"]
+        assert q["text"] == (tok is not None) and q["factor_calls"] > 0 and q["rebuild_calls"] > 0
+        assert ident["max_window_nll_diff"] < 1e-4 and abs(q["rows"][0]["kl"]) < 1e-4      # full rank: exact
+        assert all((r["ppl"] is None) == (tok is None) for r in q["rows"])
+        assert (ident["ppl_rel_diff"] is None) == (tok is None)
+        rows = bench_engine(comp, tok, [24], [0.5], window=4, gen_tokens=2, progress=False, runs=1)
+        assert {r["route"] for r in rows} == {"engine_dense", "engine_factor"}
+        assert all(r["ms_token"] > 0 and len(r["tokens"]) == len(rows[0]["tokens"]) > 2 for r in rows)
+        factor = next(r for r in rows if r["route"] == "engine_factor")
+        assert 0 < factor["attsvd_ratio"] < 1.2
+
+
 def family_tokenizer(path) -> bool:
     from lowrank_lib.resolve import checkpoint_tokenizer
 
@@ -146,27 +180,12 @@ def _outputs(nb) -> str:
 
 
 @pytest.mark.notebook
-def test_notebook_02_on_a_checkpoint_without_tokenizer_or_reference(family_files, tmp_path):  # noqa: F811
-    """The real notebook 02 at CI size on an SVD-LLM file alone: the banner, no uncompressed rows, clean output."""
-    path = family_files["svdllm"]
-    out_nb = tmp_path / f"{NB02}.ipynb"
-    m = notebooks.papermill_run(NB02, out_nb, _ci_params(NB02, tmp_path, MODEL=None, CHECKPOINT=str(path)),
-                                progress=False, tracked=False)
-    assert m["checkpoint"] == str(path) and m["family"] == "svdllm" and m["keep"] == pytest.approx(0.6)
-    assert not m["reference"] and not m["tokenizer"] and not m["random_weights"]
-    assert not any(s.startswith("dense_") and s != "dense_kv" for s in m["systems"]) and "engine" in m["systems"]
-    assert m["per_token"]["naive"] > m["per_token"]["engine"] > 0
-    assert m["headline"]["model"].startswith(path.name)
-    nb = nbformat.read(out_nb, as_version=4)
-    assert NO_TOKENIZER in _outputs(nb)
-    assert output_problems(nb) == []
-
-
-@pytest.mark.notebook
-@pytest.mark.parametrize("name", [NB00, NB01])
+@pytest.mark.parametrize("name", [NB01])
 def test_notebooks_00_and_01_on_a_checkpoint_without_tokenizer_or_reference(family_files, tmp_path, name):  # noqa: F811
     """The real notebooks 00 (the slider on the file's own factors) and 01 (the tour of the file) at CI size on a
-    Dobi file alone: the banner, no perplexity anywhere, clean output; 00 compares with the checkpoint as stored."""
+    Dobi file alone: the banner, no perplexity anywhere, clean output; 00 compares with the checkpoint as stored.
+    00 (and 02) on such a file run in JupyterLab instead (``tests/browser/test_lab.py::test_run_all_on_a_checkpoint``,
+    the same checks); a papermill run here as well would cost CI a kernel each."""
     path = family_files["dobi"]
     out_nb = tmp_path / f"{name}.ipynb"
     m = notebooks.papermill_run(name, out_nb, _ci_params(name, tmp_path, MODEL=None, CHECKPOINT=str(path)),
@@ -183,6 +202,31 @@ def test_notebooks_00_and_01_on_a_checkpoint_without_tokenizer_or_reference(fami
         assert m["reference"] is None and not m["ref_logit_rel_err"]
     nb = nbformat.read(out_nb, as_version=4)
     assert NO_TOKENIZER in _outputs(nb)
+    assert output_problems(nb) == []
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("name", [NB05, NB06])
+def test_notebooks_05_and_06_on_a_checkpoint_without_tokenizer_or_reference(family_files, tmp_path, name):  # noqa: F811
+    """The real notebooks 05 (every KV cache) and 06 (factor-space attention) at CI size on a Dobi file alone: the
+    banner, random ids, no perplexity stored or shown, the committed SmolLM2 frontier skipped (05), clean output."""
+    path = family_files["dobi"]
+    out_nb = tmp_path / f"{name}.ipynb"
+    m = notebooks.papermill_run(name, out_nb, _ci_params(name, tmp_path, MODEL=None, CHECKPOINT=str(path)),
+                                progress=False, tracked=False)
+    assert m["checkpoint"] == str(path) and not m["tokenizer"] and m["label"].startswith(path.name)
+    assert m["headline"]["model"] == m["label"]
+    if name == NB05:
+        assert m["ppl_dense"] is None and set(m["ppl"].values()) == {None} and m["frontier"] is None
+        assert not any("ppl" in k for k in m["targets_50pct"]) and m["kl"]
+    else:
+        q = m["continuation"]
+        assert q["ppl_dense"] is None and all(r["ppl"] is None for r in m["quality_rows"])
+        assert q["identity"]["max_window_nll_diff"] < 1e-4 and m["decode_tokens_equal"]
+    nb = nbformat.read(out_nb, as_version=4)
+    text = _outputs(nb)
+    assert NO_TOKENIZER in text
+    assert "perplexity" not in text.replace(NO_TOKENIZER, "").replace("no perplexity", "")
     assert output_problems(nb) == []
 
 
@@ -250,3 +294,18 @@ def test_the_command_refuses_what_it_cannot_run(tmp_path, capsys):
         notebooks.main(["run", "--ci", "--checkpoint", "x.pt", "--out", str(tmp_path)])
     with pytest.raises(ValueError, match="committed reports' folder"):
         own.run("x.pt", notebooks.root() / "reports")
+    with pytest.raises(ValueError, match="does not take CHECKPOINT"):
+        notebooks.prepare("07_lowrank_vs_quantization", tmp_path, checkpoint="x.pt")
+
+
+def test_a_copy_prepared_on_a_checkpoint_runs_on_it(tmp_path):
+    """``prepare NAME DIR --checkpoint PATH [--model M]``: the copy's injected cell names the file (absolute) and the
+    reference, on top of the CI parameters; without --checkpoint nothing of it is injected."""
+    assert notebooks.main(["prepare", NB05, str(tmp_path / "a"), "--checkpoint", "x.pt", "--model", "smollm2"]) == 0
+    notebooks.prepare(NB05, tmp_path / "b")
+    for sub, checkpoint, model in (("a", str(Path("x.pt").resolve()), "smollm2"), ("b", None, "smollm2")):
+        nb = nbformat.read(tmp_path / sub / f"{NB05}.ipynb", as_version=4)
+        cell = next(c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", []))
+        env = {}
+        exec(cell.source, env)
+        assert env.get("CHECKPOINT") == checkpoint and env["MODEL"] == model and env["PROMPT_LEN"] == 160

@@ -99,6 +99,17 @@ def test_table_describe_and_draw_show_the_current_keep(explorer):
     assert "keep 0.75" in labels and any(lab.startswith("dense") for lab in labels)
 
 
+def test_without_a_window_no_perplexity_is_shown(explorer):
+    """No tokenizer (``window=None``): no perplexity in the row, the table or the line; the KL stands in."""
+    ex, m, *_ = explorer
+    bare = KeepExplorer(m, ex.spectra, None, ex.answers)
+    row = bare.result(0.75)
+    assert row["ppl"] is None
+    t = bare.table(row)
+    assert not any("perplexity" in c for c in t.columns) and "KL to dense / token" in t.columns
+    assert "perplexity" not in bare.describe(row) and "KL" in bare.describe(row)
+
+
 def test_panel_is_none_outside_a_kernel(explorer):
     ex, *_ = explorer
     assert ex.panel(0.8) is None

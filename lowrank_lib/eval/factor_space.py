@@ -192,11 +192,11 @@ def _attsvd(r: int, window: int, obs_window: int | None = None):
 def bench_decode(model, tok, cfg: FactorDecodeConfig, progress: bool = True) -> list[dict]:
     """Rows {context, route, rank, ms_token, tokens_equal_rebuild, max_logit_rel_err, memory_ratio}: the AttSVD cache
     (``KVCache``) read by the paper's rebuild-then-attend backend and in factor space, and the dense cache."""
-    from ..data import tokens
+    from ..data import token_stream
     from ..kv import KVCache, record
     from ..kv.hf_adapter import dense_cache, tiered_attention
 
-    ids_all = tokens(tok, "test")
+    ids_all = token_stream(tok, max(cfg.contexts), model.config.vocab_size)      # no tokenizer: random ids
     d = geometry(model).head_dim
     rows = []
     for n in tqdm(cfg.contexts, desc="e2e contexts", disable=not progress):
@@ -249,11 +249,11 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
     All engines are prefilled, then their greedy decode steps are interleaved (rotated order per step, :mod:`lowrank_lib.timing`), so
     the ratios are measured side by side; the first step is a warm-up.
     """
-    from ..data import tokens
+    from ..data import token_stream
     from ..kv import MethodStore
     from ..runtime import Engine, EngineConfig
 
-    ids_all = tokens(tok, "test")
+    ids_all = token_stream(tok, max(contexts), model.config.vocab_size)          # no tokenizer: random ids
     d = geometry(model).head_dim
     rows = []
     for n in tqdm(contexts, desc="engine contexts", disable=not progress):

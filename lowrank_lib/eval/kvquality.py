@@ -25,7 +25,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..compat import cache_kw
 from ..kv.hf_adapter import KVCache, TieredRead, dense_cache, record, tiered_attention
 
-__all__ = ["continuation_by_rank", "continuation_quality", "QualityResult", "StackedCache", "wikitext_windows"]
+__all__ = ["continuation_by_rank", "continuation_quality", "eval_windows", "QualityResult", "StackedCache",
+           "wikitext_windows"]
 
 #: caches continued in one batch hold at most this many dense prefill bytes together (then the next batch)
 BATCH_BYTES = 1 << 30
@@ -63,6 +64,16 @@ def wikitext_windows(tok, n_windows: int, length: int, split: str = "test", seed
     g = torch.Generator().manual_seed(seed)
     pick = torch.randperm(n_avail, generator=g)[:n_windows].sort().values
     return torch.stack([ids[i * length:(i + 1) * length] for i in pick.tolist()])
+
+
+def eval_windows(tok, n_windows: int, length: int, vocab_size: int, seed: int = 0) -> torch.Tensor:
+    """:func:`wikitext_windows` of the test split, or, without a tokenizer (a checkpoint alone: issue 28), seeded
+    random ids below ``vocab_size`` of the same shape. A caller without text leaves its perplexity out."""
+    if tok is None:
+        from ..data import random_token_batches
+
+        return random_token_batches(vocab_size, n_windows, length, seed)
+    return wikitext_windows(tok, n_windows, length, seed=seed)
 
 
 class _StackedRead(TieredRead):
@@ -200,7 +211,9 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
     Every rank decodes in factor space; at ``identity_frac`` (r/d) the paper's rebuild-then-attend path runs too,
     on the same windows, so the identity of the two paths shows in the same numbers.
     Returns {"rows": [{rank_frac, rank, ppl, kl, kl_std, memory_ratio}], "ppl_dense", "identity": {...}, "factor_calls",
-    "rebuild_calls" (tiered attention calls of each reader: both really ran)}.
+    "rebuild_calls" (tiered attention calls of each reader: both really ran)}. Without a tokenizer (``tok`` None) the
+    windows are random ids (:func:`eval_windows`) and every perplexity is None: the KL and the per-window NLL
+    difference still compare the routes.
     """
     from ..geometry import geometry
     from ..kv import make_method
@@ -213,19 +226,21 @@ def continuation_by_rank(model, tok, rank_fracs: list[float], prefill_len: int =
         ir = max(1, round(identity_frac * d))
         methods["rebuild@identity"] = methods["factor@identity"] = make_method("attsvd", rank=ir, window=window)
         attention["rebuild@identity"] = "rebuild"
-    wins = wikitext_windows(tok, n_windows, prefill_len + cont_len)
+    wins = eval_windows(tok, n_windows, prefill_len + cont_len, model.config.vocab_size)
     res = continuation_quality(model, wins, prefill_len, methods, progress=progress, attention=attention)
-    rows = [{"rank_frac": f, "rank": r, "ppl": res[f"factor@{f}"].ppl, "kl": res[f"factor@{f}"].kl,
+    text = tok is not None                          # random ids: no perplexity
+    ppl = lambda v: v if text else None
+    rows = [{"rank_frac": f, "rank": r, "ppl": ppl(res[f"factor@{f}"].ppl), "kl": res[f"factor@{f}"].kl,
              "kl_std": res[f"factor@{f}"].kl_std, "memory_ratio": res[f"factor@{f}"].memory_ratio}
             for f, r in ranks.items()]
     out = {"prefill_len": prefill_len, "cont_len": cont_len, "n_windows": n_windows, "window": window,
-           "ppl_dense": next(iter(res.values())).ppl_dense, "rows": rows}
+           "text": text, "ppl_dense": ppl(next(iter(res.values())).ppl_dense), "rows": rows}
     if identity_frac is not None:
         reb, fac = res["rebuild@identity"], res["factor@identity"]
-        out["identity"] = {"rank": ir, "ppl_rebuild": reb.ppl, "ppl_factor": fac.ppl,
+        out["identity"] = {"rank": ir, "ppl_rebuild": ppl(reb.ppl), "ppl_factor": ppl(fac.ppl),
                            "kl_rebuild": reb.kl, "kl_factor": fac.kl, "memory_ratio_rebuild": reb.memory_ratio,
                            "memory_ratio_factor": fac.memory_ratio,
-                           "ppl_rel_diff": abs(fac.ppl - reb.ppl) / reb.ppl,
+                           "ppl_rel_diff": ppl(abs(fac.ppl - reb.ppl) / reb.ppl),
                            "max_window_nll_diff": max(abs(a - b) for a, b in zip(fac.window_nll, reb.window_nll))}
     # which reader really ran: the tiered attention calls of every factor-space method and of the rebuild one
     out["factor_calls"] = sum(res[f"factor@{f}"].attention_calls.get("portable", 0) for f in ranks)

@@ -160,20 +160,19 @@ class KeepExplorer:
         return {**row, "cached": False}
 
     def table(self, row: dict):
-        """Dense and the current keep side by side: parameters, window perplexity, agreement, KL, answer."""
+        """Dense and the current keep side by side: parameters, window perplexity (only with a tokenizer: no column
+        without text), agreement, KL, answer."""
         import pandas as pd
 
         d = self.dense()
-        n = self.window.numel() if self.window is not None else 0
         rows = []
         ref = self.reference
         for r, name in ((d, ref), (row, f"{self.spectra.label}, keep {row['keep']:.2f}")):
+            ppl = ({} if self.window is None else
+                   {f"perplexity (1 × {self.window.numel()} tokens)": f"{r['ppl']:.2f}"})
             rows.append({"model": name, "parameters (M)": f"{r['params'] / 1e6:.1f} ({r['params'] / d['params']:.0%})",
-                         f"perplexity (1 × {n} tokens)": ("none: no tokenizer" if r["ppl"] is None
-                                                          else f"{r['ppl']:.2f}"),
-                         f"agreement with {ref} answer": f"{r['agreement']:.0%}",
-                                 f"KL to {ref} / token": f"{r['kl']:.3f}",
-                         "greedy answer": readable(r["answer"])})
+                         **ppl, f"agreement with {ref} answer": f"{r['agreement']:.0%}",
+                         f"KL to {ref} / token": f"{r['kl']:.3f}", "greedy answer": readable(r["answer"])})
         return pd.DataFrame(rows).set_index("model")
 
     def describe(self, row: dict) -> str:

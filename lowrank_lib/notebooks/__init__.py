@@ -14,6 +14,7 @@ apply to every notebook that declares the name, ``overrides`` per notebook on to
                                                         # your model through every notebook taking CHECKPOINT
 
     python -m lowrank_lib.notebooks prepare 04_attsvd_interpretability DIR   # CI-sized copy to open
+    python -m lowrank_lib.notebooks prepare 00_quickstart DIR --checkpoint PATH [--model DIR]   # ... on your model
     python -m lowrank_lib.notebooks html                # reports/<nb>.html + reports/index.html (offline)
     python -m lowrank_lib.notebooks lab-settings        # JupyterLab saves widget state (make setup runs it)
 
@@ -456,13 +457,15 @@ def install_lab_settings(prefix: str | Path | None = None) -> Path:
     return path
 
 
-def prepare(name: str, dest: str | Path, ci: bool = True, params_file: str | Path | None = None) -> Path:
+def prepare(name: str, dest: str | Path, ci: bool = True, params_file: str | Path | None = None,
+            checkpoint: str | Path | None = None, model: str | None = None) -> Path:
     """Write ``dest/<name>.ipynb``: the notebook with the CI (or ``params_file``) parameters injected, not run.
 
     This is papermill's parameter injection (``papermill --prepare-only``): an ``injected-parameters``
     cell after the ``parameters`` cell, exactly what a headless run executes. Open the copy in
     JupyterLab and Run All to get the CI-sized notebook interactively. ``OUT_DIR`` / ``FIG_DIR`` are
-    not injected: the copy writes relative to the folder it runs in.
+    not injected: the copy writes relative to the folder it runs in. With ``checkpoint`` (a notebook
+    that declares ``CHECKPOINT``) the copy runs on that file, with ``model`` as its reference (None: none).
     """
     import papermill as pm
 
@@ -470,6 +473,10 @@ def prepare(name: str, dest: str | Path, ci: bool = True, params_file: str | Pat
     if not src.exists():
         raise FileNotFoundError(f"no notebook named {name!r} in {notebooks_dir()}")
     params = {k: v for k, v in plan(name, ci, params_file).items() if k not in ("OUT_DIR", "FIG_DIR")}
+    if checkpoint is not None:
+        if "CHECKPOINT" not in declared_parameters(src):
+            raise ValueError(f"{name} does not take CHECKPOINT (it studies the built-in model only)")
+        params |= {"CHECKPOINT": str(Path(checkpoint).resolve()), "MODEL": model}
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     out = dest / f"{name}.ipynb"
@@ -500,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("names", nargs="+", help="notebook stems")
     pp.add_argument("dest", help="folder to write the copies into (outputs then go below it)")
     pp.add_argument("--params", default=None, help="a parameter YAML instead of notebooks/params/ci.yaml")
+    pp.add_argument("--checkpoint", default=None, help="your compressed model: the copies run on it")
+    pp.add_argument("--model", default=None, help="with --checkpoint: its dense reference (default: none)")
     sub.add_parser("list", help="notebooks on disk and whether CI runs them")
     h = sub.add_parser("html", help="render reports/<nb>.ipynb to offline reports/<nb>.html, and reports/index.html")
     h.add_argument("names", nargs="*", help="notebook stems (default: every executed report)")
@@ -519,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd == "prepare":
         for n in args.names:
-            print(prepare(n, args.dest, ci=args.params is None, params_file=args.params))
+            print(prepare(n, args.dest, ci=args.params is None, params_file=args.params, checkpoint=args.checkpoint,
+                          model=args.model))
         return 0
     if args.checkpoint is not None or args.model is not None or args.out is not None:
         if args.checkpoint is None or args.out is None or args.ci:

@@ -159,8 +159,9 @@ class Lab:
         self.page.locator(".jp-NotebookPanel .jp-Cell").first.wait_for(timeout=120_000 * SLOW)
         current = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current .lm-TabBar-tabLabel")
         deadline = time.time() + 60 * SLOW
+        label = f"{Path(name).name}.ipynb"                  # a copy in a subfolder: the tab names the file only
         while (self.page.locator(".jp-NotebookPanel").count() != 1
-               or (current.first.text_content() if current.count() else None) != f"{name}.ipynb"):
+               or (current.first.text_content() if current.count() else None) != label):
             if time.time() > deadline:
                 tabs = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tabLabel").all_text_contents()
                 pytest.fail(f"{name}.ipynb is not the only open notebook: tabs {tabs}")

@@ -18,6 +18,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,7 +33,9 @@ TIMINGS: dict[str, dict] = {}
 
 
 def _metrics(lab, name: str, timeout_s: float = 120) -> dict:
-    path = lab.nbdir / "reports" / name / "metrics.json"
+    """The metrics a notebook copy wrote: ``reports/<stem>/metrics.json`` beside the copy (``name`` may name a copy in
+    a subfolder, ``mine/00_quickstart``)."""
+    path = lab.nbdir / Path(name).parent / "reports" / Path(name).name / "metrics.json"
     deadline = time.time() + timeout_s
     while not path.exists():
         assert time.time() < deadline, f"{path} was not written (outputs must land next to the notebook copy)"
@@ -73,6 +76,21 @@ def _move(lab, panel, slider) -> tuple[str, float, float]:
     step = abs(_value(slider)[0] - now)
     track = slider.locator(".noUi-target").first.bounding_box()["width"]
     return text, dt, track / max(1.0, round((hi - lo) / step)) if step else 0.0
+
+
+def _panels(lab):
+    """Each slider panel of the open notebook, (index, panel), once it shows its first answer."""
+    for i in range(lab.panels().count()):
+        panel = lab.panels().nth(i)
+        lab.wait_status(panel, r"^showing ", STEP_S)
+        yield i, panel
+
+
+def _moves(lab, panel):
+    """Every slider of ``panel`` moved one step in turn: :func:`_move`'s (status, seconds, px per step) each."""
+    sliders = panel.locator(".widget-slider")
+    for j in range(sliders.count()):
+        yield _move(lab, panel, sliders.nth(j))
 
 
 # --------------------------------------------------------------------------- per-notebook checks of the values
@@ -142,12 +160,8 @@ def test_run_all_then_every_slider(lab, timings, name):
     timings.add(f"{name} Run All to the last output", last_output_s)
     m = _metrics(lab, name)
     answers, first_answer_s, statuses = [], None, []
-    for i in range(lab.panels().count()):
-        panel = lab.panels().nth(i)
-        lab.wait_status(panel, r"^showing ", STEP_S)
-        sliders = panel.locator(".widget-slider")
-        for j in range(sliders.count()):
-            text, dt, px = _move(lab, panel, sliders.nth(j))
+    for i, panel in _panels(lab):
+        for j, (text, dt, px) in enumerate(_moves(lab, panel)):
             assert px >= MIN_PX_PER_STEP, f"slider {j} of panel {i}: {px:.1f} px of track per step"
             answers.append(dt)
             first_answer_s = first_answer_s or time.time() - t0
@@ -178,6 +192,59 @@ def test_run_all_then_every_slider(lab, timings, name):
     assert html.count(PANEL_NOTE.split(":")[0]) >= len(statuses)
     last_value = re.search(r"showing (.+?) \(answered", statuses[-1]).group(1)
     assert last_value.split(",")[0] in html, f"{name}: the last view ({last_value}) is not in the HTML"
+
+
+@pytest.fixture(scope="module")
+def on_checkpoint(lab_server):
+    """``mine/``: a Dobi-SVD file alone (no tokenizer beside it, no reference) and copies of 00 and 02 prepared on it
+    (``python -m lowrank_lib.notebooks prepare NAME DIR --checkpoint PATH``), as a user with only a compressed file
+    gets them."""
+    from lowrank_lib import synthetic
+
+    _, _, nbdir = lab_server
+    mine = nbdir / "mine"
+    path = synthetic.write_family("dobi", "quick", mine / "ckpt", keep=0.6)
+    for name in ("00_quickstart", "02_launch_count_profiling"):
+        notebooks.prepare(name, mine, ci=True, checkpoint=path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["00_quickstart", "02_launch_count_profiling"])
+def test_run_all_on_a_checkpoint(lab, on_checkpoint, name):
+    """Your checkpoint in JupyterLab (issue 28): Run All of a copy prepared on a Dobi file alone, every slider moved
+    one step, saved clean. What it ran on: the file, no tokenizer (the banner; no perplexity anywhere), no reference
+    (00 compares with the file as stored and truncates its own factors; 02 runs no uncompressed system)."""
+    import nbformat
+
+    from lowrank_lib.notebooks.html import output_problems
+    from lowrank_lib.resolve import NO_TOKENIZER
+
+    copy = f"mine/{name}"
+    lab.open(copy)
+    lab.run_all()
+    lab.wait_all_done(NB_RUN_S)
+    m = _metrics(lab, copy)
+    assert m["checkpoint"] == str(on_checkpoint.resolve()) and not m["tokenizer"] and m["peak_rss_bytes"] > 0
+    for _, panel in _panels(lab):
+        for text, _, _ in _moves(lab, panel):
+            assert "perplexity" not in "\n".join(_views(lab, panel)), text
+    if name == "00_quickstart":
+        assert lab.panels().count() == 1
+        rows = m["slider_rows"]
+        assert rows and all(r["ppl"] is None and r["method"] == "truncated" for r in rows)
+        assert m["reference_row"]["method"] == "your checkpoint" and m["reference_row"]["agreement"] == 1.0
+        lo, hi = m["slider_range"]
+        assert lo < hi <= m["keep"] + 1e-9 and rows[0]["params"] <= m["params_checkpoint"]
+    else:
+        assert m["family"] == "dobi" and m["keep"] == pytest.approx(0.6) and not m["reference"]
+        assert not any(s.startswith("dense_") and s != "dense_kv" for s in m["systems"]) and "engine" in m["systems"]
+        assert m["per_token"]["naive"] > m["per_token"]["engine"] > 0
+    lab.assert_clean()
+    lab.save()
+    nb = nbformat.read(lab.nbdir / f"{copy}.ipynb", as_version=4)
+    assert NO_TOKENIZER in "\n".join(str(o.get("data", {}).get("text/plain", o.get("text", "")))
+                                     for c in nb.cells for o in c.get("outputs", []))
+    assert not output_problems(nb), f"{copy}: the saved notebook is not clean:\n" + "\n".join(output_problems(nb))
 
 
 @pytest.mark.skipif(not os.environ.get("LOWRANK_LIB_BROWSER_TIMINGS"), reason="the timing run only")
