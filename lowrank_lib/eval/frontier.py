@@ -483,7 +483,9 @@ def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read 
         return (p["system"], p["method"], p["weights"] if p["system"] == "lowrank_lib" else None)
 
     methods = list(dict.fromkeys(series(p) for p in points))
-    colours = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
+    # no greys (the frontier line is grey), and distinct colours past 18 series
+    palette = [plt.cm.tab20(i) for i in range(20) if i not in (14, 15)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
+    colours = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
     fig, axes = plt.subplots(len(panels), 1, figsize=(panel_size[0], panel_size[1] * len(panels) + 0.6),
                              squeeze=False)
     for ax, (x, xname, scale) in zip(axes[:, 0], panels):
