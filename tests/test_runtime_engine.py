@@ -46,6 +46,35 @@ def test_engine_matches_hf_dynamic(preset, cfg):
     _cmp(eng.generate(ids, 10, return_logits=True), ref)
 
 
+def test_engines_side_by_side_share_one_copy_of_the_weights():
+    """``weights_of``: a second engine of the same model (here with the AttSVD store) reads the first one's packed
+    weights (the same storage), decodes exactly as an engine with its own copy, and leaves the first one's decode
+    unchanged when the two are stepped alternately; an engine that would pack differently is refused."""
+    from lowrank_lib.kv import MethodStore, make_method
+
+    model = compress_svd(models.tiny_model("tiny-gqa", seed=1), 0.6)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(3))
+    cfg = EngineConfig(max_seq_len=64)
+    store = lambda: MethodStore(make_method("attsvd", rank=8, window=4))
+    first = Engine(model, cfg)
+    shared = Engine(model, cfg, kv=store(), weights_of=first)
+    own = Engine(model, cfg, kv=store())
+    ptrs = lambda e: {t.data_ptr() for L in e.layers for g in (L.qkv, L.o, L.gate_up, L.down) for t in g.tensors()
+                      if t is not None}
+    assert ptrs(shared) == ptrs(first) and shared.lm_head is first.lm_head and shared.embed is first.embed
+    assert not ptrs(own) & ptrs(first)
+    alone = Engine(model, cfg).generate(ids, 6, return_logits=True)
+    a = own.generate(ids, 6, return_logits=True)
+    b = shared.generate(ids, 6, return_logits=True)
+    c = first.generate(ids, 6, return_logits=True)          # after the sharer decoded with the same weights
+    assert torch.equal(a.tokens, b.tokens) and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    assert torch.equal(c.tokens, alone.tokens) and all(torch.equal(x, y) for x, y in zip(c.logits, alone.logits))
+    with pytest.raises(ValueError, match="packs its weights differently \\(dtype"):
+        Engine(model, EngineConfig(max_seq_len=64, dtype=torch.bfloat16), weights_of=first)
+    with pytest.raises(ValueError, match="fold_rope"):
+        Engine(model, EngineConfig(max_seq_len=64, kv="rebuild", pack_qkv=False, pack_mlp=False), weights_of=first)
+
+
 def test_dense_model_and_mixed_model():
     dense = models.tiny_model("tiny-gqa", seed=2)
     ids = torch.randint(0, 256, (1, 9), generator=torch.Generator().manual_seed(0))

@@ -260,9 +260,10 @@ def bench_engine(model, tok, contexts: list[int], rank_fracs: list[float], windo
         ids = ids_all[:n][None]
         ecfg = EngineConfig(max_seq_len=n + runs * (gen_tokens + 1) + 2)
         engines = {("engine_dense", d): Engine(model, ecfg)}
-        for f in rank_fracs:
+        for f in rank_fracs:                  # one copy of the packed weights for every engine (a 1B model: 3x less)
             r = max(1, round(f * d))
-            engines[("engine_factor", r)] = Engine(model, ecfg, kv=MethodStore(_attsvd(r, window)))
+            engines[("engine_factor", r)] = Engine(model, ecfg, kv=MethodStore(_attsvd(r, window)),
+                                                   weights_of=engines[("engine_dense", d)])
         state, prefill_s = {}, {}
         for k, eng in engines.items():
             t0 = time.perf_counter()                                   # one prefill each: a wall-time pair

@@ -62,9 +62,14 @@ class Engine:
     config : :class:`EngineConfig`.
     kv : a :class:`~lowrank_lib.runtime.kv.KVStore` (allocated here); None = the store named by
         ``config.kv`` (``"dense"`` or ``"rebuild"``).
+    weights_of : another Engine of the SAME model whose packed weights this one reads instead of packing its own
+        (the weights are only read at decode): engines side by side with different KV stores then hold one copy
+        of the weights, not one each. Refused (ValueError) when the two would pack differently (dtype, device,
+        layout, packing, kernels, RoPE / norm folding, LM head).
     """
 
-    def __init__(self, model: nn.Module, config: EngineConfig | None = None, kv: KVStore | None = None):
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, kv: KVStore | None = None,
+                 weights_of: "Engine | None" = None):
         self.config = cfg = config or EngineConfig()
         if kv is not None and cfg.kv != "dense":
             raise ValueError(f"Engine got a store ({type(kv).__name__}) and EngineConfig(kv={cfg.kv!r}): the store "
@@ -85,8 +90,9 @@ class Engine:
         self._act = F.silu if act in ("silu", "swish") else model.model.layers[0].mlp.act_fn
         dev, dt = self.device, self.dtype
         cv = lambda t: t.detach().to(device=dev, dtype=dt).contiguous()
-        self.embed = cv(model.get_input_embeddings().weight)
-        self.norm = cv(model.model.norm.weight)
+        if weights_of is None:
+            self.embed = cv(model.get_input_embeddings().weight)
+            self.norm = cv(model.model.norm.weight)
         # RoPE folding doubles the stored rows of q/k: cheap for a low-rank U [out, r], a bad trade for
         # a dense W [out, in] (decode is bandwidth bound), so it applies when every q/k is low rank; a
         # store of latents rebuilds keys from the unfolded U.
@@ -97,12 +103,22 @@ class Engine:
         nw = (lambda w: w) if cfg.fold_norm else (lambda w: None)
         compiled = cfg.graph != "none" and self.device.type == "cpu"
         self.gemv = select_gemv(cfg.kernels, self.device, dt, compiled, cfg.fused_compile)
+        self._packing = {"dtype": dt, "device": self.device, "fold_rope": fold, "fold_norm": cfg.fold_norm,
+                         "weight_layout": cfg.weight_layout, "fused_compile": cfg.fused_compile, "gemv": self.gemv,
+                         "pack_qkv": cfg.pack_qkv, "pack_mlp": cfg.pack_mlp, "lm_head": cfg.lm_head}
+        if weights_of is not None:
+            differ = [k for k, v in self._packing.items() if weights_of._packing.get(k) != v]
+            if differ or weights_of.n_layers != self.n_layers or weights_of.hidden != self.hidden:
+                raise ValueError(f"weights_of: that engine packs its weights differently ({', '.join(differ) or 'geometry'}"
+                                 f"): build this one with its own weights")
+            self.embed, self.norm, self.lm_head = weights_of.embed, weights_of.norm, weights_of.lm_head
         lay = dict(layout=cfg.weight_layout, fuse_gemv=cfg.fused_compile, gemv=self.gemv)
-        self.lm_head = make_lm_head(cfg.lm_head, ProjectionGroup(
-            {"lm_head": model.get_output_embeddings()}, True, dt, dev, in_scale=nw(model.model.norm.weight), **lay))
+        if weights_of is None:
+            self.lm_head = make_lm_head(cfg.lm_head, ProjectionGroup(
+                {"lm_head": model.get_output_embeddings()}, True, dt, dev, in_scale=nw(model.model.norm.weight), **lay))
         rope = {"q_proj": (self.n_heads, self.head_dim), "k_proj": (self.n_kv, self.head_dim)} if fold else {}
-        self.layers: list[_Layer] = []
-        for L in model.model.layers:
+        self.layers: list[_Layer] = list(weights_of.layers) if weights_of is not None else []
+        for L in (model.model.layers if weights_of is None else []):
             a, m = L.self_attn, L.mlp
             w1, w2 = L.input_layernorm.weight, L.post_attention_layernorm.weight
             self.layers.append(_Layer(
