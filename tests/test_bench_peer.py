@@ -417,6 +417,33 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     assert res["cleaned_up"] and not any((tmp_path / "c").glob("**/*.safetensors"))
 
 
+def test_peer_scale_times_quantized_factors_as_units_of_their_own(tmp_path):
+    """``ScaleConfig(factor_bits=...)``: one bf16 unit per keep and bits after the bf16 factors; its child quantizes
+    the keep factors (int8 reads fewer weight bytes than bf16, int4 fewer still) and labels its rows; quantized
+    factors without bf16 activations are refused."""
+    from dataclasses import asdict
+
+    from lowrank_lib.bench import peer_scale as ps
+
+    small = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 512}
+    cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("bf16",),
+                         factor_bits=(8, 4), systems=("lowrank_lib_lowrank",), threads=(1,), prompt_len=8, gen_len=4,
+                         repeats=1, graph="none", gemv_classes=False, cache_dir=str(tmp_path / "c"), out=str(tmp_path),
+                         bandwidth_bytes=1 << 22)
+    units = ps.units(cfg)
+    assert [(u["keep"], u.get("factor_bits")) for u in units] == [(0.5, None), (0.5, 8), (0.5, 4)]
+    config = asdict(cfg)
+    ps.prepare(config)
+    rows = {u.get("factor_bits"): ps.run_unit(config, u, str(tmp_path / f"l{i}.pt"))["rows"][0]
+            for i, u in enumerate(units)}
+    assert [rows[b]["factor_bits"] for b in (None, 8, 4)] == [None, 8, 4]
+    wb = {b: r["weight_bytes_per_token"] for b, r in rows.items()}
+    assert wb[None] > wb[8] > wb[4] > 0, wb
+    with pytest.raises(SystemExit, match="bf16"):
+        ps.ScaleConfig(dtypes=("fp32",), factor_bits=(8,))
+
+
 def test_figures_are_redrawn_from_a_result(tmp_path):
     """`bench peer --replot JSON` draws decode-vs-bytes and the thread-scaling figure without running."""
     from lowrank_lib.bench.cli import main

@@ -9,7 +9,8 @@ random factors of the canonical ranks. Systems (``rows[].system``, :data:`~.peer
 written by OUR exporter from the SAME dense weights (``formats.gguf.write_hf_gguf``, F32 / BF16, verified tensor by
 tensor) and on ``Q8_0`` / ``Q4_K_M`` files made from the BF16 one by llama.cpp's own quantizer (``rows[].dtype`` =
 q8_0 / q4_k_m: what a user picks instead of low rank); our Engine on the dense weights; our Engine on the random
-keep-``keep`` factors (``rows[].keep``).
+keep-``keep`` factors (``rows[].keep``), and with ``factor_bits`` those factors also quantized to int8 / int4
+(``lowrank_lib.quantize_factors``, group 32, bf16 activations: ``rows[].factor_bits``; the hybrid of issue 30).
 
 Every (system, dtype, keep) runs in its OWN child process (:mod:`lowrank_lib.bench.child`: a 7B dense model and its
 factors never share the machine's memory; each row carries the child's peak RSS, anonymous and file-backed); a
@@ -63,6 +64,7 @@ class ScaleConfig:
     dtypes: tuple[str, ...] | None = None          # None: DEFAULT_DTYPES[shape]
     threads: tuple[int, ...] = (1, 2)
     quants: tuple[str, ...] = QUANTS
+    factor_bits: tuple[int, ...] = ()               # our keep factors also quantized to these bits (bf16 rows)
     systems: tuple[str, ...] = SYSTEMS
     prompt_len: int = 512
     gen_len: int = 64
@@ -90,6 +92,9 @@ class ScaleConfig:
         self.quants = check_choices("llama.cpp quantizations", self.quants, QUANTS)
         self.systems = check_choices("systems", self.systems, SYSTEMS)
         self.keeps, self.threads = tuple(self.keeps), tuple(self.threads)
+        self.factor_bits = tuple(check_choices("factor bits", tuple(self.factor_bits), (8, 4)))
+        if self.factor_bits and "bf16" not in self.dtypes:
+            raise SystemExit("--factor-bits: quantized factors run with bf16 activations; add bf16 to --dtypes")
 
     def slug(self) -> str:
         return slug(self.shape, None if self.layers is None else f"L{self.layers}", "o" if self.overrides else None)
@@ -102,6 +107,9 @@ def units(cfg: ScaleConfig) -> list[dict]:
         out += [{"system": s, "dtype": dt, "keep": None} for s in SYSTEMS[:2] if s in cfg.systems]
         if "lowrank_lib_lowrank" in cfg.systems:
             out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k} for k in cfg.keeps]
+            if dt == "bf16":
+                out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k, "factor_bits": b}
+                        for k in cfg.keeps for b in cfg.factor_bits]
     if "llamacpp_dense" in cfg.systems:
         out += [{"system": "llamacpp_dense", "dtype": q, "keep": None} for q in cfg.quants]
     return out + [{"system": "gemv_classes", "dtype": dt, "keep": None} for dt in cfg.dtypes if cfg.gemv_classes]
@@ -167,8 +175,14 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
     if system == "llamacpp_dense":
         runner = llama_runner(gguf_path(cfg, dtype), dtype, S, cfg.threads[0], cfg.llama_flash_attn == "on")
     else:                    # the engine holds its own (packed) copy; the mapped file pages go with the model
-        runner = engine(load_shape_model(cfg.shape, keep, cfg.seed, cfg.layers, cfg.cache_dir, progress=False,
-                                         overrides=cfg.overrides), dtype, S, cfg.graph, cfg.lm_head)
+        model = load_shape_model(cfg.shape, keep, cfg.seed, cfg.layers, cfg.cache_dir, progress=False,
+                                 overrides=cfg.overrides)
+        if unit.get("factor_bits"):
+            from ..factorized import quantize_factors
+
+            model = quantize_factors(model, unit["factor_bits"])
+        runner = engine(model, dtype, S, cfg.graph, cfg.lm_head)
+        del model
     build_s, t, rows, first = time.perf_counter() - t0, Timed(system, runner), [], None
     for th in cfg.threads:
         torch.set_num_threads(th)
@@ -183,7 +197,7 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
         for _ in tqdm(range(cfg.repeats), desc=f"{system} {dtype} keep={keep} {th}t", leave=False):
             t.generate(ids, cfg.gen_len)
         rows.append(t.row(th, *bws.after(), shape=cfg.shape, layers=c.num_hidden_layers, dtype=dtype,
-                          keep=keep, copy_gbs_before_after=bws.copy, build_s=build_s,
+                          keep=keep, factor_bits=unit.get("factor_bits"), copy_gbs_before_after=bws.copy, build_s=build_s,
                           load_average={"before": la0, "after": load_average()}))
         rows[-1]["breakdown"] = t.profile(ids, cfg.gen_len)
     torch.save({"tokens": first.tokens[0], "logits": torch.cat(first.logits)}, logits)

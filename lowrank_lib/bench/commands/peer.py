@@ -39,8 +39,8 @@ def add_arguments(p) -> None:
     add_list(p, "--lm-heads", str, d.lm_heads, f"LM heads of our systems (SmolLM2), of {LM_HEADS}")
     add_list(p, "--quants", str, None, f"llama.cpp quantizations of the BF16 file (default {' '.join(QUANTS)}; "
                                        "'none': no quantized row)")
-    add_list(p, "--factor-bits", int, list(d.factor_bits), "SmolLM2: our keep-KEEP factors also quantized to these bits "
-                                                            "(bf16 rows; 0: none)")
+    add_list(p, "--factor-bits", int, None, "our keep factors also quantized to these bits (bf16 rows; 0: none; "
+                                            f"SmolLM2 default {' '.join(map(str, d.factor_bits))}, --shape default none)")
     p.add_argument("--layers", type=int, default=None, help="--shape: a reduced layer count (dry runs)")
     p.add_argument("--cleanup", action="store_true", help="--shape: delete the generated weights and GGUFs after")
     p.add_argument("--graph", default=d.graph, choices=("whole-step", "none"), help="our engine's decode step")
@@ -71,13 +71,18 @@ def config_from_args(a) -> PeerConfig:
                       systems=tuple(a.systems), lm_heads=tuple(a.lm_heads),
                       graph=a.graph, llama_flash_attn=a.llama_flash_attn or "auto", prompt=a.prompt,
                       audit_prompts=a.audit_prompts, seed=a.seed, out=a.out, note=a.note,
-                      quants=_quants(a, PeerConfig.quants), factor_bits=tuple(b for b in a.factor_bits if b))
+                      quants=_quants(a, PeerConfig.quants), factor_bits=_factor_bits(a, PeerConfig.factor_bits))
+
+
+def _factor_bits(a, default) -> tuple[int, ...]:
+    """``--factor-bits`` (0: none), or ``default`` when not given."""
+    return tuple(b for b in (default if a.factor_bits is None else a.factor_bits) if b)
 
 
 def scale_config_from_args(a) -> ScaleConfig:
     """The ``--shape`` run's config (its own checks: :class:`~lowrank_lib.bench.peer_scale.ScaleConfig`)."""
     return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)), dtypes=a.dtypes, threads=tuple(a.threads),
-                       quants=_quants(a, QUANTS), systems=tuple(a.systems),
+                       quants=_quants(a, QUANTS), systems=tuple(a.systems), factor_bits=_factor_bits(a, ()),
                        prompt_len=one(a.prompt_len, "--prompt-len"), gen_len=one(a.gen_len, "--gen-len"),
                        repeats=a.repeats, layers=a.layers, graph=a.graph, llama_flash_attn=a.llama_flash_attn or "on",
                        seed=a.seed, out=a.out, cleanup=a.cleanup, note=a.note)
