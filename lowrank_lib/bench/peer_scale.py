@@ -9,8 +9,7 @@ random factors of the canonical ranks. Systems (``rows[].system``, :data:`~.peer
 written by OUR exporter from the SAME dense weights (``formats.gguf.write_hf_gguf``, F32 / BF16, verified tensor by
 tensor) and on ``Q8_0`` / ``Q4_K_M`` files made from the BF16 one by llama.cpp's own quantizer (``rows[].dtype`` =
 q8_0 / q4_k_m: what a user picks instead of low rank); our Engine on the dense weights; our Engine on the random
-keep-``keep`` factors (``rows[].keep``), and with ``factor_bits`` those factors also quantized to int8 / int4
-(``lowrank_lib.quantize_factors``, group 32, bf16 activations: ``rows[].factor_bits``; the hybrid of issue 30).
+keep-``keep`` factors (``rows[].keep``), with ``factor_bits`` also as int8 / int4 factors (``rows[].factor_bits``).
 
 Every (system, dtype, keep) runs in its OWN child process (:mod:`lowrank_lib.bench.child`: a 7B dense model and its
 factors never share the machine's memory; each row carries the child's peak RSS, anonymous and file-backed); a
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from ..factorized import quantize_factors
 from ..models import (SHAPES, generated, load_shape_model, proj_shapes, shape_config, shape_dir,
                       write_shape_weights)
 from ..ranks import keep_rank
@@ -107,9 +107,8 @@ def units(cfg: ScaleConfig) -> list[dict]:
         out += [{"system": s, "dtype": dt, "keep": None} for s in SYSTEMS[:2] if s in cfg.systems]
         if "lowrank_lib_lowrank" in cfg.systems:
             out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k} for k in cfg.keeps]
-            if dt == "bf16":
-                out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k, "factor_bits": b}
-                        for k in cfg.keeps for b in cfg.factor_bits]
+            out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k, "factor_bits": b}   # quantized: bf16
+                    for k in cfg.keeps for b in (cfg.factor_bits if dt == "bf16" else ())]
     if "llamacpp_dense" in cfg.systems:
         out += [{"system": "llamacpp_dense", "dtype": q, "keep": None} for q in cfg.quants]
     return out + [{"system": "gemv_classes", "dtype": dt, "keep": None} for dt in cfg.dtypes if cfg.gemv_classes]
@@ -177,11 +176,8 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
     else:                    # the engine holds its own (packed) copy; the mapped file pages go with the model
         model = load_shape_model(cfg.shape, keep, cfg.seed, cfg.layers, cfg.cache_dir, progress=False,
                                  overrides=cfg.overrides)
-        if unit.get("factor_bits"):
-            from ..factorized import quantize_factors
-
-            model = quantize_factors(model, unit["factor_bits"])
-        runner = engine(model, dtype, S, cfg.graph, cfg.lm_head)
+        bits = unit.get("factor_bits")                 # int8 / int4 factors (lowrank_lib.quantize_factors, group 32)
+        runner = engine(quantize_factors(model, bits) if bits else model, dtype, S, cfg.graph, cfg.lm_head)
         del model
     build_s, t, rows, first = time.perf_counter() - t0, Timed(system, runner), [], None
     for th in cfg.threads:

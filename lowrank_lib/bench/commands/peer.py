@@ -71,18 +71,13 @@ def config_from_args(a) -> PeerConfig:
                       systems=tuple(a.systems), lm_heads=tuple(a.lm_heads),
                       graph=a.graph, llama_flash_attn=a.llama_flash_attn or "auto", prompt=a.prompt,
                       audit_prompts=a.audit_prompts, seed=a.seed, out=a.out, note=a.note,
-                      quants=_quants(a, PeerConfig.quants), factor_bits=_factor_bits(a, PeerConfig.factor_bits))
-
-
-def _factor_bits(a, default) -> tuple[int, ...]:
-    """``--factor-bits`` (0: none), or ``default`` when not given."""
-    return tuple(b for b in (default if a.factor_bits is None else a.factor_bits) if b)
+                      quants=_quants(a, PeerConfig.quants), factor_bits=tuple(b for b in a.factor_bits or PeerConfig.factor_bits if b))
 
 
 def scale_config_from_args(a) -> ScaleConfig:
     """The ``--shape`` run's config (its own checks: :class:`~lowrank_lib.bench.peer_scale.ScaleConfig`)."""
     return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)), dtypes=a.dtypes, threads=tuple(a.threads),
-                       quants=_quants(a, QUANTS), systems=tuple(a.systems), factor_bits=_factor_bits(a, ()),
+                       quants=_quants(a, QUANTS), systems=tuple(a.systems), factor_bits=tuple(b for b in a.factor_bits or () if b),
                        prompt_len=one(a.prompt_len, "--prompt-len"), gen_len=one(a.gen_len, "--gen-len"),
                        repeats=a.repeats, layers=a.layers, graph=a.graph, llama_flash_attn=a.llama_flash_attn or "on",
                        seed=a.seed, out=a.out, cleanup=a.cleanup, note=a.note)
