@@ -45,9 +45,9 @@ from ..factorized import quantize_factors
 from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
-from .peer_base import (COLORS, LM_HEADS, MARKERS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy,
-                        draw_decode_vs_bytes, engine, equivalence_line, format_table, judged, llama_runner,
-                        save_figure, start)
+from ..eval.speed_plot import COLORS, MARKERS, draw_decode_vs_bytes
+from .peer_base import (LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
+                        format_table, judged, llama_runner, save_figure, start)
 from .results import ResultFiles
 
 #: the keys every row holds (the notebooks' tables)
@@ -226,7 +226,7 @@ def save(res: dict, out_dir, table: str | None = None) -> Path:
 
 # --------------------------------------------------------------------------- figures
 def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
-    """Decode ms/token against weight bytes per token at ``threads`` (:func:`~.peer_base.draw_decode_vs_bytes`, the
+    """Decode ms/token against weight bytes per token at ``threads`` (:func:`~lowrank_lib.eval.speed_plot.draw_decode_vs_bytes`, the
     copy roofline of that thread count). Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 

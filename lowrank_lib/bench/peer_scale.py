@@ -16,12 +16,11 @@ factors never share the machine's memory; each row carries the child's peak RSS,
 first child writes the files (:func:`prepare`), a last one per dtype times each GEMV class of the geometry alone
 (:func:`lowrank_lib.runtime.bandwidth.measure`). A child runs every thread count: copy and read bandwidth before and after, a warm-up
 generation (our engine compiles its step there, timed apart), then ``repeats`` generations; the row is
-:class:`~.peer_base.Timed`'s, as in the SmolLM2 peer. The children run one after another and are NOT interleaved
-round by round (that needs every system alive in one process, which this design rules out at 7B), so ratios
-across children carry the drift of a shared machine: run it on an idle machine and read each row's
-``load_average`` and ``copy_gbs``. The parent compares the children's greedy tokens and logits at the same dtype
-(``equivalence``: random weights have tiny logit margins, so bf16 tokens may part early; the logits are the check),
-then the comparisons and targets of :mod:`.peer_base`.
+:class:`~.peer_base.Timed`'s. Systems cannot share a process at 7B, so a shared machine's drift lands between
+children: ``rounds`` > 1 runs the list of children that many times in turn (A B C A B C), each row is its median
+round (:func:`median_rows`) and each comparison also holds the per-round ratios (paired in time). The parent compares
+the children's greedy tokens and logits at the same dtype (``equivalence``: random weights have tiny logit margins,
+so bf16 tokens may part early; the logits are the check), then the comparisons and targets of :mod:`.peer_base`.
 
 Writes ``<out>/peer_scale_<shape>[_L<layers>].json`` (never overwritten) and ``figures/peer_scale_decode_vs_bytes.png``
 (every committed shape result, or the ones given to ``--replot``).
@@ -38,13 +37,14 @@ from pathlib import Path
 import torch
 
 from ..factorized import quantize_factors
-from ..models import (SHAPES, generated, load_shape_model, proj_shapes, shape_config, shape_dir,
-                      write_shape_weights)
+from ..models import SHAPES, generated, load_shape_model, proj_shapes, shape_config, shape_dir, write_shape_weights
 from ..ranks import keep_rank
+from ..runtime import LM_HEADS as ENGINE_HEADS
+from ..eval.speed_plot import draw_decode_vs_bytes
 from ..host import load_average
 from .child import run_child
-from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, draw_decode_vs_bytes,
-                        engine, equivalence_line, format_table, judged, llama_runner, save_figure, start)
+from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
+                        equivalence_line, format_table, judged, llama_runner, save_figure, start)
 from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
@@ -73,7 +73,8 @@ class ScaleConfig:
     overrides: dict = field(default_factory=dict)   # other geometry fields replaced (tests: a small vocabulary)
     graph: str = "whole-step"
     llama_flash_attn: str = "on"                    # "on" | "off" (llama-bench's CPU default is on)
-    lm_head: str = "exact"
+    lm_heads: tuple[str, ...] = ("exact",)          # our systems run once per LM head (EngineConfig.lm_head)
+    rounds: int = 1                                 # the unit list run this many times in turn: rows are medians
     gemv_classes: bool = True                       # also time each GEMV class of the geometry (runtime.bandwidth)
     bandwidth_bytes: int = 1 << 28                  # each copy / read bandwidth buffer (tests: small, numbers mean less)
     stream_bytes: float = 1.0e9                     # bytes each GEMV class streams per timed pass (runtime.bandwidth)
@@ -93,6 +94,9 @@ class ScaleConfig:
         self.systems = check_choices("systems", self.systems, SYSTEMS)
         self.keeps, self.threads = tuple(self.keeps), tuple(self.threads)
         self.factor_bits = tuple(check_choices("factor bits", tuple(self.factor_bits), (8, 4)))
+        self.lm_heads = check_choices("LM heads", tuple(self.lm_heads), ENGINE_HEADS)
+        if self.rounds < 1:
+            raise SystemExit(f"--rounds {self.rounds}: at least 1")
         if self.factor_bits and "bf16" not in self.dtypes:
             raise SystemExit("--factor-bits: quantized factors run with bf16 activations; add bf16 to --dtypes")
 
@@ -104,11 +108,13 @@ def units(cfg: ScaleConfig) -> list[dict]:
     """The (system, dtype, keep) of every child process, in run order."""
     out = []
     for dt in cfg.dtypes:
-        out += [{"system": s, "dtype": dt, "keep": None} for s in SYSTEMS[:2] if s in cfg.systems]
+        out += [{"system": "llamacpp_dense", "dtype": dt, "keep": None}] if "llamacpp_dense" in cfg.systems else []
+        ours = [{"system": "lowrank_lib_dense", "keep": None}] if "lowrank_lib_dense" in cfg.systems else []
         if "lowrank_lib_lowrank" in cfg.systems:
-            out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k} for k in cfg.keeps]
-            out += [{"system": "lowrank_lib_lowrank", "dtype": dt, "keep": k, "factor_bits": b}   # quantized: bf16
-                    for k in cfg.keeps for b in (cfg.factor_bits if dt == "bf16" else ())]
+            ours += [{"system": "lowrank_lib_lowrank", "keep": k} for k in cfg.keeps]
+            ours += [{"system": "lowrank_lib_lowrank", "keep": k, "factor_bits": b}   # quantized: bf16
+                     for k in cfg.keeps for b in (cfg.factor_bits if dt == "bf16" else ())]
+        out += [{**u, "dtype": dt, **({"lm_head": h} if h != "exact" else {})} for u in ours for h in cfg.lm_heads]
     if "llamacpp_dense" in cfg.systems:
         out += [{"system": "llamacpp_dense", "dtype": q, "keep": None} for q in cfg.quants]
     return out + [{"system": "gemv_classes", "dtype": dt, "keep": None} for dt in cfg.dtypes if cfg.gemv_classes]
@@ -177,7 +183,8 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
         model = load_shape_model(cfg.shape, keep, cfg.seed, cfg.layers, cfg.cache_dir, progress=False,
                                  overrides=cfg.overrides)
         bits = unit.get("factor_bits")                 # int8 / int4 factors (lowrank_lib.quantize_factors, group 32)
-        runner = engine(quantize_factors(model, bits) if bits else model, dtype, S, cfg.graph, cfg.lm_head)
+        runner = engine(quantize_factors(model, bits) if bits else model, dtype, S, cfg.graph,
+                        unit.get("lm_head", "exact"))
         del model
     build_s, t, rows, first = time.perf_counter() - t0, Timed(system, runner), [], None
     for th in cfg.threads:
@@ -230,21 +237,22 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
     config = res["config"]
     res.update(units=[], disk_needed_gb=need / 1e9, gemv_classes=[])
     res["prepare"] = run_child("lowrank_lib.bench.peer_scale:prepare", config=config)
-    first = {}
+    first, todo = {}, [(n, u) for n in range(cfg.rounds) for u in units(cfg) if not n or u["system"] != "gemv_classes"]
     with tempfile.TemporaryDirectory(prefix="peer-scale-") as td:
-        for i, u in enumerate(units(cfg)):
+        for i, (n, u) in enumerate(todo):
             logits = str(Path(td) / f"logits{i}.pt")
             r = (run_child("lowrank_lib.bench.peer_scale:run_gemv_classes", config=config, dtype=u["dtype"])
                  if u["system"] == "gemv_classes" else
                  run_child("lowrank_lib.bench.peer_scale:run_unit", config=config, unit=u, logits=logits))
             mem = {f"{k}_gb": r[k] / GB for k in ("peak_rss", "peak_anon", "peak_file")}
-            log(f"[peer-scale] {u}: {r['wall_s']:.0f} s, peak RSS {mem['peak_rss_gb']:.2f} GB (anonymous "
-                f"{mem['peak_anon_gb']:.2f} GB, mapped files {mem['peak_file_gb']:.2f} GB)")
-            res["rows"] += [{**row, **mem} for row in r["result"]["rows"]]
+            log(f"[peer-scale] round {n + 1}/{cfg.rounds} {u}: {r['wall_s']:.0f} s, peak RSS {mem['peak_rss_gb']:.2f} "
+                f"GB (anonymous {mem['peak_anon_gb']:.2f} GB, mapped files {mem['peak_file_gb']:.2f} GB)")
+            res["rows"] += [{**row, **mem, "round": n} for row in r["result"]["rows"]]
             res["gemv_classes"] += r["result"].get("gemv_classes", [])
-            res["units"].append({**u, "wall_s": r["wall_s"], **mem})
-            if u["keep"] is None and u["system"] != "gemv_classes":
+            res["units"].append({**u, "round": n, "wall_s": r["wall_s"], **mem})
+            if u["keep"] is None and u["system"] != "gemv_classes" and not n and "lm_head" not in u:
                 first[(u["system"], u["dtype"])] = torch.load(logits, weights_only=True)
+    res["rows"] = median_rows(res["rows"])
     res["equivalence"] = [{"dtype": dt, **compare_greedy(a["tokens"], a["logits"], b["tokens"], b["logits"])}
                           for (s, dt), a in first.items() if s == "llamacpp_dense"
                           for b in [first.get(("lowrank_lib_dense", dt))] if b is not None]
@@ -252,6 +260,17 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
     if cfg.cleanup:
         res["cleaned_up"] = cleanup(cfg)
     return judged(res)
+
+
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per (system, dtype, keep, factor bits, head, threads): its round of median decode time (the lower
+    middle of an even count), with every round's decode ms/token and copy GB/s in ``rounds`` (round order)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.get(k)) for k in (*ROW_KEYS[:5], "factor_bits", "lm_head")), []).append(r)
+    return [{**sorted(g, key=lambda r: r["decode_ms_per_token"])[(len(g) - 1) // 2],
+             "rounds": [{k: r[k] for k in ("round", "decode_ms_per_token", "copy_gbs")} for r in g]}
+            for g in groups.values()]
 
 
 def cleanup(cfg: ScaleConfig) -> list[str]:

@@ -5,7 +5,8 @@ from ..generation import GenerateOutput, run_generation, sample_next
 from .config import EngineConfig, PRESETS, parse_dtype
 from .engine import Engine
 from .kv import CacheFullError, DenseKV, KVStore, RebuildKV
+from .lm_head import LM_HEADS
 from .runner import Runner
 
 __all__ = ["Engine", "EngineConfig", "PRESETS", "parse_dtype", "GenerateOutput", "run_generation", "sample_next",
-           "CacheFullError", "DenseKV", "KVStore", "RebuildKV", "Runner"]
+           "CacheFullError", "DenseKV", "KVStore", "RebuildKV", "Runner", "LM_HEADS"]

@@ -36,7 +36,10 @@ def add_arguments(p) -> None:
     add_gen_len(p, d.gen_len, "new greedy tokens per generation and per audit prompt (one value)")
     p.add_argument("--repeats", type=int, default=d.repeats)
     add_list(p, "--systems", str, d.systems, f"of {SYSTEMS}")
-    add_list(p, "--lm-heads", str, d.lm_heads, f"LM heads of our systems (SmolLM2), of {LM_HEADS}")
+    add_list(p, "--lm-heads", str, None, f"LM heads of our systems (SmolLM2: of {LM_HEADS}, default both; --shape: "
+                                         "any EngineConfig.lm_head, e.g. q8, default exact)")
+    p.add_argument("--rounds", type=int, default=1, help="--shape: the children run this many times in turn "
+                                                         "(A B C A B C): each row is its median round")
     add_list(p, "--quants", str, None, f"llama.cpp quantizations of the BF16 file (default {' '.join(QUANTS)}; "
                                        "'none': no quantized row)")
     add_list(p, "--factor-bits", int, None, "our keep factors also quantized to these bits (bf16 rows; 0: none; "
@@ -68,7 +71,7 @@ def config_from_args(a) -> PeerConfig:
                       dtypes=tuple(a.dtypes or PeerConfig.dtypes),
                       threads=tuple(a.threads), prompt_len=one(a.prompt_len, "--prompt-len"),
                       gen_len=one(a.gen_len, "--gen-len"), repeats=a.repeats,
-                      systems=tuple(a.systems), lm_heads=tuple(a.lm_heads),
+                      systems=tuple(a.systems), lm_heads=tuple(a.lm_heads or PeerConfig.lm_heads),
                       graph=a.graph, llama_flash_attn=a.llama_flash_attn or "auto", prompt=a.prompt,
                       audit_prompts=a.audit_prompts, seed=a.seed, out=a.out, note=a.note,
                       quants=_quants(a, PeerConfig.quants), factor_bits=tuple(b for b in a.factor_bits or PeerConfig.factor_bits if b))
@@ -78,6 +81,7 @@ def scale_config_from_args(a) -> ScaleConfig:
     """The ``--shape`` run's config (its own checks: :class:`~lowrank_lib.bench.peer_scale.ScaleConfig`)."""
     return ScaleConfig(shape=a.shape, keeps=tuple(a.keep or (0.5, 0.8)), dtypes=a.dtypes, threads=tuple(a.threads),
                        quants=_quants(a, QUANTS), systems=tuple(a.systems), factor_bits=tuple(b for b in a.factor_bits or () if b),
+                       lm_heads=tuple(a.lm_heads or ('exact',)), rounds=a.rounds,
                        prompt_len=one(a.prompt_len, "--prompt-len"), gen_len=one(a.gen_len, "--gen-len"),
                        repeats=a.repeats, layers=a.layers, graph=a.graph, llama_flash_attn=a.llama_flash_attn or "on",
                        seed=a.seed, out=a.out, cleanup=a.cleanup, note=a.note)

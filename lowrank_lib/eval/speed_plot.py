@@ -1,0 +1,41 @@
+"""Decode time against the weight bytes a token reads: the peer benchmarks' rows (``python -m lowrank_lib.bench peer``,
+``--shape``) drawn against the copy-bandwidth roofline, so a row's distance from its bytes' floor is what the eye reads.
+
+A row is a dict with ``system`` (``llamacpp_dense`` / ``lowrank_lib_dense`` / ``lowrank_lib_lowrank``), ``dtype``,
+``weight_bytes_per_token``, ``decode_ms_per_token`` and optionally ``keep``, ``factor_bits`` and ``lm_head``.
+matplotlib is imported by the caller (an ``ax`` is passed in), never here.
+"""
+from __future__ import annotations
+
+__all__ = ["COLORS", "MARKERS", "draw_decode_vs_bytes"]
+MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "q8_0": "tab:green", "q4_k_m": "tab:red"}
+
+
+def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool = False) -> None:
+    """Decode ms/token against weight bytes per token, one marker per row (certified head: ``P``, int8 / int4 factors:
+    ``v`` / ``^``, low rank: its keep beside it), llama.cpp dense as a dashed line per dtype, the copy-bandwidth
+    roofline (bytes / bandwidth) dotted."""
+    seen = set()
+    for r in rows:
+        x, y, cert = r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], r.get("lm_head") == "certified"
+        bits = r.get("factor_bits")                  # quantized factors: their own marker and legend entry, no keep label
+        label = (f"llama.cpp {r['dtype']}" if r["system"] == "llamacpp_dense" else
+                 f"lowrank_lib {'dense' if r['system'] == 'lowrank_lib_dense' else 'low rank'} {r['dtype']}"
+                 + (" + certified head" if cert else "") + (f", int{bits} factors" if bits else ""))
+        marker = "P" if cert else {8: "v", 4: "^"}.get(bits, MARKERS[r["system"]])
+        ax.plot(x, y, marker, color=COLORS.get(r["dtype"], "gray"),
+                ms=11 if r["system"] == "lowrank_lib_lowrank" else 8, label="_" if label in seen else label)
+        seen.add(label)
+        if r["system"] == "llamacpp_dense" and not log:
+            ax.axhline(y, color=COLORS.get(r["dtype"], "gray"), ls="--", lw=1)
+        if r["system"] == "lowrank_lib_lowrank" and r.get("keep") is not None and not bits and not cert:
+            ax.annotate(f"{r['keep']}", (x, y), textcoords="offset points", xytext=(-8, 8), fontsize=8)
+    if copy_gbs and rows:
+        xs = [0.0 if not log else min(r["weight_bytes_per_token"] for r in rows) / 1e6 * 0.8,
+              max(r["weight_bytes_per_token"] for r in rows) / 1e6 * 1.2]
+        ax.plot(xs, [x * 1e6 / (copy_gbs * 1e9) * 1e3 for x in xs], ":", color="k", lw=1,
+                label=f"roofline (copy {copy_gbs:.1f} GB/s)")
+    ax.set(xlabel="weight bytes per token (MB)", ylabel="decode ms/token", **(
+        {"xscale": "log", "yscale": "log"} if log else {"xlim": (0, None), "ylim": (0, None)}))
+    ax.legend(fontsize=7, loc="upper left" if log else "best")
