@@ -152,3 +152,26 @@ def test_the_frontier_command_runs_resumes_and_times(tmp_path):
     res = json.loads(path.read_text())
     for p in res["points"]:
         assert p["speed"]["1"]["ms_per_token"] > 0 and p["peak_rss"] > 0, p["id"]
+    # long context: the named points with their KV cache at 48 tokens (llama.cpp f16 / q8_0, ours dense + composed),
+    # resumable; a name that is not a point is refused
+    lc = ["frontier", "--model", "tiny-smol", "--long-context", "48", "--gen-len", "9", "--windows", "1", "--threads", "1", "--kv-budgets",
+          "0.5", "--resume", str(path), "--workdir", str(tmp_path / "wd"), "--out", str(tmp_path / "out"), "--points",
+          "llama.cpp F32", "lowrank_lib:dense:bf16", "lowrank_lib:svdllm@0.8:bf16"]
+    assert cli.main(lc) == 0
+    got = json.loads(path.read_text())["long_context"]
+    assert got["context"] == 48 and got["cont"] == 9 and got["budgets"] == [0.5]
+    assert [(p["id"].split("+")[0], p["kv"]) for p in got["points"]] == [
+        ("lowrank_lib:dense:bf16", "dense-bf16"), ("lowrank_lib:dense:bf16", "composed-kvzip-q8:0.5"),
+        ("lowrank_lib:svdllm@0.8:bf16", "dense-bf16"), ("lowrank_lib:svdllm@0.8:bf16", "composed-kvzip-q8:0.5"),
+        ("llama.cpp:f32", "f16"), ("llama.cpp:f32", "q8_0")]
+    by = {(p["id"].split("+")[0], p["kv"]): p for p in got["points"]}
+    # the svdllm point is its saved file: the same perplexity model as the quality phase scored, not the dense one
+    assert by[("lowrank_lib:svdllm@0.8:bf16", "dense-bf16")]["ppl"] != by[("lowrank_lib:dense:bf16", "dense-bf16")]["ppl"]
+    # llama.cpp's f32 file with an f16 cache is within the cache's rounding of our dense model (same windows)
+    assert by[("llama.cpp:f32", "f16")]["ppl"] == pytest.approx(by[("lowrank_lib:dense:bf16", "dense-bf16")]["ppl"],
+                                                                 rel=0.02)
+    assert cli.main(lc) == 0 and len(json.loads(path.read_text())["long_context"]["points"]) == 6
+    with pytest.raises(SystemExit, match="no point named"):
+        cli.main([*lc[:-4], "--points", "nope"])
+    with pytest.raises(SystemExit, match="measured on 'tiny-smol'"):
+        cli.main([*lc[:1], *lc[3:]])                        # the default model is not the one the file was made from

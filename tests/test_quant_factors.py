@@ -195,14 +195,51 @@ def test_quant_rows_on_a_tiny_model(lr_model):
     assert torch.equal(d.model.layers[0].mlp.up_proj.U, dequantize(q.model.layers[0].mlp.up_proj.U))
 
 
+def test_head_rows_score_the_copy_the_approximate_head_serves(lr_model):
+    """``head_rows``: the exact head first (agreement 1, +0 %), then q8 / q4 with fewer head bytes and an agreement
+    that falls with the bits; the replaced head is the one ``Engine(lm_head="q8")`` decodes with (its logits within
+    the activation rounding of the copy's, the same argmax), and the model passed in keeps its own head."""
+    from lowrank_lib.eval.quant_quality import head_rows, with_head
+    from lowrank_lib.quant import dequantize, quantize
+    from lowrank_lib.runtime import Engine, EngineConfig, run_generation
+
+    ids = torch.randint(0, 256, (2 * 48,), generator=torch.Generator().manual_seed(0))
+    W0 = lr_model.get_output_embeddings().weight.detach().clone()
+    rows = head_rows(lr_model, ids, seq_len=48, windows=2)
+    assert [r["head"] for r in rows] == ["exact", "q8", "q4"]
+    assert rows[0]["argmax_agreement"] == 1.0 and rows[0]["rel_to_exact"] == 0
+    assert rows[0]["head_bytes"] > rows[1]["head_bytes"] > rows[2]["head_bytes"]
+    assert 1.0 >= rows[1]["argmax_agreement"] >= rows[2]["argmax_agreement"] > 0
+    assert abs(rows[1]["rel_to_exact"]) < abs(rows[2]["rel_to_exact"]) + 1e-9
+    assert torch.equal(lr_model.get_output_embeddings().weight, W0)
+    # the copy scored is what the q8 head serves at decode
+    m8 = with_head(lr_model, dequantize(quantize(W0.float(), 8, 64)))
+    prompt = ids[:16][None]
+    g = run_generation(Engine(lr_model, EngineConfig(max_batch=1, max_seq_len=32, lm_head="q8")), prompt, 3,
+                       return_logits=True)
+    with torch.no_grad():
+        ref = m8(torch.cat([prompt, g.tokens[:, :2]], 1)).logits[0, -2:]
+    got = torch.cat(g.logits[1:])
+    assert torch.allclose(got, ref, atol=2e-3 * ref.abs().max().item()), (got - ref).abs().max()
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def _newest_quant_quality():
+    """The newest sitting of the README's quant-quality run (``ResultFiles`` numbers a rerun ``_2``, ``_3``, ...)."""
+    from pathlib import Path
+
+    found = sorted((Path(__file__).resolve().parents[1] / "benchmarks" / "results").glob(
+        "quant_quality_smollm2_keep0.8_w4x2048*.json"), key=lambda p: (len(p.name), p.name))
+    assert found, "no committed quant_quality_smollm2_keep0.8_w4x2048*.json"
+    return found[-1]
+
+
 def test_default_group_is_the_measured_choice():
     import json
-    from pathlib import Path
 
     from lowrank_lib.quant import DEFAULT_GROUP
 
-    res = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" /
-                      "quant_quality_smollm2_keep0.8_w4x2048.json").read_text())
+    res = json.loads(_newest_quant_quality().read_text())
     assert res["complete"] and res["chosen_group"]["int8"] == DEFAULT_GROUP
     rows = {r["factors"]: r for r in res["rows"]}
     assert rows[f"int8_g{DEFAULT_GROUP}"]["rel_to_bf16"] <= res["target_int8"]
@@ -214,7 +251,7 @@ def test_readme_quant_table_equals_the_json():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    res = json.loads((root / "benchmarks" / "results" / "quant_quality_smollm2_keep0.8_w4x2048.json").read_text())
+    res = json.loads(_newest_quant_quality().read_text())
     text = (root / "README.md").read_text()
     sec = text[text.index("### Quantized factors (issue 30)"):]
     sec = sec[:sec.index("\n### ")]

@@ -18,9 +18,9 @@ first child writes the files (:func:`prepare`), a last one per dtype times each 
 generation (our engine compiles its step there, timed apart), then ``repeats`` generations; the row is
 :class:`~.peer_base.Timed`'s. Systems cannot share a process at 7B, so a shared machine's drift lands between
 children: ``rounds`` > 1 runs the list of children that many times in turn (A B C A B C), each row is its median
-round (:func:`median_rows`) and each comparison also holds the per-round ratios (paired in time). The parent compares
-the children's greedy tokens and logits at the same dtype (``equivalence``: random weights have tiny logit margins,
-so bf16 tokens may part early; the logits are the check), then the comparisons and targets of :mod:`.peer_base`.
+round (:func:`median_rows`), each comparison also holds per-round ratios (paired in time). The parent compares the
+children's greedy tokens and logits per dtype (``equivalence``: random weights have tiny margins; the logits are the
+check), then the comparisons and targets of :mod:`.peer_base`.
 
 Writes ``<out>/peer_scale_<shape>[_L<layers>].json`` (never overwritten) and ``figures/peer_scale_decode_vs_bytes.png``
 (every committed shape result, or the ones given to ``--replot``).
@@ -265,12 +265,10 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
 def median_rows(rows: list[dict]) -> list[dict]:
     """One row per (system, dtype, keep, factor bits, head, threads): its round of median decode time (the lower
     middle of an even count), with every round's decode ms/token and copy GB/s in ``rounds`` (round order)."""
-    groups = {}
-    for r in rows:
-        groups.setdefault(tuple(str(r.get(k)) for k in (*ROW_KEYS[:5], "factor_bits", "lm_head")), []).append(r)
+    key = lambda r: tuple(str(r.get(k)) for k in (*ROW_KEYS[:5], "factor_bits", "lm_head"))       # noqa: E731
     return [{**sorted(g, key=lambda r: r["decode_ms_per_token"])[(len(g) - 1) // 2],
              "rounds": [{k: r[k] for k in ("round", "decode_ms_per_token", "copy_gbs")} for r in g]}
-            for g in groups.values()]
+            for g in ([r for r in rows if key(r) == k] for k in dict.fromkeys(map(key, rows)))]
 
 
 def cleanup(cfg: ScaleConfig) -> list[str]:

@@ -31,6 +31,7 @@ Judging (``x`` and ``y`` both lower-is-better; a point without a finite value of
 """
 from __future__ import annotations
 
+import copy
 import math
 import time
 from pathlib import Path
@@ -40,7 +41,7 @@ import torch
 from .. import models
 
 __all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "FACTOR_WEIGHTS", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
-           "label", "llamacpp_points", "lowrank_points", "make_label", "merge_runs", "misses", "select_points",
+           "label", "llamacpp_points", "lowrank_points", "make_label", "merge_runs", "misses", "point_model", "select_points",
            "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
 
 #: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
@@ -160,6 +161,18 @@ def _load_saved(f, like):
     return m
 
 
+def point_model(point: dict, source):
+    """The fp32 HF model one of OUR points was scored as: its saved file (``lowrank_points(save_dir=...)``; quantized
+    factors dequantized, the engine's prefill math) or, for the dense bf16 point, ``source`` rounded to bf16; None
+    when neither is at hand (a low-rank point whose file is gone)."""
+    from .quant_quality import dequantized
+
+    if point.get("file") and Path(point["file"]).exists():
+        m = _load_saved(point["file"], source)
+        return dequantized(m) if point["weights"] in FACTOR_WEIGHTS else m
+    return _rounded(copy.deepcopy(source), torch.bfloat16) if point["method"] == "dense" else None
+
+
 def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2", "basis_sharing", "dobi",
                                                             "dobi-remap", "asvd"),
                    keeps=(0.9, 0.8, 0.6), weights=("bf16",), seq_len: int = 2048, windows: int | None = 4,
@@ -175,8 +188,6 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     measures: the spec's float64 :func:`~lowrank_lib.quant.qmatmul` gives the same to 1e-4 and is far slower). ``save_dir``: also write each model there (``torch.save`` of the
     module) for the speed phase (``point["file"]``); when a family's bf16 point is in ``done`` and its file is in
     ``save_dir``, its quantized points start from that file instead of compressing again."""
-    import copy
-
     from .. import families as registry
     from ..compress.calib import calibration_data, collect_stats
     from ..factorized import quantize_factors

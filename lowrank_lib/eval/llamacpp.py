@@ -30,7 +30,7 @@ __all__ = ["GGUFLogits", "KV_TYPES", "QUANT_TYPES", "available", "gguf_perplexit
            "version"]
 
 #: KV cache element types by name (ggml type ids, see ggml.h)
-KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30}
+KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # ggml_type values (q8_0: 8-bit cache, needs flash_attn)
 
 #: llama.cpp's file types by ``llama-quantize``'s names, lower case: ``llama_ftype`` values of llama.h
 #: (``LLAMA_FTYPE_ALL_F32``, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``, ...)

@@ -12,6 +12,11 @@ the compressor, calibration and perplexity are the library's (``compress.svdllm`
   first window (``check_tokens``): the two perplexities are reported side by side.
 
 Every projection computes in fp32, so the rows differ by the factors' storage alone.
+
+:func:`head_rows` does the same for the LM head (``res["heads"]``): the bf16-factor model with its head replaced by
+the group-wise quantized copy an approximate head serves (``EngineConfig(lm_head="q8" / "q4")``,
+``runtime.lm_head.APPROX_HEADS``: every decode logit from that copy), its perplexity and, at every position of the
+same windows, how often its argmax is the exact head's (teacher-forced: what a greedy step would pick).
 """
 from __future__ import annotations
 
@@ -21,10 +26,12 @@ import time
 
 import torch
 
+from .. import quant
 from ..factorized import LowRankLinear, account, factor_matrix, lowrank_modules, quantize_factors, set_module
-from .perplexity import perplexity
+from ..runtime.lm_head import APPROX_HEADS
+from .perplexity import perplexity, windows as eval_windows
 
-__all__ = ["dequantized", "rounded_factors", "quant_rows", "pick_group", "measure_quant_quality"]
+__all__ = ["dequantized", "rounded_factors", "quant_rows", "head_rows", "pick_group", "measure_quant_quality", "table"]
 
 
 def dequantized(model):
@@ -81,6 +88,57 @@ def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, ch
     return rows
 
 
+def with_head(model, W: torch.Tensor):
+    """A copy of ``model`` whose LM head is its own (untied) ``nn.Linear`` with weight ``W``."""
+    m = copy.deepcopy(model)
+    m.config.tie_word_embeddings = False
+    head = torch.nn.Linear(W.shape[1], W.shape[0], bias=False, dtype=W.dtype)
+    head.weight = torch.nn.Parameter(W.clone(), requires_grad=False)
+    m.set_output_embeddings(head)
+    return m
+
+
+def head_rows(model, ids: torch.Tensor, seq_len: int, windows: int, heads=tuple(APPROX_HEADS),
+              progress: bool = False) -> list[dict]:
+    """Perplexity of ``model`` with its exact head and with each approximate head of ``heads`` (the head's weight
+    replaced by ``quant.dequantize(quant.quantize(W, bits, group))``, the copy ``lm_head=<mode>`` scores), the head's
+    bytes, and ``argmax_agreement``: over every scored position of the windows, the fraction whose argmax equals the
+    exact head's."""
+    W = model.get_output_embeddings().weight.detach().float()
+    wins = eval_windows(ids, seq_len, windows)
+    with torch.no_grad():
+        exact = [model(w[None]).logits[0].argmax(-1) for w in wins]
+    rows = [{"head": "exact", "bits": None, "group": None, "head_bytes": W.numel() * 2, "argmax_agreement": 1.0,
+             "ppl": perplexity(model, ids, seq_len=seq_len, max_windows=windows, progress=progress, desc="exact").ppl}]
+    for mode in heads:
+        bits, group = APPROX_HEADS[mode]
+        m = with_head(model, quant.dequantize(quant.quantize(W, bits, group)))
+        with torch.no_grad():
+            same = [(m(w[None]).logits[0].argmax(-1) == e).float().mean().item() for w, e in zip(wins, exact)]
+            ppl = perplexity(m, ids, seq_len=seq_len, max_windows=windows, progress=progress, desc=mode).ppl
+        rows.append({"head": mode, "bits": bits, "group": group, "head_bytes": quant.quantized_nbytes(*W.shape, bits, group),
+                     "argmax_agreement": sum(same) / len(same), "ppl": ppl})
+        del m
+    for r in rows:
+        r["rel_to_exact"] = r["ppl"] / rows[0]["ppl"] - 1
+    return rows
+
+
+def table(res: dict) -> str:
+    """The factor rows, then (when measured) the head rows, as Markdown."""
+    lines = ["| factors | PPL | vs bf16 | projection bytes |", "|---|---|---|---|"]
+    for r in res["rows"]:
+        rel = r.get("rel_to_bf16")
+        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | {'' if rel is None else f'{100 * rel:+.3f} %'} | "
+                     f"{r['linear_bytes'] / 1e6:.1f} MB |")
+    if res.get("heads"):
+        lines += ["", "| LM head (bf16 factors) | PPL | vs exact head | argmax = exact head's | head bytes |",
+                  "|---|---|---|---|---|"]
+        lines += [f"| {r['head']} | {r['ppl']:.4f} | {100 * r['rel_to_exact']:+.3f} % | "
+                  f"{100 * r['argmax_agreement']:.2f} % | {r['head_bytes'] / 1e6:.1f} MB |" for r in res["heads"]]
+    return "\n".join(lines)
+
+
 def pick_group(rows: list[dict], bits: int, target: float) -> int | None:
     """The largest group (fewest scale bytes) whose perplexity is within ``target`` (relative) of the bf16 factors';
     None if no group of ``bits`` meets it."""
@@ -92,8 +150,9 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
                           calib_samples: int = 16, calib_len: int = 512, configs=((8, 32), (8, 64), (8, 128),
                                                                                     (4, 32), (4, 64), (4, 128)),
                           check_tokens: int = 256, target_int8: float = 0.005, progress: bool = True,
-                          on_row=None) -> dict:
-    """SVD-LLM v1 at ``keep`` on ``model_name`` (the README's protocol), then :func:`quant_rows`."""
+                          on_row=None, heads=tuple(APPROX_HEADS)) -> dict:
+    """SVD-LLM v1 at ``keep`` on ``model_name`` (the README's protocol), then :func:`quant_rows` and, for ``heads``,
+    :func:`head_rows` on the bf16-factor model."""
     from .. import models
     from ..compress.calib import calibration_data, collect_stats
     from ..compress.svdllm import compress_svdllm
@@ -129,4 +188,7 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
                                             key=lambda r: r["ppl"])}
     if res["chosen_group"]["int4_best"] is not None:
         res["chosen_group"]["int4_best"] = res["chosen_group"]["int4_best"]["group"]
+    if heads:
+        res["heads"] = head_rows(rounded_factors(cm), ids, seq_len, windows, heads, progress)
+        row_done(res["rows"])
     return res

@@ -5,6 +5,7 @@
     python -m lowrank_lib.bench frontier --families svdllm --factor-bits 8 4 --resume benchmarks/results/frontier_smollm2.json
     python -m lowrank_lib.bench frontier --speed --resume benchmarks/results/frontier_smollm2.json   # idle machine
     python -m lowrank_lib.bench frontier --speed --points Q4_K_M "SVD-LLM v1 keep 0.8 int8" --resume FILE
+    python -m lowrank_lib.bench frontier --long-context 8000 --windows 2 --resume FILE   # weights + KV cache bytes
     python -m lowrank_lib.bench frontier --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2 \\
         --calib-len 64 --keep 0.8 --families svdllm                      # a smoke run
 
@@ -15,24 +16,19 @@ and ours (``--families`` at every ``--keep``, and dense; one calibration of ``--
 ASVD's on ``--asvd-calib``; bf16 weights and, with ``--factor-bits 8 4``, int8 / int4 factors in
 ``--factor-group`` columns per scale); each of our models is saved under the cache for the speed phase.
 
-Every point carries a short human ``label`` (``llama.cpp Q4_K_M``, ``SVD-LLM v1 keep 0.8 bf16``); points of older
-files get theirs when the file is resumed.
-
 ``--resume FILE`` continues a run: the points FILE holds are kept and not measured again, new points are added,
 and FILE is rewritten (one JSON for every point, however many sittings measured them); ``--merge OTHER...`` first
 adds the points of other runs' files (runs of separate subsets, e.g. in parallel). Without it a new result
-file is written (``frontier_<model>.json``, never overwriting). ``--cross-check`` adds llama.cpp's own
-``llama-perplexity`` protocol (``-c 512``, the second half of each chunk scored, 40 chunks of the whole
-``test.txt``) on the F32 / Q8_0 / Q4_K_M files (or the types it is given); ``--caveat`` the requantization measurement on a tiny random
-model (:func:`lowrank_lib.eval.frontier.requantize_caveat`).
+file is written (``frontier_<model>.json``, never overwriting). ``--cross-check`` adds ``llama-perplexity``'s
+protocol on the F32 / Q8_0 / Q4_K_M files (:func:`lowrank_lib.eval.frontier.cross_check`); ``--caveat`` the
+requantization measurement on a tiny random model (:func:`lowrank_lib.eval.frontier.requantize_caveat`).
 
 Speed phase (``--speed``): every point of ``--resume`` that has a file (or those ``--points`` names, by label or
-id), one child process per point
-(:mod:`lowrank_lib.bench.child`: its peak RSS), decode ms/token after a ``--prompt-len`` prompt (default 512)
+id), one child process per point (:mod:`lowrank_lib.bench.child`: its peak RSS), decode ms/token after a ``--prompt-len`` prompt (default 512)
 over ``--gen-len`` tokens at every ``--threads`` (default 1 2), ``--repeats`` timed generations after a warm-up
 (llama.cpp through :class:`~lowrank_lib.bench.llamacpp.LlamaCppRunner`, ours through the engine; both by the one
-decode loop and :class:`~lowrank_lib.bench.peer_base.Timed`, medians by :mod:`lowrank_lib.timing`). Run it in one
-sitting on an idle machine.
+decode loop and :class:`~lowrank_lib.bench.peer_base.Timed`, medians by :mod:`lowrank_lib.timing`), idle machine.
+Long-context phase (``--long-context P``): :func:`lowrank_lib.eval.long_context.measure` (``long_context`` in FILE).
 """
 from __future__ import annotations
 
@@ -79,11 +75,14 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3, help="--speed: timed generations per point and thread count")
     p.add_argument("--points", nargs="+", default=None, metavar="NAME", help="--speed: only these points (each a "
                    "label, e.g. 'llama.cpp Q4_K_M' 'SVD-LLM v1 keep 0.8 int8', or an id; case-insensitive)")
+    p.add_argument("--long-context", type=int, default=None, metavar="P", help="only --points (default "
+                   "eval.long_context.DEFAULT_POINTS) with their KV cache at P tokens, --gen-len continuation")
+    add_list(p, "--kv-budgets", float, [0.25, 0.125], "--long-context: the composed cache's budgets")
     p.add_argument("--graph", default="whole-step", choices=("whole-step", "none"),
                    help="--speed: our engine's decode step (as in bench peer)")
 
 
-def _none(v):
+def _none(v):                     # --quants none / --families none: no such point
     return [] if v == ["none"] else v
 
 
@@ -220,6 +219,7 @@ def speed(a, res: dict, write) -> dict:
 
 def run(a) -> int:
     from ...eval.frontier import caveat_runs, format_table, make_label, merge_runs
+    from ..options import one
     from ..results import ResultFiles
 
     if a.resume:
@@ -229,8 +229,8 @@ def run(a) -> int:
         for p in res["points"]:                 # points of files older than labels
             p.setdefault("label", make_label(p))
     else:
-        if a.speed:
-            raise SystemExit("error: --speed times the points of a quality run: give it --resume FILE")
+        if a.speed or a.long_context:
+            raise SystemExit("error: --speed / --long-context measure the points of a quality run: give it --resume FILE")
         files = ResultFiles(a.out, "frontier", Path(a.model).name)
         path, md, res = files.path, files.companion(".md"), {"points": []}
 
@@ -245,9 +245,18 @@ def run(a) -> int:
             raise SystemExit("error: --merge adds points into the file of --resume")
         merge_runs(res, json.loads(Path(other).read_text()))
         write(res)
-    if a.points and not a.speed:
-        raise SystemExit("error: --points chooses the points --speed times")
-    if a.speed:
+    if a.points and not (a.speed or a.long_context):
+        raise SystemExit("error: --points chooses the points --speed or --long-context measures")
+    if a.long_context:
+        from ...eval.long_context import DEFAULT_POINTS, long_context_table, measure
+        try:
+            measure(res, a.model, workdir(a), a.long_context, a.points or DEFAULT_POINTS, cont=one(a.gen_len, "--gen-len"),
+                    windows=a.windows, budgets=tuple(a.kv_budgets), threads=one(a.threads, "--threads") or 1,
+                    on_point=lambda p: write(res))
+        except ValueError as e:             # a name that is no point, a file of another model
+            raise SystemExit(f"error: {e}") from None
+        print(long_context_table(res["long_context"]["points"]))
+    elif a.speed:
         speed(a, res, write)
     else:
         quality(a, res, write)

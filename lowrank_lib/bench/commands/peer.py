@@ -38,8 +38,7 @@ def add_arguments(p) -> None:
     add_list(p, "--systems", str, d.systems, f"of {SYSTEMS}")
     add_list(p, "--lm-heads", str, None, f"LM heads of our systems (SmolLM2: of {LM_HEADS}, default both; --shape: "
                                          "any EngineConfig.lm_head, e.g. q8, default exact)")
-    p.add_argument("--rounds", type=int, default=1, help="--shape: the children run this many times in turn "
-                                                         "(A B C A B C): each row is its median round")
+    p.add_argument("--rounds", type=int, default=1, help="--shape: children run in turn (A B C A B C), median round")
     add_list(p, "--quants", str, None, f"llama.cpp quantizations of the BF16 file (default {' '.join(QUANTS)}; "
                                        "'none': no quantized row)")
     add_list(p, "--factor-bits", int, None, "our keep factors also quantized to these bits (bf16 rows; 0: none; "

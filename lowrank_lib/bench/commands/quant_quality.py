@@ -19,21 +19,13 @@ def add_arguments(p) -> None:
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sample")
     add_list(p, "--groups", int, [32, 64, 128], "group sizes (columns per scale) tried at each bit width")
     add_list(p, "--bits", int, [8, 4], "bit widths")
+    add_list(p, "--lm-heads", str, ["q8", "q4"], "approximate heads also scored (bf16 factors; 'none': no head rows)")
     p.add_argument("--qmatmul-prefix", type=int, default=256,
                    help="tokens of window 0 also run through the spec's qmatmul forward (0: skip)")
 
 
-def format_table(res: dict) -> str:
-    lines = ["| factors | PPL | vs bf16 | projection bytes |", "|---|---|---|---|"]
-    for r in res["rows"]:
-        rel = r.get("rel_to_bf16")
-        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | {'' if rel is None else f'{100 * rel:+.3f} %'} | "
-                     f"{r['linear_bytes'] / 1e6:.1f} MB |")
-    return "\n".join(lines)
-
-
 def run(a) -> int:
-    from ...eval.quant_quality import measure_quant_quality
+    from ...eval.quant_quality import measure_quant_quality, table as format_table
     from ..options import one
     from ..results import ResultFiles, slug
 
@@ -44,7 +36,8 @@ def run(a) -> int:
         files.write({**res, "command": a.command_line, "complete": complete}, md=format_table(res))
 
     res = measure_quant_quality(a.model, keep, a.windows, seq, a.calib_samples, a.calib_len,
-                                [(b, g) for b in a.bits for g in a.groups], a.qmatmul_prefix, on_row=write)
+                                [(b, g) for b in a.bits for g in a.groups], a.qmatmul_prefix, on_row=write,
+                                heads=tuple(h for h in a.lm_heads if h != "none"))
     write(res, complete=True)
     print(format_table(res))
     print(f"chosen group: {res['chosen_group']}")
