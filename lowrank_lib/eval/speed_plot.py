@@ -13,17 +13,22 @@ COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "q8_0": "tab:green", "q4_k_m
 
 
 def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool = False) -> None:
-    """Decode ms/token against weight bytes per token, one marker per row (certified head: ``P``, int8 / int4 factors:
-    ``v`` / ``^``, low rank: its keep beside it), llama.cpp dense as a dashed line per dtype, the copy-bandwidth
-    roofline (bytes / bandwidth) dotted."""
+    """Decode ms/token against weight bytes per token, one marker per row (certified head: ``P``; int8 / int4
+    factors: ``v`` / ``^``, thin ``1`` / ``2`` / ``x`` with an approximate q8 / q4 head; low rank: its keep beside
+    it), llama.cpp dense as a dashed line per dtype, the copy-bandwidth roofline (bytes / bandwidth) dotted."""
     seen = set()
     for r in rows:
         x, y, cert = r["weight_bytes_per_token"] / 1e6, r["decode_ms_per_token"], r.get("lm_head") == "certified"
         bits = r.get("factor_bits")                  # quantized factors: their own marker and legend entry, no keep label
+        head = r.get("lm_head")
+        head = head.get("mode") if isinstance(head, dict) else head       # older results: {"mode": ...}
+        approx = head not in (None, "exact", "certified")                  # a head read in fewer bytes (q8, q4, ...)
         label = (f"llama.cpp {r['dtype']}" if r["system"] == "llamacpp_dense" else
                  f"lowrank_lib {'dense' if r['system'] == 'lowrank_lib_dense' else 'low rank'} {r['dtype']}"
-                 + (" + certified head" if cert else "") + (f", int{bits} factors" if bits else ""))
+                 + (" + certified head" if cert else "") + (f", int{bits} factors" if bits else "")
+                 + (f", {head} head" if approx else ""))
         marker = "P" if cert else {8: "v", 4: "^"}.get(bits, MARKERS[r["system"]])
+        marker = marker if not approx else {"v": "1", "^": "2"}.get(marker, "x")
         ax.plot(x, y, marker, color=COLORS.get(r["dtype"], "gray"),
                 ms=11 if r["system"] == "lowrank_lib_lowrank" else 8, label="_" if label in seen else label)
         seen.add(label)
