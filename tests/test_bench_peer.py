@@ -631,5 +631,5 @@ def test_scale_rounds_and_heads_are_units_medians_and_paired_ratios():
     assert "speedup_vs_llamacpp_dense_by_round" not in comps["q8"]
     # the 1B targets of issue 30 judge any head; int4 keep 0.5 against 1.4x
     t = {(x["lm_head"], x["target"]): x for x in peer_base.evaluate(list(comps.values()))}
-    assert t[("q8", "int4_k0.5_vs_q4_k_m")]["bound"] == 1.4 and t[("q8", "int4_k0.5_vs_q4_k_m")]["met"]
-    assert ("exact", "int4_k0.5_vs_q4_k_m") in t
+    assert t[("q8", "int4_k0.5_vs_q4_k_m_llama3.2-1b")]["bound"] == 1.4 and t[("q8", "int4_k0.5_vs_q4_k_m_llama3.2-1b")]["met"]
+    assert ("exact", "int4_k0.5_vs_q4_k_m_llama3.2-1b") in t

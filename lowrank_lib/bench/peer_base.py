@@ -212,7 +212,7 @@ TARGETS = (
     Target("int8_vs_q4_k_m", "speedup_vs_llamacpp_q4_k_m", ">=", 1.3,
            (LOWRANK, EXACT, ("factor_bits", (8,)), ("keep", (0.5,)), ("shape", ("smollm2",)), ("threads", (1, 2))), 30),
     # issue 30 at the geometries, 1 and 2 threads (1B: any head, the head read in fewer bytes allowed and named)
-    *(Target(f"int{b}_k{k}_vs_q4_k_m", "speedup_vs_llamacpp_q4_k_m", ">=", bound, (LOWRANK, ("factor_bits", (b,)),
+    *(Target(f"int{b}_k{k}_vs_q4_k_m_{shape}", "speedup_vs_llamacpp_q4_k_m", ">=", bound, (LOWRANK, ("factor_bits", (b,)),
           ("keep", (k,)), ("shape", (shape,)), ("threads", (1, 2)), *(() if shape == "llama3.2-1b" else (EXACT,))), 30)
       for shape, b, k, bound in (("llama3.2-1b", 8, 0.5, 1.0), ("llama3.2-1b", 4, 0.5, 1.4), ("llama2-7b", 8, 0.5, 1.1),
                                  ("llama2-7b", 4, 0.8, 1.2), ("llama2-7b", 4, 0.5, 1.7))),
