@@ -154,8 +154,8 @@ def test_the_frontier_command_runs_resumes_and_times(tmp_path):
         assert p["speed"]["1"]["ms_per_token"] > 0 and p["peak_rss"] > 0, p["id"]
     # long context: the named points with their KV cache at 48 tokens (llama.cpp f16 / q8_0, ours dense + composed),
     # resumable; a name that is not a point is refused
-    lc = ["frontier", "--model", "tiny-smol", "--long-context", "48", "--gen-len", "9", "--windows", "1", "--threads", "1", "--kv-budgets",
-          "0.5", "--resume", str(path), "--workdir", str(tmp_path / "wd"), "--out", str(tmp_path / "out"), "--points",
+    lc = ["frontier", "--model", "tiny-smol", "--longctx", "--prompt-len", "48", "--gen-len", "9", "--windows", "1",
+          "--threads", "1", "--budget", "0.5", "--resume", str(path), "--workdir", str(tmp_path / "wd"), "--out", str(tmp_path / "out"), "--points",
           "llama.cpp F32", "lowrank_lib:dense:bf16", "lowrank_lib:svdllm@0.8:bf16"]
     assert cli.main(lc) == 0
     got = json.loads(path.read_text())["long_context"]

@@ -139,7 +139,7 @@ def long_context_table(points: list[dict]) -> str:
     return "\n".join(lines)
 
 
-#: the frontier points measured at long context unless named (``bench frontier --long-context P --points ...``)
+#: the frontier points measured at long context unless named (``bench frontier --longctx --prompt-len P --points ...``)
 DEFAULT_POINTS = ("llama.cpp:bf16", "llama.cpp:q8_0", "llama.cpp:q4_k_m", "lowrank_lib:dense:bf16")
 
 

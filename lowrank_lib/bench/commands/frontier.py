@@ -5,7 +5,7 @@
     python -m lowrank_lib.bench frontier --families svdllm --factor-bits 8 4 --resume benchmarks/results/frontier_smollm2.json
     python -m lowrank_lib.bench frontier --speed --resume benchmarks/results/frontier_smollm2.json   # idle machine
     python -m lowrank_lib.bench frontier --speed --points Q4_K_M "SVD-LLM v1 keep 0.8 int8" --resume FILE
-    python -m lowrank_lib.bench frontier --long-context 8000 --windows 2 --resume FILE   # weights + KV cache bytes
+    python -m lowrank_lib.bench frontier --longctx --prompt-len 8000 --windows 2 --resume FILE   # weights + KV bytes
     python -m lowrank_lib.bench frontier --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2 \\
         --calib-len 64 --keep 0.8 --families svdllm                      # a smoke run
 
@@ -28,7 +28,7 @@ id), one child process per point (:mod:`lowrank_lib.bench.child`: its peak RSS),
 over ``--gen-len`` tokens at every ``--threads`` (default 1 2), ``--repeats`` timed generations after a warm-up
 (llama.cpp through :class:`~lowrank_lib.bench.llamacpp.LlamaCppRunner`, ours through the engine; both by the one
 decode loop and :class:`~lowrank_lib.bench.peer_base.Timed`, medians by :mod:`lowrank_lib.timing`), idle machine.
-Long-context phase (``--long-context P``): :func:`lowrank_lib.eval.long_context.measure` (``long_context`` in FILE).
+Long-context phase (``--longctx``, context ``--prompt-len`` default 8000, ``--budget`` of the composed cache): :func:`lowrank_lib.eval.long_context.measure` (``long_context`` in FILE).
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ DEFAULT_FAMILIES = ("svdllm", "svdllm_v2", "basis_sharing", "dobi", "dobi-remap"
 
 def add_arguments(p) -> None:
     from ...eval.frontier import LLAMACPP_TYPES
-    from ..options import add_gen_len, add_keep, add_list, add_prompt_len, add_threads
+    from ..options import add_budget, add_gen_len, add_keep, add_list, add_prompt_len, add_threads
 
     p.add_argument("--model", default="smollm2")
     add_keep(p, [0.9, 0.8, 0.6])
@@ -75,9 +75,9 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=3, help="--speed: timed generations per point and thread count")
     p.add_argument("--points", nargs="+", default=None, metavar="NAME", help="--speed: only these points (each a "
                    "label, e.g. 'llama.cpp Q4_K_M' 'SVD-LLM v1 keep 0.8 int8', or an id; case-insensitive)")
-    p.add_argument("--long-context", type=int, default=None, metavar="P", help="only --points (default "
-                   "eval.long_context.DEFAULT_POINTS) with their KV cache at P tokens, --gen-len continuation")
-    add_list(p, "--kv-budgets", float, [0.25, 0.125], "--long-context: the composed cache's budgets")
+    p.add_argument("--longctx", action="store_true", help="only --points (default eval.long_context.DEFAULT_POINTS) "
+                   "with their KV cache at --prompt-len tokens (default 8000), --gen-len continuation")
+    add_budget(p, [0.25, 0.125], "--longctx: the composed cache's budgets")
     p.add_argument("--graph", default="whole-step", choices=("whole-step", "none"),
                    help="--speed: our engine's decode step (as in bench peer)")
 
@@ -229,8 +229,8 @@ def run(a) -> int:
         for p in res["points"]:                 # points of files older than labels
             p.setdefault("label", make_label(p))
     else:
-        if a.speed or a.long_context:
-            raise SystemExit("error: --speed / --long-context measure the points of a quality run: give it --resume FILE")
+        if a.speed or a.longctx:
+            raise SystemExit("error: --speed / --longctx measure the points of a quality run: give it --resume FILE")
         files = ResultFiles(a.out, "frontier", Path(a.model).name)
         path, md, res = files.path, files.companion(".md"), {"points": []}
 
@@ -245,13 +245,13 @@ def run(a) -> int:
             raise SystemExit("error: --merge adds points into the file of --resume")
         merge_runs(res, json.loads(Path(other).read_text()))
         write(res)
-    if a.points and not (a.speed or a.long_context):
-        raise SystemExit("error: --points chooses the points --speed or --long-context measures")
-    if a.long_context:
+    if a.points and not (a.speed or a.longctx):
+        raise SystemExit("error: --points chooses the points --speed or --longctx measures")
+    if a.longctx:
         from ...eval.long_context import DEFAULT_POINTS, long_context_table, measure
         try:
-            measure(res, a.model, workdir(a), a.long_context, a.points or DEFAULT_POINTS, cont=one(a.gen_len, "--gen-len"),
-                    windows=a.windows, budgets=tuple(a.kv_budgets), threads=one(a.threads, "--threads") or 1,
+            measure(res, a.model, workdir(a), one(a.prompt_len, "--prompt-len") or 8000, a.points or DEFAULT_POINTS,
+                    cont=one(a.gen_len, "--gen-len"), windows=a.windows, budgets=tuple(a.budget), threads=one(a.threads, "--threads") or 1,
                     on_point=lambda p: write(res))
         except ValueError as e:             # a name that is no point, a file of another model
             raise SystemExit(f"error: {e}") from None
