@@ -58,10 +58,15 @@ def llamacpp_continuation_nll(path, windows: torch.Tensor, context: int, kv: str
     return out
 
 
+def _pid(point: dict, kv: str, context: int) -> str:
+    """The id of ``point``'s weights with the cache ``kv`` at ``context`` tokens."""
+    return f"{point['id']}+kv:{kv}@{context}"
+
+
 def _fields(point: dict, kv: str, label: str, context: int, kv_bytes: float, nll: list[float]) -> dict:
     keep = ("id", "label", "system", "method", "keep", "weights", "weight_bytes_per_token")
     p = {k: point.get(k) for k in keep}
-    return {**p, "id": f"{point['id']}+kv:{kv}@{context}", "label": f"{point['label']} + {label}", "kv": kv,
+    return {**p, "id": _pid(point, kv, context), "label": f"{point['label']} + {label}", "kv": kv,
             "context": context, "kv_bytes": kv_bytes, "bytes_per_token": point["weight_bytes_per_token"] + kv_bytes,
             "window_nll": nll, "nll": statistics.fmean(nll), "ppl": math.exp(statistics.fmean(nll))}
 
@@ -87,8 +92,7 @@ def long_context_points(config, tok, ours: list[tuple[dict, object]], llamacpp: 
             on_point(p)
 
     for point, model in ours:
-        todo = [f"{point['id']}+kv:{k}@{context}" for k in ("dense-bf16", *(f"{q}:{b:g}" for q in policies
-                                                                         for b in budgets))]
+        todo = [_pid(point, k, context) for k in ("dense-bf16", *(f"{q}:{b:g}" for q in policies for b in budgets))]
         if all(t in done for t in todo):
             continue
         dense_kv = cache_values * KV_ELEMENT_BYTES["bf16"]
@@ -102,7 +106,7 @@ def long_context_points(config, tok, ours: list[tuple[dict, object]], llamacpp: 
             add({**_fields(point, "dense-bf16", "dense bf16 KV", context, dense_kv, dn), "eval_s": took})
         for r in res["rows"]:
             kv = f"{r['policy']}:{r['budget']:g}"
-            if f"{point['id']}+kv:{kv}@{context}" in done:
+            if _pid(point, kv, context) in done:
                 continue
             nll = [x["nll"] for x in res["per_window"] if x["policy"] == r["policy"] and x["budget"] == r["budget"]]
             add({**_fields(point, kv, f"{r['policy']} KV at budget {r['budget']:g}", context,
@@ -113,7 +117,7 @@ def long_context_points(config, tok, ours: list[tuple[dict, object]], llamacpp: 
              random_token_batches(config.vocab_size, windows, context + cont, seed))
         for point, path in llamacpp:
             for kv in llama_kv:
-                if f"{point['id']}+kv:{kv}@{context}" in done:
+                if _pid(point, kv, context) in done:
                     continue
                 t0 = time.perf_counter()
                 nll = llamacpp_continuation_nll(path, W, context, kv, threads, progress)
