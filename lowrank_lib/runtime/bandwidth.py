@@ -137,8 +137,9 @@ def measure(cfg, keep: float | None, dtype: torch.dtype | str, stream_bytes: flo
     for c in gemv_classes(cfg, keep):
         nbytes = sum(o * i for o, i, _ in c["mats"]) * dtype.itemsize
         k = min(2000, max(2, int(stream_bytes // nbytes)))
-        one = [ops.pack((torch.randn(o, i, generator=g) * 0.02).to(dtype)) for o, i, _ in c["mats"]]
-        sets = [one] + [[P.clone() for P in one] for _ in range(k - 1)]        # distinct memory: cold streams
+        Ws = [(torch.randn(o, i, generator=g) * 0.02).to(dtype) for o, i, _ in c["mats"]]
+        # distinct memory (cold streams), each copy packed as the engine packs (in the kernels' weight arena)
+        sets = [[ops.pack(W) for W in Ws] for _ in range(k)]
         x = torch.randn(1, c["x"], generator=g).to(dtype)
         outs, ins, offs = ([m[j] for m in c["mats"]] for j in range(3))
 

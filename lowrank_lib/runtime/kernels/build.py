@@ -46,8 +46,8 @@ SOURCES = [HERE / "lrk.cpp", HERE / "tiers.cpp", HERE / "pool.cpp", HERE / "laye
 #: included by the sources: part of the tag, so an edited header rebuilds
 HEADERS = [HERE / "lrk_simd.h", HERE / "lrk_simd2.h", HERE / "lrk_pool.h", HERE / "tiers_item.h", HERE / "lrk_api.h"]
 #: the packed GEMV of quantized matrices (issue 30) and its AVX-512 code (included twice)
-SOURCES += [HERE / "qgemv.cpp"]
-HEADERS += [HERE / "qgemv_512.h"]
+SOURCES += [HERE / "qgemv.cpp", HERE / "arena.cpp"]
+HEADERS += [HERE / "qgemv_512.h", HERE / "lrk_arena.h", HERE / "lrk_arena_tensor.h"]
 NAMESPACE = "lowrank_lrk"
 #: the compile flags of BOTH routes (no -march: the AVX-512 code is selected by target pragmas and a
 #: run-time CPUID check, so the library builds and loads on any x86-64)
@@ -312,8 +312,42 @@ def pool_info() -> dict:
             "chunks_off_caller": off, "calls_alone": alone}
 
 
+@contextlib.contextmanager
+def arena(on: bool):
+    """``with arena(False):`` matrices packed inside (``ops.pack`` / ``ops.qpack``) go to torch's allocator instead of
+    the weight arena (``arena.cpp``: mappings advised as 2 MB transparent huge pages; ``$LOWRANK_LIB_HUGEPAGES=0``
+    turns it off for a process); restored on exit. Tests compare both; benchmarks measure what huge pages give."""
+    import torch
+
+    lib = load()
+    if not lib.available:
+        raise RuntimeError(f"arena: {lib.reason}")
+    prev = getattr(torch.ops, NAMESPACE).set_arena(int(bool(on)))
+    try:
+        yield lib
+    finally:
+        getattr(torch.ops, NAMESPACE).set_arena(prev)
+
+
+def arena_info() -> dict:
+    """The weight arena now: on, live allocations, live mappings, bytes mapped and handed out, whether the kernel took
+    the huge-page advice (None: nothing mapped yet), and the process's anonymous huge-page bytes
+    (``AnonHugePages`` of ``/proc/self/smaps_rollup``, Linux; None elsewhere): what the arena really got."""
+    import torch
+
+    load()
+    on, live, maps, mapped, handed, advised = getattr(torch.ops, NAMESPACE).arena_info()
+    huge = None
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        text = Path("/proc/self/smaps_rollup").read_text()
+        huge = int(text.split("AnonHugePages:")[1].split()[0]) * 1024
+    return {"on": bool(on), "live": live, "mappings": maps, "bytes_mapped": mapped, "bytes_live": handed,
+            "huge_advice_taken": None if advised < 0 else bool(advised), "anon_huge_bytes": huge}
+
+
 def status() -> dict:
-    """The library as :meth:`Engine.report` shows it (without loading it), with the pool's settings."""
+    """The library as :meth:`Engine.report` shows it (without loading it), with the pool's settings and the weight
+    arena's state (:func:`arena_info`: how many bytes of packed weights the kernel backs with huge pages)."""
     if _LIB is None:
         return {"available": None, "reason": "not loaded yet"}
-    return {**_LIB.to_dict(), **({"pool": _pool_settings()} if _LIB.available else {})}
+    return {**_LIB.to_dict(), **({"pool": _pool_settings(), "arena": arena_info()} if _LIB.available else {})}

@@ -23,6 +23,8 @@
 //   tier_attend(...)                         the fused attention over a tiered KV layer: see tiers.cpp
 //   set_pool(threads, min_bytes, spin_us, mode) -> int[]   the thread pool's settings (pool.cpp; -1: unchanged)
 //   pool_info() -> int[]                     its counters
+//   set_arena(on) -> int, arena_info() -> int[]   the weight arena that pack / qpack allocate from (arena.cpp: 2 MB
+//                                            transparent huge pages); its switch (returns the previous state), its state
 //
 // Threads: gemv (and the certified head) cut their block jobs into contiguous runs of about equal weight bytes,
 // attend its (row, KV head) pairs; the calling thread and the kernel pool's workers claim the runs (lrk_pool.h).
@@ -49,6 +51,7 @@
 #include <torch/library.h>
 
 #include "lrk_api.h"
+#include "lrk_arena_tensor.h"
 #include "lrk_pool.h"
 
 #include <atomic>
@@ -57,10 +60,6 @@
 #include <cstring>
 #include <string>
 #include <vector>
-
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define LRK_X86 1
@@ -86,9 +85,6 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: 
 #define LRK_PF(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
 #else
 #define LRK_PF(p) ((void)0)
-#endif
-#ifndef LRK_THP
-#define LRK_THP 0                 // 1: ask for transparent huge pages on packed matrices (madvise)
 #endif
 #ifndef LRK_UNROLL
 #define LRK_UNROLL 1              // independent accumulator sets per block (hides FMA latency)
@@ -202,24 +198,12 @@ static void pack_any(Kind k, void* W, int64_t out, int64_t in, void* P, bool to_
     pack_impl<int8_t>((int8_t*)W, out, in, (int8_t*)P, true, to_packed);
 }
 
-// the 2 MB pages inside [p, p + n) as transparent huge pages, before they are first touched (Linux, LRK_THP)
-static void advise_huge(void* p, int64_t n) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE) && LRK_THP
-  const uintptr_t H = uintptr_t(2) << 20, a = ((uintptr_t)p + H - 1) & ~(H - 1), e = ((uintptr_t)p + n) & ~(H - 1);
-  if (e > a) madvise((void*)a, e - a, MADV_HUGEPAGE);
-#else
-  (void)p;
-  (void)n;
-#endif
-}
-
 at::Tensor pack(const at::Tensor& W) {
   TORCH_CHECK(W.dim() == 2, "lowrank_lrk::pack: W must be [out, in], got ", W.sizes());
   const Kind k = kind_of(W);
   auto Wc = W.contiguous();
   const int64_t out = W.size(0), in = W.size(1);
-  auto P = at::empty({packed_numel(out, in, paired(k))}, W.options());
-  advise_huge(P.data_ptr(), P.nbytes());
+  auto P = arena_empty(packed_numel(out, in, paired(k)), W.options());   // huge pages (lrk_arena.h)
   P.zero_();
   pack_any(k, Wc.data_ptr(), out, in, P.data_ptr(), true);
   return P;
@@ -1043,6 +1027,8 @@ TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("certified_head(Tensor x, Tensor Q, Tensor meta, Tensor P, int V, float max_fraction, Tensor(a!) stats) -> Tensor");
   m.def("set_pool(int threads, int min_bytes, int spin_us, int mode) -> int[]", &lrk::pool::set_pool);
   m.def("pool_info() -> int[]", &lrk::pool::pool_info);
+  m.def("set_arena(int on) -> int", [](int64_t on) -> int64_t { return lrk::arena::set_enabled(on != 0) ? 1 : 0; });
+  m.def("arena_info() -> int[]", &lrk::arena::info);
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {

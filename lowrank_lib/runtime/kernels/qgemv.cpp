@@ -45,6 +45,7 @@
 #include <torch/library.h>
 
 #include "lrk_api.h"
+#include "lrk_arena_tensor.h"
 #include "lrk_pool.h"
 
 #include <algorithm>
@@ -378,7 +379,8 @@ at::Tensor qpack(const at::Tensor& data, const at::Tensor& scale, int64_t bits, 
               ", ", M.G, "], got ", scale.scalar_type(), " ", scale.sizes());
   auto d = data.contiguous();
   auto s = scale.contiguous();
-  auto P = at::zeros({M.nbytes()}, data.options().dtype(at::kByte));
+  auto P = arena_empty(M.nbytes(), data.options().dtype(at::kByte));   // huge pages (lrk_arena.h)
+  P.zero_();
   qpack_impl(M, (uint8_t*)d.data_ptr(), (uint16_t*)s.data_ptr(), P.data_ptr<uint8_t>(), true);
   return P;
 }
