@@ -26,11 +26,11 @@ $(VENV)/.installed: pyproject.toml
 	  echo "[setup] keeping the torch that $(PYTHON) already has"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
-	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
+	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q --no-compile "$(TORCH_SPEC)"; \
 	fi
 	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
+	$(PIP) install -q --no-compile --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
 	@touch $@
 
 setup: $(VENV)/.installed
