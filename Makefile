@@ -26,11 +26,13 @@ $(VENV)/.installed: pyproject.toml
 	  echo "[setup] keeping the torch that $(PYTHON) already has"; \
 	  $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
-	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q --no-compile "$(TORCH_SPEC)"; \
+	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
 	fi
 	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
+	@# no --no-compile: with PYTHONDONTWRITEBYTECODE=1 (this project's hosts) pip's install-time bytecode is the only
+	@# .pyc there is; without it every process of the suite compiled its imports afresh (+110 s of `make test`, measured)
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-compile --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
+	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
 	@touch $@
 
 setup: $(VENV)/.installed
