@@ -51,6 +51,7 @@ def test_release_memory_hands_freed_pages_back():
     import ctypes
     import gc
 
+    release_memory()              # a clean start: free heap an earlier test of this worker left resident would be reused
     before = status_bytes("VmRSS")
     blocks = [ctypes.create_string_buffer(64 * 1024) for _ in range(8000)]       # ~0.5 GB of small heap blocks
     grown = status_bytes("VmRSS") - before
