@@ -82,3 +82,17 @@ def test_verdicts_logic():
     assert rf["value"] == 2.4 and not rf["met"]                       # the best system's own roofline ratio
     assert v["engine_layer launches/token <= 42"]["met"] and not v["engine_step launches/token <= 5"]["met"]
     assert len(v) == 5                                                # the errored setting gives no verdict
+
+
+def test_gpu_session_isolates_each_stage_in_a_child(tmp_path):
+    """On the GPU every stage runs in a child process of its own (a CUDA fault poisons its process): the
+    stage's results come back through bench.child and are filed where the in-process run files them."""
+    from lowrank_lib.bench.gpu import gpu_session
+
+    res = gpu_session(tmp_path, 1000, dry_run=True, repeats=1, progress=False, isolate=True,
+                      stages=("factor_correctness", "factor_llama7b"))
+    fs = res["factor_space"]
+    assert all(v.startswith("done") for v in fs["stages"].values()) and set(fs["stages"]) == {
+        "factor_correctness", "factor_llama7b"}
+    assert all(c["ok"] for c in fs["correctness"].values()) and "gqa_small_eager" in fs["runs"]
+    assert "## gqa_small_eager" in (tmp_path / "factor_space_gpu_dry-run.md").read_text()

@@ -427,3 +427,28 @@ def test_readme_breakdown_table_equals_the_json():
                 f"{p['rmsnorm'] + p['rope_kv_write'] + p['residual']:.2f}", f"{p['silu_mul']:.2f}",
                 f"{b['prolog_ms']:.2f}", f"{b['outside_layers_ms']:.2f}"]
         assert cells[1:] == want, (cells, want)
+
+
+def test_committed_gpu_checks_agree_with_their_measurements():
+    """benchmarks/results/gpu_checks.json (the H200 session): every verdict recomputed from its speed rows, the
+    correctness rows all passed or skipped for a missing package, and the README's two tables print the JSON."""
+    from lowrank_lib.bench.gpu import verdicts
+
+    res = _load("gpu_checks.json")
+    assert res["device"].startswith("NVIDIA") and all(v.startswith("done") for v in res["stages"].values())
+    assert verdicts(res["speed"], res["n_layers"]) == res["verdicts"]
+    assert all(r.get("tokens_equal") or "package is not importable" in r.get("skipped", "") for r in res["correctness"])
+    header, rows = _readme_table("**`benchmarks/results/gpu_checks.json`**")
+    assert header == ["prompt / gen", "system", "ms/token", "launches/token", "GB read/token", "x roofline"]
+    speed = {(f"{s['config']['prompt_len']} / {s['config']['gen_len']}", k): r
+             for s in res["speed"] for k, r in s["systems"].items()}
+    assert len(rows) == len(speed)
+    for cells in rows:
+        r, what = speed[cells[0], cells[1]], f"README GPU row {cells[:2]}"
+        for cell, v in zip(cells[2:], (r["decode_ms_per_token"], r["per_token_count"], r["weight_bytes_per_token"] / 1e9,
+                                       r["roofline_x"])):
+            _same(cell, v, what)
+    text = (ROOT / "README.md").read_text()
+    verdict_rows = text[text.index("| setting | target | system | value | verdict |"):].split("\n\n")[0].splitlines()[2:]
+    assert verdict_rows == [f"| {v['setting']} | {v['target']} | {v['system']} | {v['value']:.2f} | "
+                            f"{'met' if v['met'] else 'NOT met'} |" for v in res["verdicts"]]

@@ -1,36 +1,28 @@
 """The prepared GPU checks: ``python -m lowrank_lib.bench gpu-session`` (library of that command).
 
 On the GPU machine, everything in ONE device call of at most 10 minutes (stages that no longer fit the
-budget are skipped and recorded; results are rewritten after every stage)::
+budget are skipped and recorded; results are rewritten after every stage; each stage runs in a child process)::
 
     PYTHONUNBUFFERED=1 PYTHONPATH=$PWD python3 -m lowrank_lib.bench gpu-session --budget-s 500 --out "$OUT"
 
 On a CPU, ``--dry-run`` runs every stage on tiny sizes (tested in CI). The stages, in order
 (:data:`SESSION_STAGES`; ``--stages`` reruns a subset):
 
-1. ``correctness``: tiny GQA model, fp32, the engine with every attention backend (sdpa, triton,
-   flash_attn in bf16) x graph mode (none, split, per-layer, whole-step) vs transformers'
-   DynamicCache, left-padded batch: greedy tokens equal, max logit error, which backend ran and why;
+1. ``correctness``: tiny GQA model, fp32, every attention backend (sdpa, triton, flash_attn in bf16) x graph mode
+   vs transformers' DynamicCache, left-padded batch: greedy tokens equal, max logit error, which backend ran;
 2. ``factor_correctness``: factor-space attention vs rebuild-then-attend, fp32 (rel. err < 1e-5) and bf16;
-3. ``engine_graphs``: the Engine with the AttSVD store, eager vs whole-step vs per-layer capture on a
-   random tiny-smol model, fp32: tokens equal, logits within 1e-5, a capture reused inside a bulk bucket;
-4. ``speed_p512`` / ``speed_p2048``: LLaMA-7B-shaped random weights, plain low-rank at keep 0.5, bf16,
-   prompt 512 / gen 32 and 2048 / gen 128: hf_static, hf_dynamic, dense_kv, the engine (eager / split /
-   per-layer / whole-step graphs), the dense model through hf_static (first setting) and through the
-   gpt-fast-style compiled baseline (``dense_hf_compiled``: StaticCache + torch.compile
-   "reduce-overhead"): decode ms/token, launches per token, x roofline; verdicts: engine >= 3x
-   hf_static, engine faster than the compiled dense baseline, launches/token <= L + 10 (per-layer)
-   and <= 5 (whole step), within 2x of the weight-bytes roofline;
-5. ``factor_llama7b`` / ``factor_gqa``: decode attention of one layer per step, bf16, batch 1,
-   contexts 1k-32k, r/d = 0.5 and 0.25, w = 32, routes sdpa / dense / rebuild / factor, side by side,
-   eager and CUDA-graph replay, LLaMA-7B heads (32 q / 32 kv, d = 128) and a GQA variant (32 / 8).
-
-Every stage is wrapped: one failure is recorded and the rest still run.
+3. ``engine_graphs``: the Engine with the AttSVD store, eager vs whole-step vs per-layer capture (tiny-smol, fp32);
+4. ``speed_p512`` / ``speed_p2048``: LLaMA-7B-shaped random weights at keep 0.5, bf16, prompt 512 / gen 32 and
+   2048 / 128: hf_static, hf_dynamic, dense_kv, the engine in every graph mode, the dense model through hf_static
+   and the gpt-fast-style compiled baseline (``dense_hf_compiled``: StaticCache + torch.compile
+   "reduce-overhead"); verdicts (:func:`verdicts`): engine >= 3x hf_static, faster than the compiled dense
+   baseline, launches/token <= L + 10 (per-layer) and <= 5 (whole step), within 2x of the weight-bytes roofline;
+5. ``factor_llama7b`` / ``factor_gqa``: one layer's decode attention per step, bf16, contexts 1k-32k, r/d 0.5
+   and 0.25, routes sdpa / dense / rebuild / factor, eager and CUDA-graph replay, 32/32 and 32/8 heads.
 """
 from __future__ import annotations
 
 import operator
-
 import time
 import traceback
 
@@ -54,8 +46,7 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
     rows = []
     base = compress_svd(models.tiny_model("tiny-gqa", seed=1), 0.6).to(device)
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    mask = (torch.arange(12)[None] >= torch.tensor([[0], [3]])).long().to(device)       # row 1: 3 left pads
     for be in backends:
         dt = torch.bfloat16 if be == "flash_attn" else torch.float32
         model = base.to(dt)
@@ -68,8 +59,8 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
                 row.update(tokens_equal=bool(torch.equal(out.tokens, ref.tokens)),
                            max_logit_err=max(float((a - b).abs().max()) for a, b in zip(out.logits, ref.logits)),
                            backend_ran=eng.backend.name, reason=eng.backend.reason, capture_s=eng.capture_s)
-            except Exception as e:  # record and continue
-                row["error"] = f"{type(e).__name__}: {e}"[:500]
+            except Exception as e:  # record and continue; a backend whose package is absent is skipped, not failed
+                row["skipped" if "package is not importable" in str(e) else "error"] = traceback.format_exc()[-1000:]
             rows.append(row)
     return rows
 
@@ -103,8 +94,9 @@ def checks_markdown(report: dict) -> str:
     lines = [f"# GPU checks ({report['device']}, {report['time']})", "", "## Correctness (tiny GQA, vs HF DynamicCache)",
              "", "backend | graph | ran | tokens equal | max logit err | capture s | error", "---|---|---|---|---|---|---"]
     for r in report["correctness"]:
+        why = (r.get("error") or r.get("skipped") or "-").strip().splitlines()[-1][:90]
         lines.append(f"{r['backend']} | {r['graph']} | {r.get('backend_ran', '-')} | {r.get('tokens_equal', '-')} | "
-                     f"{r.get('max_logit_err', float('nan')):.2e} | {r.get('capture_s', 0):.2f} | {r.get('error', '')[:80]}")
+                     f"{r.get('max_logit_err', float('nan')):.2e} | {r.get('capture_s', 0):.2f} | {why}")
     for res in report["speed"]:
         c = res["config"]
         lines += ["", f"## {report['model']} keep={report['keep']} {report['dtype']} prompt {c['prompt_len']} / gen {c['gen_len']}", ""]
@@ -122,9 +114,7 @@ def factor_correctness(dev: str, n: int = 4096) -> dict:
     torch.manual_seed(0)
     a, b = int(n * 0.73), int(n * 0.98)
     for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        k = torch.randn(2, 8, n, 128, device=dev)
-        v = torch.randn(2, 8, n, 128, device=dev)
-        q = torch.randn(2, 32, 1, 128, device=dev)
+        k, v, q = (torch.randn(2, h, t, 128, device=dev) for h, t in ((8, n), (8, n), (32, 1)))
         kv = LowRankKV([svd_run(k[:, :, :a], v[:, :, :a], 64), svd_run(k[:, :, a:b], v[:, :, a:b], 32)],
                        k[:, :, b:], v[:, :, b:]).to(dt).validate()
         e = rel_err(factor_space_attention(q.to(dt), kv), rebuild_then_attend(q.to(dt), kv))
@@ -193,23 +183,60 @@ SESSION_STAGES = (("correctness", 60), ("factor_correctness", 30), ("engine_grap
                   ("factor_llama7b", 90), ("speed_p2048", 200), ("factor_gqa", 90))
 
 
+def run_stage(stage: str, dry_run: bool, repeats: int, progress: bool = True) -> dict:
+    """ONE stage of the session -> its results (JSON), keyed by where :func:`gpu_session` files them. On the GPU
+    each stage runs in a child process of its own (``bench.child``): a CUDA fault (an illegal address, seen on
+    the H200) poisons the whole process's context, and would otherwise fail every later stage too."""
+    P = PROFILES["dry-run" if dry_run else "cuda"]
+    device = "cpu" if dry_run else "cuda"
+    if stage == "correctness":
+        return {"correctness": correctness(device, P["backends"], P["graphs"])}
+    if stage == "factor_correctness":
+        return {"factor_correctness": factor_correctness(device, P["factor_n"])}
+    if stage == "engine_graphs":
+        return {"engine_graphs": engine_graphs(device, P["engine_graphs"], P["compile_backend"])}
+    if stage.startswith("speed"):
+        from ..resolve import resolve_models
+        from ..runtime.decode_bench import DecodeBenchConfig, run_decode_bench
+
+        models_ = resolve_models(P["model"], method="svd", keep=0.5, device=device)
+        (p, g), sys_ = P["settings"][stage], (s for s in P["systems"] if stage == "speed_p512" or s != "dense_hf_static")
+        cfg = DecodeBenchConfig(model=P["model"], keep=0.5, prompt_len=p, gen_len=g, dtype=P["dtype"], systems=tuple(sys_),
+                                repeats=repeats, device=device)
+        return {"speed": [run_decode_bench(cfg, models=models_, progress=progress)],
+                "n_layers": models_[1].config.num_hidden_layers}
+    name, geo = P["geometries"][stage]
+    runs, md = {}, []
+    for cg in P["cuda_graphs"]:
+        cfg = AttnBenchConfig(contexts=P["contexts"], rank_fracs=[0.5, 0.25], window=32, dtype=P["factor_dtype"],
+                              device=device, cuda_graphs=cg, **P["timing"], **geo)
+        rows = bench_attention(cfg, progress=False)
+        key = f"{name}_{'graphs' if cg else 'eager'}"
+        runs[key] = {"config": cfg.__dict__, "rows": rows, "ratios": attention_ratios(rows)}
+        md += [f"## {key}: {geo['q_heads']} q / {geo['kv_heads']} kv heads, d={geo['head_dim']}, {cfg.dtype}, per layer "
+               f"per step (ms), x{geo['layers']} layers for the per-token estimate", "",
+               *attention_table(runs[key]["ratios"], geo["layers"], 4), ""]
+    return {"runs": runs, "md": md}
+
+
 def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats: int = 2, progress=True,
-                stages: tuple[str, ...] | None = None, command: str | None = None) -> dict:
+                stages: tuple[str, ...] | None = None, command: str | None = None, isolate: bool | None = None) -> dict:
     """Every GPU check of the project in ONE call, inside ``budget_s`` seconds (a device call's limit).
 
     Stages run in :data:`SESSION_STAGES` order; one whose estimated need no longer fits the remaining
     budget is recorded as skipped, so the call returns in time with everything that ran. Results are
     rewritten after every stage (``gpu_checks_<tag>.json/.md``, ``factor_space_gpu_<tag>.json/.md``), so a
     killed call still leaves what finished. ``stages``: run only these (a rerun of what failed).
-    ``dry_run``: the same pipeline on the CPU with tiny sizes (:data:`PROFILES`)."""
+    ``dry_run``: the same pipeline on the CPU with tiny sizes (:data:`PROFILES`). ``isolate``: each stage in a
+    child process (:func:`run_stage`; default: on the GPU only)."""
+    from .child import run_child
     from .results import ResultFiles
 
-    t0 = time.time()
+    t0, isolate = time.time(), not dry_run if isolate is None else isolate
     if not dry_run and not torch.cuda.is_available():
         raise RuntimeError("no CUDA device: use --dry-run on CPU")
     P = PROFILES["dry-run" if dry_run else "cuda"]
-    device, model, dtype = "cpu" if dry_run else "cuda", P["model"], P["dtype"]
-    dev_name = "cpu (dry run)" if dry_run else torch.cuda.get_device_name()
+    model, dtype, dev_name = P["model"], P["dtype"], "cpu (dry run)" if dry_run else torch.cuda.get_device_name()
     tag = "dry-run" if dry_run else f"{model}_{dtype}"
     checks_f, fs_f = ResultFiles(out_dir, "gpu_checks", tag), ResultFiles(out_dir, "factor_space_gpu", tag)
     checks = {"device": dev_name, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "model": model,
@@ -217,7 +244,7 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
               "speed": [], "verdicts": [], "stages": {}, "command": command}
     fs = {"meta": {"when": checks["time"], "device": dev_name, "torch": torch.__version__}, "runs": {}, "stages": {},
           "command": command}
-    models_, n_layers, md_fs = None, None, [f"# factor-space attention on {dev_name} ({checks['time']})", ""]
+    n_layers, md_fs = None, [f"# factor-space attention on {dev_name} ({checks['time']})", ""]
 
     def save():
         checks["n_layers"] = n_layers
@@ -242,47 +269,21 @@ def gpu_session(out_dir, budget_s: float = 500.0, dry_run: bool = False, repeats
         if progress:
             print(f"[gpu-session] {stage} ({left:.0f} s left)", flush=True)
         try:
-            if stage == "correctness":
-                checks["correctness"] = correctness(device, P["backends"], P["graphs"])
-            elif stage == "factor_correctness":
-                fs["correctness"] = factor_correctness(device, P["factor_n"])
-            elif stage == "engine_graphs":
-                fs["engine_graphs"] = engine_graphs(device, P["engine_graphs"], P["compile_backend"])
-            elif stage.startswith("speed"):
-                if models_ is None:
-                    from ..resolve import resolve_models
-
-                    models_ = resolve_models(model, method="svd", keep=0.5, device=device)
-                    n_layers = models_[1].config.num_hidden_layers
-                p, g = P["settings"][stage]
-                sys_ = tuple(s for s in P["systems"] if stage == "speed_p512" or s != "dense_hf_static")
-                checks["speed"] += speed_setting(models_, model, p, g, sys_, dtype, device, repeats, progress)
-            else:
-                name, geo = P["geometries"][stage]
-                for cg in P["cuda_graphs"]:
-                    cfg = AttnBenchConfig(contexts=P["contexts"], rank_fracs=[0.5, 0.25], window=32,
-                                          dtype=P["factor_dtype"], device=device, cuda_graphs=cg, **P["timing"], **geo)
-                    rows = bench_attention(cfg, progress=False)
-                    key = f"{name}_{'graphs' if cg else 'eager'}"
-                    fs["runs"][key] = {"config": cfg.__dict__, "rows": rows, "ratios": attention_ratios(rows)}
-                    md_fs += [f"## {key}: {geo['q_heads']} q / {geo['kv_heads']} kv heads, d={geo['head_dim']}, "
-                              f"{cfg.dtype}, per layer per step (ms), x{geo['layers']} layers for the per-token "
-                              "estimate", "", *attention_table(fs["runs"][key]["ratios"], geo["layers"], 4), ""]
+            r = run_child("lowrank_lib.bench.gpu:run_stage", timeout=left, stage=stage, dry_run=dry_run,
+                          repeats=repeats, progress=progress)["result"] if isolate else \
+                run_stage(stage, dry_run, repeats, progress)
+            checks["correctness"] = r.get("correctness", checks["correctness"])
+            checks["speed"] += r.get("speed", [])
+            n_layers = r.get("n_layers", n_layers)
+            fs.update({dst: r[src] for src, dst in (("factor_correctness", "correctness"), ("engine_graphs",) * 2)
+                       if src in r})
+            fs["runs"].update(r.get("runs", {}))
+            md_fs += r.get("md", [])
             rec[stage] = f"done in {time.time() - ts:.1f} s"
         except Exception:
             rec[stage] = "error: " + traceback.format_exc()[-1500:]
+            if stage.startswith("speed"):
+                checks["speed"].append({"config": dict(zip(("prompt_len", "gen_len"), P["settings"][stage])), "error": rec[stage]})
         save()
     return {"gpu_checks": checks, "factor_space": fs, "files": [str(checks_f.path), str(fs_f.path)]}
 
-
-def speed_setting(models_, model: str, p: int, g: int, systems, dtype: str, device: str, repeats: int, progress=True,
-                  keep: float = 0.5):
-    """One decode setting of the speed checks -> [result] (or [{"error"}])."""
-    from ..runtime.decode_bench import DecodeBenchConfig, run_decode_bench
-
-    cfg = DecodeBenchConfig(model=model, keep=keep, prompt_len=p, gen_len=g, dtype=dtype, systems=tuple(systems),
-                            repeats=repeats, device=device)
-    try:
-        return [run_decode_bench(cfg, models=models_, progress=progress)]
-    except Exception:
-        return [{"config": {"prompt_len": p, "gen_len": g}, "error": traceback.format_exc()[-2000:]}]

@@ -47,7 +47,8 @@ def sdpa_decode(q, K, V, cursor, mask):
     B, Hkv, G, D = q.shape
     # GQA without repeat_kv: the G query heads of a group are the "query length" of one KV head.
     o = F.scaled_dot_product_attention(q, K, V, attn_mask=mask)
-    return o.view(B, Hkv * G * D)
+    # reshape, not view: CUDA's fused kernels may return o in another memory order (seen on an H200)
+    return o.reshape(B, Hkv * G * D)
 
 
 def fused_decode(q, K, V, cursor, mask):
