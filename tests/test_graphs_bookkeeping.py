@@ -159,3 +159,29 @@ def test_compiled_step_serves_requests_with_and_without_padding(model, name):
         b = comp.generate(ids, 6, mask, return_logits=True)
         assert torch.equal(a.tokens, b.tokens), (name, i)
         assert rel_err(torch.stack(b.logits, 1), torch.stack(a.logits, 1)) < 1e-5
+
+
+def test_compiled_step_replays_equal_eager(model):
+    """``graph_compile``: the whole step is torch.compile-d before its capture (aot_eager here: the traced ATen
+    graph runs, so the emulator records it as CUDA records inductor's kernels); the replays equal eager
+    decoding across requests of other lengths and padding, from one capture."""
+    from torch._dynamo.utils import counters
+
+    eager = Engine(model, EngineConfig(**ECFG, kernels="portable"))     # ATen only, as on CUDA (the Triton op aside)
+    graphs_before = counters["stats"]["unique_graphs"]
+    with emulated_cuda_graphs():
+        eng = Engine(model, EngineConfig(**ECFG, kernels="portable", graph="whole-step", graph_compile=True,
+                                         compile_backend="aot_eager"))
+        eng.graphs = GraphRunner(eng, impl="cuda-graph")
+        for i, (T, row, pad) in enumerate(REQUESTS):
+            ids, mask = _batch(T, row, pad, seed=i)
+            a, b = eager.generate(ids, 6, mask, return_logits=True), eng.generate(ids, 6, mask, return_logits=True)
+            assert torch.equal(a.tokens, b.tokens) and rel_err(torch.stack(b.logits, 1), torch.stack(a.logits, 1)) < 1e-5
+        assert eng.graphs.captured == [(2, ())]             # one capture served every request
+    assert counters["stats"]["unique_graphs"] == graphs_before + 1      # the step was compiled, once
+
+
+def test_graph_compile_needs_a_graph_mode():
+    for graph in ("none", "per-layer"):
+        with pytest.raises(ValueError, match="graph_compile"):
+            EngineConfig(graph_compile=True, graph=graph)

@@ -32,7 +32,7 @@ from ..attsvd import LowRankKV, factor_space_attention, rebuild_then_attend
 from ..eval.factor_space import (AttnBenchConfig, attention_ratios, attention_table, bench_attention, rel_err,
                                  svd_run)
 
-GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step")
+GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step", "engine_step_compiled")
 
 
 # --------------------------------------------------------------------------- decode runtime checks

@@ -9,6 +9,8 @@ system              what runs
                     minutes of cold compile on a 2-core CPU)
 ``engine_layer``    + one CUDA graph per layer (CUDA only)
 ``engine_split``    + attention and MLP graphs per layer (CUDA only)
+``engine_step_compiled`` ``engine_step`` whose captured step is first ``torch.compile``-d (``graph_compile``: inductor's
+                    fused kernels replayed; CUDA only)
 ``dense_kv``        our dense cache, no packing, no RoPE folding, no graphs (paper: Dense KV + FA2)
 ``naive``           history kept as rank-space latents, dense K/V rebuilt every step (slow route)
 ``hf_dynamic``      transformers forward (eager Python, sdpa) with ``DynamicCache``
@@ -35,11 +37,12 @@ from .runner import Runner
 
 __all__ = ["ENGINE_VARIANTS", "HFCompiledRunner", "HFRunner", "make_runner", "SYSTEMS"]
 
-SYSTEMS = ("engine", "engine_step", "engine_step_cpp", "engine_layer", "engine_split", "dense_kv", "naive", "hf_dynamic", "hf_static",
-           "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
+SYSTEMS = ("engine", "engine_step", "engine_step_cpp", "engine_step_compiled", "engine_layer", "engine_split", "dense_kv",
+           "naive", "hf_dynamic", "hf_static", "dense_hf_static", "hf_compiled", "dense_hf_compiled", "dense_engine")
 ENGINE_VARIANTS = {"engine": {}, "engine_step": dict(graph="whole-step"),
                    "engine_step_cpp": dict(graph="whole-step", cpp_wrapper=True), "engine_layer": dict(graph="per-layer"),
-                   "engine_split": dict(graph="split"), "dense_engine": {}}
+                   "engine_split": dict(graph="split"), "engine_step_compiled": dict(graph="whole-step", graph_compile=True),
+                   "dense_engine": {}}
 
 
 class HFRunner(Runner):

@@ -147,9 +147,13 @@ class GraphRunner:
 
     # ------------------------------------------------------------------ CUDA
     def _capture_cuda(self, B: int) -> dict:
-        eng = self.eng
+        eng, cfg = self.eng, self.eng.config
         tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
         stages = decode_stages(eng, self.mode, B, tokens)
+        if cfg.graph_compile:      # fused kernels inside the graph; compiled by the first warm-up run below
+            opts = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe} if cfg.skip_guards else None
+            stages = [torch.compile(own_code(f), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
+                                    options=opts) for f in stages]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():     # warm-up (allocator, lazy inits, Triton JIT)
