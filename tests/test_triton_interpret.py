@@ -39,7 +39,7 @@ from lowrank_lib.runtime.kv import Cursor, slot_mask
 g = torch.Generator().manual_seed(0)
 rows = []
 # head dims, GQA group sizes, lengths around the kernel's 64-slot block, left pads, dtypes
-for D, G, n, pads, dt in itertools.product((16, 64, 128), (1, 3), (1, 63, 64, 65, 130), ((0, 0), (0, 7)),
+for D, G, n, pads, dt in itertools.product((16, 64, 128), (1, 3), (1, 63, 64, 65, 130), ((0, 7),),   # row 0 unpadded
                                           (torch.float32, torch.bfloat16, torch.float16)):
     B, Hkv, S = 2, 2, 136
     pads = tuple(min(p, n - 1) for p in pads)
@@ -55,16 +55,34 @@ for D, G, n, pads, dt in itertools.product((16, 64, 128), (1, 3), (1, 63, 64, 65
     out = triton_decode(q, K, V, c, None)
     rows.append({"D": D, "G": G, "n": n, "pads": pads, "dtype": str(dt), "dtype_out": str(out.dtype),
                  "err": float((out.float() - ref).abs().max())})
+# a long buffer: chunks of two blocks (triton_splits), lengths around the chunk edges and the last chunk
+from lowrank_lib.runtime.attention import triton_splits
+assert triton_splits(136) == (64, 3) and triton_splits(2112) == (128, 17)
+for n, pads in itertools.product((128, 129, 2100), ((0, 100),)):
+    B, Hkv, S, D, G = 2, 1, 2112, 16, 2
+    pads = tuple(min(p, n - 1) for p in pads)
+    c = Cursor(B, S, "cpu")
+    c.reset(torch.tensor(pads))
+    c.advance(n - 1)
+    K, V = (torch.randn(B, Hkv, S, D, generator=g) for _ in "kv")
+    q = torch.randn(B, Hkv, G, D, generator=g)
+    K[:, :, n:] = float("nan")
+    V[:, :, n:] = float("nan")
+    ref = sdpa_decode(q, K[:, :, :n], V[:, :, :n], c, slot_mask(c, torch.arange(S), B, n, torch.float32))
+    out = triton_decode(q, K, V, c, None)
+    rows.append({"D": D, "G": G, "n": n, "pads": pads, "dtype": "torch.float32", "dtype_out": str(out.dtype),
+                 "err": float((out - ref).abs().max()), "S": S})
 print(json.dumps(rows))
 """
 
 
 def test_triton_decode_kernel_matches_sdpa_on_a_grid():
-    """Head dims 16/64/128, GQA groups 1 and 3, lengths 1..130 across the 64-slot block, left padding,
-    fp32/bf16/fp16: the kernel equals sdpa over the live slots, never reads slots past the length
-    (they hold NaN), and returns the input dtype."""
+    """Head dims 16/64/128, GQA groups 1 and 3, lengths 1..130 across the 64-slot block and the split-K
+    chunks (3 of 64 slots), left padding, fp32/bf16/fp16, and a 2112-slot buffer (17 chunks of 128) with lengths
+    at the chunk edges: the kernels equal sdpa over the live slots, never read slots past the length (they
+    hold NaN), and return the input dtype."""
     rows = _run(KERNEL_GRID)
-    assert len(rows) == 3 * 2 * 5 * 2 * 3
+    assert len(rows) == 3 * 2 * 5 * 3 + 3
     for r in rows:
         tol = 1e-5 if r["dtype"] == "torch.float32" else 2e-2
         assert r["err"] < tol, r
