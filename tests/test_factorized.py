@@ -82,6 +82,24 @@ def test_spectra_reuse_equals_fresh_svd(tiny_mha):
     assert torch.allclose(a, b)
 
 
+def test_full_rank_from_spectra_equals_factorize_and_the_keeps_reuse_them(tiny_gqa):
+    """compress_svd(full_rank=True) over SVDSpectra: every matrix at rank min(out, in), logits equal to
+    factorize(full_rank=True)'s and the dense model's; the same spectra then serve a keep (notebook 00's one SVD)."""
+    spectra = SVDSpectra(tiny_gqa, progress=False)
+    x = torch.randint(0, 256, (2, 16))
+    ref = tiny_gqa(x).logits
+    full = compress_svd(tiny_gqa, spectra=spectra, full_rank=True)
+    lins = [m for m in full.modules() if isinstance(m, LowRankLinear)]
+    assert len(lins) == 7 * tiny_gqa.config.num_hidden_layers
+    assert all(m.rank == min(m.out_features, m.in_features) for m in lins) and full.lowrank_meta["keep"] == 1.0
+    assert rel(full(x).logits, ref) < 1e-5
+    assert rel(full(x).logits, factorize(copy.deepcopy(tiny_gqa), full_rank=True)(x).logits) < 1e-5
+    assert torch.allclose(compress_svd(tiny_gqa, 0.6, spectra=spectra)(x).logits, compress_svd(tiny_gqa, 0.6)(x).logits)
+    for bad in (dict(), dict(keep=0.5, full_rank=True)):
+        with pytest.raises(ValueError, match="exactly one"):
+            compress_svd(tiny_gqa, spectra=spectra, **bad)
+
+
 def test_shared_basis_is_one_parameter_counted_once(tiny_mha):
     """Two layers' q_proj share V (a Basis Sharing group): one Parameter, counted once, used by both."""
     m = copy.deepcopy(tiny_mha)

@@ -45,18 +45,24 @@ class SVDSpectra:
         return out
 
 
-def compress_svd(model, keep: float, targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False,
-                 inplace: bool = False, spectra: SVDSpectra | None = None, progress: bool = False):
-    """Replace each target projection W by its best rank-r approximation, r = keep_rank(out, in, keep).
+def compress_svd(model, keep: float | None = None, targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False,
+                 inplace: bool = False, spectra: SVDSpectra | None = None, progress: bool = False,
+                 full_rank: bool = False):
+    """Replace each target projection W by its best rank-r approximation, r = keep_rank(out, in, keep), or with
+    ``full_rank=True`` by its exact factors (r = min(out, in); :func:`lowrank_lib.factorize`'s full-rank check).
 
     Returns the factorized model (a deep copy unless ``inplace``). Pass ``spectra`` (computed on
-    the same dense model) to skip the SVDs in a sweep.
+    the same dense model) to skip the SVDs in a sweep: one SVD per matrix then serves the full-rank check and
+    every keep.
     """
+    if (keep is None) != full_rank:
+        raise ValueError("give exactly one of keep= or full_rank=True")
     spectra = spectra or SVDSpectra(model, targets, include_lm_head, progress=progress)
     dtype = next(model.parameters()).dtype
-    facs = spectra.factors(keep=keep, dtype=dtype)
+    full = {n: min(U.shape[0], Vh.shape[1]) for n, (U, _, Vh) in spectra.svd.items()} if full_rank else None
+    facs = spectra.factors(keep=keep, ranks=full, dtype=dtype)
     m = model if inplace else copy_for_factors(model, facs)
-    return replace_with_factors(m, facs, {"family": "svd", "keep": keep, "shared_groups": []})
+    return replace_with_factors(m, facs, {"family": "svd", "keep": 1.0 if full_rank else keep, "shared_groups": []})
 
 
 class FactorSpectra(FullRankFactors):
