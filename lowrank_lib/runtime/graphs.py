@@ -151,7 +151,8 @@ class GraphRunner:
         tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
         stages = decode_stages(eng, self.mode, B, tokens)
         if cfg.graph_compile:      # fused kernels inside the graph; compiled by the first warm-up run below
-            opts = {"guard_filter_fn": torch.compiler.skip_all_guards_unsafe} if cfg.skip_guards else None
+            skip = getattr(torch.compiler, "skip_all_guards_unsafe", None)      # torch >= 2.8
+            opts = {"guard_filter_fn": skip} if cfg.skip_guards and skip is not None else None
             stages = [torch.compile(own_code(f), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
                                     options=opts) for f in stages]
         side = torch.cuda.Stream()
