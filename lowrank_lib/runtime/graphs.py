@@ -127,13 +127,8 @@ class GraphRunner:
         def decode_step(t):
             return eng.decode_body(t, live=None)
 
-        options = {}
-        if cfg.skip_guards:
-            options["guard_filter_fn"] = torch.compiler.skip_all_guards_unsafe
-        if cfg.cpp_wrapper and cfg.compile_backend == "inductor":
-            options["cpp_wrapper"] = True
-        fn = torch.compile(own_code(decode_step), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
-                           options=options or None)
+        fn, options = compiled_region(decode_step, cfg,
+                                      **({"cpp_wrapper": True} if cfg.cpp_wrapper and cfg.compile_backend == "inductor" else {}))
         dummy = torch.zeros(B, dtype=torch.long, device=eng.device)
         before = _cache_counters()
         t0 = time.perf_counter()
@@ -141,7 +136,7 @@ class GraphRunner:
             fn(dummy)            # compile + one warm run (writes slot `length`, overwritten by the real step)
         after = _cache_counters()
         self.compiles.append({"batch": B, "seconds": time.perf_counter() - t0, "backend": cfg.compile_backend,
-                              "cpp_wrapper": "cpp_wrapper" in options, "skip_guards": cfg.skip_guards,
+                              "cpp_wrapper": "cpp_wrapper" in options, "skip_guards": "guard_filter_fn" in options,
                               **{k: after[k] - before[k] for k in after}})
         return {"fn": fn}
 
@@ -151,10 +146,7 @@ class GraphRunner:
         tokens = torch.zeros(B, dtype=torch.long, device=eng.device)
         stages = decode_stages(eng, self.mode, B, tokens)
         if cfg.graph_compile:      # fused kernels inside the graph; compiled by the first warm-up run below
-            skip = getattr(torch.compiler, "skip_all_guards_unsafe", None)      # torch >= 2.8
-            opts = {"guard_filter_fn": skip} if cfg.skip_guards and skip is not None else None
-            stages = [torch.compile(own_code(f), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
-                                    options=opts) for f in stages]
+            stages = [compiled_region(f, cfg)[0] for f in stages]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():     # warm-up (allocator, lazy inits, Triton JIT)
@@ -173,6 +165,17 @@ class GraphRunner:
                 graphs.append(g)
                 carries.append(carry)     # keep every region's outputs alive (static addresses)
         return {"tokens": tokens, "graphs": graphs, "out": carry, "carries": carries}
+
+
+def compiled_region(fn, cfg, **options):
+    """``torch.compile`` of one decode region, as every graph mode compiles it: a code object of its own
+    (``own_code``), fullgraph, static shapes, ``cfg.compile_backend``; no guard evaluated per call where
+    ``cfg.skip_guards`` asks and torch has the filter (>= 2.8). ``options``: more compile options.
+    Returns (compiled fn, the options passed)."""
+    skip = getattr(torch.compiler, "skip_all_guards_unsafe", None)
+    options = {**({"guard_filter_fn": skip} if cfg.skip_guards and skip is not None else {}), **options}
+    return torch.compile(own_code(fn), fullgraph=True, dynamic=False, backend=cfg.compile_backend,
+                         options=options or None), options
 
 
 def _cache_counters() -> dict[str, int]:
