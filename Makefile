@@ -28,11 +28,16 @@ $(VENV)/.installed: pyproject.toml
 	else \
 	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
 	fi
-	@# --no-build-isolation: setup.py sees the torch above and compiles our CPU kernels at install time
 	@# no --no-compile: with PYTHONDONTWRITEBYTECODE=1 (this project's hosts) pip's install-time bytecode is the only
 	@# .pyc there is; without it every process of the suite compiled its imports afresh (+110 s of `make test`, measured)
 	$(PIP) install -q setuptools wheel ninja
-	$(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"
+	@# our CPU kernels (setup.py, in place) compile on both cores WHILE pip downloads and installs the dependencies
+	@# (one after the other they took 71 + 77 s of a fresh set-up); a failed compile only leaves the just-in-time route
+	@( LOWRANK_LIB_BUILD_LOG=$(VENV)/kernels-build.log; \
+	   $(PY) setup.py -q build_ext --inplace > $$LOWRANK_LIB_BUILD_LOG 2>&1 \
+	     || echo "[setup] building the CPU kernels failed (see $$LOWRANK_LIB_BUILD_LOG): built just in time on first use" ) & \
+	 LOWRANK_LIB_NO_EXT=1 $(PIP) install -q --no-build-isolation -e ".[notebooks,dev,triton,distributed,browser]"; \
+	 rc=$$?; wait; exit $$rc
 	@touch $@
 
 setup: $(VENV)/.installed
