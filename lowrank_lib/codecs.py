@@ -67,20 +67,38 @@ def remap_encode(US: torch.Tensor, VT: torch.Tensor) -> dict:
 
 def remap_us(entry: dict) -> torch.Tensor:
     """Dobi's loader, U side: US = deq(us_quan)^T (+ the "us" tail on dim 0), fp16 [m, k]."""
-    US = dequantize_rows(entry["us_quan"], entry["us_absmax"]).T
-    tail = entry.get("tuple_info")
-    if tail is not None and tail[0] == "us":
-        US = torch.cat([US, tail[1].to(torch.float16)], dim=0)
-    return US.contiguous()
+    return remap_us_rows(entry, 0, remap_shapes(entry)[0][0]).contiguous()
 
 
 def remap_vt(entry: dict) -> torch.Tensor:
     """Dobi's loader, V side: VT = deq(vt_quan) (+ the "vt" tail on dim 1), fp16 [k, n]."""
-    VT = dequantize_rows(entry["vt_quan"], entry["vt_absmax"])
+    return remap_vt_rows(entry, 0, entry["vt_quan"].shape[0]).contiguous()
+
+
+def remap_shapes(entry: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The decoded shapes ``(US [m, k], VT [k, n])`` of a remap entry."""
+    k, d = entry["us_quan"].shape
+    kind, t = entry.get("tuple_info") or (None, None)
+    return (d + (t.shape[0] if kind == "us" else 0), k), (k, d + (t.shape[1] if kind == "vt" else 0))
+
+
+def remap_us_rows(entry: dict, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of :func:`remap_us` (fp16, decoded alone: a served factor is requantized block by block)."""
+    d = entry["us_quan"].shape[1]
+    tail = entry.get("tuple_info")
+    parts = [dequantize_rows(entry["us_quan"][:, r0:min(r1, d)], entry["us_absmax"]).T] if r0 < d else []
+    if r1 > d and tail is not None and tail[0] == "us":
+        parts.append(tail[1][max(r0, d) - d:r1 - d].to(torch.float16))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+
+def remap_vt_rows(entry: dict, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0:r1`` of :func:`remap_vt` (fp16)."""
+    VT = dequantize_rows(entry["vt_quan"][r0:r1], entry["vt_absmax"][r0:r1])
     tail = entry.get("tuple_info")
     if tail is not None and tail[0] == "vt":
-        VT = torch.cat([VT, tail[1].to(torch.float16)], dim=1)
-    return VT.contiguous()
+        VT = torch.cat([VT, tail[1][r0:r1].to(torch.float16)], dim=1)
+    return VT
 
 
 def remap_decode(entry: dict) -> tuple[torch.Tensor, torch.Tensor]:

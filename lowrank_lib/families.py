@@ -53,6 +53,9 @@ class Family:
     writer: str | None = None                    # "module:function"(model, path, tokenizer=None, **kw)
     notes: dict = field(default_factory=dict)    # U / V / sigma / ratio / container, for describe()
     aliases: tuple[str, ...] = ()
+    #: the file holds quantized factor codes and the reader serves them at ``factor_bits`` itself (requantized from
+    #: the codes while streaming, never widened); other families are read, then quantized
+    reads_codes: bool = False
 
     # -- implementations, imported on first use
     def _resolve(self, ref: str | None, what: str) -> Callable:
@@ -146,7 +149,7 @@ _ENTRIES = (
            notes=_notes("deq(us_quan)^T (+ 'us' tail) [out,k]", "deq(vt_quan) (+ 'vt' tail) [k,in]",
                         "on U if out>=in, else on V", "target_ratio = keep, budget k*max(m,n)",
                         "folder: pytorch_model.bin (non-layer) + remapping_weight.pt (uint8 codes)"),
-           aliases=("dobi_remap", "dobiremap", "dobi-svd-remap")),
+           aliases=("dobi_remap", "dobiremap", "dobi-svd-remap"), reads_codes=True),
     Family("palu", "Palu", format="palu", knob="param_ratio_target = kept fraction of k/v rank", to_keep=_identity,
            from_keep=_identity, compressor="lowrank_lib.compress.palu:compress_palu",
            reader="lowrank_lib.formats.palu:read", writer="lowrank_lib.formats.palu:write",

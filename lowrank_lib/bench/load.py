@@ -63,8 +63,10 @@ def load_jobs(jobs: list[dict]) -> list[dict]:
         row = {"reset_peak": reset, "baseline_rss": status_bytes("VmRSS")}
         t0 = time.perf_counter()
         try:
-            m = load_checkpoint(job["path"], progress=False, dtype={"float32": torch.float32, "bfloat16": torch.bfloat16,
-                                                                     "float16": torch.float16}.get(job["dtype"]))
+            dt = job["dtype"] or "stored"        # "int8" / "int4": the factors served quantized (Dobi remap: its codes)
+            kw = {"factor_bits": int(dt[3:])} if dt.startswith("int") else {"dtype": {
+                "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(dt)}
+            m = load_checkpoint(job["path"], progress=False, **kw)
             row.update(wall_s=time.perf_counter() - t0, peak_rss=status_bytes("VmHWM"), ok=True,
                        model_bytes=sum(t.numel() * t.element_size() for t in
                                        {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]}.values()),
@@ -98,7 +100,7 @@ def contract(row: dict) -> dict:
 def run_rows(shape: str, families: list[str], dtypes: dict[str, list], workdir: Path, keep: float = 0.8,
              refusal: bool = True, one_child_per_row: bool = True, log=print, extra: list[dict] = ()) -> list[dict]:
     """Write, warm, load (in a child) and delete each family's checkpoint at ``shape``; one row per (family,
-    dtype), plus the refusal row. ``dtypes``: family -> list of "stored" / "float32" / "bfloat16".
+    dtype), plus the refusal row. ``dtypes``: family -> list of "stored" / "float32" / "bfloat16" / "int8" / "int4".
     ``one_child_per_row``: each load in its own child with only its file on disk (big files); else every load
     in one child after all are written (the tests' small files). ``extra``: rows ({family, shape, path, file_bytes})
     of files written elsewhere, loaded as stored last (in that same child) and left on disk."""

@@ -45,7 +45,7 @@ from ..factorized import quantize_factors
 from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
-from ..eval.speed_plot import COLORS, MARKERS, draw_decode_vs_bytes
+from ..eval.speed_plot import draw_decode_vs_bytes, draw_thread_scaling
 from .peer_base import (LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
                         format_table, judged, llama_runner, save_figure, start)
 from .results import ResultFiles
@@ -239,25 +239,12 @@ def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
 
 
 def plot_thread_scaling(res: dict, ax=None):
-    """Decode ms/token against threads, one line per (system, dtype) (exact head), with each thread count's
-    copy-bandwidth roofline of the low-rank bytes (dotted). Returns the matplotlib figure."""
+    """:func:`~lowrank_lib.eval.speed_plot.draw_thread_scaling` of the rows. Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
     if ax is None:
         _, ax = plt.subplots(figsize=(6.5, 4.2))
-    bws = res["copy_bandwidth_GBps_by_threads"]
-    for (system, dtype, bits) in sorted({(r["system"], r["dtype"], r.get("factor_bits") or 0) for r in res["rows"]}):
-        rows = sorted((r for r in res["rows"] if (r["system"], r["dtype"], r.get("factor_bits") or 0) == (system, dtype, bits)
-                       and r.get("lm_head", "exact") == "exact"), key=lambda r: r["threads"])
-        th, label = [r["threads"] for r in rows], f"{system} {dtype}" + (f" int{bits} factors" if bits else "")
-        ax.plot(th, [r["decode_ms_per_token"] for r in rows], marker=MARKERS[system], label=label,
-                ls="--" if system == "llamacpp_dense" else "-", color=COLORS.get(dtype, "gray"))
-        if system == "lowrank_lib_lowrank":
-            ax.plot(th, [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",
-                    color=COLORS.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
-    ax.set(xlabel="threads", ylabel="decode ms/token", xticks=sorted({r["threads"] for r in res["rows"]}),
-           ylim=(0, None), title="thread scaling (dashed: llama.cpp dense; dotted: bytes / copy bandwidth)")
-    ax.legend(fontsize=7)
+    draw_thread_scaling(ax, res["rows"], res["copy_bandwidth_GBps_by_threads"])
     return ax.figure
 
 

@@ -82,9 +82,9 @@ def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, ch
                             "ppl_dequantized": ppl(dequantized(q), "deq", check_tokens, 1)}
         del q
         add(row)
-    ref = next(r["ppl"] for r in rows if r["factors"] == "bf16")
+    ref, ref32 = (next(r["ppl"] for r in rows if r["factors"] == f) for f in ("bf16", "fp32"))
     for r in rows:
-        r["rel_to_bf16"] = r["ppl"] / ref - 1
+        r["rel_to_bf16"], r["rel_to_fp32"] = r["ppl"] / ref - 1, r["ppl"] / ref32 - 1
     return rows
 
 
@@ -126,11 +126,12 @@ def head_rows(model, ids: torch.Tensor, seq_len: int, windows: int, heads=tuple(
 
 def table(res: dict) -> str:
     """The factor rows, then (when measured) the head rows, as Markdown."""
-    lines = ["| factors | PPL | vs bf16 | projection bytes |", "|---|---|---|---|"]
+    lines = ["| factors | PPL | vs bf16 | vs fp32 | projection bytes |", "|---|---|---|---|---|"]
     for r in res["rows"]:
-        rel = r.get("rel_to_bf16")
-        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | {'' if rel is None else f'{100 * rel:+.3f} %'} | "
-                     f"{r['linear_bytes'] / 1e6:.1f} MB |")
+        rel = [r.get(k) for k in ("rel_to_bf16", "rel_to_fp32")]
+        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | "
+                     + " | ".join('' if x is None else f'{100 * x:+.3f} %' for x in rel) +
+                     f" | {r['linear_bytes'] / 1e6:.1f} MB |")
     if res.get("heads"):
         lines += ["", "| LM head (bf16 factors) | PPL | vs exact head | argmax = exact head's | head bytes |",
                   "|---|---|---|---|---|"]
@@ -150,12 +151,15 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
                           calib_samples: int = 16, calib_len: int = 512, configs=((8, 32), (8, 64), (8, 128),
                                                                                     (4, 32), (4, 64), (4, 128)),
                           check_tokens: int = 256, target_int8: float = 0.005, progress: bool = True,
-                          on_row=None, heads=tuple(APPROX_HEADS)) -> dict:
-    """SVD-LLM v1 at ``keep`` on ``model_name`` (the README's protocol), then :func:`quant_rows` and, for ``heads``,
-    :func:`head_rows` on the bf16-factor model."""
-    from .. import models
+                          on_row=None, heads=tuple(APPROX_HEADS), family: str = "svdllm") -> dict:
+    """``family``'s compressor (SVD-LLM v1 by default) at ``keep`` on ``model_name`` (the README's protocol), then
+    :func:`quant_rows` and, for ``heads``, :func:`head_rows` on the bf16-factor model.
+
+    ``family="dobi-remap"``: the fp32 row is Dobi's own loader (its 8-bit codes widened, fp16 values computed in
+    fp32), and each int row is what ``load_checkpoint(path, factor_bits=..., factor_group=...)`` serves from the
+    file's codes (``quantize`` of the widened factor, one factor at a time; ``tests/test_dobi_served.py``)."""
+    from .. import families, models
     from ..compress.calib import calibration_data, collect_stats
-    from ..compress.svdllm import compress_svdllm
     from .quality import QualityConfig, eval_tokens
 
     torch.manual_seed(0)
@@ -164,10 +168,11 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
     t0 = time.perf_counter()
     calib = calibration_data(tok, calib_samples, calib_len, 0, model.config.vocab_size)
     stats = collect_stats(model, calib, progress=progress)
-    cm = compress_svdllm(model, stats, keep, progress=False)
+    fam = families.get(family)
+    cm = fam.compress(model, stats, keep, progress=False)
     prep_s = time.perf_counter() - t0
     del stats, model
-    res = {"protocol": {"model": model_name, "compressor": "SVD-LLM v1", "keep": keep,
+    res = {"protocol": {"model": model_name, "compressor": fam.title, "family": fam.name, "keep": keep,
                         "eval": f"WikiText-2 test, first {windows} windows of {seq_len} tokens",
                         "calibration": f"WikiText-2 valid, {calib_samples} x {calib_len} tokens, seed 0",
                         "compute": "fp32 everywhere; quantized rows dequantized (the engine's prefill math)",

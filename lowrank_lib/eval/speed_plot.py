@@ -7,7 +7,7 @@ matplotlib is imported by the caller (an ``ax`` is passed in), never here.
 """
 from __future__ import annotations
 
-__all__ = ["COLORS", "MARKERS", "draw_decode_vs_bytes"]
+__all__ = ["COLORS", "MARKERS", "draw_decode_vs_bytes", "draw_thread_scaling"]
 MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
 COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "q8_0": "tab:green", "q4_k_m": "tab:red"}
 
@@ -44,3 +44,20 @@ def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool
     ax.set(xlabel="weight bytes per token (MB)", ylabel="decode ms/token", **(
         {"xscale": "log", "yscale": "log"} if log else {"xlim": (0, None), "ylim": (0, None)}))
     ax.legend(fontsize=7, loc="upper left" if log else "best")
+
+
+def draw_thread_scaling(ax, rows_all: list[dict], bws: dict) -> None:
+    """Decode ms/token against threads, one line per (system, dtype, factor bits) (exact head), with each thread
+    count's copy-bandwidth roofline (``bws``: GB/s by thread count as a string) of the low-rank bytes (dotted)."""
+    for (system, dtype, bits) in sorted({(r["system"], r["dtype"], r.get("factor_bits") or 0) for r in rows_all}):
+        rows = sorted((r for r in rows_all if (r["system"], r["dtype"], r.get("factor_bits") or 0) == (system, dtype, bits)
+                       and r.get("lm_head", "exact") == "exact"), key=lambda r: r["threads"])
+        th, label = [r["threads"] for r in rows], f"{system} {dtype}" + (f" int{bits} factors" if bits else "")
+        ax.plot(th, [r["decode_ms_per_token"] for r in rows], marker=MARKERS[system], label=label,
+                ls="--" if system == "llamacpp_dense" else "-", color=COLORS.get(dtype, "gray"))
+        if system == "lowrank_lib_lowrank":
+            ax.plot(th, [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",
+                    color=COLORS.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
+    ax.set(xlabel="threads", ylabel="decode ms/token", xticks=sorted({r["threads"] for r in rows_all}),
+           ylim=(0, None), title="thread scaling (dashed: llama.cpp dense; dotted: bytes / copy bandwidth)")
+    ax.legend(fontsize=7)

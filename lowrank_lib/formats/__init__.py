@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from .. import families
+from ..factorized import quantize_factors
+from ..quant import DEFAULT_GROUP, storage_shapes
 from . import lowrank
 from .errors import CheckpointError, UnclassifiedCheckpointError, UnsafePickleError, guarded
 from .common import single_pt
@@ -98,7 +100,8 @@ def detect_format(path: str | Path) -> str:
 
 @guarded
 def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dtype | None = None,
-                    allow_nonfinite: bool = False, progress: bool = True):
+                    allow_nonfinite: bool = False, progress: bool = True, factor_bits: int | None = None,
+                    factor_group: int = DEFAULT_GROUP):
     """Read any supported checkpoint into a ``LlamaForCausalLM`` with ``LowRankLinear`` projections.
 
     ``family``: skip detection (a format or family name; aliases accepted). ``dtype``: None (default)
@@ -107,6 +110,10 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     evaluations, ``torch.bfloat16`` to halve an fp32 file). ``allow_nonfinite``: load tensors holding
     NaN/Inf (refused by default) for inspection; they are listed in ``model.lowrank_meta["nonfinite"]``.
     ``progress``: a tqdm bar on stderr (bytes and tensors) when the load takes more than ~2 s.
+    ``factor_bits`` (8 or 4; None keeps the factors as stored): every factor served quantized (QUANT_SPEC, fp16
+    scales per ``factor_group`` columns; :func:`lowrank_lib.quantize_factors`'s math). A family whose file holds
+    quantized codes of its own (Dobi-SVD remap) is requantized from them one factor at a time while streaming, so the
+    model is never widened; every other family is read, then quantized.
 
     Memory and speed: the file is mapped, checked and streamed one tensor (one chunk) at a time; tensors
     kept in their stored dtype view the mapping, cast ones are converted chunk by chunk. Peak RSS is
@@ -121,7 +128,21 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     fmt = _format(family, path) if family is not None else families.get(detect_format(path))
     if fmt.name == "svdllm" and path.is_dir():
         path = single_pt(path)
-    return fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite, progress=progress)
+    if factor_bits is not None:
+        try:
+            storage_shapes(1, 1, factor_bits, factor_group)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: factor_bits={factor_bits!r}, factor_group={factor_group!r}: {e}",
+                                  path=path) from None
+    served = factor_bits is not None and fmt.reads_codes
+    kw = {"factor_bits": factor_bits, "factor_group": factor_group} if served else {}
+    model = fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite, progress=progress, **kw)
+    if factor_bits is not None and not kw:
+        try:
+            quantize_factors(model, factor_bits, factor_group)
+        except ValueError as e:
+            raise CheckpointError(f"{path}: cannot serve the factors at {factor_bits} bits: {e}", path=path) from None
+    return model
 
 
 def save_checkpoint(model, path: str | Path) -> Path:

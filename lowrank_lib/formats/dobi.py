@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..codecs import remap_decode, remap_encode, remap_us, remap_vt
-from ..factorized import LLAMA_PROJ
-from .build import build_model, llama_config
+from ..codecs import remap_decode, remap_encode, remap_shapes, remap_us, remap_us_rows, remap_vt, remap_vt_rows
+from ..factorized import LLAMA_PROJ, factor_matrix
+from ..quant import DEFAULT_GROUP, quantize_blocks, storage_shapes
+from .build import QuantizedFactor, build_model, llama_config
 from .common import (as_class, factor_modules, fake_class, keep_from_name, linear_from, pickle_copy, plain_config,
                      read_json, read_torch_bin_dir, registered, storages_tagged, finish_dir)
 from .errors import CheckpointError, brief, fail, guarded
@@ -98,11 +99,14 @@ def write_remap(model, path: str | Path, tokenizer=None, location: str = "cuda:0
         if f.bias is not None:
             raise CheckpointError(f"{name}: the Dobi remap layout has no place for a bias")
         entry = getattr(f, "dobi_remap", None)
-        if entry is not None:
+        if entry is not None and not f.quantized:
             US, VT = remap_decode(entry)
             if not (torch.equal(US, f.U.detach().half()) and torch.equal(VT, f.V.detach().half())):
                 entry = None  # stale codes (factors changed since): re-encode
-        entries[name] = entry if entry is not None else remap_encode(f.U.detach().float(), f.V.detach().float())
+        # factors served from the codes (``read_remap(factor_bits=...)``) are derived from them: the codes are written
+        if entry is None:
+            entry = remap_encode(factor_matrix(f.U).detach().float(), factor_matrix(f.V).detach().float())
+        entries[name] = entry
     sd = {k: v.detach().half().contiguous() for k, v in model.state_dict().items()
           if "self_attn." not in k and "mlp." not in k and "rotary_emb" not in k}
     torch.save(sd, path / "pytorch_model.bin")
@@ -117,7 +121,11 @@ _TENSORS = (torch.Tensor, LazyTensor)
 
 @guarded
 def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
-         progress: bool = False):
+               progress: bool = False, factor_bits: int | None = None, factor_group: int = DEFAULT_GROUP):
+    """``factor_bits=None``: the factors widened to fp16 as Dobi's own loader does (``dtype`` casts them further).
+    ``factor_bits=8`` (or 4): served quantized (QUANT_SPEC, ``factor_group`` columns per fp16 scale), each factor
+    requantized from its 8-bit codes while the file is streamed, one factor at a time: exactly
+    ``quantize(<the widened fp16 factor>, factor_bits, factor_group)``, and the whole model is never widened."""
     from .safe_pickle import load_lazy
 
     path = Path(path)
@@ -133,9 +141,13 @@ def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
         if not isinstance(name, str):
             fail(rw, f"entry key {brief(name)} is not a module name")
         US, VT = _decoded(check_remap_entry(e, name, rw))
+        if factor_bits is not None:
+            US, VT = (_requantized(e, side, factor_bits, factor_group, name, rw) for side in ("us", "vt"))
         factors[name] = (US, VT, None, {"U": f"{name}[us_quan]", "V": f"{name}[vt_quan]"})
         codes[name] = e
     meta = {"family": "dobi-remap", "keep": keep_from_name(path.name), "shared_groups": []}
+    if factor_bits is not None:
+        meta["quant"] = {"bits": int(factor_bits), "group": int(factor_group), "from": "dobi-remap codes"}
     model = build_model(cfg_obj, dense, factors, meta, path, dtype, allow_nonfinite, progress=progress)
     for name, e in codes.items():       # the codes as stored (views of the file), for a byte-exact rewrite
         model.get_submodule(name).dobi_remap = materialize(e)
@@ -155,6 +167,36 @@ def _decoded(e: dict) -> tuple[LazyTensor, LazyTensor]:
                             lambda q, a, *x: remap_vt({"vt_quan": q, "vt_absmax": a,
                                                       "tuple_info": ("vt", x[0]) if x else None}), *vt_in)
     return US, VT
+
+
+def _requantized(e: dict, side: str, bits: int, group: int, name: str, source) -> QuantizedFactor:
+    """``quantize(<the widened US or VT>, bits, group)`` (``side`` "us" / "vt") as a :class:`QuantizedFactor` whose
+    codes and scales are computed when the load streams them, decoded and quantized one block of rows at a time
+    (:func:`lowrank_lib.quant.quantize_blocks`): the first of the two pieces asked for computes both and holds the
+    other (the codes stream at the position of Dobi's codes, the scales at that of Dobi's absmax)."""
+    codes, absmax = f"{side}_quan", f"{side}_absmax"
+    kind, tail = e["tuple_info"] if e["tuple_info"] is not None else (None, None)
+    lazy = (e[codes], e[absmax]) + ((tail,) if kind == side else ())
+    shape = remap_shapes(e)[0 if side == "us" else 1]
+    rows = remap_us_rows if side == "us" else remap_vt_rows
+    keys = (f"{name}[{codes}]", f"{name}[{absmax}]")
+    (dc, shape_c), (ds, shape_s) = storage_shapes(*shape, bits, group)
+    held: dict[str, torch.Tensor] = {}
+
+    def take(piece: str) -> torch.Tensor:
+        if piece not in held:
+            ent = {codes: lazy[0].load(), absmax: lazy[1].load(),
+                   "tuple_info": (kind, lazy[2].load()) if len(lazy) == 3 else None}
+            try:
+                q = quantize_blocks(shape, lambda r0, r1: rows(ent, r0, r1), bits, group)
+            except ValueError as err:
+                fail(source, f"'{keys[0]}' cannot be served at {bits} bits: {err}", key=keys[0])
+            held.update(data=q.data, scale=q.scale)
+        return held.pop(piece)
+
+    return QuantizedFactor(LazyTensor.derived(dc, shape_c, lambda *_: take("data"), *lazy),
+                           LazyTensor.derived(ds, shape_s, lambda *_: take("scale"), lazy[1]),
+                           bits, group, shape, keys)
 
 
 def check_remap_entry(e, name: str, source) -> dict:

@@ -29,6 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--families", nargs="+", default=None, help="default: every family")
     add_keep(p, 0.8, "fraction of parameters kept by every family (one value)")
     p.add_argument("--svdllm-dtypes", nargs="+", default=["stored", "float32", "bfloat16"])
+    p.add_argument("--dobi-remap-dtypes", nargs="+", default=["stored", "int8"], help="int8: served from its codes")
     p.add_argument("--llama7b", action="store_true", help="add the LLaMA-7B SVD-LLM v1 row (~21 GB on disk)")
     p.add_argument("--llama7b-dtypes", nargs="+", default=["stored", "bfloat16"])
     p.add_argument("--no-refusal", action="store_true", help="skip the refused-pickle row")
@@ -63,7 +64,8 @@ def run(a) -> int:
     root.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        res["rows"] += run_rows(shape, a.families or list(FAMILIES), {"svdllm": a.svdllm_dtypes}, root / shape, keep,
+        dtypes = {"svdllm": a.svdllm_dtypes, "dobi-remap": a.dobi_remap_dtypes}
+        res["rows"] += run_rows(shape, a.families or list(FAMILIES), dtypes, root / shape, keep,
                                 refusal=not a.no_refusal, one_child_per_row=not a.quick)
         files.write(res, md=format_table(res))
         if a.llama7b:

@@ -12,6 +12,7 @@ def add_arguments(p) -> None:
     from ..options import add_keep, add_list, add_prompt_len
 
     p.add_argument("--model", default="smollm2")
+    p.add_argument("--families", nargs="+", default=["svdllm"], help="one compressor (dobi-remap: int rows = its codes)")
     add_keep(p, [0.8])
     p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
     add_prompt_len(p, 2048, "perplexity window tokens")
@@ -29,15 +30,16 @@ def run(a) -> int:
     from ..options import one
     from ..results import ResultFiles, slug
 
-    keep, seq = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len")
-    files = ResultFiles(a.out, "quant_quality", slug(a.model.split("/")[-1], f"keep{keep}", f"w{a.windows}x{seq}"))
+    keep, seq, fam = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len"), one(a.families, "--families")
+    name = slug(a.model.split("/")[-1], *([] if fam == "svdllm" else [fam]), f"keep{keep}", f"w{a.windows}x{seq}")
+    files = ResultFiles(a.out, "quant_quality", name)
 
     def write(res: dict, complete: bool = False):
         files.write({**res, "command": a.command_line, "complete": complete}, md=format_table(res))
 
     res = measure_quant_quality(a.model, keep, a.windows, seq, a.calib_samples, a.calib_len,
                                 [(b, g) for b in a.bits for g in a.groups], a.qmatmul_prefix, on_row=write,
-                                heads=tuple(h for h in a.lm_heads if h != "none"))
+                                heads=tuple(h for h in a.lm_heads if h != "none"), family=fam)
     write(res, complete=True)
     print(format_table(res))
     print(f"chosen group: {res['chosen_group']}")
