@@ -50,8 +50,11 @@ fetch: setup
 lint: setup
 	$(PY) -m ruff check lowrank_lib tests benchmarks
 
+# the oldest-transformers venv (pip: mostly download and unpack, ~20 s) is made while the main suite runs
 test: setup lint
-	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests
+	@$(MAKE) --no-print-directory $(VENV_OLDEST)/.installed > $(VENV)/oldest-setup.log 2>&1 & \
+	 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests; rc=$$?; \
+	 wait $$! || { echo "[test] making $(VENV_OLDEST) failed:"; cat $(VENV)/oldest-setup.log; exit 1; }; exit $$rc
 	$(MAKE) test-oldest
 
 $(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml

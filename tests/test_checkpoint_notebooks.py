@@ -253,21 +253,21 @@ def test_an_unreadable_checkpoint_stops_the_notebook_at_its_first_code_cell(fami
 
 @pytest.mark.notebook
 def test_the_command_reports_on_a_checkpoint(family_files, reference_dir, tmp_path, capsys):  # noqa: F811
-    """``run 00 01 04 --checkpoint --model --params --out`` on an ASVD folder with its reference (and the
+    """``run 01 04 --checkpoint --model --params --out`` on an ASVD folder with its reference (and the
     reference's tokenizer): HTML + index, one table naming the model with each kernel's peak RSS, the checkpoint
-    normalised once: by the first notebook, the others read the normalised copy. 02 and 03 on a checkpoint are not
-    run here (each kernel costs ~10 s of imports; 02 runs on a checkpoint in ``tests/browser/test_lab.py``)."""
+    normalised once: by the first notebook, the second reads the normalised copy. 00, 02 and 03 on a checkpoint are
+    not run here (each kernel costs ~10 s of imports; 00 and 02 run on a checkpoint in ``tests/browser/test_lab.py``,
+    without a tokenizer or reference 01, 05 and 06 above)."""
     import shutil
 
     small = {"parameters": {"SEED": 0, "CI": True},          # smaller than ci.yaml
-             "overrides": {NB00: {"SLIDER_TOKENS": 64, "GEN_TOKENS": 8},
-                           NB01: {"SEQ_LEN": 64, "EVAL_WINDOWS": 1},
+             "overrides": {NB01: {"SEQ_LEN": 64, "EVAL_WINDOWS": 1},
                            NB04: {"PROMPT_LEN": 48, "GEN_LEN": 8, "KEEP_RATIO": 0.5}}}
     params = tmp_path / "small.yaml"
     params.write_text(yaml.safe_dump(small))
     path, out = family_files["asvd"], tmp_path / "mine"
     shutil.rmtree(normalised_path(source_hash(path), torch.float32), ignore_errors=True)   # from an earlier run
-    names = [NB00, NB01, NB04]
+    names = [NB01, NB04]
     rc = notebooks.main(["run", *names, "--checkpoint", str(path), "--model", str(reference_dir["with"]),
                          "--params", str(params), "--out", str(out), "--no-progress"])
     table = capsys.readouterr().out

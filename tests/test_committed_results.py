@@ -315,9 +315,12 @@ _LOAD_LABELS = {"SVD-LLM v1 (whole-model pickle)": ("svdllm", False), "SVD-LLM v
                 "SVD-LLM v1, LLaMA-7B": ("svdllm", False)}
 
 
-def test_readme_load_table_equals_the_json():
-    res = _load("load_llama-3.2-1b_k0.8_3.json")
-    header, rows = _readme_table("`benchmarks/results/load_llama-3.2-1b_k0.8_3.json`), measured")
+@pytest.mark.parametrize("name, anchor", [
+    ("load_llama-3.2-1b_k0.8_3.json", "`benchmarks/results/load_llama-3.2-1b_k0.8_3.json`), measured"),
+    ("load_llama-3.2-1b_k0.8_4.json", "Dobi-SVD remap served from its codes (`benchmarks/results/load_llama-3.2-1b_k0.8_4.json`")])
+def test_readme_load_table_equals_the_json(name, anchor):
+    res = _load(name)
+    header, rows = _readme_table(anchor)
     assert header == ["file", "shape", "loaded as", "file GiB", "model GiB", "wall s", "GB/s", "peak - baseline GiB",
                       "limit GiB"]
     assert len(rows) == len(res["rows"])

@@ -76,6 +76,35 @@ def test_quantized_factor_points_read_fewer_bytes_and_resume_from_the_saved_bf16
     assert again[0]["weight_bytes_per_token"] == i8["weight_bytes_per_token"] and "compress_s" not in again[0]
 
 
+def test_dobi_remap_int_points_are_its_codes_served_not_its_bf16_factors_requantized(tiny, ids, tmp_path):
+    """A family whose file holds codes (Dobi remap): the int8 point's factors are ``quantize`` of the factors decoded
+    from its codes, what ``load_checkpoint(factor_bits=8)`` serves (``tests/test_dobi_served.py``), also when its bf16
+    point was measured before (it compresses again rather than requantize the saved bf16 model)."""
+    from lowrank_lib.codecs import remap_us, remap_vt
+    from lowrank_lib.factorized import lowrank_modules
+    from lowrank_lib.quant import quantize
+
+    def run(weights, done, log):
+        return fr.lowrank_points(tiny, None, ids, families=("dobi-remap",), keeps=(0.6,), weights=weights,
+                                 seq_len=SEQ, windows=WIN, calib_samples=2, calib_len=32, done=done,
+                                 save_dir=tmp_path, log=log)
+
+    first = {p["id"]: p for p in run(("bf16", "int8"), {"lowrank_lib:dense:bf16"}, lambda s: None)}
+    logs = []
+    again = run(("bf16", "int8"), {"lowrank_lib:dense:bf16", "lowrank_lib:dobi-remap@0.6:bf16"}, logs.append)
+    assert any("calibration" in s for s in logs) and not any("the bf16 model from" in s for s in logs)
+    assert [p["id"] for p in again] == ["lowrank_lib:dobi-remap@0.6:int8"]
+    assert again[0]["ppl"] == first["lowrank_lib:dobi-remap@0.6:int8"]["ppl"]
+    saved = torch.load(again[0]["file"], weights_only=False)
+    n = 0
+    for name, lr in lowrank_modules(saved).items():
+        for f, ref in ((lr.U, remap_us(lr.dobi_remap)), (lr.V, remap_vt(lr.dobi_remap))):
+            q = quantize(ref, 8, 32)
+            assert torch.equal(f.data, q.data) and torch.equal(f.scale, q.scale), name
+            n += 1
+    assert n == 2 * 7 * tiny.config.num_hidden_layers
+
+
 def test_weights_other_than_bf16_int8_int4_are_refused(tiny, ids):
     with pytest.raises(ValueError, match="int2"):
         _run(tiny, ids, ("bf16", "int2"), None)

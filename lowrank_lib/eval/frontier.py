@@ -187,7 +187,9 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     :func:`lowrank_lib.eval.quant_quality.dequantized`, the engine's prefill math, as ``bench quant-quality``
     measures: the spec's float64 :func:`~lowrank_lib.quant.qmatmul` gives the same to 1e-4 and is far slower). ``save_dir``: also write each model there (``torch.save`` of the
     module) for the speed phase (``point["file"]``); when a family's bf16 point is in ``done`` and its file is in
-    ``save_dir``, its quantized points start from that file instead of compressing again."""
+    ``save_dir``, its quantized points start from that file instead of compressing again. A family whose file holds
+    quantized codes (``Family.reads_codes``: Dobi remap) quantizes its factors as decoded from the codes, not rounded
+    to bf16 first: its int points are what ``load_checkpoint(path, factor_bits=...)`` serves from its file."""
     from .. import families as registry
     from ..compress.calib import calibration_data, collect_stats
     from ..factorized import quantize_factors
@@ -246,8 +248,11 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
     for fam, keep in dict.fromkeys((f, k) for f, k, _ in todo):
         base = f"lowrank_lib:{fam}@{keep}"
         saved = None if save_dir is None else _saved_file(save_dir, f"{base}:bf16")
+        # a family whose file holds codes (Dobi remap) serves its int points from them: quantize() of its decoded
+        # (fp16-valued) factors, as load_checkpoint(factor_bits=...) does, never of the bf16-rounded ones
+        codes, served = registry.get(fam).reads_codes, None
         t1 = time.perf_counter()
-        if f"{base}:bf16" in done and saved is not None and saved.exists():
+        if f"{base}:bf16" in done and saved is not None and saved.exists() and not codes:
             m, comp_s = _load_saved(saved, model), None
             log(f"[frontier] {base}: the bf16 model from {saved}")
         else:
@@ -256,6 +261,7 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
             cm = (registry.get(fam).compress(model, stats, keep, progress=False, **kw) if kw else
                   compress_family(model, fam, stats, keep, cfg))
             comp_s = round(time.perf_counter() - t1, 1)
+            served = copy.deepcopy(cm) if codes and any(w != "bf16" for w in weights) else None
             m = _rounded(cm, torch.bfloat16)
         extra = {} if comp_s is None else {"compress_s": comp_s}
         for w in weights:
@@ -267,13 +273,14 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
                 emit(_point(pid, fam, keep, w, stored, ppl(m, pid), **extra, **save(stored, pid)))
             else:
                 bits = FACTOR_WEIGHTS[w]
-                q = quantize_factors(copy.deepcopy(m), bits, group)
+                q = (_rounded(quantize_factors(copy.deepcopy(served), bits, group), torch.bfloat16) if codes else
+                     quantize_factors(copy.deepcopy(m), bits, group))        # the rest of the model in bf16 alike
                 stored = _bf16_params(copy.deepcopy(q))
                 emit(_point(pid, fam, keep, w, stored, ppl(dequantized(q), pid), factor_bits=bits,
                             factor_group=group, **extra, **save(stored, pid)))
                 del q
             del stored
-        del m
+        del m, served
     return out
 
 
