@@ -1,4 +1,5 @@
-"""Peak memory of a load, measured as the peak RSS of a child process: every family at 200-400 MB, the cheap refusal.
+"""Peak memory of a load, measured as the peak RSS of a child process: every family at 200-400 MB (Dobi remap also
+served from its codes, int8), the cheap refusal.
 
 Files of every family are written at the ``test`` shape of ``lowrank_lib.synthetic`` (hidden 1024, 8
 layers, vocabulary 16 000: 150-420 MB in the families' native dtypes, random weights) plus the SVD-LLM
@@ -55,13 +56,14 @@ def loaded(tmp_path_factory):
     d = tmp_path_factory.mktemp("loadmem")
     legacy = [{"family": f"legacy:{p.name}", "shape": "test", "path": p, "file_bytes": L.file_bytes(p)}
               for p in _legacy_pickles(d / "legacy")]                 # loaded in the same child as the others
-    return L.run_rows("test", list(S.FAMILIES), {"svdllm": ["stored", "float32", "bfloat16"]}, d / "native",
+    return L.run_rows("test", list(S.FAMILIES), {"svdllm": ["stored", "float32", "bfloat16"],
+                                                  "dobi-remap": ["stored", "int8"]}, d / "native",
                       one_child_per_row=False, log=lambda s: None, extra=legacy)
 
 
 def test_every_family_loads_within_the_memory_contract(loaded):
     ok = [r for r in loaded if not r["refusal"]]
-    assert len(ok) == len(S.FAMILIES) + 2 + 2, [r["family"] for r in ok]
+    assert len(ok) == len(S.FAMILIES) + 2 + 1 + 2, [r["family"] for r in ok]
     for r in ok:
         assert r["ok"], r
         assert r["reset_peak"], "the peak RSS could not be reset between loads"
@@ -74,6 +76,11 @@ def test_every_family_loads_within_the_memory_contract(loaded):
 
 def test_dtype_rows_hold_the_asked_dtype(loaded):
     by = {(r["family"], r["dtype"]): r for r in loaded if r.get("ok")}
+    # Dobi remap served from its codes (int8 codes + fp16 scales): a smaller model than the widened fp16 one, and a
+    # smaller peak (never widened whole; within the contract above like every row)
+    served, widened = by["dobi-remap", "int8"], by["dobi-remap", "stored"]
+    assert served["model_bytes"] < 0.8 * widened["model_bytes"]
+    assert served["peak_over_baseline"] < widened["peak_over_baseline"]
     assert set(by["svdllm", "stored"]["dtypes"]["loaded"]) == {"float32", "float16"}
     assert set(by["svdllm", "float32"]["dtypes"]["loaded"]) == {"float32"}
     assert set(by["svdllm", "bfloat16"]["dtypes"]["loaded"]) == {"bfloat16"}
