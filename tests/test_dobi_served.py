@@ -103,6 +103,9 @@ def test_other_families_are_read_then_quantized(files):
 def test_bad_bits_or_group_fail_before_reading(files, kw, says):
     with pytest.raises(CheckpointError, match=says):
         load_checkpoint(files["dobi-remap"], progress=False, **kw)
+    with pytest.raises(CheckpointError, match=says) as e:               # the reader called directly says the same
+        families.get("dobi-remap").read(files["dobi-remap"], **kw)
+    assert "bug" not in str(e.value)
 
 
 def test_a_non_finite_tail_fails_naming_the_entry(files, tmp_path):

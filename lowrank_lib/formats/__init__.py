@@ -26,8 +26,9 @@ import torch
 
 from .. import families
 from ..factorized import quantize_factors
-from ..quant import DEFAULT_GROUP, storage_shapes
+from ..quant import DEFAULT_GROUP
 from . import lowrank
+from .build import check_factor_bits
 from .errors import CheckpointError, UnclassifiedCheckpointError, UnsafePickleError, guarded
 from .common import single_pt
 from .files import read_json, regular_file
@@ -129,11 +130,7 @@ def load_checkpoint(path: str | Path, family: str | None = None, dtype: torch.dt
     if fmt.name == "svdllm" and path.is_dir():
         path = single_pt(path)
     if factor_bits is not None:
-        try:
-            storage_shapes(1, 1, factor_bits, factor_group)
-        except ValueError as e:
-            raise CheckpointError(f"{path}: factor_bits={factor_bits!r}, factor_group={factor_group!r}: {e}",
-                                  path=path) from None
+        check_factor_bits(path, factor_bits, factor_group)
     served = factor_bits is not None and fmt.reads_codes
     kw = {"factor_bits": factor_bits, "factor_group": factor_group} if served else {}
     model = fmt.read(path, dtype=dtype, allow_nonfinite=allow_nonfinite, progress=progress, **kw)

@@ -86,6 +86,15 @@ class QuantizedFactor:
                              f"group {self.group}, matrix {tuple(self.shape)})", key=key)
 
 
+def check_factor_bits(source, bits, group) -> None:
+    """A ``factor_bits`` / ``factor_group`` request (``load_checkpoint``, a reader that serves codes) the spec can
+    serve, else a CheckpointError naming ``source``, before anything is read."""
+    try:
+        storage_shapes(1, 1, bits, group)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: factor_bits={bits!r}, factor_group={group!r}: {e}", path=source) from None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

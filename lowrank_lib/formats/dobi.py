@@ -25,7 +25,7 @@ from torch import nn
 from ..codecs import remap_decode, remap_encode, remap_shapes, remap_us, remap_us_rows, remap_vt, remap_vt_rows
 from ..factorized import LLAMA_PROJ, factor_matrix
 from ..quant import DEFAULT_GROUP, quantize_blocks, storage_shapes
-from .build import QuantizedFactor, build_model, llama_config
+from .build import QuantizedFactor, build_model, check_factor_bits, llama_config
 from .common import (as_class, factor_modules, fake_class, keep_from_name, linear_from, pickle_copy, plain_config,
                      read_json, read_torch_bin_dir, registered, storages_tagged, finish_dir)
 from .errors import CheckpointError, brief, fail, guarded
@@ -129,6 +129,8 @@ def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
     from .safe_pickle import load_lazy
 
     path = Path(path)
+    if factor_bits is not None:
+        check_factor_bits(path, factor_bits, factor_group)
     cfg = read_json(path / "config.json", "config.json")
     cfg_obj = llama_config(cfg, str(path / "config.json"))
     dense = read_torch_bin_dir(path)
