@@ -142,9 +142,9 @@ def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
     for name, e in entries.items():
         if not isinstance(name, str):
             fail(rw, f"entry key {brief(name)} is not a module name")
-        US, VT = _decoded(check_remap_entry(e, name, rw))
-        if factor_bits is not None:
-            US, VT = (_requantized(e, side, factor_bits, factor_group, name, rw) for side in ("us", "vt"))
+        check_remap_entry(e, name, rw)
+        US, VT = (_decoded(e, side) if factor_bits is None else
+                  _requantized(e, side, factor_bits, factor_group, name, rw) for side in ("us", "vt"))
         factors[name] = (US, VT, None, {"U": f"{name}[us_quan]", "V": f"{name}[vt_quan]"})
         codes[name] = e
     meta = {"family": "dobi-remap", "keep": keep_from_name(path.name), "shared_groups": []}
@@ -156,19 +156,26 @@ def read_remap(path: str | Path, dtype=None, allow_nonfinite: bool = False,
     return model
 
 
-def _decoded(e: dict) -> tuple[LazyTensor, LazyTensor]:
-    """The entry's factors as lazy tensors decoded when streamed: US [m, k] and VT [k, n], fp16."""
-    uq, vq, ua, va, tail = (e[k] for k in _ENTRY_KEYS)
-    k, d = uq.shape
-    kind, t = tail if tail is not None else (None, None)
-    us_in, vt_in = (uq, ua) + ((t,) if kind == "us" else ()), (vq, va) + ((t,) if kind == "vt" else ())
-    US = LazyTensor.derived(torch.float16, (d + (t.shape[0] if kind == "us" else 0), k),
-                            lambda q, a, *x: remap_us({"us_quan": q, "us_absmax": a,
-                                                      "tuple_info": ("us", x[0]) if x else None}), *us_in)
-    VT = LazyTensor.derived(torch.float16, (k, d + (t.shape[1] if kind == "vt" else 0)),
-                            lambda q, a, *x: remap_vt({"vt_quan": q, "vt_absmax": a,
-                                                      "tuple_info": ("vt", x[0]) if x else None}), *vt_in)
-    return US, VT
+def _side(e: dict, side: str):
+    """One side ("us" / "vt") of a remap entry: its lazy inputs (codes, absmax, and the tail if it is this side's),
+    the decoded shape, the row decoder (``codecs.remap_us_rows`` / ``remap_vt_rows``) and a loader of the inputs."""
+    codes, absmax = f"{side}_quan", f"{side}_absmax"
+    kind, tail = e["tuple_info"] if e["tuple_info"] is not None else (None, None)
+    lazy = (e[codes], e[absmax]) + ((tail,) if kind == side else ())
+    shape = remap_shapes(e)[0 if side == "us" else 1]
+
+    def entry(*xs) -> dict:                 # the loaded inputs as the entry the row decoders read
+        return {codes: xs[0], absmax: xs[1], "tuple_info": (kind, xs[2]) if len(xs) == 3 else None}
+
+    return lazy, shape, remap_us_rows if side == "us" else remap_vt_rows, entry
+
+
+def _decoded(e: dict, side: str) -> LazyTensor:
+    """One factor of the entry (US [m, k] or VT [k, n], fp16) as a lazy tensor decoded when streamed (Dobi's loader:
+    :func:`~lowrank_lib.codecs.remap_us` / ``remap_vt``)."""
+    lazy, shape, _, entry = _side(e, side)
+    full = remap_us if side == "us" else remap_vt
+    return LazyTensor.derived(torch.float16, shape, lambda *xs: full(entry(*xs)), *lazy)
 
 
 def _requantized(e: dict, side: str, bits: int, group: int, name: str, source) -> QuantizedFactor:
@@ -176,19 +183,14 @@ def _requantized(e: dict, side: str, bits: int, group: int, name: str, source) -
     codes and scales are computed when the load streams them, decoded and quantized one block of rows at a time
     (:func:`lowrank_lib.quant.quantize_blocks`): the first of the two pieces asked for computes both and holds the
     other (the codes stream at the position of Dobi's codes, the scales at that of Dobi's absmax)."""
-    codes, absmax = f"{side}_quan", f"{side}_absmax"
-    kind, tail = e["tuple_info"] if e["tuple_info"] is not None else (None, None)
-    lazy = (e[codes], e[absmax]) + ((tail,) if kind == side else ())
-    shape = remap_shapes(e)[0 if side == "us" else 1]
-    rows = remap_us_rows if side == "us" else remap_vt_rows
-    keys = (f"{name}[{codes}]", f"{name}[{absmax}]")
+    lazy, shape, rows, entry = _side(e, side)
+    keys = (f"{name}[{side}_quan]", f"{name}[{side}_absmax]")
     (dc, shape_c), (ds, shape_s) = storage_shapes(*shape, bits, group)
     held: dict[str, torch.Tensor] = {}
 
     def take(piece: str) -> torch.Tensor:
         if piece not in held:
-            ent = {codes: lazy[0].load(), absmax: lazy[1].load(),
-                   "tuple_info": (kind, lazy[2].load()) if len(lazy) == 3 else None}
+            ent = entry(*(x.load() for x in lazy))
             try:
                 q = quantize_blocks(shape, lambda r0, r1: rows(ent, r0, r1), bits, group)
             except ValueError as err:
