@@ -185,6 +185,35 @@ def test_quantized_rows_compare_with_q4_k_m_and_keep_out_of_bf16_targets():
     assert len(allc) == 1 and allc[0]["measured"] == pytest.approx(14 / 8) and allc[0]["met"]
 
 
+def test_runs_combine_into_medians_across_runs_and_are_judged_on_them():
+    """Notebook 03's llama.cpp rows over R runs (issue 27): each row's decode time is the median of its runs, with
+    their min / max; the ratios fed by it follow (roofline, GB/s), and comparisons and targets are judged again on
+    the medians, not left from the last run."""
+    def run(ll, lr, read=20.0):
+        rows = [_row("llamacpp_dense", "bf16", 1, ll, 270e6), _row("lowrank_lib_lowrank", "bf16", 1, lr, 168e6)]
+        for r in rows:
+            r.update(achieved_GBps=r["weight_bytes_per_token"] / r["decode_ms_per_token"] / 1e6,
+                     read_roofline_x=r["decode_ms_per_token"] / 1e3 / (r["weight_bytes_per_token"] / (read * 1e9)))
+        return peer_base.judged({"rows": rows})
+
+    runs = [run(14.0, 9.0), run(15.0, 11.0), run(13.0, 12.0)]       # the last run alone: 13 / 12 = 1.08x
+    out = peer_base.across(runs)
+    by = {r["system"]: r for r in out["rows"]}
+    lr = by["lowrank_lib_lowrank"]
+    assert lr["decode_ms_per_token"] == 11.0 and by["llamacpp_dense"]["decode_ms_per_token"] == 14.0
+    assert (lr["decode_runs"]["min_ms"], lr["decode_runs"]["max_ms"], lr["decode_runs"]["runs"]) == (9.0, 12.0, 3)
+    assert lr["roofline_x"] == pytest.approx(11e-3 / (168e6 / 25e9))
+    assert lr["read_roofline_x"] == pytest.approx(11e-3 / (168e6 / 20e9))
+    assert lr["achieved_GBps"] == pytest.approx(168e6 / 11e-3 / 1e9)
+    c = next(c for c in out["comparisons"] if c["system"] == "lowrank_lib_lowrank")
+    assert c["speedup_vs_llamacpp_dense"] == pytest.approx(14 / 11) and c["roofline_x"] == lr["roofline_x"]
+    t = {x["target"]: x for x in out["targets"]}
+    assert t["lowrank_speedup"]["measured"] == pytest.approx(14 / 11) and not t["lowrank_speedup"]["met"]
+    assert runs[-1]["rows"][1]["decode_ms_per_token"] == 12.0                 # the runs themselves are untouched
+    with pytest.raises(ValueError):
+        peer_base.across([])
+
+
 def test_met_is_the_direction_of_the_bound():
     assert peer_base.met(1.5, 1.4, ">=") and not peer_base.met(1.3, 1.4, ">=") and peer_base.met(1.4, 1.4, ">=")
     assert peer_base.met(1.1, 1.2, "<=") and not peer_base.met(1.3, 1.2, "<=")

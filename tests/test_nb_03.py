@@ -51,6 +51,9 @@ def test_graph_replay_ablation_notebook(executed_notebook):
             (s, "fp32") for s in ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")}
         assert peer["equivalence"]["tokens_equal"]
         assert all(r["decode_ms_per_token"] > 0 for r in peer["rows"])
+        for r in peer["rows"]:                 # medians across PEER_RUNS runs (issue 27), each with its run range
+            d = r["decode_runs"]
+            assert d["runs"] == peer["runs"] == 2 and d["min_ms"] <= r["decode_ms_per_token"] == d["median_ms"] <= d["max_ms"]
     else:
         assert "not installed" in peer["why_not"]
     assert len(m["figures"]) == 3 + peer["ran"]

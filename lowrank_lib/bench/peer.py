@@ -230,26 +230,20 @@ def plot_decode_vs_bytes(res: dict, threads: int = 1, ax=None):
     copy roofline of that thread count). Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax = plt.subplots(figsize=(6.5, 4.2))[1] if ax is None else ax
     draw_decode_vs_bytes(ax, [r for r in res["rows"] if r["threads"] == threads],
                          res["copy_bandwidth_GBps_by_threads"].get(str(threads)))
     ax.set_title(f"decode vs bytes, {threads} thread(s); dashed: llama.cpp dense")
     return ax.figure
 
 
-def plot_thread_scaling(res: dict, ax=None):
-    """:func:`~lowrank_lib.eval.speed_plot.draw_thread_scaling` of the rows. Returns the matplotlib figure."""
+def save_figures(res: dict, fig_dir) -> list[str]:
+    """``peer_decode_vs_bytes.png`` (1 thread, or the fewest run) and ``peer_thread_scaling.png``
+    (:func:`~lowrank_lib.eval.speed_plot.draw_thread_scaling` of the rows) in ``fig_dir``."""
     import matplotlib.pyplot as plt
 
-    if ax is None:
-        _, ax = plt.subplots(figsize=(6.5, 4.2))
+    _, ax = plt.subplots(figsize=(6.5, 4.2))
     draw_thread_scaling(ax, res["rows"], res["copy_bandwidth_GBps_by_threads"])
-    return ax.figure
-
-
-def save_figures(res: dict, fig_dir) -> list[str]:
-    """``peer_decode_vs_bytes.png`` (1 thread, or the fewest run) and ``peer_thread_scaling.png`` in ``fig_dir``."""
     return [save_figure(plot_decode_vs_bytes(res, min(r["threads"] for r in res["rows"])),
                         Path(fig_dir) / "peer_decode_vs_bytes.png"),
-            save_figure(plot_thread_scaling(res), Path(fig_dir) / "peer_thread_scaling.png")]
+            save_figure(ax.figure, Path(fig_dir) / "peer_thread_scaling.png")]

@@ -13,6 +13,7 @@ geometries, one system per process) both build on this module and on nothing of 
   :func:`lowrank_lib.runtime.profiling.token_breakdown`);
 - :func:`~lowrank_lib.eval.fidelity.compare_greedy` (re-exported): two runtimes' greedy tokens and logits on one prompt;
 - :func:`comparisons`: every lowrank_lib row against llama.cpp dense of the same model, dtype and threads;
+  :func:`across`: R runs of one benchmark as one result, every row a median across the runs;
 - THE targets (:data:`TARGETS`, data: name, compared key, direction, bound, which rows, issue) and the ONE function
   that judges them (:func:`evaluate`; ``met`` from ``measured`` and ``bound`` by :func:`met`);
 - the table (:func:`format_table`); the decode-vs-bytes drawing is :mod:`lowrank_lib.eval.speed_plot`'s.
@@ -20,6 +21,7 @@ geometries, one system per process) both build on this module and on nothing of 
 from __future__ import annotations
 
 import time
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +30,7 @@ from ..host import CpuClocked, copy_bandwidth, load_average, machine, read_bandw
 from ..runtime import Engine, EngineConfig, run_generation
 from ..eval.fidelity import compare_greedy, equivalence_line  # noqa: F401  (peer / peer_scale use them from here)
 from ..runtime.profiling import breakdown_table, token_breakdown
-from ..timing import summary
+from ..timing import across_runs, summary
 from .llamacpp import LlamaCppRunner, available, version
 
 SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
@@ -61,6 +63,22 @@ def judged(res: dict) -> dict:
     res["comparisons"] = comparisons(res["rows"])
     res["targets"] = evaluate(res["comparisons"])
     return res
+
+
+def across(results: list[dict]) -> dict:
+    """R runs of one peer benchmark -> the last run, each row's decode ms/token (and the ratios it feeds) the median
+    over the runs, ``decode_runs`` its :func:`~lowrank_lib.timing.across_runs`, comparisons and targets re-judged."""
+    if not results:
+        raise ValueError("across() of no runs")
+    key = lambda r: (r["system"], r["dtype"], r["threads"], r.get("lm_head"), r.get("factor_bits"))  # noqa: E731
+    out = deepcopy(results[-1])
+    for r in out["rows"]:
+        r["decode_runs"] = across_runs([x["decode_ms_per_token"] for res in results for x in res["rows"]
+                                        if key(x) == key(r)])
+        f = r["decode_runs"]["median_ms"] / r["decode_ms_per_token"]
+        r.update(decode_ms_per_token=r["decode_runs"]["median_ms"], achieved_GBps=r["achieved_GBps"] / f,
+                 roofline_x=r["roofline_x"] * f, read_roofline_x=r["read_roofline_x"] * f)
+    return judged(out)
 
 
 class Bandwidths:

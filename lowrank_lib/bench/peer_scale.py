@@ -288,9 +288,9 @@ def table(res: dict) -> str:
         for g in res.get("gemv_classes", []) if "classes" in g] + [equivalence_line(e) for e in res["equivalence"]])
 
 
-def plot_scale(results: list[dict], threads: int = 1):
-    """Decode ms/token against weight bytes per token, one log-log panel per shape, every system at ``threads``;
-    the copy-bandwidth roofline (bytes / the rows' mean copy GB/s) dotted. Returns the figure."""
+def save_figures(results: list[dict], fig_dir, threads: int = 1) -> str:
+    """``peer_scale_decode_vs_bytes.png``: decode ms/token against weight bytes per token, one log-log panel per
+    shape, every system at ``threads``; the copy-bandwidth roofline (bytes / the rows' mean copy GB/s) dotted."""
     import matplotlib.pyplot as plt
 
     shapes = sorted({r["shape"] for res in results for r in res["rows"]})
@@ -300,11 +300,7 @@ def plot_scale(results: list[dict], threads: int = 1):
         draw_decode_vs_bytes(ax, rows, sum(r["copy_gbs"] for r in rows) / len(rows) if rows else None, log=True)
         ax.set_title(f"{shape}, {threads} thread(s)")
     fig.tight_layout()
-    return fig
-
-
-def save_figures(results: list[dict], fig_dir, threads: int = 1) -> str:
-    return save_figure(plot_scale(results, threads), Path(fig_dir) / "peer_scale_decode_vs_bytes.png")
+    return save_figure(fig, Path(fig_dir) / "peer_scale_decode_vs_bytes.png")
 
 
 def committed_results(out_dir="benchmarks/results") -> list[dict]:
