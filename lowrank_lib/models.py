@@ -200,10 +200,11 @@ def _dequantize_to_dir(gguf: Path, out: Path) -> None:
     The weights are dequantised tensor by tensor (``formats.gguf.gguf_state_dict``: gguf's own dequantiser, the one
     transformers calls, and q/k rows unpermuted as transformers does) and written with safetensors directly; the
     config and tokenizer come from transformers' GGUF readers (metadata only). The files are byte-identical to
-    building the transformers model from the GGUF and calling ``save_pretrained`` (``tests/test_models.py``), at
-    about a sixth of its time: no model is constructed, nothing is copied twice."""
+    building the transformers model from the GGUF and calling ``save_pretrained`` (``tests/test_models.py``), in
+    about half its time (no model is built, nothing is copied twice). A file whose tensors do not fit
+    ``LlamaForCausalLM`` is refused, naming them, before anything is written."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     from .formats.gguf import gguf_state_dict
 
@@ -216,6 +217,12 @@ def _dequantize_to_dir(gguf: Path, out: Path) -> None:
     state = gguf_state_dict(gguf)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)                # tied to the embedding: save_pretrained stores one copy
+    with torch.device("meta"):                           # the tensors the model needs, nothing allocated
+        want = set(LlamaForCausalLM(cfg).state_dict()) - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    missing, unexpected = sorted(want - set(state)), sorted(set(state) - want)
+    if missing or unexpected:
+        raise ModelLoadError(f"{gguf.name}: its tensors do not fit LlamaForCausalLM: missing={missing[:5]} "
+                             f"unexpected={unexpected[:5]}")
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     out.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(out))

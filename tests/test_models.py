@@ -1,6 +1,7 @@
 """Model loading: cache reuse, local directories, tiny presets, clear errors on bad files."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -177,3 +178,26 @@ def test_the_model_cache_is_byte_identical_to_transformers_save_pretrained(tmp_p
     m, _ = models.load_dir(ours)
     assert (m.lm_head.weight is m.model.embed_tokens.weight) == (preset == "tiny-smol")
     assert getattr(m.config, "quantization_config", None) is None
+
+
+def test_a_gguf_missing_a_tensor_is_refused_by_name(tmp_path):
+    """A GGUF whose tensors do not fit LlamaForCausalLM (here: one layer's down projection dropped) is refused with
+    the missing tensor's name, and nothing is written."""
+    import gguf
+
+    from lowrank_lib.formats.gguf import write_hf_gguf
+
+    (tmp_path / "src").mkdir()
+    full = write_hf_gguf(models.tiny_model("tiny-smol", seed=5, vocab_size=320), tmp_path / "src" / "full.gguf")
+    r = gguf.GGUFReader(str(full))
+    w = gguf.GGUFWriter(str(tmp_path / "src" / "t.gguf"), "llama")
+    for k, f in r.fields.items():
+        if not k.startswith("GGUF.") and k != "general.architecture":
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in r.tensors:
+        if t.name != "blk.1.ffn_down.weight":
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+    with pytest.raises(ModelLoadError, match=r"missing=\['model.layers.1.mlp.down_proj.weight'\]"):
+        models._dequantize_to_dir(tmp_path / "src" / "t.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
