@@ -48,7 +48,7 @@ setup: $(VENV)/.installed
 fetch: setup
 
 lint: setup
-	$(PY) -m ruff check lowrank_lib tests benchmarks
+	$(PY) -m ruff check lowrank_lib tests benchmarks notebooks
 
 # the oldest-transformers venv (pip: mostly download and unpack, ~20 s) is made while the main suite runs
 test: setup lint
