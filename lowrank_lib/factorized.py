@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import DEFAULT_GROUP, QuantizedTensor, qmatmul, quantize
+from .quant import DEFAULT_GROUP, QuantizedTensor, gptq, qmatmul, quantize
 
 __all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "svd_factors", "split_sqrt", "iter_linears", "set_module",
            "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account", "lowrank_modules",
@@ -126,23 +126,50 @@ def factor_matrix(f: torch.Tensor | QuantizedTensor, dtype: torch.dtype | None =
     return f if dtype is None else f.to(dtype)
 
 
-def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP) -> nn.Module:
+def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP, stats=None,
+                     damp: float = 0.01) -> nn.Module:
     """Quantize every ``LowRankLinear`` factor of ``model`` in place (QUANT_SPEC: symmetric, fp16 scales per
     ``group`` columns of the reduction dim; the default group 32 is the measured choice, see
     :data:`lowrank_lib.quant.DEFAULT_GROUP`). A factor shared by several layers (Basis Sharing) becomes ONE
     :class:`~lowrank_lib.quant.QuantizedTensor` referenced by all of them. ``model.lowrank_meta["quant"]`` records
-    ``{"bits", "group"}``. Raises ValueError if a factor is already quantized or not quantizable (NaN / Inf, an
-    fp16 scale overflow) and leaves the model unchanged then."""
+    ``{"bits", "group"}`` (and ``"method": "gptq"``). Raises ValueError if a factor is already quantized or not
+    quantizable (NaN / Inf, an fp16 scale overflow) and leaves the model unchanged then.
+
+    ``stats``: calibration statistics of THIS model's projections (``compress.calib.collect_stats(model, ids)``,
+    or any mapping ``name -> object with .xtx``, the [in, in] sum of x x^T over tokens). With them each factor's
+    codes come from GPTQ (:func:`lowrank_lib.quant.gptq`, ``damp``) instead of rounding to nearest: V (applied
+    first) for the input moment H = X^T X, then U for the moment of its own input, deq(V) H deq(V)^T, so U's codes
+    compensate V's rounding as well; a shared factor uses the sum of its layers' moments. Same storage, kernels and
+    file format: only which codes are stored changes."""
     mods = lowrank_modules(model)
+    if stats is not None:
+        missing = [n for n in mods if n not in stats]
+        if missing:
+            raise ValueError(f"stats has no entry for {missing[:3]} (collect them on this factorized model)")
     done: dict[int, QuantizedTensor] = {}
-    for name, m in mods.items():
-        for side in ("U", "V"):
+
+    def moments(side: str) -> dict[int, torch.Tensor]:
+        """id(factor) -> the summed second moment of its input, over the layers using it."""
+        acc: dict[int, torch.Tensor] = {}
+        for name, m in mods.items():
+            H = stats[name].xtx.to(torch.float64)
+            if side == "U":
+                Vd = done[id(m.V)].dequantize(torch.float64)
+                H = Vd @ H @ Vd.T
+            f = getattr(m, side)
+            acc[id(f)] = acc[id(f)] + H if id(f) in acc else H
+        return acc
+
+    for side in ("V", "U"):             # V first: U's moment needs V's codes
+        H = moments(side) if stats is not None else {}
+        for name, m in mods.items():
             f = getattr(m, side)
             if isinstance(f, QuantizedTensor):
                 raise ValueError(f"{name}.{side} is already quantized ({f.bits} bits, group {f.group})")
             if id(f) not in done:
                 try:
-                    done[id(f)] = quantize(f.detach(), bits, group)
+                    done[id(f)] = (gptq(f.detach(), H[id(f)], bits, group, damp) if stats is not None
+                                   else quantize(f.detach(), bits, group))
                 except ValueError as e:
                     raise ValueError(f"{name}.{side}: {e}") from None
     for m in mods.values():
@@ -151,7 +178,7 @@ def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP
             delattr(m, side)                # a Parameter slot cannot take a module: free the name first
             setattr(m, side, q)
     info = getattr(model, "lowrank_meta", None) or {}
-    info["quant"] = {"bits": int(bits), "group": int(group)}
+    info["quant"] = {"bits": int(bits), "group": int(group), **({"method": "gptq"} if stats is not None else {})}
     model.lowrank_meta = info
     return model
 

@@ -8,6 +8,8 @@ same math and equal this portable path up to fp32 summation order):
   W / float32(scale)), -qmax, qmax)``; stored as int8 [out, in_pad] (8 bits) or nibble-packed uint8 [out, in_pad / 2]
   (4 bits: column 2k in the LOW nibble of byte k, 2k + 1 in the HIGH one, each as q + 8);
 * activations x [N, in] -> int16 per row and group (:func:`quantize_activations`), scale ``xs = amax / 32767``;
+* codes are rounded to nearest (:func:`quantize`) or chosen by GPTQ for a calibration input moment (:func:`gptq`):
+  the same storage either way;
 * product (:func:`qmatmul`): exact integer group sums, then ``y = sum_j float32(isum_j) * (scale_j * xs_j)`` in fp32,
   in the order j = 0, 1, ..., plus the bias, rounded once to x's dtype.
 
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 __all__ = ["BITS", "GROUPS", "DEFAULT_GROUP", "QMAX", "X_QMAX", "QuantizedTensor", "quantize", "dequantize", "pack_int4",
-           "unpack_int4", "quantize_blocks", "quantize_activations", "qmatmul", "padded", "quantized_nbytes", "storage_shapes"]
+           "unpack_int4", "quantize_blocks", "gptq", "quantize_activations", "qmatmul", "padded", "quantized_nbytes", "storage_shapes"]
 
 BITS = (8, 4)
 GROUPS = (32, 64, 128, 256)
@@ -214,6 +216,74 @@ def quantize_blocks(shape, block, bits: int, group: int, device=None) -> Quantiz
 
     for r0 in range(0, out, rows):
         one(r0)
+    data = q if bits == 8 else pack_int4(q)
+    return QuantizedTensor(data.contiguous(), scale, bits, group, (out, inp))
+
+
+def gptq(W: torch.Tensor, H: torch.Tensor, bits: int, group: int, damp: float = 0.01,
+         block: int = 128) -> QuantizedTensor:
+    """W [out, in] -> :class:`QuantizedTensor` in the spec's storage, codes chosen by GPTQ (Frantar et al., "GPTQ:
+    Accurate Post-Training Quantization for Generative Pre-trained Transformers", ICLR 2023, Algorithm 1) for the
+    input second moment ``H`` [in, in] (X^T X over calibration tokens): columns quantized left to right, each
+    column's rounding error spread over the columns not yet quantized through the Cholesky factor of H^-1 (with
+    ``damp`` times H's mean diagonal added: the paper's dampening, raised tenfold while H stays indefinite), in lazy
+    blocks of ``block`` columns. Every group's scale is the spec's ``fp16(amax / qmax)`` of the group's weights as
+    the error feedback has left them when the group starts (static groups in column order; no act-order), so the
+    codes decode, pack and multiply exactly as :func:`quantize`'s. This minimises ``||(W - dequantize) X^T||``
+    rather than the weight error: with a diagonal H nothing is spread and the codes equal :func:`quantize`'s.
+
+    Same errors as :func:`quantize`, and ValueError for an H that is not [in, in] or not finite."""
+    _check_bits_group(bits, group)
+    if not isinstance(W, torch.Tensor) or W.dim() != 2 or not W.is_floating_point():
+        raise ValueError(f"gptq needs a 2-D float matrix [out, in], got {getattr(W, 'shape', type(W))}")
+    out, inp = W.shape
+    if not isinstance(H, torch.Tensor) or tuple(H.shape) != (inp, inp):
+        raise ValueError(f"gptq needs H [in, in] = [{inp}, {inp}], got {tuple(getattr(H, 'shape', ()))}")
+    if not torch.isfinite(W).all():
+        quantize(W, bits, group)                        # its error names the first NaN / Inf
+    if not torch.isfinite(H).all():
+        raise ValueError("gptq: H has NaN / Inf entries")
+    p, qmax = padded(inp, group), QMAX[bits]
+    Hd = torch.eye(p, dtype=torch.float64, device=W.device)
+    Hd[:inp, :inp] = H.detach().to(torch.float64)
+    Wf = torch.zeros(out, p, dtype=torch.float32, device=W.device)
+    Wf[:, :inp] = W.detach().to(torch.float32)
+    dead = torch.diagonal(Hd) <= 0                      # an input never seen: its weights meet only zeros
+    Hd[dead, dead] = 1.0
+    Wf[:, dead] = 0.0
+    lam = damp * float(torch.diagonal(Hd).mean())
+    for _ in range(6):
+        L, info = torch.linalg.cholesky_ex(Hd + lam * torch.eye(p, dtype=torch.float64, device=W.device))
+        if int(info) == 0:
+            break
+        lam *= 10
+    else:
+        raise ValueError("gptq: H is not positive definite even after dampening")
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True).to(torch.float32)
+    q = torch.empty(out, p, dtype=torch.int8, device=W.device)
+    scale = torch.empty(out, p // group, dtype=torch.float16, device=W.device)
+    block = max(group, int(block) // group * group)     # whole groups per block: a group's scale sees its columns
+    for b0 in range(0, p, block):
+        b1 = min(p, b0 + block)
+        W1, Hb = Wf[:, b0:b1].clone(), Hinv[b0:b1, b0:b1]
+        E = torch.empty_like(W1)
+        for i in range(b1 - b0):
+            c = b0 + i
+            if c % group == 0:                          # the group's scale, from its weights as they are now
+                sc = _div(W1[:, i:i + group].abs().amax(-1), torch.full((out,), float(qmax), device=W.device))
+                sc = sc.to(torch.float16)
+                if not torch.isfinite(sc).all():
+                    quantize(W1[:, i:i + group].contiguous(), bits, group)
+                scale[:, c // group] = sc
+                sf = sc.to(torch.float32)
+                sd = torch.where(sf > 0, sf, 1.0)
+            w = W1[:, i]
+            qc = _div(w, sd).round_().clamp_(-qmax, qmax)
+            q[:, c] = qc.to(torch.int8)
+            e = (w - qc * sf) / Hb[i, i]
+            W1[:, i:] -= e[:, None] * Hb[i, i:][None, :]
+            E[:, i] = e
+        Wf[:, b1:] -= E @ Hinv[b0:b1, b1:]
     data = q if bits == 8 else pack_int4(q)
     return QuantizedTensor(data.contiguous(), scale, bits, group, (out, inp))
 

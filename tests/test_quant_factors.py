@@ -250,6 +250,8 @@ def test_readme_quant_table_equals_the_json():
     import re
     from pathlib import Path
 
+    from lowrank_lib.eval.quant_quality import label
+
     root = Path(__file__).resolve().parents[1]
     res = json.loads(_newest_quant_quality().read_text())
     text = (root / "README.md").read_text()
@@ -259,7 +261,7 @@ def test_readme_quant_table_equals_the_json():
     assert len(table) == len(res["rows"])
     for ln, r in zip(table, res["rows"]):
         cells = [c.strip() for c in ln.strip("|").split("|")]
-        name = r["factors"].replace("_g", ", group ")
+        name = label(r)
         assert cells[0].startswith(name), (cells[0], name)
         ppl = float(cells[1])
         assert abs(ppl - r["ppl"]) <= 0.5 * 10 ** -(len(cells[1].split(".")[1]) if "." in cells[1] else 0) + 1e-9

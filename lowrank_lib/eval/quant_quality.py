@@ -31,7 +31,8 @@ from ..factorized import LowRankLinear, account, factor_matrix, lowrank_modules,
 from ..runtime.lm_head import APPROX_HEADS
 from .perplexity import perplexity, windows as eval_windows
 
-__all__ = ["dequantized", "rounded_factors", "quant_rows", "head_rows", "pick_group", "measure_quant_quality", "table"]
+__all__ = ["dequantized", "rounded_factors", "quant_rows", "head_rows", "pick_group", "measure_quant_quality", "table",
+           "label"]
 
 
 def dequantized(model):
@@ -55,10 +56,12 @@ def rounded_factors(model, dtype: torch.dtype = torch.bfloat16):
 
 
 def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, check_tokens: int = 0,
-               progress: bool = False, on_row=None) -> list[dict]:
+               progress: bool = False, on_row=None, stats=None) -> list[dict]:
     """Perplexity of ``model`` (a factorized fp32 model, unchanged) with its factors fp32, bf16 and quantized at
-    each ``(bits, group)`` of ``configs``. ``check_tokens``: also the perplexity of the first window's first
-    ``check_tokens`` tokens through the spec's qmatmul forward and through the dequantized one."""
+    each ``(bits, group)`` of ``configs`` (rounded to nearest), and, given ``stats`` (``collect_stats`` of this
+    model), each again with GPTQ codes (``quantize_factors(..., stats=stats)``; rows ``method: "gptq"``).
+    ``check_tokens``: also the perplexity of the first window's first ``check_tokens`` tokens through the spec's
+    qmatmul forward and through the dequantized one."""
     def ppl(m, desc, n=seq_len, w=windows):
         with torch.no_grad():
             return perplexity(m, ids, seq_len=n, max_windows=w, progress=progress, desc=desc).ppl
@@ -73,9 +76,12 @@ def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, ch
     acc = account(model)
     add({"factors": "fp32", "ppl": ppl(model, "fp32"), "linear_bytes": acc.linear_bytes})
     add({"factors": "bf16", "ppl": ppl(rounded_factors(model), "bf16"), "linear_bytes": acc.linear_bytes // 2})
-    for bits, group in configs:
-        q = quantize_factors(copy.deepcopy(model), bits, group)
-        row = {"factors": f"int{bits}_g{group}", "bits": bits, "group": group, "linear_bytes": account(q).linear_bytes}
+    for bits, group, method in [(b, g, m) for b, g in configs for m in ("rtn", "gptq") if m == "rtn" or stats]:
+        t0 = time.perf_counter()
+        q = quantize_factors(copy.deepcopy(model), bits, group, stats=stats if method == "gptq" else None)
+        row = {"factors": f"int{bits}_g{group}" + ("_gptq" if method == "gptq" else ""), "bits": bits,
+               "group": group, "method": method, "quantize_s": round(time.perf_counter() - t0, 1),
+               "linear_bytes": account(q).linear_bytes}
         row["ppl"] = ppl(dequantized(q), row["factors"])
         if check_tokens:
             row["check"] = {"tokens": check_tokens, "ppl_qmatmul": ppl(q, "qmatmul", check_tokens, 1),
@@ -124,12 +130,19 @@ def head_rows(model, ids: torch.Tensor, seq_len: int, windows: int, heads=tuple(
     return rows
 
 
+def label(row: dict) -> str:
+    """A factor row's name in tables: ``fp32``, ``bf16``, ``int4, group 32`` or ``int4, group 32, GPTQ``."""
+    if "bits" not in row:
+        return row["factors"]
+    return f"int{row['bits']}, group {row['group']}" + (", GPTQ" if row.get("method") == "gptq" else "")
+
+
 def table(res: dict) -> str:
     """The factor rows, then (when measured) the head rows, as Markdown."""
     lines = ["| factors | PPL | vs bf16 | vs fp32 | projection bytes |", "|---|---|---|---|---|"]
     for r in res["rows"]:
         rel = [r.get(k) for k in ("rel_to_bf16", "rel_to_fp32")]
-        lines.append(f"| {r['factors']} | {r['ppl']:.4f} | "
+        lines.append(f"| {label(r)} | {r['ppl']:.4f} | "
                      + " | ".join('' if x is None else f'{100 * x:+.3f} %' for x in rel) +
                      f" | {r['linear_bytes'] / 1e6:.1f} MB |")
     if res.get("heads"):
@@ -140,10 +153,12 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def pick_group(rows: list[dict], bits: int, target: float) -> int | None:
-    """The largest group (fewest scale bytes) whose perplexity is within ``target`` (relative) of the bf16 factors';
-    None if no group of ``bits`` meets it."""
-    ok = [r["group"] for r in rows if r.get("bits") == bits and r["rel_to_bf16"] <= target]
+def pick_group(rows: list[dict], bits: int, target: float, method: str = "rtn") -> int | None:
+    """The largest group (fewest scale bytes) whose perplexity is within ``target`` (relative) of the bf16 factors'
+    with ``method``'s codes (``"rtn"``: what ``quantize_factors`` does without calibration); None if no group of
+    ``bits`` meets it."""
+    ok = [r["group"] for r in rows if r.get("bits") == bits and r.get("method", "rtn") == method
+          and r["rel_to_bf16"] <= target]
     return max(ok) if ok else None
 
 
@@ -151,13 +166,16 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
                           calib_samples: int = 16, calib_len: int = 512, configs=((8, 32), (8, 64), (8, 128),
                                                                                     (4, 32), (4, 64), (4, 128)),
                           check_tokens: int = 256, target_int8: float = 0.005, progress: bool = True,
-                          on_row=None, heads=tuple(APPROX_HEADS), family: str = "svdllm") -> dict:
+                          on_row=None, heads=tuple(APPROX_HEADS), family: str = "svdllm", gptq: bool = False) -> dict:
     """``family``'s compressor (SVD-LLM v1 by default) at ``keep`` on ``model_name`` (the README's protocol), then
     :func:`quant_rows` and, for ``heads``, :func:`head_rows` on the bf16-factor model.
 
     ``family="dobi-remap"``: the fp32 row is Dobi's own loader (its 8-bit codes widened, fp16 values computed in
     fp32), and each int row is what ``load_checkpoint(path, factor_bits=..., factor_group=...)`` serves from the
-    file's codes (``quantize`` of the widened factor, one factor at a time; ``tests/test_dobi_served.py``)."""
+    file's codes (``quantize`` of the widened factor, one factor at a time; ``tests/test_dobi_served.py``).
+
+    ``gptq``: also every config with GPTQ codes, for the input moments of the compressed model on the same
+    calibration tokens (``collect_stats`` of it; ``stats_seconds`` in the protocol)."""
     from .. import families, models
     from ..compress.calib import calibration_data, collect_stats
     from .quality import QualityConfig, eval_tokens
@@ -186,11 +204,20 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
         if on_row is not None:
             on_row(res)
 
-    res["rows"] = quant_rows(cm, ids, configs, seq_len, windows, check_tokens, progress, row_done)
+    qstats = None
+    if gptq:
+        t0 = time.perf_counter()
+        qstats = collect_stats(cm, calib, progress=progress)
+        res["protocol"]["gptq"] = ("GPTQ rows: input moments of the compressed fp32 model on the same calibration "
+                                   "tokens; V's codes first, then U's for deq(V) H deq(V)^T; damp 0.01, no act-order")
+        res["protocol"]["stats_seconds"] = round(time.perf_counter() - t0, 1)
+    res["rows"] = quant_rows(cm, ids, configs, seq_len, windows, check_tokens, progress, row_done, stats=qstats)
     res["target_int8"] = target_int8
     res["chosen_group"] = {"int8": pick_group(res["rows"], 8, target_int8),
                            "int4_best": min((r for r in res["rows"] if r.get("bits") == 4), default=None,
                                             key=lambda r: r["ppl"])}
+    best4 = res["chosen_group"]["int4_best"]
+    res["chosen_group"]["int4_best_method"] = None if best4 is None else best4.get("method", "rtn")
     if res["chosen_group"]["int4_best"] is not None:
         res["chosen_group"]["int4_best"] = res["chosen_group"]["int4_best"]["group"]
     if heads:

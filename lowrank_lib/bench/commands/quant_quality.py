@@ -1,6 +1,6 @@
 """Perplexity of quantized factors (issue 30): SVD-LLM v1 factors fp32 / bf16 / int8 / int4 at several group sizes.
 
-    python -m lowrank_lib.bench quant-quality --threads 2            # SmolLM2, keep 0.8, 4 x 2048 windows
+    python -m lowrank_lib.bench quant-quality --threads 2 [--gptq]   # SmolLM2, keep 0.8, 4 x 2048 windows
 
 The library call is :func:`lowrank_lib.eval.quant_quality.measure_quant_quality` (the README's protocol; every
 projection in fp32, so the rows differ by the factors' storage alone). The JSON is written after every row.
@@ -21,6 +21,7 @@ def add_arguments(p) -> None:
     add_list(p, "--groups", int, [32, 64, 128], "group sizes (columns per scale) tried at each bit width")
     add_list(p, "--bits", int, [8, 4], "bit widths")
     add_list(p, "--lm-heads", str, ["q8", "q4"], "approximate heads also scored (bf16 factors; 'none': no head rows)")
+    p.add_argument("--gptq", action="store_true", help="also each (bits, group) with GPTQ codes (calibrated)")
     p.add_argument("--qmatmul-prefix", type=int, default=256,
                    help="tokens of window 0 also run through the spec's qmatmul forward (0: skip)")
 
@@ -39,9 +40,7 @@ def run(a) -> int:
 
     res = measure_quant_quality(a.model, keep, a.windows, seq, a.calib_samples, a.calib_len,
                                 [(b, g) for b in a.bits for g in a.groups], a.qmatmul_prefix, on_row=write,
-                                heads=tuple(h for h in a.lm_heads if h != "none"), family=fam)
+                                heads=tuple(h for h in a.lm_heads if h != "none"), family=fam, gptq=a.gptq)
     write(res, complete=True)
-    print(format_table(res))
-    print(f"chosen group: {res['chosen_group']}")
-    print(f"wrote {files.path}")
+    print(f"{format_table(res)}\nchosen group: {res['chosen_group']}\nwrote {files.path}")
     return 0
