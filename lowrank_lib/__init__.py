@@ -1,12 +1,12 @@
 """lowrank_lib: fast, small, inspectable low-rank (SVD-compressed) language models."""
-from .factorized import (LLAMA_PROJ, Accounting, LowRankLinear, account, factorize, lowrank_modules,
+from .factorized import (LLAMA_PROJ, MIXED_4_8, Accounting, LowRankLinear, account, factorize, lowrank_modules,
                          quantize_factors, replace_with_factors, shared_groups, svd_factors)
 from .quant import QuantizedTensor
 from .ranks import keep_rank, native_to_keep, rank_keep
 
 __version__ = "0.1.0"
 
-__all__ = ["LLAMA_PROJ", "Accounting", "LowRankLinear", "QuantizedTensor", "account", "factorize", "keep_rank",
+__all__ = ["LLAMA_PROJ", "MIXED_4_8", "Accounting", "LowRankLinear", "QuantizedTensor", "account", "factorize", "keep_rank",
            "lowrank_modules", "native_to_keep", "quantize_factors", "rank_keep", "replace_with_factors",
            "shared_groups", "svd_factors"]
 

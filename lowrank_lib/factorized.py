@@ -29,7 +29,7 @@ from .quant import DEFAULT_GROUP, QuantizedTensor, gptq, qmatmul, quantize
 
 __all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "svd_factors", "split_sqrt", "iter_linears", "set_module",
            "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account", "lowrank_modules",
-           "shared_groups", "quantize_factors", "factor_matrix"]
+           "shared_groups", "quantize_factors", "factor_matrix", "MIXED_4_8"]
 
 #: Projection names of a Llama-family decoder layer, in forward order.
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -126,7 +126,7 @@ def factor_matrix(f: torch.Tensor | QuantizedTensor, dtype: torch.dtype | None =
     return f if dtype is None else f.to(dtype)
 
 
-def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP, stats=None,
+def quantize_factors(model: nn.Module, bits: int | dict[str, int] = 8, group: int = DEFAULT_GROUP, stats=None,
                      damp: float = 0.01) -> nn.Module:
     """Quantize every ``LowRankLinear`` factor of ``model`` in place (QUANT_SPEC: symmetric, fp16 scales per
     ``group`` columns of the reduction dim; the default group 32 is the measured choice, see
@@ -140,8 +140,13 @@ def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP
     codes come from GPTQ (:func:`lowrank_lib.quant.gptq`, ``damp``) instead of rounding to nearest: V (applied
     first) for the input moment H = X^T X, then U for the moment of its own input, deq(V) H deq(V)^T, so U's codes
     compensate V's rounding as well; a shared factor uses the sum of its layers' moments. Same storage, kernels and
-    file format: only which codes are stored changes."""
+    file format: only which codes are stored changes.
+
+    ``bits`` may map projection types to widths, ``"*"`` for the others: :data:`MIXED_4_8` keeps the types int4
+    hurts most at 8 bits. The engine packs q / k / v and gate / up as one group each, so give each group one width
+    (it refuses a mixed group by name)."""
     mods = lowrank_modules(model)
+    width = _widths(bits, mods)
     if stats is not None:
         missing = [n for n in mods if n not in stats]
         if missing:
@@ -167,9 +172,12 @@ def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP
             if isinstance(f, QuantizedTensor):
                 raise ValueError(f"{name}.{side} is already quantized ({f.bits} bits, group {f.group})")
             if id(f) not in done:
+                b = width[name]
+                if any(width[n] != b for n, o in mods.items() if getattr(o, side) is f):
+                    raise ValueError(f"{name}.{side} is shared by projections given different bits")
                 try:
-                    done[id(f)] = (gptq(f.detach(), H[id(f)], bits, group, damp) if stats is not None
-                                   else quantize(f.detach(), bits, group))
+                    done[id(f)] = (gptq(f.detach(), H[id(f)], b, group, damp) if stats is not None
+                                   else quantize(f.detach(), b, group))
                 except ValueError as e:
                     raise ValueError(f"{name}.{side}: {e}") from None
     for m in mods.values():
@@ -178,9 +186,31 @@ def quantize_factors(model: nn.Module, bits: int = 8, group: int = DEFAULT_GROUP
             delattr(m, side)                # a Parameter slot cannot take a module: free the name first
             setattr(m, side, q)
     info = getattr(model, "lowrank_meta", None) or {}
-    info["quant"] = {"bits": int(bits), "group": int(group), **({"method": "gptq"} if stats is not None else {})}
+    info["quant"] = {"bits": dict(bits) if isinstance(bits, dict) else int(bits), "group": int(group),
+                     **({"method": "gptq"} if stats is not None else {})}
     model.lowrank_meta = info
     return model
+
+
+#: int4 factors except q / k / v and down at int8 (the projection groups the engine packs stay one width each): k, v
+#: and down are the types int4 hurts most on SmolLM2's SVD-LLM factors (README, "Quantized factors")
+MIXED_4_8 = {"q_proj": 8, "k_proj": 8, "v_proj": 8, "down_proj": 8, "*": 4}
+
+
+def _widths(bits, mods: dict) -> dict[str, int]:
+    """Each module name -> its bits, from an int or a ``{projection type or "*": bits}`` mapping."""
+    if not isinstance(bits, dict):
+        return dict.fromkeys(mods, bits)
+    unknown = sorted(set(bits) - set(LLAMA_PROJ) - {"*"})
+    if unknown:
+        raise ValueError(f"bits keys {unknown}: use projection types {LLAMA_PROJ} or '*' (the others)")
+    out = {}
+    for name in mods:
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in bits and "*" not in bits:
+            raise ValueError(f"bits has no width for {name} (no {leaf!r} and no '*')")
+        out[name] = bits.get(leaf, bits.get("*"))
+    return out
 
 
 def svd_factors(W: torch.Tensor, rank: int | None = None, dtype=None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowrank_lib import models, quantize_factors
+from lowrank_lib import MIXED_4_8, models, quantize_factors
 from lowrank_lib.compress import compress_svd
 from lowrank_lib.factorized import factorize
 from lowrank_lib.runtime import Engine, EngineConfig
@@ -112,6 +112,26 @@ def test_fused_quantized_layer_equals_per_op_step(bits, group, dtype):
     assert all(g.quantized for g in eng._groups()[1:])
     assert torch.equal(own, tokens), "greedy tokens differ"
     assert _rel_err(got, ref) < BOUND[dtype], _rel_err(got, ref)
+
+
+@needs_qgemv
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mixed_widths_per_projection_group_serve_fused_like_per_op_and_portable(dtype):
+    """MIXED_4_8 in one layer: q / k / v and down int8, o and gate / up int4; each packed group keeps its own width
+    in the fused layer, which equals the per-op step and the portable engine; a group given two widths is refused."""
+    model = quantize_factors(BASES["lowrank-gqa"](), MIXED_4_8, 32)
+    ids, mask = prompt(1)
+    cfg = dict(max_seq_len=24, max_batch=1, dtype=dtype)
+    _, tokens, ref = _forced(model, dict(cfg, fused_layer="off"), ids, 6, mask)
+    eng, _, got = _forced(model, dict(cfg, fused_layer="on"), ids, 6, mask, tokens)
+    reason = eng.report()["fused_layer_reason"]
+    assert "int8 group 32 / int4 group 32 factors through qgemv" in reason, reason
+    assert {g.bits for g in eng._groups() if g.quantized} == {8, 4}
+    _, _, port = _forced(model, dict(cfg, kernels="portable"), ids, 6, mask, tokens)
+    assert _rel_err(got, ref) < BOUND[dtype] and _rel_err(got, port) < PORTABLE_BOUND[dtype]
+    split = quantize_factors(BASES["lowrank-gqa"](), {"q_proj": 8, "*": 4}, 32)
+    with pytest.raises(ValueError, match=r"one \(bits, group\) per group"):
+        Engine(split, EngineConfig(**cfg))
 
 
 @needs_qgemv

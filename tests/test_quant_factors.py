@@ -256,7 +256,7 @@ def test_readme_quant_table_equals_the_json():
     res = json.loads(_newest_quant_quality().read_text())
     text = (root / "README.md").read_text()
     sec = text[text.index("### Quantized factors (issue 30)"):]
-    sec = sec[:sec.index("\n### ")]
+    sec = sec[:sec.index("Mixed widths (")]                 # its own run: test_quant_gptq.py
     table = [ln for ln in sec.splitlines() if re.match(r"\| (fp32|bf16|int)", ln)]
     assert len(table) == len(res["rows"])
     for ln, r in zip(table, res["rows"]):

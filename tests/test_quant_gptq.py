@@ -158,9 +158,60 @@ def test_quant_rows_add_a_gptq_row_per_config_and_the_group_choice_stays_on_plai
 
     ids = torch.randint(0, 256, (2 * 32,), generator=torch.Generator().manual_seed(0))
     st = collect_stats(lr_model, ids.view(2, 32), progress=False)
-    rows = quant_rows(lr_model, ids, [(8, 32)], seq_len=32, windows=2, stats=st)
-    assert [r["factors"] for r in rows] == ["fp32", "bf16", "int8_g32", "int8_g32_gptq"]
-    assert [label(r) for r in rows[2:]] == ["int8, group 32", "int8, group 32, GPTQ"]
+    rows = quant_rows(lr_model, ids, [(8, 32), ("mixed", 32)], seq_len=32, windows=2, stats=st)
+    assert [r["factors"] for r in rows] == ["fp32", "bf16", "int8_g32", "int8_g32_gptq", "mixed_g32", "mixed_g32_gptq"]
+    assert [label(r) for r in rows[2:]] == ["int8, group 32", "int8, group 32, GPTQ", "int4 / int8 mixed, group 32",
+                                            "int4 / int8 mixed, group 32, GPTQ"]
+    assert rows[5]["linear_bytes"] < rows[2]["linear_bytes"]     # mixed: fewer bytes than int8 everywhere
+    rows = rows[:4]
     assert [r["method"] for r in rows[2:]] == ["rtn", "gptq"] and rows[2]["linear_bytes"] == rows[3]["linear_bytes"]
     rows[2]["rel_to_bf16"] = 1.0                    # plain rounding misses the target: GPTQ's row does not count
     assert pick_group(rows, 8, 0.5) is None and pick_group(rows, 8, 10.0, method="gptq") == 32
+
+
+def test_widths_per_projection_type(lr_model):
+    """``bits`` as ``{type or "*": bits}``: each factor at its type's width, recorded in the metadata; unknown types,
+    a projection without a width, a shared factor given two widths and a bad width are refused by name."""
+    from lowrank_lib import MIXED_4_8
+
+    q = quantize_factors(copy.deepcopy(lr_model), MIXED_4_8, 32)
+    assert q.lowrank_meta["quant"] == {"bits": MIXED_4_8, "group": 32}
+    for name, mod in q.named_modules():
+        if isinstance(mod, LowRankLinear):
+            want = 8 if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "down_proj") else 4
+            assert mod.U.bits == mod.V.bits == want, name
+    with pytest.raises(ValueError, match=r"bits keys \['qproj'\]"):
+        quantize_factors(copy.deepcopy(lr_model), {"qproj": 8, "*": 4}, 32)
+    with pytest.raises(ValueError, match=r"no width for model\.layers\.0\.self_attn\.k_proj"):
+        quantize_factors(copy.deepcopy(lr_model), {"q_proj": 8, "v_proj": 8, "o_proj": 4, "gate_proj": 4,
+                                                   "up_proj": 4, "down_proj": 4}, 32)
+    with pytest.raises(ValueError, match=r"o_proj\.V: bits=5"):
+        quantize_factors(copy.deepcopy(lr_model), {"o_proj": 5, "*": 4}, 32)
+    base = models.tiny_model("tiny-mha", seed=1)
+    basis = nn.Parameter(torch.randn(16, base.config.hidden_size) * 0.2, requires_grad=False)
+    out = base.model.layers[0].self_attn.q_proj.out_features
+    m = replace_with_factors(base, {"model.layers.0.self_attn.q_proj": LowRankLinear(torch.randn(out, 16), basis),
+                                    "model.layers.0.self_attn.k_proj": LowRankLinear(torch.randn(out, 16), basis)},
+                             {"family": "test"})
+    with pytest.raises(ValueError, match="shared by projections given different bits"):
+        quantize_factors(m, {"q_proj": 8, "*": 4}, 32)
+
+
+def test_readme_mixed_rows_equal_the_json():
+    import json
+    import re
+    from pathlib import Path
+
+    from lowrank_lib.eval.quant_quality import label
+
+    root = Path(__file__).resolve().parents[1]
+    res = json.loads((root / "benchmarks/results/quant_quality_smollm2_bitsmixed_keep0.8_w4x2048.json").read_text())
+    text = (root / "README.md").read_text()
+    sec = text[text.index("Mixed widths (`quantize_factors("):]
+    rows = [ln for ln in sec[:sec.index("\n\nSo between")].splitlines() if ln.startswith("| int4 / int8 mixed")]
+    want = [r for r in res["rows"] if r.get("bits") == "mixed"]
+    assert res["complete"] and len(rows) == len(want) == 2
+    for ln, r in zip(rows, want):
+        cells = [c.strip().strip("*") for c in ln.strip("|").split("|")]
+        assert cells[0] == label(r) and cells[1] == f"{r['ppl']:.2f}" and cells[3] == f"{r['linear_bytes'] / 1e6:.1f} MB"
+        assert re.fullmatch(r"\+[\d.]+ %", cells[2]) and float(cells[2][1:-2]) == round(100 * r["rel_to_bf16"], 1)

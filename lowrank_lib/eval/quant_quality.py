@@ -27,7 +27,7 @@ import time
 import torch
 
 from .. import quant
-from ..factorized import LowRankLinear, account, factor_matrix, lowrank_modules, quantize_factors, set_module
+from ..factorized import MIXED_4_8, LowRankLinear, account, factor_matrix, lowrank_modules, quantize_factors, set_module
 from ..runtime.lm_head import APPROX_HEADS
 from .perplexity import perplexity, windows as eval_windows
 
@@ -58,7 +58,7 @@ def rounded_factors(model, dtype: torch.dtype = torch.bfloat16):
 def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, check_tokens: int = 0,
                progress: bool = False, on_row=None, stats=None) -> list[dict]:
     """Perplexity of ``model`` (a factorized fp32 model, unchanged) with its factors fp32, bf16 and quantized at
-    each ``(bits, group)`` of ``configs`` (rounded to nearest), and, given ``stats`` (``collect_stats`` of this
+    each ``(bits, group)`` of ``configs`` (rounded to nearest; bits ``"mixed"``: :data:`lowrank_lib.MIXED_4_8`), and, given ``stats`` (``collect_stats`` of this
     model), each again with GPTQ codes (``quantize_factors(..., stats=stats)``; rows ``method: "gptq"``).
     ``check_tokens``: also the perplexity of the first window's first ``check_tokens`` tokens through the spec's
     qmatmul forward and through the dequantized one."""
@@ -78,8 +78,10 @@ def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, ch
     add({"factors": "bf16", "ppl": ppl(rounded_factors(model), "bf16"), "linear_bytes": acc.linear_bytes // 2})
     for bits, group, method in [(b, g, m) for b, g in configs for m in ("rtn", "gptq") if m == "rtn" or stats]:
         t0 = time.perf_counter()
-        q = quantize_factors(copy.deepcopy(model), bits, group, stats=stats if method == "gptq" else None)
-        row = {"factors": f"int{bits}_g{group}" + ("_gptq" if method == "gptq" else ""), "bits": bits,
+        q = quantize_factors(copy.deepcopy(model), MIXED_4_8 if bits == "mixed" else bits, group,
+                             stats=stats if method == "gptq" else None)
+        kind = "mixed" if bits == "mixed" else f"int{bits}"
+        row = {"factors": f"{kind}_g{group}" + ("_gptq" if method == "gptq" else ""), "bits": bits,
                "group": group, "method": method, "quantize_s": round(time.perf_counter() - t0, 1),
                "linear_bytes": account(q).linear_bytes}
         row["ppl"] = ppl(dequantized(q), row["factors"])
@@ -134,7 +136,8 @@ def label(row: dict) -> str:
     """A factor row's name in tables: ``fp32``, ``bf16``, ``int4, group 32`` or ``int4, group 32, GPTQ``."""
     if "bits" not in row:
         return row["factors"]
-    return f"int{row['bits']}, group {row['group']}" + (", GPTQ" if row.get("method") == "gptq" else "")
+    kind = "int4 / int8 mixed" if row["bits"] == "mixed" else f"int{row['bits']}"
+    return f"{kind}, group {row['group']}" + (", GPTQ" if row.get("method") == "gptq" else "")
 
 
 def table(res: dict) -> str:

@@ -19,7 +19,7 @@ def add_arguments(p) -> None:
     p.add_argument("--calib-samples", type=int, default=16)
     p.add_argument("--calib-len", type=int, default=512, help="tokens per calibration sample")
     add_list(p, "--groups", int, [32, 64, 128], "group sizes (columns per scale) tried at each bit width")
-    add_list(p, "--bits", int, [8, 4], "bit widths")
+    add_list(p, "--bits", lambda v: v if v == "mixed" else int(v), [8, 4], "bit widths ('mixed': MIXED_4_8)")
     add_list(p, "--lm-heads", str, ["q8", "q4"], "approximate heads also scored (bf16 factors; 'none': no head rows)")
     p.add_argument("--gptq", action="store_true", help="also each (bits, group) with GPTQ codes (calibrated)")
     p.add_argument("--qmatmul-prefix", type=int, default=256,
@@ -32,7 +32,8 @@ def run(a) -> int:
     from ..results import ResultFiles, slug
 
     keep, seq, fam = one(a.keep, "--keep"), one(a.prompt_len, "--prompt-len"), one(a.families, "--families")
-    name = slug(a.model.split("/")[-1], *([] if fam == "svdllm" else [fam]), f"keep{keep}", f"w{a.windows}x{seq}")
+    name = slug(a.model.split("/")[-1], *([] if fam == "svdllm" else [fam]), *([] if a.bits == [8, 4] else
+                ["bits" + "-".join(map(str, a.bits))]), f"keep{keep}", f"w{a.windows}x{seq}")
     files = ResultFiles(a.out, "quant_quality", name)
 
     def write(res: dict, complete: bool = False):
