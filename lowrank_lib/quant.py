@@ -40,6 +40,11 @@ _BLOCK = 1 << 22
 _QBLOCK = 1 << 18
 
 
+def _scale(amax: torch.Tensor, qmax: int) -> torch.Tensor:
+    """The spec's group scales: ``fp16(amax / qmax)``, the division in fp32 (inf where it overflows fp16)."""
+    return _div(amax, torch.full_like(amax, qmax)).to(torch.float16)
+
+
 def _div(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IEEE fp32 division of two tensors of one shape (``scalar / tensor`` in torch is ``reciprocal * scalar``, and
     a division by a scalar may be a multiplication by its reciprocal on some devices: two roundings, not the spec's
@@ -205,7 +210,7 @@ def quantize_blocks(shape, block, bits: int, group: int, device=None) -> Quantiz
         Wf[:, :inp] = block(r0, r1)     # fp32, contiguous, zero-padded to whole groups
         Wg = Wf.view(-1, p // group, group)
         amax = Wg.abs().amax(-1)                                # NaN propagates (aminmax: 7x slower, measured)
-        sc = _div(amax, torch.full_like(amax, qmax)).to(torch.float16)
+        sc = _scale(amax, qmax)
         if not torch.isfinite(sc).all():
             _unquantizable(out, rows, block, r0, Wg, sc, bits, group, qmax)
         scale[r0:r1] = sc
@@ -270,10 +275,13 @@ def gptq(W: torch.Tensor, H: torch.Tensor, bits: int, group: int, damp: float = 
         for i in range(b1 - b0):
             c = b0 + i
             if c % group == 0:                          # the group's scale, from its weights as they are now
-                sc = _div(W1[:, i:i + group].abs().amax(-1), torch.full((out,), float(qmax), device=W.device))
-                sc = sc.to(torch.float16)
+                amax = W1[:, i:i + group].abs().amax(-1)
+                sc = _scale(amax, qmax)
                 if not torch.isfinite(sc).all():
-                    quantize(W1[:, i:i + group].contiguous(), bits, group)
+                    o = int(torch.isinf(sc).nonzero()[0])
+                    raise ValueError(f"gptq: row {o} group {c // group} has max |W| = {float(amax[o]):.6g} after "
+                                     f"the error feedback, its scale (/{qmax}) overflows fp16: not quantizable at "
+                                     f"{bits} bits, group {group}")
                 scale[:, c // group] = sc
                 sf = sc.to(torch.float32)
                 sd = torch.where(sf > 0, sf, 1.0)

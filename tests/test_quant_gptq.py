@@ -215,3 +215,12 @@ def test_readme_mixed_rows_equal_the_json():
         cells = [c.strip().strip("*") for c in ln.strip("|").split("|")]
         assert cells[0] == label(r) and cells[1] == f"{r['ppl']:.2f}" and cells[3] == f"{r['linear_bytes'] / 1e6:.1f} MB"
         assert re.fullmatch(r"\+[\d.]+ %", cells[2]) and float(cells[2][1:-2]) == round(100 * r["rel_to_bf16"], 1)
+
+
+def test_a_group_whose_scale_overflows_fp16_is_named():
+    W = torch.randn(4, 64)
+    W[2, 40] = 1e6                                # 1e6 / 7 > fp16's 65504: group 1 of row 2
+    with pytest.raises(ValueError, match=r"row 2 group 1 has max \|W\| = 1e\+06 .*overflows fp16"):
+        gptq(W, torch.eye(64), 4, 32)
+    with pytest.raises(ValueError, match=r"row 2 group 1 .*overflows fp16"):   # rounding to nearest says the same
+        quantize(W, 4, 32)
