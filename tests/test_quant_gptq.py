@@ -128,16 +128,25 @@ def test_a_shared_factor_is_quantized_once_for_its_layers_summed_moment():
     assert torch.equal(a.V.data, want.data) and torch.equal(a.V.scale, want.scale)
 
 
-def test_stats_of_another_model_are_refused_and_nothing_changes(lr_model):
+def test_stats_that_do_not_fit_the_model_are_refused_by_name_and_nothing_changes(lr_model):
+    """A projection without statistics, and one whose moment has another width (statistics of another model), are
+    ValueErrors naming the projection; the model keeps its unquantized factors either way."""
+    from lowrank_lib.compress.calib import LayerStats
+
+    before = copy.deepcopy(lr_model.state_dict())
     st = collect_stats(lr_model, torch.randint(0, 256, (1, 16)), progress=False)
-    other = factorize(models.tiny_model("tiny-gqa", seed=0), keep=0.6)
-    before = copy.deepcopy(other.state_dict())
     del st.stats["model.layers.0.self_attn.q_proj"]
     with pytest.raises(ValueError, match=r"no entry for \['model\.layers\.0\.self_attn\.q_proj'"):
         quantize_factors(lr_model, 8, 32, stats=st)
+    st = collect_stats(lr_model, torch.randint(0, 256, (1, 16)), progress=False)
+    st.stats["model.layers.1.mlp.down_proj"] = LayerStats(torch.eye(7, dtype=torch.float64),
+                                                           torch.zeros(7, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj\.V: gptq needs H \[in, in\]"):
+        quantize_factors(lr_model, 8, 32, stats=st)
     assert not any(isinstance(f, QuantizedTensor) for mod in lr_model.modules() if isinstance(mod, LowRankLinear)
                    for f in (mod.U, mod.V))
-    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    after = lr_model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_a_gptq_model_round_trips_through_the_normalised_format(lr_model, tmp_path):
