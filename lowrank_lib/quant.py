@@ -233,7 +233,7 @@ def gptq(W: torch.Tensor, H: torch.Tensor, bits: int, group: int, damp: float = 
     column's rounding error spread over the columns not yet quantized through the Cholesky factor of H^-1 (with
     ``damp`` times H's mean diagonal added: the paper's dampening, raised tenfold while H stays indefinite), in lazy
     blocks of ``block`` columns. Every group's scale is the spec's ``fp16(amax / qmax)`` of the group's weights as
-    the error feedback has left them when the group starts (static groups in column order; no act-order), so the
+    the error feedback has left them when the group starts (groups in column order; no act-order), so the
     codes decode, pack and multiply exactly as :func:`quantize`'s. This minimises ``||(W - dequantize) X^T||``
     rather than the weight error: with a diagonal H nothing is spread and the codes equal :func:`quantize`'s.
 

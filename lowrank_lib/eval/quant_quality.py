@@ -58,8 +58,9 @@ def rounded_factors(model, dtype: torch.dtype = torch.bfloat16):
 def quant_rows(model, ids: torch.Tensor, configs, seq_len: int, windows: int, check_tokens: int = 0,
                progress: bool = False, on_row=None, stats=None) -> list[dict]:
     """Perplexity of ``model`` (a factorized fp32 model, unchanged) with its factors fp32, bf16 and quantized at
-    each ``(bits, group)`` of ``configs`` (rounded to nearest; bits ``"mixed"``: :data:`lowrank_lib.MIXED_4_8`), and, given ``stats`` (``collect_stats`` of this
-    model), each again with GPTQ codes (``quantize_factors(..., stats=stats)``; rows ``method: "gptq"``).
+    each ``(bits, group)`` of ``configs`` (rounded to nearest; bits ``"mixed"``: :data:`lowrank_lib.MIXED_4_8`),
+    and, given ``stats`` (``collect_stats`` of this model), each again with GPTQ codes (``quantize_factors(...,
+    stats=stats)``; rows ``method: "gptq"``).
     ``check_tokens``: also the perplexity of the first window's first ``check_tokens`` tokens through the spec's
     qmatmul forward and through the dequantized one."""
     def ppl(m, desc, n=seq_len, w=windows):
@@ -216,13 +217,10 @@ def measure_quant_quality(model_name: str = "smollm2", keep: float = 0.8, window
         res["protocol"]["stats_seconds"] = round(time.perf_counter() - t0, 1)
     res["rows"] = quant_rows(cm, ids, configs, seq_len, windows, check_tokens, progress, row_done, stats=qstats)
     res["target_int8"] = target_int8
+    best4 = min((r for r in res["rows"] if r.get("bits") == 4), default=None, key=lambda r: r["ppl"])
     res["chosen_group"] = {"int8": pick_group(res["rows"], 8, target_int8),
-                           "int4_best": min((r for r in res["rows"] if r.get("bits") == 4), default=None,
-                                            key=lambda r: r["ppl"])}
-    best4 = res["chosen_group"]["int4_best"]
-    res["chosen_group"]["int4_best_method"] = None if best4 is None else best4.get("method", "rtn")
-    if res["chosen_group"]["int4_best"] is not None:
-        res["chosen_group"]["int4_best"] = res["chosen_group"]["int4_best"]["group"]
+                           "int4_best": None if best4 is None else best4["group"],
+                           "int4_best_method": None if best4 is None else best4["method"]}
     if heads:
         res["heads"] = head_rows(rounded_factors(cm), ids, seq_len, windows, heads, progress)
         row_done(res["rows"])
