@@ -76,6 +76,34 @@ def test_quantized_factor_points_read_fewer_bytes_and_resume_from_the_saved_bf16
     assert again[0]["weight_bytes_per_token"] == i8["weight_bytes_per_token"] and "compress_s" not in again[0]
 
 
+def test_gptq_and_mixed_points_store_what_their_names_say(tiny, ids, tmp_path):
+    """``-gptq`` storages hold GPTQ codes for the bf16 model's own moments (collected once per family and keep),
+    ``mixed`` holds MIXED_4_8's widths per projection; each perplexity is that of the saved model's factors."""
+    from lowrank_lib import MIXED_4_8
+    from lowrank_lib.eval.perplexity import perplexity
+    from lowrank_lib.eval.quant_quality import dequantized
+    from lowrank_lib.factorized import lowrank_modules
+
+    logs = []
+    pts = {p["weights"]: p for p in _run(tiny, ids, ("bf16", "int4", "int4-gptq", "mixed", "mixed-gptq"), tmp_path,
+                                         done={"lowrank_lib:dense:bf16"}, log=logs.append)}
+    assert sum("GPTQ moments" in s for s in logs) == 1
+    assert pts["int4-gptq"]["label"] == "SVD-LLM v1 keep 0.6 int4 GPTQ" and pts["mixed"]["factor_bits"] == MIXED_4_8
+    assert [pts[w]["factor_method"] for w in ("int4", "int4-gptq", "mixed", "mixed-gptq")] == ["rtn", "gptq"] * 2
+    b = {w: p["weight_bytes_per_token"] for w, p in pts.items()}
+    assert b["int4"] == b["int4-gptq"] < b["mixed"] == b["mixed-gptq"] < b["bf16"]
+    models = {w: torch.load(pts[w]["file"], weights_only=False) for w in pts}
+    assert models["int4-gptq"].lowrank_meta["quant"]["method"] == "gptq"
+    rtn, gq = (lowrank_modules(models[w]) for w in ("int4", "int4-gptq"))
+    assert any(not torch.equal(rtn[n].V.data, gq[n].V.data) for n in rtn)           # other codes, same storage
+    for name, lr in lowrank_modules(models["mixed-gptq"]).items():
+        want = MIXED_4_8.get(name.rsplit(".", 1)[-1], MIXED_4_8["*"])
+        assert lr.U.bits == lr.V.bits == want, name
+    m = dequantized(models["int4-gptq"].float())
+    assert perplexity(m, ids, seq_len=SEQ, max_windows=WIN, progress=False).ppl == pytest.approx(pts["int4-gptq"]["ppl"],
+                                                                                      rel=1e-3)
+
+
 def test_dobi_remap_int_points_are_its_codes_served_not_its_bf16_factors_requantized(tiny, ids, tmp_path):
     """A family whose file holds codes (Dobi remap): the int8 point's factors are ``quantize`` of the factors decoded
     from its codes, what ``load_checkpoint(factor_bits=8)`` serves (``tests/test_dobi_served.py``), also when its bf16
@@ -115,6 +143,7 @@ def test_factor_bits_flag_and_the_speed_phase_times_only_the_chosen_points(monke
     from lowrank_lib.bench.commands import frontier as cmd
 
     assert cmd.factor_weights([0]) == ("bf16",) and cmd.factor_weights([8, 4, 8]) == ("bf16", "int8", "int4")
+    assert cmd.factor_weights([4, "mixed"], gptq=True) == ("bf16", "int4-gptq", "mixed-gptq")
     with pytest.raises(SystemExit):
         cmd.factor_weights([3])
     f = tmp_path / "m.pt"

@@ -133,8 +133,20 @@ def _point(pid, method, keep, weights, stored, r, **extra) -> dict:
                       "total_params": a.total_params, "linear_keep": a.linear_keep, **extra})
 
 
-#: our factor storages beyond bf16 -> their bits (:func:`lowrank_lib.quantize_factors`)
-FACTOR_WEIGHTS = {"int8": 8, "int4": 4}
+def _factor_storages() -> dict:
+    from ..factorized import MIXED_4_8
+
+    base = {"int8": 8, "int4": 4, "mixed": MIXED_4_8}
+    return {**base, **{f"{w}-gptq": b for w, b in base.items()}}
+
+
+#: our factor storages beyond bf16 -> their ``bits`` for :func:`lowrank_lib.quantize_factors`: ``int8`` / ``int4``
+#: (every factor), ``mixed`` (:data:`lowrank_lib.MIXED_4_8`: q / k / v and down at int8, the rest at int4), each
+#: rounded to nearest or, with ``-gptq``, GPTQ codes for the compressed model's calibration moments
+FACTOR_WEIGHTS = _factor_storages()
+#: how a storage reads in a label (the others as they are)
+_STORAGE_TITLE = {"mixed": "mixed 4/8", "int8-gptq": "int8 GPTQ", "int4-gptq": "int4 GPTQ",
+                  "mixed-gptq": "mixed 4/8 GPTQ"}
 
 
 def _bf16_params(model):
@@ -181,9 +193,11 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
                    log=print) -> list[dict]:
     """Our points: the dense model and every family at every keep (fp32 compression on the same calibration
     statistics, weights stored in bf16: rounded to bf16, the forward in fp32), perplexity on our windows.
-    ``weights``: ``"bf16"`` and / or :data:`FACTOR_WEIGHTS` (``"int8"`` / ``"int4"``: the bf16 model's low-rank
-    factors quantized by :func:`lowrank_lib.quantize_factors` with ``factor_group`` columns per scale, default
-    its own; the other parameters stay bf16; the perplexity of the factors dequantized to fp32,
+    ``weights``: ``"bf16"`` and / or :data:`FACTOR_WEIGHTS` (``"int8"`` / ``"int4"`` / ``"mixed"``, each also
+    ``-gptq``: the bf16 model's low-rank factors quantized by :func:`lowrank_lib.quantize_factors` with
+    ``factor_group`` columns per scale, default its own, rounded to nearest or with GPTQ codes for the input moments
+    of the bf16 model itself on the calibration tokens, collected once per family and keep; the other parameters
+    stay bf16; the perplexity of the factors dequantized to fp32,
     :func:`lowrank_lib.eval.quant_quality.dequantized`, the engine's prefill math, as ``bench quant-quality``
     measures: the spec's float64 :func:`~lowrank_lib.quant.qmatmul` gives the same to 1e-4 and is far slower). ``save_dir``: also write each model there (``torch.save`` of the
     module) for the speed phase (``point["file"]``); when a family's bf16 point is in ``done`` and its file is in
@@ -250,7 +264,7 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
         saved = None if save_dir is None else _saved_file(save_dir, f"{base}:bf16")
         # a family whose file holds codes (Dobi remap) serves its int points from them: quantize() of its decoded
         # (fp16-valued) factors, as load_checkpoint(factor_bits=...) does, never of the bf16-rounded ones
-        codes, served = registry.get(fam).reads_codes, None
+        codes, served, qstats = registry.get(fam).reads_codes, None, None
         t1 = time.perf_counter()
         if f"{base}:bf16" in done and saved is not None and saved.exists() and not codes:
             m, comp_s = _load_saved(saved, model), None
@@ -272,15 +286,22 @@ def lowrank_points(model, tok, ids: torch.Tensor, families=("svdllm", "svdllm_v2
                 stored = copy.deepcopy(m).to(torch.bfloat16)
                 emit(_point(pid, fam, keep, w, stored, ppl(m, pid), **extra, **save(stored, pid)))
             else:
-                bits = FACTOR_WEIGHTS[w]
-                q = (_rounded(quantize_factors(copy.deepcopy(served), bits, group), torch.bfloat16) if codes else
-                     quantize_factors(copy.deepcopy(m), bits, group))        # the rest of the model in bf16 alike
+                bits, src = FACTOR_WEIGHTS[w], served if codes else m
+                if w.endswith("-gptq") and qstats is None:       # the moments of the model being quantized
+                    t2 = time.perf_counter()
+                    qstats = collect_stats(src, stats_once()[0], progress=progress)
+                    log(f"[frontier] {base}: GPTQ moments {time.perf_counter() - t2:.0f} s")
+                t2 = time.perf_counter()
+                q = quantize_factors(copy.deepcopy(src), bits, group, stats=qstats if w.endswith("-gptq") else None)
+                quant_s = round(time.perf_counter() - t2, 1)
+                q = _rounded(q, torch.bfloat16) if codes else q          # the rest of the model in bf16 alike
                 stored = _bf16_params(copy.deepcopy(q))
                 emit(_point(pid, fam, keep, w, stored, ppl(dequantized(q), pid), factor_bits=bits,
-                            factor_group=group, **extra, **save(stored, pid)))
+                            factor_group=group, factor_method="gptq" if w.endswith("-gptq") else "rtn",
+                            quantize_s=quant_s, **extra, **save(stored, pid)))
                 del q
             del stored
-        del m, served
+        del m, served, qstats
     return out
 
 
@@ -397,7 +418,7 @@ def make_label(p: dict) -> str:
         return f"llama.cpp {p['method']}"
     if p["method"] == "dense":
         return f"dense {p['weights']}"
-    return f"{_title(p['method'])} keep {p['keep']:g} {p['weights']}"
+    return f"{_title(p['method'])} keep {p['keep']:g} {_STORAGE_TITLE.get(p['weights'], p['weights'])}"
 
 
 def _title(method: str) -> str:
@@ -486,7 +507,7 @@ def conclusion(points: list[dict], x: str = "weight_bytes_per_token", y: str = "
     return s
 
 
-_MARK = {"llama.cpp": "s", "lowrank_lib": "o", "int8": "^", "int4": "v"}   # quantized factors: their own marker
+_MARK = {"llama.cpp": "s", "lowrank_lib": "o", "int8": "^", "int4": "v", "mixed": "D"}   # quantized factors: own markers
 
 
 def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read per token", 1e-6),),
@@ -513,9 +534,9 @@ def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read 
             if not mp:
                 continue
             ours = m[0] == "lowrank_lib"
-            ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK.get(m[2], _MARK[m[0]]), color=colours[m],
+            ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK.get(str(m[2]).removesuffix("-gptq"), _MARK[m[0]]), color=colours[m],
                     ms=7, ls="-" if ours and len(mp) > 1 else "none", lw=0.8,
-                    label=f"{_title(m[1])} {m[2]}" if ours else f"llama.cpp {m[1]}")
+                    label=f"{_title(m[1])} {_STORAGE_TITLE.get(m[2], m[2])}" if ours else f"llama.cpp {m[1]}")
         front = [(px * scale, py) for p, px, py in sorted(pts, key=lambda t: t[1]) if p["id"] in set(pareto(points, x, y))]
         if front:
             ax.step([a for a, _ in front], [b for _, b in front], where="post", color="k", lw=1.5, alpha=0.5,

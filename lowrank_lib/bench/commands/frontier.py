@@ -2,7 +2,7 @@
 
     python -m lowrank_lib.bench frontier --threads 2                      # quality + bytes of every point (long)
     python -m lowrank_lib.bench frontier --families svdllm --keep 0.8 --resume benchmarks/results/frontier_smollm2.json
-    python -m lowrank_lib.bench frontier --families svdllm --factor-bits 8 4 --resume benchmarks/results/frontier_smollm2.json
+    python -m lowrank_lib.bench frontier --families svdllm --factor-bits 8 4 mixed [--gptq] --resume FILE
     python -m lowrank_lib.bench frontier --speed --resume benchmarks/results/frontier_smollm2.json   # idle machine
     python -m lowrank_lib.bench frontier --speed --points Q4_K_M "SVD-LLM v1 keep 0.8 int8" --resume FILE
     python -m lowrank_lib.bench frontier --longctx --prompt-len 8000 --windows 2 --resume FILE   # weights + KV bytes
@@ -13,8 +13,8 @@ Quality phase (default; :mod:`lowrank_lib.eval.frontier` measures, its docstring
 point on the SAME WikiText-2 test windows (``--windows`` x ``--prompt-len``) and the weight bytes one decode step
 reads, for llama.cpp's types (``--quants``; GGUFs under ``<model cache>/frontier/<model>``, reused while present)
 and ours (``--families`` at every ``--keep``, and dense; one calibration of ``--calib-samples`` x ``--calib-len``,
-ASVD's on ``--asvd-calib``; bf16 weights and, with ``--factor-bits 8 4``, int8 / int4 factors in
-``--factor-group`` columns per scale); each of our models is saved under the cache for the speed phase.
+ASVD's on ``--asvd-calib``; bf16 weights and, with ``--factor-bits 8 4 mixed``, int8 / int4 / MIXED_4_8 factors
+in ``--factor-group`` columns per scale, with ``--gptq`` GPTQ codes); each of our models is saved under the cache for the speed phase.
 
 ``--resume FILE`` continues a run: the points FILE holds are kept and not measured again, new points are added,
 and FILE is rewritten (one JSON for every point, however many sittings measured them); ``--merge OTHER...`` first
@@ -50,8 +50,9 @@ def add_arguments(p) -> None:
     p.add_argument("--quants", nargs="+", default=list(LLAMACPP_TYPES), help="llama.cpp file types; none: no "
                    "llama.cpp point")
     p.add_argument("--no-dense", action="store_true", help="skip our dense bf16 point")
-    add_list(p, "--factor-bits", int, [0], "our low-rank points also with their factors quantized to these bits "
-                                            "(8 4; 0: none, bf16 only)")
+    add_list(p, "--factor-bits", lambda v: v if v == "mixed" else int(v), [0], "our low-rank points also with "
+             "their factors quantized to these bits (8 4 mixed; mixed: MIXED_4_8; 0: none, bf16 only)")
+    p.add_argument("--gptq", action="store_true", help="the quantized factors with GPTQ codes (calibrated)")
     p.add_argument("--factor-group", type=int, default=None, help="columns per scale of quantized factors "
                    "(default lowrank_lib.quant.DEFAULT_GROUP)")
     p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
@@ -86,13 +87,12 @@ def _none(v):                     # --quants none / --families none: no such poi
     return [] if v == ["none"] else v
 
 
-def factor_weights(bits) -> tuple[str, ...]:
-    """``--factor-bits`` -> our points' storages: bf16, then ``int<b>`` per bit width (0: none)."""
+def factor_weights(bits, gptq: bool = False) -> tuple[str, ...]:
+    """``--factor-bits`` (``--gptq``) -> our storages: bf16, then ``int<b>`` / ``mixed`` (``-gptq``); 0: none."""
     from ...eval.frontier import FACTOR_WEIGHTS
 
-    out = ("bf16",) + tuple(dict.fromkeys(f"int{b}" for b in bits if b))
-    bad = [w for w in out[1:] if w not in FACTOR_WEIGHTS]
-    if bad:
+    out = ("bf16",) + tuple(dict.fromkeys((b if b == "mixed" else f"int{b}") + "-gptq" * gptq for b in bits if b))
+    if bad := [w for w in out[1:] if w not in FACTOR_WEIGHTS]:
         raise SystemExit(f"error: --factor-bits: {bad} (ours: {sorted(FACTOR_WEIGHTS)})")
     return out
 
@@ -138,7 +138,7 @@ def quality(a, res: dict, write) -> dict:
         lowrank_points(model, tok, ids, fams, tuple(a.keep), seq_len=seq, windows=a.windows,
                        calib_samples=a.calib_samples, calib_len=a.calib_len, asvd_calib=tuple(a.asvd_calib),
                        done=done | ({"lowrank_lib:dense:bf16"} if a.no_dense else set()), on_point=add,
-                       save_dir=wd / "models", weights=factor_weights(a.factor_bits), factor_group=a.factor_group)
+                       save_dir=wd / "models", weights=factor_weights(a.factor_bits, a.gptq), factor_group=a.factor_group)
     if a.cross_check is not None:
         res["cross_check"] = cross_check(model, tok, wd, threads, tuple(a.cross_check or ("f32", "q8_0", "q4_k_m")))
         write(res)
