@@ -32,9 +32,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["NO_TOKENIZER", "Resolved", "check_reference", "checkpoint_tokenizer", "describe", "load_normalised",
-           "normalised_path",
-           "resolve_models", "source_hash"]
+__all__ = ["COPIES", "NO_TOKENIZER", "Resolved", "check_reference", "checkpoint_params", "checkpoint_tokenizer",
+           "describe", "load_dtype", "load_normalised", "normalised_path", "resolve_models", "run_dtype", "source_hash"]
 
 #: the banner of a notebook run on a checkpoint without any tokenizer
 NO_TOKENIZER = ("No tokenizer: none was saved beside the checkpoint and MODEL is None, so this notebook runs on "
@@ -91,6 +90,42 @@ def source_hash(checkpoint: str | Path) -> str | None:
     except OSError:
         return None
     return h.hexdigest()
+
+
+#: how many copies of a model's weights a notebook may hold at once (notebook 02: the model its HF runners share, the
+#: engine's packed copy, and the working set around them): ``run_dtype("auto")`` picks bf16 when that many fp32
+#: copies would not fit in this machine's memory
+COPIES = 3
+
+
+def checkpoint_params(checkpoint: str | Path) -> int:
+    """The number of values a checkpoint stores (its tensors' elements, read from the headers: nothing is loaded);
+    a checkpoint the loader cannot read raises its :class:`~lowrank_lib.formats.CheckpointError`."""
+    from .formats import detect_format
+    from .formats.inspect import _tensors
+
+    path = Path(checkpoint)
+    return sum(t.numel() for t in _tensors(path, detect_format(path)).values())
+
+
+def physical_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def run_dtype(dtype: str, checkpoint: str | Path | None = None, memory_bytes: int | None = None) -> str:
+    """A notebook's ``DTYPE``: ``"fp32"`` / ``"bf16"`` as given; ``"auto"``: ``"fp32"`` unless :data:`COPIES` copies
+    of the checkpoint's values in fp32 would exceed ``memory_bytes`` (default: this machine's physical memory), then
+    ``"bf16"`` (a LLaMA-7B-shape file at keep 0.8: 5.4 G values, 65 GB in three fp32 copies, 33 GB in bf16, of which
+    the model the runners share is memory-mapped from the normalised cache). Without a checkpoint ``"auto"`` is
+    ``"fp32"`` (the built-in models are small)."""
+    if dtype != "auto":
+        return dtype
+    if checkpoint is None:
+        return "fp32"
+    if memory_bytes is None:
+        memory_bytes = physical_memory()
+    return "bf16" if COPIES * 4 * checkpoint_params(checkpoint) > memory_bytes else "fp32"
 
 
 def normalised_path(digest: str, dtype: torch.dtype | None) -> Path:
@@ -175,16 +210,24 @@ def describe(model: str | Path | None, checkpoint: str | Path | None, resolved: 
             "banner": NO_TOKENIZER if checkpoint is not None and not has_tok else None}
 
 
+def load_dtype(checkpoint: str | Path | None) -> torch.dtype:
+    """The dtype a notebook loads ``checkpoint`` in when it names none: :func:`run_dtype` ``("auto")``'s."""
+    return torch.bfloat16 if run_dtype("auto", checkpoint) == "bf16" else torch.float32
+
+
 def resolve_models(model: str | Path | None = "smollm2", checkpoint: str | Path | None = None, *,
-                   method: str = "svd", keep: float = 0.5, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                   method: str = "svd", keep: float = 0.5, device: str = "cpu", dtype: torch.dtype | None = None,
                    calib_samples: int = 8, calib_seq_len: int = 256, cache: bool = True) -> Resolved:
     """-> :class:`Resolved` (dense or None, compressed, tokenizer or None) on ``device``; ``dtype`` for both
-    (``llama7b-random``: bf16 random weights and random factors at ``keep``). ``cache``: read the checkpoint through
+    (``llama7b-random``: bf16 random weights and random factors at ``keep``); None: :func:`load_dtype` (fp32, or
+    bf16 for a checkpoint whose fp32 copies would not fit in memory). ``cache``: read the checkpoint through
     the normalised-model cache (:func:`load_normalised`)."""
     from . import models
 
     if model is None and checkpoint is None:
         raise ValueError("resolve_models needs a model, a checkpoint, or both")
+    if dtype is None and str(model) != "llama7b-random":
+        dtype = load_dtype(checkpoint)
     if str(model) == "llama7b-random":
         if checkpoint is not None:
             raise ValueError("llama7b-random is random weights: it takes no checkpoint")

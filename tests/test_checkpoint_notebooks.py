@@ -42,6 +42,20 @@ def test_the_notebooks_taking_a_checkpoint_resolve_it_in_their_first_code_cell()
         assert p["OUT_DIR"].endswith(f"reports/mine/{n}") and p["FIG_DIR"].endswith("reports/mine/figures")
         assert own.plan(n, "x.pt", "smollm2", notebooks.root(), "full").keys() == {"CHECKPOINT", "MODEL", "OUT_DIR",
                                                                                    "FIG_DIR"}
+        assert p.get("DTYPE", "fp32") == "fp32"        # auto on a file it cannot read: the notebook names the error
+
+
+def test_quick_reports_load_a_checkpoint_too_large_for_fp32_copies_in_bf16(family_files, monkeypatch):  # noqa: F811
+    """``DTYPE: auto`` (quick.yaml, 02 and 03) becomes the dtype ``resolve_models`` loads the file in, so the
+    runners share the loaded model instead of each casting a copy."""
+    from lowrank_lib import resolve
+
+    path = family_files["svdllm"]
+    for mem, want in ((1 << 50, "fp32"), (1, "bf16")):
+        monkeypatch.setattr(resolve, "physical_memory", lambda m=mem: m)
+        for n in (NB02, "03_graph_replay_ablation"):
+            assert own.plan(n, path, None, notebooks.root() / "reports" / "mine", "quick")["DTYPE"] == want
+        assert resolve.load_dtype(path) == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]
 
 
 @pytest.mark.parametrize("family", synthetic.FAMILIES)

@@ -207,3 +207,35 @@ def test_the_normalised_cache_is_pruned_least_recently_used_first(family_files, 
     assert ec.is_dir() and eb.is_dir() and not ea.exists() and writing.is_dir()
     assert prune_lru(model_cache / "normalised", 0, keep=ec) == [eb]             # everything but the kept one
     assert ec.is_dir() and writing.is_dir()
+
+
+@pytest.mark.parametrize("family", synthetic.FAMILIES)
+def test_auto_dtype_is_fp32_unless_three_fp32_copies_of_the_checkpoint_exceed_memory(family_files, family,
+                                                                                       monkeypatch):
+    """``run_dtype("auto")`` (what a report's ``DTYPE: auto`` and a notebook's load use): the checkpoint's stored
+    values (read from its headers) decide; a model that would not fit three times in fp32 loads in bf16."""
+    from lowrank_lib import resolve
+    from lowrank_lib.factorized import account
+
+    path = family_files[family]
+    n = resolve.checkpoint_params(path)
+    held = account(load_checkpoint(path)).total_params
+    assert 0.5 * held <= n <= 1.5 * held, (n, held)
+    fits = resolve.COPIES * 4 * n
+    assert resolve.run_dtype("auto", path, memory_bytes=fits) == "fp32"
+    assert resolve.run_dtype("auto", path, memory_bytes=fits - 1) == "bf16"
+    assert resolve.run_dtype("fp32", path, memory_bytes=1) == "fp32" and resolve.run_dtype("auto", None) == "fp32"
+    monkeypatch.setattr(resolve, "physical_memory", lambda: fits - 1)        # a machine too small for fp32
+    _, comp, _ = resolve_models(None, path)
+    assert {p.dtype for p in comp.parameters()} == {torch.bfloat16}
+    _, comp, _ = resolve_models(None, path, dtype=torch.float32)            # an explicit dtype wins
+    assert {p.dtype for p in comp.parameters()} == {torch.float32}
+
+
+def test_auto_dtype_reads_no_unreadable_file(tmp_path):
+    from lowrank_lib.resolve import run_dtype
+
+    bad = tmp_path / "model.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError):
+        run_dtype("auto", bad)

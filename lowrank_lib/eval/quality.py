@@ -144,7 +144,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def checkpoint_rows(checkpoint: str | Path, model: str | Path | None = None, cfg: QualityConfig | None = None,
-                    dtype: torch.dtype = torch.float32, probe_len: int = 64) -> dict:
+                    dtype: torch.dtype | None = None, probe_len: int = 64) -> dict:
     """The quality table of ONE checkpoint you bring (notebook 01 with ``CHECKPOINT``): ``{"config", "rows"}`` with
     the rows of :func:`run` (the dense reference's row when ``model`` is given, then the checkpoint's).
 
@@ -155,14 +155,16 @@ def checkpoint_rows(checkpoint: str | Path, model: str | Path | None = None, cfg
     random ids), the parameters and bytes really held, the file's bytes, :func:`normalisation_facts`,
     ``roundtrip_rel_err`` (logits of the normalised copy against the native file's, on ``probe_len`` tokens) and,
     with a reference, ``ref_logit_rel_err`` / ``ref_top1_agree`` (the compressed logits against the dense model's).
-    Only one model is in memory at a time (a 7B checkpoint and its reference do not fit together in 24 GB)."""
+    Only one model is in memory at a time (a 7B checkpoint and its reference do not fit together in 24 GB).
+    ``dtype`` None: :func:`lowrank_lib.resolve.load_dtype` (fp32, or bf16 when fp32 copies would not fit)."""
     import gc
 
     from .. import models
     from ..factorized import account
     from ..formats import detect_format, load_checkpoint, save_checkpoint
-    from ..resolve import check_reference, checkpoint_tokenizer, load_normalised
+    from ..resolve import check_reference, checkpoint_tokenizer, load_dtype, load_normalised
 
+    dtype = load_dtype(checkpoint) if dtype is None else dtype
     cfg = cfg or QualityConfig(model=None, families=())
     torch.manual_seed(cfg.seed)
     fmt = detect_format(checkpoint)

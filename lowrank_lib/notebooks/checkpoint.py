@@ -27,7 +27,8 @@ def checkpoint_notebooks() -> list[str]:
 
 def plan(name: str, checkpoint: str | Path, model: str | None, out: Path, params: str = "quick") -> dict:
     """The parameters notebook ``name`` runs with: ``params`` (quick / full / a YAML) for the names it declares,
-    then ``CHECKPOINT`` (absolute), ``MODEL`` and the output folders under ``out``."""
+    then ``CHECKPOINT`` (absolute), ``MODEL`` and the output folders under ``out``; ``DTYPE: auto`` becomes
+    :func:`lowrank_lib.resolve.run_dtype`'s choice for the checkpoint (the dtype its model is loaded in)."""
     declared = declared_parameters(notebooks_dir() / f"{name}.ipynb")
     chosen = {}
     if params in PARAMS:
@@ -43,6 +44,14 @@ def plan(name: str, checkpoint: str | Path, model: str | None, out: Path, params
         chosen.update(cfg["overrides"].get(name, {}))
     chosen.update({"CHECKPOINT": str(Path(checkpoint).resolve()), "MODEL": model,
                    "OUT_DIR": str(out / name), "FIG_DIR": str(out / "figures")})
+    if chosen.get("DTYPE") == "auto" and "DTYPE" in declared:    # the dtype the model is loaded in (resolve)
+        from ..formats import CheckpointError
+        from ..resolve import run_dtype
+
+        try:
+            chosen["DTYPE"] = run_dtype("auto", checkpoint)
+        except CheckpointError:         # the notebook's first code cell stops with the loader's named error
+            chosen["DTYPE"] = "fp32"
     return {k: v for k, v in chosen.items() if k in declared}
 
 
