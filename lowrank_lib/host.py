@@ -17,7 +17,7 @@ import torch
 from .timing import summary, timed
 
 __all__ = ["CpuClocked", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine", "others_busy_cores",
-           "read_bandwidth", "release_memory",
+           "physical_memory", "read_bandwidth", "release_memory",
            "status_bytes"]
 
 
@@ -108,6 +108,11 @@ def others_busy_cores(window_s: float = 2.0, proc: str | Path = "/proc") -> floa
     except (OSError, ValueError, IndexError):
         return None
     return max(0.0, ((m1 - m0) - (o1 - o0)) / hz / (t1 - t0))
+
+
+def physical_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def release_memory() -> None:

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from . import host
+
 __all__ = ["COPIES", "NO_TOKENIZER", "Resolved", "check_reference", "checkpoint_params", "checkpoint_tokenizer",
            "describe", "load_dtype", "load_normalised", "normalised_path", "resolve_models", "run_dtype", "source_hash"]
 
@@ -108,11 +110,6 @@ def checkpoint_params(checkpoint: str | Path) -> int:
     return sum(t.numel() for t in _tensors(path, detect_format(path)).values())
 
 
-def physical_memory() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def run_dtype(dtype: str, checkpoint: str | Path | None = None, memory_bytes: int | None = None) -> str:
     """A notebook's ``DTYPE``: ``"fp32"`` / ``"bf16"`` as given; ``"auto"``: ``"fp32"`` unless :data:`COPIES` copies
     of the checkpoint's values in fp32 would exceed ``memory_bytes`` (default: this machine's physical memory), then
@@ -124,7 +121,7 @@ def run_dtype(dtype: str, checkpoint: str | Path | None = None, memory_bytes: in
     if checkpoint is None:
         return "fp32"
     if memory_bytes is None:
-        memory_bytes = physical_memory()
+        memory_bytes = host.physical_memory()
     return "bf16" if COPIES * 4 * checkpoint_params(checkpoint) > memory_bytes else "fp32"
 
 

@@ -79,3 +79,50 @@ def test_step_latency_repeats_are_runs_with_their_spread():
         assert r["step_ms_run_min"] <= r["step_ms_run_median"] <= r["step_ms_run_max"]
         assert r["step_ms_run_median"] == pytest.approx(statistics.median(r["step_ms_repeats"]))
         assert r["step_ms"] == pytest.approx(statistics.median(r["step_ms_samples"]))
+
+
+def test_side_by_side_counts_the_model_and_every_copy_a_runner_holds():
+    import torch
+
+    from lowrank_lib.runtime.ablation import side_by_side
+
+    comp = compress_svd(models.tiny_model("tiny-gqa", seed=0), 0.5)
+    b = sum(t.numel() * t.element_size() for t in [*comp.parameters(), *comp.buffers()])
+    hf = ("hf_static", "hf_dynamic", "naive", "dense_kv")              # read the model's own fp32 tensors
+    assert side_by_side(comp, hf, memory_bytes=int(b / 0.75) + 1)
+    assert not side_by_side(comp, hf, memory_bytes=int(b / 0.75) - 8)
+    two = int(2 * b / 0.75) + 1                                          # the model and one packed engine
+    assert side_by_side(comp, ("hf_static", "engine"), memory_bytes=two)
+    assert not side_by_side(comp, ("hf_static", "engine", "engine"), memory_bytes=two)
+    half = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in [*comp.parameters(),
+                                                                                          *comp.buffers()])
+    # in bf16 an HF runner casts its own copy of an fp32 model
+    assert side_by_side(comp, ("hf_static",), torch.bfloat16, memory_bytes=int(2 * half / 0.75) + 1)
+    assert not side_by_side(comp, ("hf_static",), torch.bfloat16, memory_bytes=int(2 * half / 0.75) - 8)
+
+
+def test_runners_too_large_together_are_timed_one_at_a_time(monkeypatch):
+    """A machine too small for the model beside a packed copy (a 7B model on 24 GB): every timing runs one system
+    alone (no clock runs while weights page in), and every row says so; the rows are the same rows."""
+    from lowrank_lib import host
+    from lowrank_lib.runtime import ablation
+
+    comp = compress_svd(models.tiny_model("tiny-gqa", seed=0), 0.5)
+    seen = []
+    tg, il = ablation.timed_generations, ablation.interleaved
+    monkeypatch.setattr(ablation, "timed_generations", lambda r, *a, **k: seen.append(len(r)) or tg(r, *a, **k))
+    monkeypatch.setattr(ablation, "interleaved", lambda fns, *a, **k: seen.append(len(fns)) or il(fns, *a, **k))
+    big = ablation.sweep(comp, None, ("hf_static", "engine"), [4], [2], 2, progress=False)
+    assert {r["timed"] for r in big} == {"interleaved"} and set(seen) == {2}
+    monkeypatch.setattr(host, "physical_memory", lambda: 1)
+    seen.clear()
+    rows = ablation.sweep(comp, None, ("hf_static", "engine"), [4], [2], 2, progress=False)
+    lat = ablation.step_latency_vs_context(comp, None, ("dense_kv", "engine"), [4], steps=3, progress=False)
+    mech = ablation.mechanism_table(comp, None, 4, 2, 2, rows=["dense KV", "+ weight layout (= engine, eager)"],
+                                    progress=False)
+    assert set(seen) == {1}
+    assert [r["system"] for r in rows] == [r["system"] for r in big]
+    for r in rows + lat + mech:
+        assert r["timed"] == "alone" and r["runs"] >= 1, r["system"]
+    by = {r["system"]: r for r in mech}
+    assert by["dense KV"]["reference_ms"] == by["hf_static"]["decode_ms"]          # the reference, timed once alone

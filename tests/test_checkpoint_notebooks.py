@@ -52,7 +52,7 @@ def test_quick_reports_load_a_checkpoint_too_large_for_fp32_copies_in_bf16(famil
 
     path = family_files["svdllm"]
     for mem, want in ((1 << 50, "fp32"), (1, "bf16")):
-        monkeypatch.setattr(resolve, "physical_memory", lambda m=mem: m)
+        monkeypatch.setattr(resolve.host, "physical_memory", lambda m=mem: m)
         for n in (NB02, "03_graph_replay_ablation"):
             assert own.plan(n, path, None, notebooks.root() / "reports" / "mine", "quick")["DTYPE"] == want
         assert resolve.load_dtype(path) == {"fp32": torch.float32, "bf16": torch.bfloat16}[want]

@@ -225,7 +225,7 @@ def test_auto_dtype_is_fp32_unless_three_fp32_copies_of_the_checkpoint_exceed_me
     assert resolve.run_dtype("auto", path, memory_bytes=fits) == "fp32"
     assert resolve.run_dtype("auto", path, memory_bytes=fits - 1) == "bf16"
     assert resolve.run_dtype("fp32", path, memory_bytes=1) == "fp32" and resolve.run_dtype("auto", None) == "fp32"
-    monkeypatch.setattr(resolve, "physical_memory", lambda: fits - 1)        # a machine too small for fp32
+    monkeypatch.setattr(resolve.host, "physical_memory", lambda: fits - 1)        # a machine too small for fp32
     _, comp, _ = resolve_models(None, path)
     assert {p.dtype for p in comp.parameters()} == {torch.bfloat16}
     _, comp, _ = resolve_models(None, path, dtype=torch.float32)            # an explicit dtype wins

@@ -9,6 +9,11 @@ beside them. A repeat is one run (one whole generation, in its own interleaved r
 ``_run_max``, :func:`lowrank_lib.timing.across_runs`), and two rows differ only when those ranges do not overlap
 (:func:`compare`).
 
+When the runners of one timing would not fit in memory together (:func:`side_by_side`: a 7B model beside an
+engine's packed copy of it), each system is built, timed ALONE and freed in turn, so nothing is paged from disk while
+a clock runs; every row says which (``timed``: ``"interleaved"`` / ``"alone"``), and rows timed alone compare
+medians of separate timings.
+
 Every row the ablation can show is defined in :data:`DEFINITIONS`; :data:`ROW_SYSTEM` names the rows that are a
 :func:`~lowrank_lib.runtime.baselines.make_runner` system, so notebook 02 (which counts those systems) and notebook
 03 report the same dispatch count for the same configuration.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from .. import host
 from ..host import release_memory
 from ..timing import across_runs, interleaved, summary, within_noise
 from .baselines import make_runner
@@ -26,7 +32,7 @@ from .engine import Engine
 from .profiling import DISPATCH_TOKENS, greedy_steps, per_token_counts, timed_generations
 
 __all__ = ["COMPARISONS", "compare", "DEFINITIONS", "MECHANISMS", "mechanism_table", "mechanism_verdicts", "ROW_SYSTEM",
-           "step_latency_vs_context", "sweep", "time_runners", "UNCOMPRESSED"]
+           "side_by_side", "step_latency_vs_context", "sweep", "time_runners", "UNCOMPRESSED"]
 
 _OFF = dict(fold_rope=False, fold_norm=False, weight_layout="out_major")
 #: the paper's mechanisms are ablated on the portable path (aten GEMMs, sdpa); our compiled CPU kernels
@@ -117,6 +123,27 @@ COMPARISONS = (
     ("+ our CPU kernels (packed GEMV + attention), eager", "uncompressed: engine + our CPU kernels, eager",
      "compression, through the engine with our CPU kernels"),
 )
+
+
+#: systems that read the model's own tensors when it already has their dtype (HF runners; the engine presets that
+#: neither pack, fold nor re-lay a weight); every other engine holds a packed copy of the weights
+_SHARES = {"hf_dynamic", "hf_static", "hf_compiled", "naive", "dense_kv", "naive: low-rank history rebuilt",
+           "dense KV"}
+_HF = {"hf_dynamic", "hf_static", "hf_compiled"}
+#: the share of this machine's memory the model and the runners' copies may fill side by side
+MEMORY_SHARE = 0.75
+
+
+def side_by_side(model, systems, dtype=None, memory_bytes: int | None = None) -> bool:
+    """Whether ``systems`` (make_runner names or :data:`MECHANISMS` rows) fit in memory together on ``model``: its
+    weights at ``dtype``, plus one copy for each system that does not share them (a packing engine; an HF runner when
+    ``dtype`` is not the model's), within :data:`MEMORY_SHARE` of ``memory_bytes`` (default: physical memory).
+    Conservative: a mechanism row that packs nothing is still counted as a copy."""
+    params = [*model.parameters(), *model.buffers()]
+    cast = dtype is not None and any(p.is_floating_point() and p.dtype != dtype for p in params)
+    nbytes = sum(p.numel() * (dtype.itemsize if cast and p.is_floating_point() else p.element_size()) for p in params)
+    copies = sum(1 for s in systems if s not in _SHARES or (cast and s in _HF))
+    return (1 + copies) * nbytes <= MEMORY_SHARE * (host.physical_memory() if memory_bytes is None else memory_bytes)
 
 
 def _prompt(vocab: int, n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
@@ -211,19 +238,36 @@ def mechanism_table(model, dense_model=None, prompt_len: int = 256, gen_len: int
 
     ref_name, ref = names[0], build(names[0])
     key = "speedup_vs_" + ref_name
-    ref_raw, out = None, []
+    # a pair that does not fit together (its model beside a packed copy): the reference timed alone once, then each
+    # row alone, so no clock runs while weights page in from disk
+    together = all(side_by_side(model, [ref_name, n], dtype) for n in names[1:])
+    ref_raw = None if together else _generations({"reference": ref}, ids, gen_len, repeats)["reference"]
+    out = []
     for name in tqdm(names[1:] or names, desc="mechanisms", disable=not progress):
+        if not together:
+            if name != ref_name:
+                runner = {"row": build(name)}
+                row = {"system": name, **_row(_generations(runner, ids, gen_len, repeats)["row"]),
+                       **_counts(runner["row"], ids, count_tokens), "timed": "alone"}
+                row["reference_ms"] = summary(ref_raw["steps"])["median_ms"]
+                row[key] = row["reference_ms"] / row["decode_ms"]
+                out.append(row)
+                del runner
+                release_memory()
+            continue
         pair = {"reference": ref} if name == ref_name else {"reference": ref, "row": build(name)}
         raw = _generations(pair, ids, gen_len, repeats)
         ref_raw = raw["reference"] if ref_raw is None else _pool(ref_raw, raw["reference"])
         if "row" in pair:
-            row = {"system": name, **_row(raw["row"]), **_counts(pair["row"], ids, count_tokens)}
+            row = {"system": name, **_row(raw["row"]), **_counts(pair["row"], ids, count_tokens),
+                   "timed": "interleaved"}
             row["reference_ms"] = summary(raw["reference"]["steps"])["median_ms"]
             row[key] = row["reference_ms"] / row["decode_ms"]
             out.append(row)
         del pair
         release_memory()                  # this row's runner is gone before the next one is built
-    first = {"system": ref_name, **_row(ref_raw), **_counts(ref, ids, count_tokens)}
+    first = {"system": ref_name, **_row(ref_raw), **_counts(ref, ids, count_tokens),
+             "timed": "interleaved" if together else "alone"}
     first["reference_ms"] = first["decode_ms"]
     first[key] = 1.0
     return [first] + out
@@ -234,13 +278,16 @@ def sweep(model, dense_model=None, systems=("hf_static", "dense_kv", "engine", "
     """Decode ms/token for every (system, prompt_len, gen_len); at each (prompt_len, gen_len) every system is
     timed in the same interleaved rounds. Rows in (system, prompt_len, gen_len) order."""
     S = max(prompt_lens) + max(gen_lens)
-    runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
+    together = side_by_side(model, systems, dtype)
     by = {}
-    for p, g in tqdm([(p, g) for p in prompt_lens for g in gen_lens], desc="sweep", disable=not progress):
-        for s, row in time_runners(runners, _prompt(model.config.vocab_size, p), g, repeats).items():
-            by[(s, p, g)] = {"system": s, "prompt_len": p, "gen_len": g, **row}
-    del runners
-    release_memory()
+    for group in ([systems] if together else [[s] for s in systems]):      # too large together: one at a time
+        runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in group}
+        for p, g in tqdm([(p, g) for p in prompt_lens for g in gen_lens], desc="sweep", disable=not progress):
+            for s, row in time_runners(runners, _prompt(model.config.vocab_size, p), g, repeats).items():
+                by[(s, p, g)] = {"system": s, "prompt_len": p, "gen_len": g, **row,
+                                 "timed": "interleaved" if together else "alone"}
+        del runners
+        release_memory()
     return [by[(s, p, g)] for s in systems for p in prompt_lens for g in gen_lens]
 
 
@@ -254,23 +301,26 @@ def step_latency_vs_context(model, dense_model=None, systems=("naive", "dense_kv
     ``steps - 1`` are timed. A row: the median and quartiles of every timed step (``step_ms``, ``_q1``, ``_q3``), each
     run's median (``step_ms_repeats``) and the median of run medians with their min-max (``step_ms_run_*``)."""
     S = max(context_lens) + steps + 1
-    runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in systems}
+    together = side_by_side(model, systems, dtype)
     by = {}
-    for n in tqdm(context_lens, desc="step latency", disable=not progress):
-        ids = _prompt(model.config.vocab_size, n)
-        samples, medians = {s: [] for s in systems}, {s: [] for s in systems}
-        for _ in range(repeats):
-            tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
-            ts = interleaved(greedy_steps(runners, tok), rounds=steps - 1, warmup=1)
-            for s in systems:
-                samples[s] += ts[s]
-                medians[s].append(summary(ts[s])["median_ms"])
-        for s in systems:
-            st, runs = summary(samples[s]), across_runs(medians[s])
-            by[(s, n)] = {"system": s, "cached_len": n, "step_ms": st["median_ms"], "step_ms_q1": st["q1_ms"],
-                          "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in samples[s]],
-                          "step_ms_repeats": medians[s], "step_ms_run_median": runs["median_ms"],
-                          "step_ms_run_min": runs["min_ms"], "step_ms_run_max": runs["max_ms"], "runs": runs["runs"]}
-    del runners
-    release_memory()
+    for group in ([systems] if together else [[s] for s in systems]):      # too large together: one at a time
+        runners = {s: make_runner(s, model, dense_model, dtype=dtype, max_seq_len=S) for s in group}
+        for n in tqdm(context_lens, desc="step latency", disable=not progress):
+            ids = _prompt(model.config.vocab_size, n)
+            samples, medians = {s: [] for s in group}, {s: [] for s in group}
+            for _ in range(repeats):
+                tok = {s: r.prefill(ids, None).argmax(-1) for s, r in runners.items()}
+                ts = interleaved(greedy_steps(runners, tok), rounds=steps - 1, warmup=1)
+                for s in group:
+                    samples[s] += ts[s]
+                    medians[s].append(summary(ts[s])["median_ms"])
+            for s in group:
+                st, runs = summary(samples[s]), across_runs(medians[s])
+                by[(s, n)] = {"system": s, "cached_len": n, "step_ms": st["median_ms"], "step_ms_q1": st["q1_ms"],
+                              "step_ms_q3": st["q3_ms"], "step_ms_samples": [1e3 * t for t in samples[s]],
+                              "step_ms_repeats": medians[s], "step_ms_run_median": runs["median_ms"],
+                              "step_ms_run_min": runs["min_ms"], "step_ms_run_max": runs["max_ms"],
+                              "runs": runs["runs"], "timed": "interleaved" if together else "alone"}
+        del runners
+        release_memory()
     return [by[(s, n)] for s in systems for n in context_lens]
