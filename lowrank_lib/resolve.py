@@ -103,11 +103,9 @@ COPIES = 3
 def checkpoint_params(checkpoint: str | Path) -> int:
     """The number of values a checkpoint stores (its tensors' elements, read from the headers: nothing is loaded);
     a checkpoint the loader cannot read raises its :class:`~lowrank_lib.formats.CheckpointError`."""
-    from .formats import detect_format
-    from .formats.inspect import _tensors
+    from .formats.inspect import stored_values
 
-    path = Path(checkpoint)
-    return sum(t.numel() for t in _tensors(path, detect_format(path)).values())
+    return stored_values(checkpoint)
 
 
 def run_dtype(dtype: str, checkpoint: str | Path | None = None, memory_bytes: int | None = None) -> str:

@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
     "compress": CORE,
     "formats": CORE,
-    "resolve": CORE | {"compress", "formats"},     # (dense, compressed, tokenizer) from MODEL and CHECKPOINT
+    "resolve": CORE | {"compress", "formats", "host"},   # (dense, compressed, tokenizer) from MODEL and CHECKPOINT
     "synthetic": CORE | {"compress", "formats"},   # every family's native file at a real shape, random weights
     "runtime": {"factorized", "generation", "geometry", "compat", "timing", "quant", "ranks", "host"},
     "hf": {"geometry", "compat"},

@@ -53,6 +53,14 @@ def _tensors(path: Path, family: str) -> dict[str, LazyTensor]:
 
 
 @guarded
+def stored_values(path: str | Path) -> int:
+    """The number of values a checkpoint stores: its tensors' elements, from the headers (nothing is read)."""
+    from . import detect_format
+
+    path = Path(path)
+    return sum(t.numel() for t in _tensors(path, detect_format(path)).values())
+
+
 def describe(path: str | Path, layer: int = 0) -> dict:
     """``{"family", "files": [(name, bytes)], "tensors": [(key, shape, dtype)] of one layer, "notes"}``."""
     from . import detect_format
