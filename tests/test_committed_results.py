@@ -416,6 +416,27 @@ def test_readme_kv_frontier_table_equals_the_json():
         _same(cells[5], by[("attsvd-ext", P, b)]["kl_mean"], what + " attsvd-ext KL")
 
 
+
+def test_readme_lowrank_vs_quantization_table_is_the_json():
+    """The README's low-rank-vs-quantization table is ``eval.frontier.format_table`` of the committed frontier,
+    character for character (every point, its frontier verdict, its ms/token with its ratio to the reference of
+    its own sitting); every timed point names a sitting that timed the reference."""
+    from lowrank_lib.eval import frontier as fr
+
+    res = _load("frontier_smollm2.json")
+    want = fr.format_table(res["points"], sittings=res["sittings"])
+    text = (ROOT / "README.md").read_text()
+    head = want.splitlines()[0]
+    assert text.count(head) == 1, "README.md: the frontier table's header is not there once"
+    got = text[text.index(head):].split("\n\n")[0]
+    assert got == want
+    sits = {s["id"]: s for s in res["sittings"]}
+    for p in res["points"]:
+        if p.get("speed"):
+            s = sits[p["sitting"]]
+            assert p["id"] in s["points"] and set(s["reference_speed"]) >= set(p["speed"]), p["id"]
+
+
 def test_readme_breakdown_table_equals_the_json():
     """The README's 'Where a token's time goes' table (1 thread, exact head) is peer_cpu_7.json's breakdown, rounded."""
     res = _load("peer_cpu_7.json")

@@ -73,8 +73,11 @@ def test_table_and_conclusion_come_from_the_points():
     pts = [P("llama.cpp:q4_k_m", 100e6, 20.0, "llama.cpp", "Q4_K_M"), P("lowrank_lib:svdllm@0.8:bf16", 200e6, 50.0),
            P("lowrank_lib:dense:bf16", 270e6, 19.0, method="dense")]
     t = fr.format_table(pts)
-    assert "| SVD-LLM v1 keep 0.8 bf16 | 50 | 200 | no | +30 (+150.0 %) | 2.00x |" in t
-    assert "| llama.cpp Q4_K_M | 20 | 100 | yes |  |  |" in t
+    assert "| SVD-LLM v1 keep 0.8 bf16 | 50.00 | 200.0 | no | +30.00 (+150.0 %); 2.00x |" in t
+    assert "| llama.cpp Q4_K_M | 20.00 | 100.0 | **yes** |  |" in t
+    assert "vs F32" not in t and "ms/token" not in t                  # no F32 point; no sittings given
+    f32 = P("llama.cpp:f32", 400e6, 18.0, "llama.cpp", "F32")
+    assert "| llama.cpp Q4_K_M | 20.00 | +11.1 % | 100.0 | **yes** |  |" in fr.format_table([*pts, f32])
     c = fr.conclusion(pts)
     assert c.startswith("1 of 1 low-rank points are dominated: none is on the frontier.")
     assert "+150.0 %" in c and "llama.cpp Q4_K_M" in c
@@ -121,3 +124,40 @@ def test_merge_keeps_its_own_points_and_adds_the_others():
     assert [(p["id"], p["ppl"]) for p in a["points"]] == [("x", 2.0), ("y", 1.0)]
     assert a["cross_check"]["points"] == {"f32": {"ppl": 1.0}, "q8_0": {"ppl": 2.0}}
     assert a["caveat"] == [{"geometry": "g"}] and a["commands"] == ["a", "b"]
+
+
+def test_speed_is_judged_against_the_reference_of_its_own_sitting():
+    """Two sittings on a drifting machine: a point's ms/token is compared with the reference's in ITS sitting."""
+    q4 = P("llama.cpp:q4_k_m", 100e6, 20.0, "llama.cpp", "Q4_K_M")
+    a, b, c = (P(i, mb * 1e6, ppl, label=i) for i, mb, ppl in (("a", 200, 65.0), ("b", 150, 60.0), ("c", 120, 70.0)))
+    res = {"points": [q4, a, b, c]}
+    s1 = fr.open_sitting(res, "first", when="t1")
+    assert s1["id"] == 1 and s1["reference"] == "llama.cpp:q4_k_m" and s1["when"] == "t1"
+    fr.record_speed(s1, q4, {"1": {"ms_per_token": 10.0}}, 1, 1.0)
+    fr.record_speed(s1, a, {"1": {"ms_per_token": 5.0}}, 1, 1.0)
+    s2 = fr.open_sitting(res, "second", when="t2", threads=[1])        # a slower hour: the reference takes 20 ms
+    assert s2["id"] == 2 and s2["threads"] == [1]
+    fr.record_speed(s2, q4, {"1": {"ms_per_token": 20.0}}, 1, 1.0, own=False)
+    fr.record_speed(s2, b, {"1": {"ms_per_token": 8.0}}, 1, 1.0)
+    # the reference's own row stays the first sitting's; the second holds its time as that sitting's reference
+    assert q4["sitting"] == 1 and q4["speed"]["1"]["ms_per_token"] == 10.0
+    assert s2["reference_speed"]["1"]["ms_per_token"] == 20.0 and s2["points"] == ["b"]
+    assert s1["points"] == ["llama.cpp:q4_k_m", "a"]
+    # b (8 ms) is faster than a (5 ms) relative to its own sitting: 0.4 against 0.5, so b dominates a
+    assert fr.speed_ratio(res, a, "1") == pytest.approx(0.5) and fr.speed_ratio(res, b, "1") == pytest.approx(0.4)
+    assert fr.speed_ratio(res, c, "1") is None and fr.speed_ratio(res, a, "2") is None      # untimed
+    pts = fr.with_speed_ratios(res)
+    assert [p["speed_ratio"] for p in pts] == [{"1": 1.0}, {"1": 0.5}, {"1": 0.4}, {}]
+    assert "speed_ratio" not in a                                       # copies, not the points
+    assert fr.pareto(pts, x="speed_ratio.1") == ["b", "llama.cpp:q4_k_m"]
+    # in raw ms b would be slower than a: the table prints both, and each ratio and sitting
+    t = fr.format_table(res["points"], sittings=res["sittings"])
+    assert "| b | 60.00 | 150.0 | no |" in t and "| 8.00 (0.40x) | 2 |" in t and "| 5.00 (0.50x) | 1 |" in t
+    row_c = next(r for r in t.splitlines() if r.startswith("| c |"))
+    assert row_c.endswith(" |  |  |")                                  # untimed: empty speed and sitting cells
+    assert "x llama.cpp Q4_K_M's in its sitting" in t
+    # a sitting with no reference point in the result: no ratio
+    res2 = {"points": [P("x", 1, 1.0, ms=3.0)]}
+    s = fr.open_sitting(res2, "c")
+    fr.record_speed(s, res2["points"][0], {"1": {"ms_per_token": 3.0}}, 1, 1.0)
+    assert s["reference"] is None and fr.speed_ratio(res2, res2["points"][0], "1") is None

@@ -26,7 +26,7 @@ def test_labels_name_the_system_family_keep_and_storage():
     assert fr.make_label(_p("f", method="svdllm_v2", keep=0.6, weights="int4")) == "SVD-LLM v2 keep 0.6 int4"
     # the stored label wins; a point of an older file (none stored) gets the computed one
     assert fr.label(_p("g", label="mine")) == "mine" and fr.label(_p("h")) == "SVD-LLM v1 keep 0.8 bf16"
-    assert "| SVD-LLM v1 keep 0.8 bf16 | 2 |" in fr.format_table([_p("h")])
+    assert "| SVD-LLM v1 keep 0.8 bf16 | 2.00 |" in fr.format_table([_p("h")])
 
 
 def test_select_points_by_label_or_id_and_refuses_an_unknown_name():
@@ -158,11 +158,23 @@ def test_factor_bits_flag_and_the_speed_phase_times_only_the_chosen_points(monke
         return {"result": {"1": {"ms_per_token": 1.0}}, "peak_rss": 1, "wall_s": 0.1}
 
     monkeypatch.setattr(child, "run_child", fake_child)
-    a = argparse.Namespace(prompt_len=None, gen_len=[4], threads=[1], repeats=1, graph="none",
+    a = argparse.Namespace(prompt_len=None, gen_len=[4], threads=[1], repeats=1, graph="none", command_line="c1",
                            points=["SVD-LLM v1 keep 0.8 int8", "llama.cpp Q4_K_M"])
     cmd.speed(a, res, lambda r: None)
     assert timed == ["llama.cpp:q4_k_m", "lowrank_lib:svdllm@0.8:int8"]
     assert "speed" not in res["points"][1] and res["points"][2]["speed"]["1"]["ms_per_token"] == 1.0
+    (s1,) = res["sittings"]
+    assert s1["id"] == 1 and s1["command"] == "c1" and s1["reference"] == "llama.cpp:q4_k_m" and s1["threads"] == [1]
+    assert s1["points"] == ["llama.cpp:q4_k_m", "lowrank_lib:svdllm@0.8:int8"] and s1["reference_speed"]
+    # a second sitting: its reference is timed first even though not asked for, and only as the sitting's reference
+    timed.clear()
+    a.points, a.command_line = ["SVD-LLM v1 keep 0.8 bf16"], "c2"
+    cmd.speed(a, res, lambda r: None)
+    assert timed == ["llama.cpp:q4_k_m", "lowrank_lib:svdllm@0.8:bf16"]
+    s2 = res["sittings"][1]
+    assert s2["id"] == 2 and s2["points"] == ["lowrank_lib:svdllm@0.8:bf16"] and s2["reference_speed"]
+    assert [p.get("sitting") for p in res["points"]] == [1, 2, 1]
     a.points = ["no such point"]
     with pytest.raises(SystemExit, match="no such point"):
         cmd.speed(a, res, lambda r: None)
+    assert len(res["sittings"]) == 2                    # a refused run opens no sitting

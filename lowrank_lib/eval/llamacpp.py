@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["GGUFLogits", "KV_TYPES", "QUANT_TYPES", "available", "gguf_perplexity", "llama_perplexity", "quantize",
-           "version"]
+__all__ = ["GGUFLogits", "KV_TYPES", "QUANT_TYPES", "available", "dist_version", "gguf_perplexity", "importable",
+           "llama_perplexity", "quantize", "version"]
 
 #: KV cache element types by name (ggml type ids, see ggml.h)
 KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # ggml_type values (q8_0: 8-bit cache, needs flash_attn)
@@ -38,16 +38,30 @@ QUANT_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_
                "q4_1": 3}
 
 
-def available() -> tuple[bool, str]:
-    """(importable, why not): llama-cpp-python is the optional ``peer`` extra."""
+def importable(module: str, why: str) -> tuple[bool, str]:
+    """(``module`` can be imported, ``why`` when it cannot); nothing is imported. The peers are optional extras."""
     try:
-        spec = importlib.util.find_spec("llama_cpp")
+        spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
         spec = None
-    if spec is None:
-        return False, ("llama-cpp-python is not installed: pip install -e '.[peer]' (builds llama.cpp from "
-                       "source, a few minutes; CMAKE_ARGS='-DGGML_NATIVE=ON -DLLAMA_CURL=OFF')")
-    return True, ""
+    return (True, "") if spec is not None else (False, why)
+
+
+def dist_version(dist: str) -> str | None:
+    """The installed version of the distribution ``dist`` (its metadata), ``None`` when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as _version
+
+    try:
+        return _version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def available() -> tuple[bool, str]:
+    """(importable, why not): llama-cpp-python is the optional ``peer`` extra."""
+    return importable("llama_cpp", "llama-cpp-python is not installed: pip install -e '.[peer]' (builds llama.cpp "
+                                   "from source, a few minutes; CMAKE_ARGS='-DGGML_NATIVE=ON -DLLAMA_CURL=OFF')")
 
 
 def _require():
@@ -60,14 +74,8 @@ def _require():
 
 
 def version() -> str | None:
-    """llama-cpp-python's version (its distribution's metadata), ``None`` when it is not installed."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
-    try:
-        return dist_version("llama-cpp-python")
-    except PackageNotFoundError:
-        return None
+    """llama-cpp-python's version, ``None`` when it is not installed."""
+    return dist_version("llama-cpp-python")
 
 
 def quantize(src, dst, qtype: str, threads: int = 0, allow_requantize: bool = False):

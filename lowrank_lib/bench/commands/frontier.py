@@ -11,8 +11,8 @@
 
 Quality phase (default; :mod:`lowrank_lib.eval.frontier` measures, its docstring says how): perplexity of every
 point on the SAME WikiText-2 test windows (``--windows`` x ``--prompt-len``) and the weight bytes one decode step
-reads, for llama.cpp's types (``--quants``; GGUFs under ``<model cache>/frontier/<model>``, reused while present)
-and ours (``--families`` at every ``--keep``, and dense; one calibration of ``--calib-samples`` x ``--calib-len``,
+reads, for llama.cpp's types (``--quants``; GGUFs under ``<model cache>/frontier/<model>``, reused while present;
+``--ik TYPE...``: the same files run by ik_llama.cpp, :mod:`lowrank_lib.eval.ik_llamacpp`) and ours (``--families`` at every ``--keep``, and dense; one calibration of ``--calib-samples`` x ``--calib-len``,
 ASVD's on ``--asvd-calib``; bf16 weights and, with ``--factor-bits 8 4 mixed``, int8 / int4 / MIXED_4_8 factors
 in ``--factor-group`` columns per scale, with ``--gptq`` GPTQ codes); each of our models is saved under the cache for the speed phase.
 
@@ -28,12 +28,13 @@ id), one child process per point (:mod:`lowrank_lib.bench.child`: its peak RSS),
 over ``--gen-len`` tokens at every ``--threads`` (default 1 2), ``--repeats`` timed generations after a warm-up
 (llama.cpp through :class:`~lowrank_lib.bench.llamacpp.LlamaCppRunner`, ours through the engine; both by the one
 decode loop and :class:`~lowrank_lib.bench.peer_base.Timed`, medians by :mod:`lowrank_lib.timing`), idle machine.
+Each ``--speed`` run is one sitting in FILE's ``sittings``: it times llama.cpp Q4_K_M first, and every point it
+times is compared with that (``eval.frontier.speed_ratio``), never with another sitting's milliseconds.
 Long-context phase (``--longctx``, context ``--prompt-len`` default 8000, ``--budget`` of the composed cache): :func:`lowrank_lib.eval.long_context.measure` (``long_context`` in FILE).
 """
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 DEFAULT_FAMILIES = ("svdllm", "svdllm_v2", "basis_sharing", "dobi", "dobi-remap", "asvd")
@@ -45,10 +46,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("--model", default="smollm2")
     add_keep(p, [0.9, 0.8, 0.6])
-    p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), help="compression families (the "
-                   "registry's names); --families none: no low-rank point")
-    p.add_argument("--quants", nargs="+", default=list(LLAMACPP_TYPES), help="llama.cpp file types; none: no "
-                   "llama.cpp point")
+    p.add_argument("--families", nargs="+", default=list(DEFAULT_FAMILIES), help="the registry's names; none: none")
+    p.add_argument("--quants", nargs="+", default=list(LLAMACPP_TYPES), help="llama.cpp file types; none: none")
+    p.add_argument("--ik", nargs="+", default=[], help="the same llama.cpp file types also run by ik_llama.cpp")
     p.add_argument("--no-dense", action="store_true", help="skip our dense bf16 point")
     add_list(p, "--factor-bits", lambda v: v if v == "mixed" else int(v), [0], "our low-rank points also with "
              "their factors quantized to these bits (8 4 mixed; mixed: MIXED_4_8; 0: none, bf16 only)")
@@ -56,8 +56,7 @@ def add_arguments(p) -> None:
     p.add_argument("--factor-group", type=int, default=None, help="columns per scale of quantized factors "
                    "(default lowrank_lib.quant.DEFAULT_GROUP)")
     p.add_argument("--windows", type=int, default=4, help="first N windows of WikiText-2 test")
-    add_prompt_len(p, None, "quality: perplexity window tokens (default 2048); --speed: prompt before decode "
-                   "(default 512)")
+    add_prompt_len(p, None, "quality: window tokens (default 2048); --speed: prompt before decode (default 512)")
     add_gen_len(p, 64, "--speed: decoded tokens per timed generation")
     add_threads(p, None, "quality: torch and llama.cpp threads, one value (default: torch's); --speed: the thread "
                 "counts timed (default 1 2)")
@@ -131,8 +130,8 @@ def quality(a, res: dict, write) -> dict:
         write(res)
 
     wd = workdir(a)
-    if _none(a.quants):
-        llamacpp_points(model, ids, wd, _none(a.quants), seq, a.windows, threads, done, add)
+    for rt, types in (("llama.cpp", _none(a.quants)), ("ik_llama.cpp", a.ik)):
+        llamacpp_points(model, ids, wd, types, seq, a.windows, threads, done, add, runtime=rt)
     fams = _none(a.families)
     if fams or not a.no_dense:
         lowrank_points(model, tok, ids, fams, tuple(a.keep), seq_len=seq, windows=a.windows,
@@ -152,18 +151,18 @@ def speed_unit(point: dict, prompt_len: int, gen_len: int, threads: list[int], r
     import torch
 
     from ...host import copy_bandwidth, read_bandwidth
+    from ...eval.ik_llamacpp import IkLlama
     from ..peer_base import Timed, engine, llama_runner
 
     S = prompt_len + gen_len
     torch.set_num_threads(threads[0])
-    if point["system"] == "llama.cpp":
-        runner = llama_runner(point["file"], "bf16" if point["weights"] != "f32" else "fp32", S, threads[0], True)
-        vocab = runner.n_vocab
-        system = "llamacpp_dense"
+    if point["system"] != "lowrank_lib":           # llama.cpp or ik_llama.cpp (its cache bf16: it has no f32 one)
+        runner = (IkLlama(point["file"], S, threads[0], "bf16") if point["system"] == "ik_llama.cpp" else
+                  llama_runner(point["file"], "bf16" if point["weights"] != "f32" else "fp32", S, threads[0], True))
+        vocab, system = runner.n_vocab, "llamacpp_dense"
     else:
         model = torch.load(point["file"], weights_only=False)
-        vocab = model.config.vocab_size
-        runner = engine(model, "bf16", S, graph, "exact")
+        vocab, runner = model.config.vocab_size, engine(model, "bf16", S, graph, "exact")
         system = "lowrank_lib_dense" if point["method"] == "dense" else "lowrank_lib_lowrank"
     ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(seed))
     t, rows = Timed(system, runner), {}
@@ -188,32 +187,33 @@ def speed_unit(point: dict, prompt_len: int, gen_len: int, threads: list[int], r
 
 
 def speed(a, res: dict, write) -> dict:
+    """The speed phase: one sitting (``eval.frontier.open_sitting``) that times its reference point (llama.cpp
+    Q4_K_M) first, then every chosen point, each in its own child."""
     from ..child import run_child
     from ..options import one
-    from ...eval.frontier import select_points
+    from ...eval.frontier import open_sitting, record_speed, select_points
     from ...host import load_average
 
     prompt = one(a.prompt_len, "--prompt-len") or 512
     threads = a.threads or [1, 2]
-    res["speed_protocol"] = {"prompt_len": prompt, "gen_len": one(a.gen_len, "--gen-len"), "threads": threads,
-                             "repeats": a.repeats, "graph": a.graph, "load_average_start": load_average(),
-                             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         chosen = select_points(res["points"], a.points)
     except ValueError as e:
         raise SystemExit(f"error: --points: {e}") from None
-    for p in chosen:
+    sit = open_sitting(res, a.command_line, prompt_len=prompt, gen_len=one(a.gen_len, "--gen-len"), threads=threads,
+                       repeats=a.repeats, graph=a.graph, load_average_start=load_average())
+    ref = [p for p in res["points"] if p["id"] == sit["reference"] and p not in chosen]
+    for p in ref + chosen:
         if not p.get("file") or not Path(p["file"]).exists():
             print(f"[frontier] {p['id']}: no file, no speed", flush=True)
             continue
         r = run_child("lowrank_lib.bench.commands.frontier:speed_unit", point=p, prompt_len=prompt,
                       gen_len=one(a.gen_len, "--gen-len"), threads=threads, repeats=a.repeats, graph=a.graph)
-        p["speed"], p["peak_rss"], p["speed_wall_s"] = r["result"], r["peak_rss"], r["wall_s"]
-        print(f"[frontier] {p['id']}: " + ", ".join(f"{th} t {v['ms_per_token']:.2f} ms" for th, v in
-                                                   r["result"].items()) + f", peak RSS {r['peak_rss'] / 1e6:.0f} MB",
-              flush=True)
+        record_speed(sit, p, r["result"], r["peak_rss"], r["wall_s"], own=p not in ref)
+        ms = ", ".join(f"{th} t {v['ms_per_token']:.2f} ms" for th, v in r["result"].items())
+        print(f"[frontier] {p['id']}: {ms}, peak RSS {r['peak_rss'] / 1e6:.0f} MB", flush=True)
         write(res)
-    res["speed_protocol"]["load_average_end"] = load_average()
+    sit["load_average_end"] = load_average()
     return res
 
 
@@ -238,7 +238,7 @@ def run(a) -> int:
         r["commands"] = list(dict.fromkeys([*r.get("commands", []), a.command_line]))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(r, indent=1))
-        md.write_text(format_table(r["points"]) + "\n")
+        md.write_text(format_table(r["points"], sittings=r.get("sittings", [])) + "\n")
 
     for other in a.merge:
         if not a.resume:
@@ -264,6 +264,6 @@ def run(a) -> int:
             res["caveat"] = caveat_runs()
             write(res)
     write(res)
-    print(format_table(res["points"]))
+    print(format_table(res["points"], sittings=res.get("sittings", [])))
     print(f"wrote {path}")
     return 0
