@@ -15,11 +15,14 @@ import torch
 from lowrank_lib import models
 from lowrank_lib.bench import peer, peer_base
 from lowrank_lib.bench.llamacpp import available
+from lowrank_lib.eval import ik_llamacpp
 from lowrank_lib.formats import gguf as ge
 from lowrank_lib.runtime.kernels import build
 
 LLAMA_OK, LLAMA_WHY = available()
 needs_llama = pytest.mark.skipif(not LLAMA_OK, reason=LLAMA_WHY)
+OURS = ("lowrank_lib_dense", "lowrank_lib_lowrank")
+needs_ik = pytest.mark.skipif(not ik_llamacpp.available()[0], reason=ik_llamacpp.available()[1] or "installed")
 
 
 @pytest.fixture(scope="module")
@@ -372,7 +375,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                                         prompt="random", out=str(tmp_path)), progress=False, log=lambda *_: None)
     assert res["equivalence"]["tokens_equal"]
     want = {("llamacpp_dense", d, "exact", None) for d in ("fp32", "bf16", "q8_0", "q4_k_m")}
-    want |= {(s, d, h, None) for s in peer_base.SYSTEMS[1:] for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
+    want |= {(s, d, h, None) for s in OURS for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
     want |= {("lowrank_lib_lowrank", "bf16", "exact", b) for b in (8, 4)}         # quantized factors, bf16 only
     assert [(r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]
             if (r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) in want] == [
@@ -400,10 +403,9 @@ def test_peer_run_without_llamacpp_on_tiny_model(tmp_path):
     """The SmolLM2 run's whole path (our systems, both heads, interleaved rounds, rows, comparisons, table, writer)
     where llama.cpp is not installed: rows for every (system, dtype, head), no speedups, only the roofline judged."""
     cfg = peer.PeerConfig(model="tiny-smol", dtypes=("fp32",), threads=(1,), prompt_len=16, gen_len=5, repeats=2,
-                          systems=peer_base.SYSTEMS[1:], graph="none", prompt="random", out=str(tmp_path))
+                          systems=OURS, graph="none", prompt="random", out=str(tmp_path))
     res = peer.run_peer(cfg, progress=False, log=lambda *_: None)
-    assert {(r["system"], r["lm_head"]) for r in res["rows"]} == {(s, h) for s in peer_base.SYSTEMS[1:]
-                                                                  for h in peer_base.LM_HEADS}
+    assert {(r["system"], r["lm_head"]) for r in res["rows"]} == {(s, h) for s in OURS for h in peer_base.LM_HEADS}
     for r in res["rows"]:
         assert r["decode_steps"] == 8 and r["copy_gbs"] == res["copy_bandwidth_GBps_by_threads"]["1"] > 0
         assert (r["keep"] == 0.5) == (r["system"] == "lowrank_lib_lowrank") and r["shape"] == "tiny-smol"
@@ -429,7 +431,7 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     small = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
              "vocab_size": 512}
     cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("fp32",),
-                         systems=peer_base.SYSTEMS[1:], threads=(1,), prompt_len=8, gen_len=4, repeats=1,
+                         systems=OURS, threads=(1,), prompt_len=8, gen_len=4, repeats=1,
                          graph="none", gemv_classes=build.load().available, cache_dir=str(tmp_path / "c"),
                          out=str(tmp_path), cleanup=True, bandwidth_bytes=1 << 22, stream_bytes=4e6)
     res = ps.run_scale(cfg, log=lambda *_: None)
@@ -568,6 +570,9 @@ def test_scale_units_disk_and_config():
         ps.ScaleConfig(quants=("q2_k",))
     assert ps.units(ps.ScaleConfig(gemv_classes=False, systems=("lowrank_lib_dense",), dtypes=("bf16",))) == [
         {"system": "lowrank_lib_dense", "dtype": "bf16", "keep": None}]
+    assert "ik_llamacpp" not in cfg.systems                          # ik_llama.cpp only when asked for: its files
+    ik = ps.units(ps.ScaleConfig(gemv_classes=False, systems=("ik_llamacpp",), dtypes=("bf16",)))
+    assert ik == [{"system": "ik_llamacpp", "dtype": d, "keep": None} for d in ("bf16", "q8_0", "q4_k_m")]
 
 
 @needs_llama
@@ -662,3 +667,32 @@ def test_scale_rounds_and_heads_are_units_medians_and_paired_ratios():
     t = {(x["lm_head"], x["target"]): x for x in peer_base.evaluate(list(comps.values()))}
     assert t[("q8", "int4_k0.5_vs_q4_k_m_llama3.2-1b")]["bound"] == 1.4 and t[("q8", "int4_k0.5_vs_q4_k_m_llama3.2-1b")]["met"]
     assert ("exact", "int4_k0.5_vs_q4_k_m_llama3.2-1b") in t
+
+
+@needs_ik
+@needs_llama
+def test_the_peer_run_times_it_beside_mainline_and_compares_ours_with_it(tmp_path):
+    """(Here, not in test_ik_llamacpp.py: the tiny model's GGUFs are shared files of the model cache, and this
+    file's tests run on one worker.)"""
+    assert "ik_llamacpp" not in peer.PeerConfig().systems                 # opt-in: the optional extra
+    res = peer.run_peer(peer.PeerConfig(model="tiny-smol", dtypes=("bf16",), threads=(1,), prompt_len=32, gen_len=8,
+                                        repeats=1, graph="none", llama_flash_attn="off", prompt="random",
+                                        lm_heads=("exact",), factor_bits=(), out=str(tmp_path),
+                                        systems=("llamacpp_dense", "ik_llamacpp", "lowrank_lib_lowrank")),
+                        progress=False, log=lambda *_: None)
+    ik_rows = {r["dtype"]: r for r in res["rows"] if r["system"] == "ik_llamacpp"}
+    assert set(ik_rows) == {"bf16", "q8_0", "q4_k_m"}
+    mainline = {r["dtype"]: r for r in res["rows"] if r["system"] == "llamacpp_dense"}
+    for q, r in ik_rows.items():           # the same file as mainline's row, its own runner and build
+        assert r["info"]["gguf"] == mainline[q]["info"]["gguf"] and r["info"]["runner"] == "ik_llama.cpp"
+        assert r["decode_steps"] == 7 and r["weight_bytes_per_token"] == mainline[q]["weight_bytes_per_token"]
+    comps = {(c["system"], c["dtype"]): c for c in res["comparisons"]}
+    for q in ik_rows:
+        c = comps[("ik_llamacpp", q)]
+        assert c["speedup_vs_llamacpp_same_file"] == pytest.approx(
+            mainline[q]["decode_ms_per_token"] / ik_rows[q]["decode_ms_per_token"])
+    ours = comps[("lowrank_lib_lowrank", "bf16")]
+    assert ours["speedup_vs_ik_llamacpp_q4_k_m"] == pytest.approx(
+        ik_rows["q4_k_m"]["decode_ms_per_token"] / next(r["decode_ms_per_token"] for r in res["rows"]
+                                                        if r["system"] == "lowrank_lib_lowrank"))
+    assert "| ik_llamacpp |" in peer.table(res)

@@ -43,10 +43,10 @@ def test_committed_result_has_the_schema(p):
         assert set(peer.ROW_KEYS) <= set(r) and r.get("lm_head", "exact") in peer.LM_HEADS
         assert r["system"] in peer.SYSTEMS and r["threads"] >= 1
         # llama.cpp's quantized files (issue 29) beside the fp32 / bf16 rows; quantized factors are bf16 rows
-        assert r["dtype"] in ("fp32", "bf16") or (r["system"] == "llamacpp_dense" and r["dtype"] in ("q8_0", "q4_k_m"))
+        assert r["dtype"] in ("fp32", "bf16") or (r["system"] in peer_base.GGUF_SYSTEMS and r["dtype"] in ("q8_0", "q4_k_m"))
         assert r.get("factor_bits") in (None, 8, 4) and (not r.get("factor_bits") or r["dtype"] == "bf16")
         assert r["decode_ms_per_token"] > 0 and r["prefill_ms"] > 0 and r["weight_bytes_per_token"] > 0
-    assert {r["system"] for r in res["rows"]} == set(peer.SYSTEMS)
+    assert set(peer_base.DEFAULT_SYSTEMS) <= {r["system"] for r in res["rows"]}      # ik_llamacpp: when asked for
     if any(r["dtype"] == "fp32" for r in res["rows"]):       # the same-tokens check runs in fp32 (a bf16-only run has none)
         assert "tokens_equal" in res["equivalence"]
 
@@ -219,13 +219,13 @@ def _expand(cells: list[str]) -> list[list[str]]:
 
 def _system(label: str) -> dict:
     """A README system label -> the row key it names."""
-    m = re.fullmatch(r"(llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|Q8_0|Q4_K_M)( \+ certified head)?"
-                     r"(, int(8|4) factors)?", label)
+    m = re.fullmatch(r"(llama\.cpp|ik_llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|BF16|Q8_0|Q4_K_M)"
+                     r"( \+ certified head)?(, int(8|4) factors)?", label)
     assert m, f"unknown system label {label!r}"
     key = {"lm_head": "certified" if m.group(4) else "exact", "factor_bits": int(m.group(6)) if m.group(6) else None}
-    if m.group(1) == "llama.cpp":
-        key["system"] = "llamacpp_dense"
-        if m.group(2) in ("Q8_0", "Q4_K_M"):
+    if m.group(1) in ("llama.cpp", "ik_llama.cpp"):
+        key["system"] = "llamacpp_dense" if m.group(1) == "llama.cpp" else "ik_llamacpp"
+        if m.group(2) in ("BF16", "Q8_0", "Q4_K_M"):
             key["dtype"] = m.group(2).lower()
     elif m.group(2) == "dense":
         key["system"] = "lowrank_lib_dense"
@@ -236,6 +236,7 @@ def _system(label: str) -> dict:
 
 #: README anchor (the bold path of the run the table shows), JSON, (threads when the table has no such column)
 PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", None),
+               ("**`benchmarks/results/peer_cpu_8.json`**", "peer_cpu_8.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -271,8 +272,9 @@ def test_readme_peer_table_equals_the_json(anchor, name, threads):
             if h.startswith("vs llama.cpp dense"):
                 assert len(ll) == 1, what
                 _same(cells[i], ll[0]["decode_ms_per_token"] / r["decode_ms_per_token"], what)
-            elif h == "vs llama.cpp Q4_K_M":
-                q4 = [x for x in res["rows"] if x["system"] == "llamacpp_dense" and x["dtype"] == "q4_k_m"
+            elif h in ("vs llama.cpp Q4_K_M", "vs ik_llama.cpp Q4_K_M"):
+                peer_ = "ik_llamacpp" if h.startswith("vs ik") else "llamacpp_dense"
+                q4 = [x for x in res["rows"] if x["system"] == peer_ and x["dtype"] == "q4_k_m"
                       and x["threads"] == key["threads"]]
                 assert len(q4) == 1, what
                 _same(cells[i], q4[0]["decode_ms_per_token"] / r["decode_ms_per_token"], what)

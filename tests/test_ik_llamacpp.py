@@ -97,3 +97,4 @@ def test_its_perplexity_is_our_protocol_on_its_logits(tiny, bf16_file):
     (p,) = pts
     assert p["id"] == "ik_llama.cpp:bf16" and p["system"] == "ik_llama.cpp" and p["label"] == "ik_llama.cpp BF16"
     assert p["ppl"] == pytest.approx(got.ppl, rel=1e-9) and p["kv_type"] == "bf16" and p["file"] == str(bf16_file)
+

@@ -46,7 +46,7 @@ from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
 from ..eval.speed_plot import draw_decode_vs_bytes, draw_thread_scaling
-from .peer_base import (LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
+from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
                         format_table, judged, llama_runner, save_figure, start)
 from .results import ResultFiles
 
@@ -63,7 +63,7 @@ class PeerConfig:
     prompt_len: int = 512
     gen_len: int = 64
     repeats: int = 3
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS     # + "ik_llamacpp": ik_llama.cpp on the bf16 / quantized files
     lm_heads: tuple[str, ...] = LM_HEADS  # our systems run once per LM head (EngineConfig.lm_head)
     graph: str = "whole-step"            # our engine's decode step: compiled (CPU "graph") or "none"
     llama_flash_attn: str = "auto"       # "on" | "off" | "auto" (the faster of the two in a short probe)
@@ -135,11 +135,11 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     """Run the whole benchmark (see the module docstring); returns the result dict."""
     from ..resolve import resolve_models
 
-    want_llama = "llamacpp_dense" in cfg.systems
+    want_llama, want_ik = "llamacpp_dense" in cfg.systems, "ik_llamacpp" in cfg.systems
     res = start(cfg, cfg.systems)
     dense, comp, tok = resolve_models(cfg.model, method="svd", keep=cfg.keep)
     ids = prompt_ids(tok, dense.config.vocab_size, cfg.prompt_len, cfg.prompt, cfg.seed)
-    ggufs = peer_files(cfg, dense, log) if want_llama else {}
+    ggufs = peer_files(cfg, dense, log) if want_llama or want_ik else {}
     n_ctx, shape = cfg.prompt_len + cfg.gen_len, Path(cfg.model).name
     res.update(prompt_tokens=ids.shape[1], copy_bandwidth_GBps_by_threads={}, read_bandwidth_GBps_by_threads={})
     fa = {}
@@ -178,6 +178,9 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
                 for q in cfg.quants if dt == "bf16" else ():
                     timed[("llamacpp_dense", q)] = Timed("llamacpp_dense", llama_runner(
                         ggufs[q], "bf16", n_ctx, th, flash_attn(cfg, ggufs[q], q, th, ids, fa)))
+            for q in (dt, *cfg.quants) if want_ik and dt == "bf16" else ():     # its fused attention (no probe)
+                timed[("ik_llamacpp", q)] = Timed("ik_llamacpp", llama_runner(ggufs[q], "bf16", n_ctx, th, True,
+                                                                             "ik_llamacpp"))
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
                 for head in cfg.lm_heads if s in cfg.systems else ():
                     timed[(s, dt, head)] = Timed(s, engine(model, dt, n_ctx, cfg.graph, head))

@@ -31,9 +31,15 @@ from ..runtime import Engine, EngineConfig, run_generation
 from ..eval.fidelity import compare_greedy, equivalence_line  # noqa: F401  (peer / peer_scale use them from here)
 from ..runtime.profiling import breakdown_table, token_breakdown
 from ..timing import across_runs, summary
-from .llamacpp import LlamaCppRunner, available, version
+from .llamacpp import IkLlama, LlamaCppRunner, available, version
+from ..eval import ik_llamacpp
 
-SYSTEMS = ("llamacpp_dense", "lowrank_lib_dense", "lowrank_lib_lowrank")
+#: every system; ``ik_llamacpp`` (ik_llama.cpp, the CPU-tuned fork, on mainline's bf16 and quantized files, its cache
+#: bf16: it has none in f32) only when asked for (the optional ``ik`` extra); the others are the default
+SYSTEMS = ("llamacpp_dense", "ik_llamacpp", "lowrank_lib_dense", "lowrank_lib_lowrank")
+DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "ik_llamacpp")
+#: the systems that run a GGUF (a :class:`LlamaCppRunner` / :class:`IkLlama`)
+GGUF_SYSTEMS = ("llamacpp_dense", "ik_llamacpp")
 LM_HEADS = ("exact", "certified")
 #: llama.cpp KV cache type for each model dtype: the same bytes our engine's cache holds (bf16 for quantized files)
 KV_FOR_DTYPE = {"fp32": "f32", "bf16": "bf16"}
@@ -50,9 +56,9 @@ def check_choices(what: str, values, allowed) -> tuple:
 def start(cfg, systems) -> dict:
     """A run's result before its rows (config, machine, load average, time); SystemExit when ``systems`` need
     llama.cpp and it cannot be imported."""
-    ok, why = available()
-    if "llamacpp_dense" in systems and not ok:
-        raise SystemExit(f"peer benchmark: {why}")
+    for system, (ok, why) in (("llamacpp_dense", available()), ("ik_llamacpp", ik_llamacpp.available())):
+        if system in systems and not ok:
+            raise SystemExit(f"peer benchmark: {why}")
     return {"config": asdict(cfg), "command": None, "machine": machine(llama_cpp_python=version()), "rows": [],
             "load_average": {"start": load_average()}, "note": cfg.note,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -94,7 +100,10 @@ class Bandwidths:
         return sum(self.copy) / 2, sum(self.read) / 2
 
 
-def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool) -> LlamaCppRunner:
+def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool, system: str = "llamacpp_dense"):
+    """Mainline llama.cpp (or ``system="ik_llamacpp"``: ik_llama.cpp, its cache bf16) on a GGUF."""
+    if system == "ik_llamacpp":
+        return IkLlama(path, n_ctx=n_ctx, threads=threads, kv_type="bf16", flash_attn=flash_attn)
     return LlamaCppRunner(path, n_ctx=n_ctx, threads=threads, kv_type=KV_FOR_DTYPE.get(dtype, "bf16"),
                           flash_attn=flash_attn)
 
@@ -112,7 +121,7 @@ class Timed:
 
     def __init__(self, system: str, runner):
         self.system, self.runner, self.clocked = system, runner, CpuClocked(runner)
-        self.llama = system == "llamacpp_dense"
+        self.llama = system in GGUF_SYSTEMS
         self.outs, self.evals, self.perf, self.warmup_s = [], [], [], 0.0
 
     def warm(self, ids, n: int, return_logits: bool = False):
@@ -166,14 +175,17 @@ class Timed:
 
 # --------------------------------------------------------------------------- comparisons and targets
 def comparisons(rows: list[dict]) -> list[dict]:
-    """Every lowrank_lib row against llama.cpp dense of the same model (``shape``), dtype and threads."""
+    """Every row but mainline llama.cpp's (ours, ik_llama.cpp's) against llama.cpp dense of the same model
+    (``shape``), dtype and threads (ik_llama.cpp: against mainline on the same file), its Q4_K_M, and ours against
+    ik_llama.cpp's Q4_K_M."""
     key = lambda r, dt=None: (r.get("shape"), dt or r["dtype"], r["threads"])       # noqa: E731
     ref = {key(r): r for r in rows if r["system"] == "llamacpp_dense"}
+    ik = {key(r): r for r in rows if r["system"] == "ik_llamacpp"}
     out = []
     for r in rows:
         if r["system"] == "llamacpp_dense":
             continue
-        ll, q4 = ref.get(key(r)), ref.get(key(r, "q4_k_m"))
+        ll, q4, ik4 = ref.get(key(r)), ref.get(key(r, "q4_k_m")), ik.get(key(r, "q4_k_m"))
         c = {k: r.get(k) for k in ("shape", "system", "dtype", "threads", "keep", "lm_head", "factor_bits")}
         c["roofline_x"] = r["roofline_x"]
         for name, ref_row in (("dense", ll), ("q4_k_m", q4)):     # rounds (peer --shape --rounds): paired in time
@@ -181,12 +193,16 @@ def comparisons(rows: list[dict]) -> list[dict]:
             if len(ms) > 1:
                 c[f"speedup_vs_llamacpp_{name}_by_round"] = [ms[x["round"]] / x["decode_ms_per_token"]
                                                              for x in r.get("rounds", ()) if x["round"] in ms]
-        if ll:
+        if ll and r["system"] == "ik_llamacpp":        # the fork against mainline on the same file
+            c["speedup_vs_llamacpp_same_file"] = ll["decode_ms_per_token"] / r["decode_ms_per_token"]
+        elif ll:
             c.update(speedup_vs_llamacpp_dense=ll["decode_ms_per_token"] / r["decode_ms_per_token"],
                      prefill_ratio_vs_llamacpp_dense=r["prefill_ms"] / ll["prefill_ms"],
                      bytes_vs_llamacpp_dense=r["weight_bytes_per_token"] / ll["weight_bytes_per_token"])
         if q4:          # llama.cpp's Q4_K_M of the same model and threads (issue 30)
             c["speedup_vs_llamacpp_q4_k_m"] = q4["decode_ms_per_token"] / r["decode_ms_per_token"]
+        if ik4 and r["system"] != "ik_llamacpp":        # ik_llama.cpp's Q4_K_M, the stronger CPU peer
+            c["speedup_vs_ik_llamacpp_q4_k_m"] = ik4["decode_ms_per_token"] / r["decode_ms_per_token"]
         out.append(c)
     return out
 

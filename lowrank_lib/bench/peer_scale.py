@@ -43,7 +43,7 @@ from ..runtime import LM_HEADS as ENGINE_HEADS
 from ..eval.speed_plot import draw_decode_vs_bytes
 from ..host import load_average
 from .child import run_child
-from .peer_base import (KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
+from .peer_base import (DEFAULT_SYSTEMS, GGUF_SYSTEMS, KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
                         equivalence_line, format_table, judged, llama_runner, save_figure, start)
 from .results import slug
 
@@ -65,7 +65,7 @@ class ScaleConfig:
     threads: tuple[int, ...] = (1, 2)
     quants: tuple[str, ...] = QUANTS
     factor_bits: tuple[int, ...] = ()               # our keep factors also quantized to these bits (bf16 rows)
-    systems: tuple[str, ...] = SYSTEMS
+    systems: tuple[str, ...] = DEFAULT_SYSTEMS     # + "ik_llamacpp"
     prompt_len: int = 512
     gen_len: int = 64
     repeats: int = 3
@@ -117,6 +117,8 @@ def units(cfg: ScaleConfig) -> list[dict]:
         out += [{**u, "dtype": dt, **({"lm_head": h} if h != "exact" else {})} for u in ours for h in cfg.lm_heads]
     if "llamacpp_dense" in cfg.systems:
         out += [{"system": "llamacpp_dense", "dtype": q, "keep": None} for q in cfg.quants]
+    if "ik_llamacpp" in cfg.systems:                   # ik_llama.cpp on the bf16 and quantized files (a bf16 cache)
+        out += [{"system": "ik_llamacpp", "dtype": q, "keep": None} for q in ("bf16", *cfg.quants)]
     return out + [{"system": "gemv_classes", "dtype": dt, "keep": None} for dt in cfg.dtypes if cfg.gemv_classes]
 
 
@@ -149,7 +151,8 @@ def prepare(config: dict) -> dict:
     for k in (None, *cfg.keeps):
         if k is None or "lowrank_lib_lowrank" in cfg.systems:
             write_shape_weights(cfg.shape, k, cfg.seed, cfg.layers, cfg.cache_dir, overrides=cfg.overrides)
-    want = sorted(set(cfg.dtypes) | ({"bf16"} if cfg.quants else set())) if "llamacpp_dense" in cfg.systems else []
+    want = sorted(set(cfg.dtypes) | ({"bf16"} if cfg.quants or "ik_llamacpp" in cfg.systems else set())) \
+        if set(GGUF_SYSTEMS) & set(cfg.systems) else []
     model = None
 
     def make(dt: str) -> dict:
@@ -177,8 +180,9 @@ def run_unit(config: dict, unit: dict, logits: str) -> dict:
     ids = torch.randint(0, c.vocab_size, (1, cfg.prompt_len), generator=torch.Generator().manual_seed(cfg.seed))
     S, t0 = cfg.prompt_len + cfg.gen_len, time.perf_counter()
     torch.set_num_threads(cfg.threads[0])
-    if system == "llamacpp_dense":
-        runner = llama_runner(gguf_path(cfg, dtype), dtype, S, cfg.threads[0], cfg.llama_flash_attn == "on")
+    if system in GGUF_SYSTEMS:                     # ik_llama.cpp: its fused attention, a bf16 cache
+        runner = llama_runner(gguf_path(cfg, dtype), dtype, S, cfg.threads[0],
+                              cfg.llama_flash_attn == "on" or system == "ik_llamacpp", system)
     else:                    # the engine holds its own (packed) copy; the mapped file pages go with the model
         model = load_shape_model(cfg.shape, keep, cfg.seed, cfg.layers, cfg.cache_dir, progress=False,
                                  overrides=cfg.overrides)

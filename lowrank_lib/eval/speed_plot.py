@@ -1,14 +1,15 @@
 """Decode time against the weight bytes a token reads: the peer benchmarks' rows (``python -m lowrank_lib.bench peer``,
 ``--shape``) drawn against the copy-bandwidth roofline, so a row's distance from its bytes' floor is what the eye reads.
 
-A row is a dict with ``system`` (``llamacpp_dense`` / ``lowrank_lib_dense`` / ``lowrank_lib_lowrank``), ``dtype``,
+A row is a dict with ``system`` (``llamacpp_dense`` / ``ik_llamacpp`` / ``lowrank_lib_dense`` / ``lowrank_lib_lowrank``), ``dtype``,
 ``weight_bytes_per_token``, ``decode_ms_per_token`` and optionally ``keep``, ``factor_bits`` and ``lm_head``.
 matplotlib is imported by the caller (an ``ax`` is passed in), never here.
 """
 from __future__ import annotations
 
 __all__ = ["COLORS", "MARKERS", "draw_decode_vs_bytes", "draw_thread_scaling"]
-MARKERS = {"llamacpp_dense": "s", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+MARKERS = {"llamacpp_dense": "s", "ik_llamacpp": "D", "lowrank_lib_dense": "o", "lowrank_lib_lowrank": "*"}
+_PEERS = {"llamacpp_dense": "llama.cpp", "ik_llamacpp": "ik_llama.cpp"}
 COLORS = {"fp32": "tab:blue", "bf16": "tab:orange", "q8_0": "tab:green", "q4_k_m": "tab:red"}
 
 
@@ -23,7 +24,7 @@ def draw_decode_vs_bytes(ax, rows: list[dict], copy_gbs: float | None, log: bool
         head = r.get("lm_head")
         head = head.get("mode") if isinstance(head, dict) else head       # older results: {"mode": ...}
         approx = head not in (None, "exact", "certified")                  # a head read in fewer bytes (q8, q4, ...)
-        label = (f"llama.cpp {r['dtype']}" if r["system"] == "llamacpp_dense" else
+        label = (f"{_PEERS[r['system']]} {r['dtype']}" if r["system"] in _PEERS else
                  f"lowrank_lib {'dense' if r['system'] == 'lowrank_lib_dense' else 'low rank'} {r['dtype']}"
                  + (" + certified head" if cert else "") + (f", int{bits} factors" if bits else "")
                  + (f", {head} head" if approx else ""))
@@ -54,10 +55,11 @@ def draw_thread_scaling(ax, rows_all: list[dict], bws: dict) -> None:
                        and r.get("lm_head", "exact") == "exact"), key=lambda r: r["threads"])
         th, label = [r["threads"] for r in rows], f"{system} {dtype}" + (f" int{bits} factors" if bits else "")
         ax.plot(th, [r["decode_ms_per_token"] for r in rows], marker=MARKERS[system], label=label,
-                ls="--" if system == "llamacpp_dense" else "-", color=COLORS.get(dtype, "gray"))
+                ls="--" if system == "llamacpp_dense" else ":" if system == "ik_llamacpp" else "-",
+                color=COLORS.get(dtype, "gray"))
         if system == "lowrank_lib_lowrank":
             ax.plot(th, [r["weight_bytes_per_token"] / (bws[str(r["threads"])] * 1e9) * 1e3 for r in rows], ":",
                     color=COLORS.get(dtype, "gray"), lw=1, label=f"roofline, low-rank bytes {dtype}")
     ax.set(xlabel="threads", ylabel="decode ms/token", xticks=sorted({r["threads"] for r in rows_all}),
-           ylim=(0, None), title="thread scaling (dashed: llama.cpp dense; dotted: bytes / copy bandwidth)")
+           ylim=(0, None), title="thread scaling (dashed: llama.cpp; dotted: ik_llama.cpp and bytes / copy bandwidth)")
     ax.legend(fontsize=7)
