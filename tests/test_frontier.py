@@ -113,6 +113,26 @@ def test_plot_draws_every_point_and_the_frontier():
     assert list(front.get_xdata()) == [100.0]
 
 
+def test_every_series_of_the_committed_frontier_has_its_own_colour():
+    """Two storages of one kind share a marker (int8 of SVD-LLM v1 and of ASVD: both triangles), so the colour is
+    what tells their series apart: no two may share one."""
+    pytest.importorskip("matplotlib")
+    import json
+
+    import matplotlib
+    from matplotlib.colors import to_hex
+
+    from lowrank_lib.notebooks import root
+
+    matplotlib.use("Agg")
+    res = json.loads((root() / "benchmarks/results/frontier_smollm2.json").read_text())
+    fig = fr.plot(res["points"])
+    lines = [ln for ln in fig.axes[0].lines if ln.get_label() != "Pareto frontier"]
+    assert len(lines) >= 30
+    colours = [to_hex(ln.get_color()) for ln in lines]
+    assert len(set(colours)) == len(colours)
+
+
 def test_merge_keeps_its_own_points_and_adds_the_others():
     from lowrank_lib.eval.frontier import merge_runs as merge
 

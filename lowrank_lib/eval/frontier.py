@@ -603,8 +603,10 @@ def plot(points: list[dict], panels=(("weight_bytes_per_token", "weight MB read 
         return (p["system"], p["method"], p["weights"] if p["system"] == "lowrank_lib" else None)
 
     methods = list(dict.fromkeys(series(p) for p in points))
-    # no greys (the frontier line is grey), and distinct colours past 18 series
-    palette = [plt.cm.tab20(i) for i in range(20) if i not in (14, 15)] + [plt.cm.tab20b(i) for i in range(0, 20, 2)]
+    # no greys (the frontier line is grey), and a distinct colour for each of up to 54 series (the committed
+    # frontier draws 33: no two series may share a colour, since two storages of one kind share a marker)
+    palette = ([plt.cm.tab20(i) for i in range(20) if i not in (14, 15)] + [plt.cm.tab20b(i) for i in range(20)]
+               + [plt.cm.tab20c(i) for i in range(16)])
     colours = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
     fig, axes = plt.subplots(len(panels), 1, figsize=(panel_size[0], panel_size[1] * len(panels) + 0.6),
                              squeeze=False)
