@@ -151,14 +151,13 @@ def speed_unit(point: dict, prompt_len: int, gen_len: int, threads: list[int], r
     import torch
 
     from ...host import copy_bandwidth, read_bandwidth
-    from ...eval.ik_llamacpp import IkLlama
     from ..peer_base import Timed, engine, llama_runner
 
     S = prompt_len + gen_len
     torch.set_num_threads(threads[0])
     if point["system"] != "lowrank_lib":           # llama.cpp or ik_llama.cpp (its cache bf16: it has no f32 one)
-        runner = (IkLlama(point["file"], S, threads[0], "bf16") if point["system"] == "ik_llama.cpp" else
-                  llama_runner(point["file"], "bf16" if point["weights"] != "f32" else "fp32", S, threads[0], True))
+        runner = llama_runner(point["file"], "bf16" if point["weights"] != "f32" else "fp32", S, threads[0], True,
+                              "ik_llamacpp" if point["system"] == "ik_llama.cpp" else "llamacpp_dense")
         vocab, system = runner.n_vocab, "llamacpp_dense"
     else:
         model = torch.load(point["file"], weights_only=False)
