@@ -35,7 +35,8 @@
 // The kernel reads each block once from memory (software prefetch QP_DIST bytes ahead, as lrk.cpp), up to MAXR rows of
 // x per pass (AVX-512; AVX2: one row), the fp32 group accumulators of the block in L1.
 //
-// ISA (run-time CPUID under the mask): AVX512F/BW/VL + AVX512_VNNI -> vpdpwssd; else AVX512F/BW/VL -> vpmaddwd; else
+// ISA (run-time CPUID under the mask): AVX512F/BW/VL + AVX512_VNNI -> vpdpwssd (int4 with up to 2 rows per pass:
+// vpdpbusd over the nibbles as bytes, qblk4_dpb); else AVX512F/BW/VL -> vpmaddwd; else
 // AVX2 + FMA (+ F16C for the scales) -> the 8-lane code; else the op refuses and the portable path runs. All three give
 // the same bits (the integer sums are exact and the fp32 steps are the same operations in the same order).
 // Threads: (matrix, block, first row) jobs cut into contiguous runs of about equal bytes (lrk.cpp's split), claimed by
@@ -51,6 +52,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <tuple>
@@ -74,7 +76,9 @@ constexpr int64_t TAIL = 16;   // the last block rounded up to a multiple of thi
 constexpr int MAXR = 4;        // rows of x per pass over a block (AVX-512)
 constexpr int64_t MAX_N = QGEMV_MAX_ROWS;  // rows of x per call (more: the caller dequantizes)
 #ifndef LRK_QPREFETCH
-#define LRK_QPREFETCH 2048     // bytes ahead of the weight stream (lrk.cpp's LRK_PREFETCH)
+// bytes ahead of the weight stream: 4096, twice lrk.cpp's LRK_PREFETCH (measured on the 2-core AMD AVX-512 VM, 1B keep-0.5
+// classes streamed cold, 1 / 2 threads: int8 28.4 / 35 GB/s at 2048, 30.3 / 38 at 4096, 31.7 / 31 at 8192; int4 +1-4 %)
+#define LRK_QPREFETCH 4096
 #endif
 constexpr int64_t QP_DIST = LRK_QPREFETCH;
 #if LRK_QPREFETCH > 0
@@ -113,6 +117,7 @@ struct Rows {
   const int16_t* xq[MAXR];
   const float* xs[MAXR];
   const int32_t* S[MAXR];
+  const int32_t* xp[MAXR];  // int4 with VNNI (qblk4_dpb): x's bytes per chunk of 8 columns (quads_row), else null
 };
 
 typedef void (*qblk_fn)(const uint8_t*, int64_t, int64_t, const Rows&, void* const*, bool, int64_t);
@@ -133,6 +138,84 @@ typedef void (*qblk_fn)(const uint8_t*, int64_t, int64_t, const Rows&, void* con
 #include "qgemv_512.h"
 #undef QDPW
 #undef QSFX
+
+// int4 blocks with u8 x s8 dot products (vpdpbusd, 4 products per 32-bit lane) instead of widening the nibbles to int16
+// pairs: x's int16 codes split exactly as xq = 256 * hi + lo (hi = xq >> 8, signed; lo = xq & 255, unsigned), so
+// sum u * xq = 256 * sum u * hi + sum lo * u, where the nibble u (0..15) is the unsigned operand against hi and the
+// signed one against lo. One 64-byte load gives two vectors of nibbles (an and, a shift and an and) where the int16
+// path needs four (seven operations), and each accumulator takes two products per chunk instead of four (a shorter
+// dependency chain). The low nibbles of a 32-bit lane are columns (0, 4, 1, 5) of the chunk for that lane's output, the
+// high ones (2, 6, 3, 7) (the packed layout above); Rows::xp holds x's bytes in that order (quads_row). The sums are
+// exact in int32 (|256 * sum u * hi| <= 256 * 15 * 128 * 256 < 2^31, |sum lo * u| <= 15 * 255 * 256), so every output
+// is qblk's bit for bit. R <= 2 rows per pass (2 * R * NZ accumulators in registers).
+static void quads_row(const int16_t* xq, int64_t in_pad, int32_t* xp) {
+  const __m128i ctl = _mm_setr_epi8(0, 8, 2, 10, 1, 9, 3, 11, 4, 12, 6, 14, 5, 13, 7, 15);
+  for (int64_t c = 0; c < in_pad / 8; c++)
+    _mm_storeu_si128((__m128i*)(xp + 4 * c), _mm_shuffle_epi8(_mm_loadu_si128((const __m128i*)(xq + 8 * c)), ctl));
+}
+
+template <int R, int NZ>
+static void qblk4_dpb(const uint8_t* blk, int64_t G, int64_t g, const Rows& X, void* const* ys, bool bf, int64_t n) {
+  constexpr int64_t BWD = NZ * 16;
+  const int64_t cb = g / 2, gs = BWD * (cb + 2), nc = g / 8;
+  alignas(64) float fa[R][BWD];
+  for (int r = 0; r < R; r++)
+    for (int z = 0; z < NZ; z++) _mm512_store_ps(fa[r] + 16 * z, _mm512_setzero_ps());
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int64_t j = 0; j < G; j++) {
+    const uint8_t* w = blk + j * gs;
+    __m512i ah[R][NZ], al[R][NZ];
+    for (int r = 0; r < R; r++)
+      for (int z = 0; z < NZ; z++) ah[r][z] = al[r][z] = _mm512_setzero_si512();
+    for (int64_t c = 0; c < nc; c++) {
+      __m512i alo[R], ahi[R], blo[R], bhi[R];
+      for (int r = 0; r < R; r++) {
+        const int32_t* q = X.xp[r] + (j * nc + c) * 4;
+        alo[r] = _mm512_set1_epi32(q[0]), ahi[r] = _mm512_set1_epi32(q[1]);
+        blo[r] = _mm512_set1_epi32(q[2]), bhi[r] = _mm512_set1_epi32(q[3]);
+      }
+      for (int z = 0; z < NZ; z++) {
+        const uint8_t* wp = w + (c * NZ + z) * 64;
+        QPF(wp + QP_DIST);
+        const __m512i v = _mm512_loadu_si512((const void*)wp);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; r++) {
+          ah[r][z] = _mm512_dpbusd_epi32(ah[r][z], lo, ahi[r]);
+          al[r][z] = _mm512_dpbusd_epi32(al[r][z], alo[r], lo);
+          ah[r][z] = _mm512_dpbusd_epi32(ah[r][z], hi, bhi[r]);
+          al[r][z] = _mm512_dpbusd_epi32(al[r][z], blo[r], hi);
+        }
+      }
+    }
+    const uint16_t* sp = (const uint16_t*)(w + BWD * cb);
+    __m512 sc[NZ];
+    for (int z = 0; z < NZ; z++) sc[z] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(sp + 16 * z)));
+    for (int r = 0; r < R; r++) {
+      const __m512 xsv = _mm512_set1_ps(X.xs[r][j]);
+      const __m512i corr = _mm512_set1_epi32(8 * X.S[r][j]);
+      for (int z = 0; z < NZ; z++) {
+        const __m512i acc = _mm512_add_epi32(_mm512_slli_epi32(ah[r][z], 8), al[r][z]);
+        const __m512 cz = _mm512_mul_ps(sc[z], xsv);
+        __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, corr)), cz);
+        QFENCE(prod);
+        _mm512_store_ps(fa[r] + 16 * z, _mm512_add_ps(_mm512_load_ps(fa[r] + 16 * z), prod));
+      }
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int z = 0; z < NZ && z * 16 < n; z++) {
+      const __m512 a = _mm512_load_ps(fa[r] + 16 * z);
+      if (bf)
+        _mm256_mask_storeu_epi16((uint16_t*)ys[r] + 16 * z, lanes_vnni(n - 16 * z), to_bf16_vnni(a));
+      else
+        _mm512_mask_storeu_ps((float*)ys[r] + 16 * z, lanes_vnni(n - 16 * z), a);
+    }
+}
+
+constexpr int DPB_MAXR = 2;
+static const qblk_fn KERNELS_dpb[DPB_MAXR][4] = {
+    {qblk4_dpb<1, 1>, qblk4_dpb<1, 2>, qblk4_dpb<1, 3>, qblk4_dpb<1, 4>},
+    {qblk4_dpb<2, 1>, qblk4_dpb<2, 2>, qblk4_dpb<2, 3>, qblk4_dpb<2, 4>}};
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
@@ -401,6 +484,18 @@ struct Job {
   int64_t m, b, r0;
 };
 
+// whether int4 runs qblk4_dpb where VNNI is present: $LOWRANK_LIB_QDPB=0 turns it off (the int16-pair kernel runs, the
+// same bits), for side-by-side timing; read once
+#if LRK_X86
+static bool dpb_on() {
+  static const bool on = [] {
+    const char* e = std::getenv("LOWRANK_LIB_QDPB");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+#endif
+
 // qgemv's work on raw pointers (lrk_api.h's qgemv_into): the caller checked the ISA, shapes and blob sizes
 static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y,
                       int64_t ldy, int64_t bits, int64_t group) {
@@ -441,6 +536,13 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
       else
         quant_row_avx2(xf.data(), Gm.G, Gm.g, q, s, sm);
     }
+  // int4 with VNNI: x's bytes in the order of the nibbles (qblk4_dpb), in_pad / 2 int32 per matrix and row
+  const bool dpb = isa == VNNI512 && bits == 4 && dpb_on();
+  std::vector<int32_t> xp(dpb ? qo[M] / 2 : 0);
+  if (dpb)
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t r = 0; r < N; r++)
+        quads_row(xq.data() + qo[m] + r * geo[m].in_pad, geo[m].in_pad, xp.data() + (qo[m] + r * geo[m].in_pad) / 2);
   // 2. block jobs, cut into runs of about equal bytes over the kernel pool
   const int64_t rpj = isa == AVX2 ? 1 : MAXR;
   std::vector<Job> jobs;
@@ -467,11 +569,14 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
       X.xq[r] = xq.data() + qo[J.m] + row * Gm.in_pad;
       X.xs[r] = xs.data() + go[J.m] + row * Gm.G;
       X.S[r] = S.data() + go[J.m] + row * Gm.G;
+      X.xp[r] = dpb ? xp.data() + (qo[J.m] + row * Gm.in_pad) / 2 : nullptr;
       yr[r] = yb + (row * ldy + mats[J.m].yoff + J.b * BW) * es;
     }
     const uint8_t* blk = (const uint8_t*)mats[J.m].P + Gm.block_off(J.b);
     const int64_t nz = bw / 16 - 1;
-    if (isa == VNNI512)
+    if (dpb && R <= DPB_MAXR)
+      KERNELS_dpb[R - 1][nz](blk, Gm.G, Gm.g, X, yr, bf, n);
+    else if (isa == VNNI512)
       KERNELS_vnni[bi][R - 1][nz](blk, Gm.G, Gm.g, X, yr, bf, n);
     else if (isa == BW512)
       KERNELS_bw[bi][R - 1][nz](blk, Gm.G, Gm.g, X, yr, bf, n);
