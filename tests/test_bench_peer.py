@@ -552,7 +552,7 @@ def test_1b_shape_gguf_export_reads_back_to_the_same_logits(shape_1b):
         assert cmp["prefill_abs_logit_diff"] < 1e-3 * max(1.0, cmp["logit_scale"]), cmp
 
 
-def test_scale_units_disk_and_config():
+def test_scale_units_disk_and_config(tmp_path):
     from lowrank_lib.bench import peer_scale as ps
 
     cfg = ps.ScaleConfig(shape="llama3.2-1b")
@@ -564,6 +564,13 @@ def test_scale_units_disk_and_config():
     assert 10e9 < ps.disk_needed(cfg) < 20e9                     # 1.24B parameters: weights, factors, 4 GGUFs
     seven = ps.ScaleConfig(shape="llama2-7b")
     assert seven.dtypes == ("bf16",) and 50e9 < ps.disk_needed(seven) < 70e9
+    small = ps.ScaleConfig(shape="llama3.2-1b", cache_dir=str(tmp_path), keeps=(0.5,))
+    assert ps.disk_present(small) == 0                              # files a later run reuses need no new space
+    for k, n in ((None, 3000), (0.5, 500)):
+        d = ps.shape_dir(small.shape, k, small.seed, None, small.cache_dir, {}) / "gguf"
+        d.mkdir(parents=True)
+        (d / "x.bin").write_bytes(b"0" * n)
+    assert ps.disk_present(small) == 3500
     with pytest.raises(SystemExit, match="unknown shape"):
         ps.ScaleConfig(shape="llama-70b")
     with pytest.raises(SystemExit, match="quantizations"):

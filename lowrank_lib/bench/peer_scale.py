@@ -139,6 +139,12 @@ def disk_needed(cfg: ScaleConfig) -> int:
     return int(n + sum(per[dt] * (dense + emb) for dt in set(cfg.dtypes) | {"bf16"} | set(cfg.quants)))
 
 
+def disk_present(cfg: ScaleConfig) -> int:
+    """Bytes of this shape's generated files already on disk (a later run reuses them, so they need no new space)."""
+    dirs = [shape_dir(cfg.shape, k, cfg.seed, cfg.layers, cfg.cache_dir, cfg.overrides) for k in (None, *cfg.keeps)]
+    return sum(f.stat().st_size for d in dirs if d.is_dir() for f in d.rglob("*") if f.is_file())
+
+
 # --------------------------------------------------------------------------- the children's work
 def prepare(config: dict) -> dict:
     """(A child.) Write, once, the random weights, our exporter's GGUFs and llama.cpp's quantized files. Every GGUF
@@ -234,7 +240,7 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
     res = start(cfg, cfg.systems)
     root = Path(cfg.cache_dir) if cfg.cache_dir else models.default_cache_dir() / "random-models"
     root.mkdir(parents=True, exist_ok=True)
-    need, free = disk_needed(cfg), shutil.disk_usage(root).free
+    need, free = max(0, disk_needed(cfg) - disk_present(cfg)), shutil.disk_usage(root).free
     if need > free:
         raise SystemExit(f"peer --shape {cfg.shape}: the generated files need about {need / 1e9:.1f} GB, "
                          f"{root} has {free / 1e9:.1f} GB free")
