@@ -29,4 +29,9 @@ def test_quick_run_writes_every_system_row(tmp_path):
             # attention "auto": the fused tier kernel wherever it can run (the row says which ran)
             fused = lrk_tiers_unavailable(torch.device("cpu"), 64, torch.float32) is None
             assert r["attention_kernel"] == ("lrk_tiers" if fused else "portable"), r
+        # one fused op per layer for the dense store and for a method that appends exact rows (AttSVD folds its
+        # tokens in: per-op, and says why)
+        fused = lrk_tiers_unavailable(torch.device("cpu"), 64, torch.float32) is None
+        assert r["fused_layer"] == ("lrk_decode_layer" if fused and r["system"] != "attsvd" else "per-op"), r
+        assert r["system"] != "attsvd" or "appends tokens its own way" in r["fused_layer_reason"], r
     assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and res["machine"]["cpu"] and (tmp_path / "kv_decode.txt").exists()

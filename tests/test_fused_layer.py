@@ -169,7 +169,7 @@ def same_bits_at_every_thread_count(engine):
             same.kv.kv.copy_(kv0)
             x = x0
             for f in same._fused:
-                x = f(x, same.cs_table, same.kv.kv, same.cursor.length, same.cursor.pad)
+                x = f(x, same.cs_table, same.kv, same.cursor.length, same.cursor.pad)
             outs[t] = (x, same.kv.kv.clone())
             if t > 1:
                 assert build.pool_info()["parallel_calls"] > before, "the pool never split a call"
@@ -245,7 +245,8 @@ def test_other_stores_attention_and_shapes_keep_the_per_op_step(counted):
     ids = torch.randint(0, 256, (1, 7), generator=_gen(2))
     cases = [(dict(kv="rebuild"), None, "'rebuild' KV store"), (dict(attention="sdpa"), None, "attention is sdpa"),
              (dict(pack_qkv=False), None, "not packed"), (dict(max_batch=9), None, "max_batch 9"),
-             ({}, MethodStore(make_method("dense")), "KV store keeps its own")]
+             ({}, MethodStore(make_method("attsvd", 0.5)), "AttSVD appends tokens its own way"),
+             ({}, MethodStore(make_method("dense"), attention="portable"), "not the fused lrk_tiers kernel")]
     for cfg, store, why in cases:
         eng = Engine(model, EngineConfig(max_seq_len=16, **cfg), kv=store)
         assert eng.report()["fused_layer"] == "per-op" and why in eng.report()["fused_layer_reason"], (cfg, eng.report())
@@ -254,6 +255,93 @@ def test_other_stores_attention_and_shapes_keep_the_per_op_step(counted):
     eng = Engine(gelu, EngineConfig(max_seq_len=16))
     assert "not SiLU" in eng.report()["fused_layer_reason"]
     assert not counted
+
+
+# --------------------------------------------------------------------------- over the tiered store of lowrank_lib.kv
+@pytest.fixture
+def counted_tiers(monkeypatch):
+    """Every lowrank_lrk::decode_layer_tiers call the engine makes through ``kernels.ops``, counted."""
+    from lowrank_lib.runtime.kernels import ops
+
+    calls = []
+    real = ops.decode_layer_tiers
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ops, "decode_layer_tiers", counting)
+    return calls
+
+
+def _tiered(name, dtype, graph, fused, batch=2, n=8):
+    """A MethodStore engine on a low-rank tiny model, a 40-token prompt (row 1 left-padded by 5 when batch 2), teacher
+    forced over the same tokens -> (engine, store, logits)."""
+    from lowrank_lib.kv import MethodStore, make_method
+
+    model = _model("lowrank-smol")
+    g = _gen(11)
+    ids = torch.randint(3, 256, (batch, 40), generator=g)
+    mask = torch.ones(batch, 40, dtype=torch.long)
+    if batch > 1:
+        mask[1, :5] = 0
+    nxt = torch.randint(3, 256, (n, batch), generator=g)
+    store = MethodStore(make_method(name, 0.5))
+    eng = Engine(model, EngineConfig(max_batch=batch, max_seq_len=40 + n + 2, dtype=dtype, graph=graph,
+                                     fused_layer=fused, compile_backend="aot_eager"), kv=store)
+    with torch.no_grad():
+        out = [eng.prefill(ids, attention_mask=mask)] + [eng.step(t) for t in nxt]
+    return eng, store, [x.float() for x in out]
+
+
+@needs_lrk
+@pytest.mark.parametrize("name", ["composed-kvzip-q8", "kvzip", "dense"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("graph", ["none", "whole-step"])
+def test_fused_layer_over_the_tiered_store_equals_its_per_op_step(name, dtype, graph, counted_tiers):
+    """A KV method of ``lowrank_lib.kv`` in the engine (exact rows, low-rank runs with int8 factors, evicted
+    tokens, appended rows): the fused layer writes each token's k / v at its appended row and runs the tier kernel
+    inside the op, one decode_layer_tiers call per layer and step; logits equal to the per-op step (fp32 1e-5, bf16
+    one rounding), the same bytes held and the same appended rows, eager and compiled."""
+    eng, store, got = _tiered(name, dtype, graph, "on")
+    rep = eng.report()
+    assert rep["fused_layer"] == "lrk_decode_layer" and "lrk_tiers attention" in rep["fused_layer_reason"], rep
+    if graph == "none":
+        assert len(counted_tiers) == len(eng.layers) * 8
+    ref_eng, ref_store, ref = _tiered(name, dtype, graph, "off")
+    assert ref_eng.report()["fused_layer"] == "per-op"
+    assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2), _rel_err(got, ref)
+    assert store.nbytes == ref_store.nbytes
+    for a, b in zip(store.layers, ref_store.layers):
+        assert a.n_new == b.n_new
+        for x, y in ((a.k_new, b.k_new), (a.v_new, b.v_new)):     # the rows written, and nothing past them
+            assert _rel_err([x[:, :, :9].float()], [y[:, :, :9].float()]) < (1e-5 if dtype == "fp32" else 1e-2)
+            assert torch.equal(x[:, :, 9:], y[:, :, 9:])
+
+
+@needs_lrk_native
+def test_decode_layer_tiers_rejects_hostile_arguments():
+    """The tiered op checks the appended rows it writes and the row it writes at; the tier layout is tier_attend's
+    own checks (an offset past a buffer is an error, never a read out of bounds)."""
+    from lowrank_lib.runtime.kernels import ops
+
+    eng, store, _ = _tiered("composed-kvzip-q8", "fp32", "none", "on", batch=1, n=2)
+    f = eng._fused[0]
+    args = list(store.fused_tier_args(0))
+    names = ["k_new", "v_new", "k_exact", "v_exact", "e_off", "runs", "r_off", "a_k", "a_v", "b_k", "b_v", "k_scale",
+             "v_scale", "t0"]
+    x = torch.randn(1, eng.hidden)
+    good = dict(x=x, ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, rope=eng.cs_table, **dict(zip(names, args)),
+                length=eng.cursor.length, pad=eng.cursor.pad, eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv,
+                folded=eng.fold)
+    assert ops.decode_layer_tiers(**good).shape == x.shape
+    kn = good["k_new"]
+    bad = [dict(t0=eng.cursor.length + 1), dict(t0=eng.cursor.length - kn.shape[2]), dict(k_new=kn[..., :8]), dict(k_new=kn[:, :, :1]),
+           dict(v_new=good["v_new"].double()), dict(k_new=kn.transpose(2, 3)), dict(e_off=good["e_off"] + 1),
+           dict(runs=good["runs"][:, :8]), dict(meta=f.meta[:-1]), dict(n_kv=eng.n_kv + 1)]
+    for b in bad:
+        with pytest.raises(RuntimeError, match="decode_layer_tiers|tier_attend"):
+            ops.decode_layer_tiers(**{**good, **b})
 
 
 @needs_lrk_native

@@ -2,9 +2,10 @@
 ``MethodStore`` in the engine's compiled whole step (``torch.compile``, inductor), with the fused tier kernel where
 the CPU has it and the portable path everywhere (``kernels="portable"``), against the eager portable engine.
 
-The fused kernel's calls are counted with the torch profiler (the op ``lowrank_lrk::tier_attend`` is opaque to the
-compiler, so each call of the compiled step reaches the dispatcher): once per layer and step where it runs, never
-under ``kernels="portable"``.
+The fused kernel's calls are counted with the torch profiler (the ops are opaque to the compiler, so each call of the
+compiled step reaches the dispatcher): once per layer and step where it runs, never under ``kernels="portable"``.
+Where the fused decode layer runs (``EngineConfig.fused_layer`` auto) the kernel is called inside
+``lowrank_lrk::decode_layer_tiers``, which is then the op counted.
 """
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _run(model, kernels: str, graph: str):
         out = [eng.prefill(ids), eng.step(nxt[0])]                 # the first step compiles and warms up
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             out += [eng.step(t) for t in nxt[1:]]
-    calls = sum(e.count for e in prof.key_averages() if e.key == FUSED_OP)
+    op = "lowrank_lrk::decode_layer_tiers" if eng.report()["fused_layer"] == "lrk_decode_layer" else FUSED_OP
+    calls = sum(e.count for e in prof.key_averages() if e.key == op)
     return out, calls, eng.report()
 
 
@@ -65,6 +67,7 @@ def test_compiled_whole_step_composed_cache_equals_the_eager_portable_engine(mod
     assert rep["graph"] == "whole-step" and rep["config"]["compile_backend"] == "inductor" and rep["compiles"], rep
     if kernels == "auto":                     # the fused kernel ran, once per layer and decode step
         assert rep["kv_store"]["attention"] == "lrk_tiers", rep["kv_store"]
+        assert rep["fused_layer"] == "lrk_decode_layer", rep["fused_layer_reason"]
         assert calls == (STEPS - 1) * model.config.num_hidden_layers, calls
     else:                                     # kernels="portable": no fused kernel anywhere
         assert rep["kv_store"]["attention"] == "portable", rep["kv_store"]

@@ -3,7 +3,8 @@ adapter against the engine's dense store, the same context, the same step mode, 
 
 Per context and thread count, each system is its own :class:`~lowrank_lib.runtime.Engine` (the dense store, or a
 :class:`~lowrank_lib.kv.engine_adapter.MethodStore` of a registry method at a budget) that prefilled the same
-prompt; decode ms/token is the median over every step of every round (:mod:`lowrank_lib.timing`); attention ms/token is the
+prompt (each step one fused op per layer where the engine can, ``fused_layer`` in each row: the dense store's
+``decode_layer`` or a tiered store's ``decode_layer_tiers``); decode ms/token is the median over every step of every round (:mod:`lowrank_lib.timing`); attention ms/token is the
 median time of one decode attention of every layer through the store
 (:func:`lowrank_lib.runtime.profiling.decode_attention`, after the last step). Everything a row says comes from the engine's own report: the step mode, the attention kernel and why.
 """
@@ -96,6 +97,7 @@ def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
                 fit = rep["kv_store"].get("fit", {})
                 rows.append(dict(
                     system=label, budget=b, context=C, threads=th, graph=rep["graph"], graph_impl=rep["graph_impl"],
+                    fused_layer=rep["fused_layer"], fused_layer_reason=rep["fused_layer_reason"],
                     attention_kernel=(rep["kv_store"].get("attention") or rep["backend"]),
                     attention_reason=rep["backend_reason"], gemv=rep["gemv"],
                     decode_ms_per_token=round(st["median_ms"], 3), decode_iqr_ms=[round(st["q1_ms"], 3),

@@ -19,6 +19,11 @@
   1/8 more, allocated but not held), so requests whose layers round alike share one capture; a backend that slices
   with host ints keys its captures by the layout too (never a replay over another request's layout).
 
+- the fused decode layer: where the method appends exact rows (``KVMethod.append``) and the attention is the fused
+  kernel, the engine's decode step runs ONE op per layer (``lowrank_lrk::decode_layer_tiers``: norms, GEMVs, RoPE,
+  the append at row ``cursor.length - T``, ``tier_attend``, MLP), reading the layout through ``fused_tier_args``;
+  the per-op step (``append`` / ``attend`` below) serves every other method and ``EngineConfig(fused_layer="off")``.
+
 ``capturable`` is the method's (AttSVD's stream mode reshapes its state every ``chunk`` tokens: eager).
 ``nbytes`` = the fitted tiers + the appended rows written; ``report()`` adds the allocation and the method's
 description of its fit (bytes over the dense prompt bytes: the budget's meaning).
@@ -142,6 +147,31 @@ class MethodStore:
                 l.pad_to_buckets()                         # requests that round alike share one compiled step
             l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
         self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
+
+    # ------------------------------------------------------------------ the fused decode layer
+    def fused_tiers_unavailable(self) -> str | None:
+        """Why the engine's fused decode layer (``runtime/kernels/layer.py``: one op per layer, RoPE, the append and
+        this store's attention inside) cannot serve this store (None: it can): the tiered attention must be our fused
+        kernel (``lrk_tiers``, which the op calls) and the method must append each token's exact k / v
+        (``KVMethod.append``, what the op writes; AttSVD's stream mode, for one, folds tokens into its basis)."""
+        if self.backend is None or self.backend.name != "lrk_tiers":
+            return f"tiered attention {getattr(self.backend, 'name', None)}, not the fused lrk_tiers kernel"
+        if type(self.method).append is not KVMethod.append:
+            return f"{type(self.method).__name__} appends tokens its own way"
+        return None
+
+    def fused_tier_args(self, layer: int) -> tuple:
+        """The tiered layout of ``layer`` as ``lowrank_lrk::decode_layer_tiers`` reads it: k_new, v_new (written at
+        row ``cursor.length - t0``), the fitted tiers, and t0 (the prompt length, a device scalar)."""
+        L = self.layers[layer]
+        return (L.k_new, L.v_new, L.k_exact, L.v_exact, L.e_off, L.runs, L.r_off, L.a_k, L.a_v, L.b_k, L.b_v,
+                L.k_scale, L.v_scale, self._t_dev)
+
+    def fused_appended(self, layer: int) -> None:
+        """The fused op appended one row to ``layer``: an eager step counts it on the host (as ``TieredLayer.append``
+        does); under graphs the count is the cursor's."""
+        if not self.spec.graphs:
+            self.layers[layer].n_new += 1
 
     # ------------------------------------------------------------------ decode
     def step_context(self, B: int, live: int | None, rope: torch.Tensor) -> TierStep:

@@ -241,10 +241,10 @@ class Engine:
     def decode_body(self, tokens: torch.Tensor, live: int | None = None) -> torch.Tensor:
         """One decode step, all on device: tokens [B] -> logits [B, V]; writes the token's K/V at slot
         ``cursor.length``. ``live``: slots read (eager) or None (graphs). Does not move the cursor."""
-        if self._fused is not None:                  # one lowrank_lrk::decode_layer call per layer (dense store)
+        if self._fused is not None:                  # one lowrank_lrk::decode_layer(_tiers) call per layer
             x, c = F.embedding(tokens, self.embed), self.cursor
             for f in self._fused:
-                x = f(x, self.cs_table, self.kv.kv, c.length, c.pad)
+                x = f(x, self.cs_table, self.kv, c.length, c.pad)
             return self._head(x)
         ctx = self.step_context(tokens.shape[0], live)
         x = F.embedding(tokens, self.embed)

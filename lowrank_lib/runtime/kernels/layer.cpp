@@ -1,4 +1,5 @@
-// lowrank_lib's fused decode layer: ONE call per transformer layer of a decode step over the dense KV store.
+// lowrank_lib's fused decode layer: ONE call per transformer layer of a decode step over the dense KV store (or the
+// tiered store of lowrank_lib/kv: decode_layer_tiers).
 //
 // Why: a decode token of SmolLM2 is ~240 small GEMV calls plus norms, RoPE, KV writes and attention, each one a
 // dispatch from the step's Python (eager) or inductor's Python wrapper (compiled step); a torch profile put ~4.9 ms
@@ -31,6 +32,12 @@
 //   qpack blobs (uint8) of that many bits and qgroup columns per fp16 scale (qgemv_into, at most 8 rows), each
 //   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
 //   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
+//   decode_layer_tiers(x, ln1?, ln2?, w, meta, rope, k_new(a!), v_new(b!) [>=B, Hkv, cap, D], k_exact, v_exact,
+//                      e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale?, v_scale?, length [1], t0 [1], pad, eps,
+//                      n_heads, n_kv, folded) -> x_out [B, H]
+//   the same layer over the tiered KV store of lowrank_lib/kv (MethodStore): the token's k / v are written at
+//   appended row length - t0 (t0: the prompt length) and the attention is tiers.cpp's tier_attend over the fitted
+//   tiers (the layout of kv/tiers.py, checked by tier_attend) and the appended rows up to that one.
 // The Python side (layer.py) builds w / meta from the engine's ProjectionGroups and decides when the op runs.
 //   silu_mul(g, u, level) -> Tensor   the layer's SiLU(g) * u on its own (level -1: this CPU's code; 0 scalar, 1 AVX2,
 //     2 AVX-512), for the tests that compare it with ATen
@@ -54,10 +61,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace lrk {
 int64_t isa_flags();  // lrk.cpp: bit 0 avx512f, 1 avx512bw, 2 avx512vl, 5 avx2, 6 fma (under set_isa_mask)
+namespace tiers {      // tiers.cpp: the fused decode attention over a tiered KV layer (its op, called directly)
+at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
+                       const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
+                       const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                       const at::Tensor& n_new, double scale);
+}
 namespace layer {
 
 // ---- phase timers (layer_profile): where a layer call's time goes; the order is layer.py's PHASES
@@ -313,10 +329,19 @@ at::Tensor silu_mul_op(const at::Tensor& g, const at::Tensor& u, int64_t level) 
   return out;
 }
 
+// The tiered store's buffers (decode_layer_tiers): the appended rows k_new / v_new [>=B, Hkv, cap, D] this token is
+// written to at row `slot`, and the fitted layout tiers.cpp's tier_attend reads (the first slot + 1 appended rows)
+struct Tier {
+  at::Tensor k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v;
+  std::optional<at::Tensor> k_scale, v_scale;
+  int64_t slot;
+};
+
 template <typename T>
 static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
-                       const at::Tensor& rope, at::Tensor& kv, int64_t layer, int64_t hi, const int64_t* pad,
-                       float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out, Clock& clk) {
+                       const at::Tensor& rope, at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi,
+                       const int64_t* pad, float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out,
+                       Clock& clk) {
   const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
   const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
   const int64_t I = gu.mem[0].width;
@@ -338,9 +363,19 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
   const T* yk = member(qkv, 1, h1.data(), y2.data(), &lk);
   const T* yv = member(qkv, 2, h1.data(), y2.data(), &lv);
   const int64_t es = sizeof(T);
-  T* K = (T*)((char*)kv.data_ptr() + 2 * layer * kv.stride(0) * es);
-  T* V = (T*)((char*)kv.data_ptr() + (2 * layer + 1) * kv.stride(0) * es);
-  const int64_t ks[3] = {kv.stride(1), kv.stride(2), kv.stride(3)};
+  // where this token's k / v rows go: slot `hi` of the dense cache, or appended row `slot` of the tiered store
+  T *K, *V;
+  int64_t ks[3], vs[3], row;
+  if (tier) {
+    K = (T*)tier->k_new.data_ptr(), V = (T*)tier->v_new.data_ptr();
+    for (int i = 0; i < 3; i++) ks[i] = tier->k_new.stride(i), vs[i] = tier->v_new.stride(i);
+    row = tier->slot;
+  } else {
+    K = (T*)((char*)kv->data_ptr() + 2 * layer * kv->stride(0) * es);
+    V = (T*)((char*)kv->data_ptr() + (2 * layer + 1) * kv->stride(0) * es);
+    for (int i = 0; i < 3; i++) ks[i] = vs[i] = kv->stride(i + 1);
+    row = hi;
+  }
   const T* cs = (const T*)rope.data_ptr();
   std::vector<T> kr(Hkv * D);
   for (int64_t b = 0; b < N; b++) {
@@ -350,12 +385,22 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
     rope_row(yq + b * lq, Hq, D, folded, c, s, q.data() + b * Hq * D);
     rope_row(yk + b * lk, Hkv, D, folded, c, s, kr.data());
     for (int64_t hh = 0; hh < Hkv; hh++) {
-      std::memcpy(K + b * ks[0] + hh * ks[1] + hi * ks[2], kr.data() + hh * D, D * es);
-      std::memcpy(V + b * ks[0] + hh * ks[1] + hi * ks[2], yv + b * lv + hh * D, D * es);
+      std::memcpy(K + b * ks[0] + hh * ks[1] + row * ks[2], kr.data() + hh * D, D * es);
+      std::memcpy(V + b * vs[0] + hh * vs[1] + row * vs[2], yv + b * lv + hh * D, D * es);
     }
   }
   clk.lap(P_ROPE_KV);
-  attend_into(bf, q.data(), K, ks, V, ks, N, Hkv, qg, D, hi, pad, (float)std::pow((double)D, -0.5), o.data());
+  const float scale = (float)std::pow((double)D, -0.5);
+  if (tier) {  // every tier and the appended rows through the store's fused kernel (tiers.cpp), the same call and bits
+    int64_t nn = row + 1;
+    const auto ot = tiers::tier_attend(
+        at::from_blob(q.data(), {N, Hkv, qg, D}, x.options()), tier->k_exact, tier->v_exact, tier->e_off, tier->runs,
+        tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale, tier->v_scale, tier->k_new,
+        tier->v_new, at::from_blob(&nn, {1}, at::TensorOptions().dtype(at::kLong)), scale);
+    std::memcpy(o.data(), ot.data_ptr(), N * Hq * D * es);
+  } else {
+    attend_into(bf, q.data(), K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o.data());
+  }
   clk.lap(P_ATTN);
   run_group(bf, og, o.data(), Hq * D, N, h1.data(), y2.data());
   clk.lap(P_O);
@@ -385,12 +430,12 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
   clk.lap(P_RESID);
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2,
-                        at::TensorList w, at::IntArrayRef meta, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
-                        const at::Tensor& length, const at::Tensor& pad, double eps, int64_t n_heads, int64_t n_kv,
-                        bool folded) {
-  Clock clk;  // the checks and parsing below count as the call's prolog
-  const char* E = "lowrank_lrk::decode_layer: ";
+// The checks and parsing both ops share: x, the norms, the RoPE table, the geometry, length / pad and the four groups
+// of w / meta -> the groups (D = rope's head dim)
+static std::vector<Group> parse_layer(const char* E, const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
+                                      const c10::optional<at::Tensor>& ln2, at::TensorList w, at::IntArrayRef meta,
+                                      const at::Tensor& rope, const at::Tensor& length, const at::Tensor& pad,
+                                      int64_t n_heads, int64_t n_kv, bool folded) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               E, "x must be a contiguous fp32 or bf16 [B, H]");
   const bool bf = x.scalar_type() == at::kBFloat16;
@@ -401,16 +446,13 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln
     TORCH_CHECK(!ln->has_value() || (same(**ln) && (*ln)->numel() == H), E, "norm weights must be [H] of x's dtype");
   TORCH_CHECK(rope.dim() == 3 && same(rope) && rope.size(1) == 2, E, "rope must be a contiguous [Smax, 2, D] table");
   const int64_t D = rope.size(2);
-  TORCH_CHECK(kv.dim() == 5 && same(kv) && kv.size(0) % 2 == 0 && layer >= 0 && 2 * layer + 1 < kv.size(0) &&
-                  kv.size(1) >= N && kv.size(2) == n_kv && kv.size(4) == D,
-              E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
   TORCH_CHECK(D % 16 == 0 && D <= 128 && n_kv > 0 && n_heads % n_kv == 0 && n_heads / n_kv <= 256, E,
               "head_dim must be a multiple of 16 up to 128 and n_heads a multiple of n_kv (<= 256 per KV head)");
   TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && pad.scalar_type() == at::kLong &&
                   pad.is_contiguous() && pad.numel() >= N,
               E, "length [1] and pad [>=B] int64");
   const int64_t hi = length.data_ptr<int64_t>()[0];
-  TORCH_CHECK(hi >= 0 && hi < kv.size(3) && hi < rope.size(0), E, "slot ", hi, " outside the cache / RoPE table");
+  TORCH_CHECK(hi >= 0 && hi < rope.size(0), E, "position ", hi, " outside the RoPE table (", rope.size(0), " rows)");
   // the four groups
   std::vector<Group> G(4);
   const int64_t ins[4] = {H, n_heads * D, H, -1};
@@ -472,20 +514,74 @@ at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln
                   G[0].mem[2].width == n_kv * D && G[1].mem[0].width == H && G[2].mem[1].width == G[2].mem[0].width &&
                   G[3].mem[0].width == H,
               E, "member widths do not match the geometry");
+  return G;
+}
+
+static at::Tensor run_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
+                            const c10::optional<at::Tensor>& ln2, const std::vector<Group>& G, const at::Tensor& rope,
+                            at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi, const at::Tensor& pad,
+                            double eps, int64_t n_heads, int64_t n_kv, bool folded, Clock& clk) {
+  const int64_t N = x.size(0), H = x.size(1), D = rope.size(2);
   auto out = at::empty({N, H}, x.options());
   if (N == 0) return out;
   const int64_t* pd = pad.data_ptr<int64_t>();
   if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
-  if (bf) {
+  if (x.scalar_type() == at::kBFloat16) {
     auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const uint16_t*)t->data_ptr() : nullptr; };
-    layer_impl<uint16_t>(true, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
-                         out, clk);
+    layer_impl<uint16_t>(true, x, wp(ln1), wp(ln2), G, rope, kv, tier, layer, hi, pd, (float)eps, n_heads, n_kv, D,
+                         folded, out, clk);
   } else {
     auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const float*)t->data_ptr() : nullptr; };
-    layer_impl<float>(false, x, wp(ln1), wp(ln2), G, rope, kv, layer, hi, pd, (float)eps, n_heads, n_kv, D, folded,
-                      out, clk);
+    layer_impl<float>(false, x, wp(ln1), wp(ln2), G, rope, kv, tier, layer, hi, pd, (float)eps, n_heads, n_kv, D,
+                      folded, out, clk);
   }
   return out;
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2,
+                        at::TensorList w, at::IntArrayRef meta, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
+                        const at::Tensor& length, const at::Tensor& pad, double eps, int64_t n_heads, int64_t n_kv,
+                        bool folded) {
+  Clock clk;  // the checks and parsing below count as the call's prolog
+  const char* E = "lowrank_lrk::decode_layer: ";
+  const auto G = parse_layer(E, x, ln1, ln2, w, meta, rope, length, pad, n_heads, n_kv, folded);
+  const int64_t N = x.size(0), D = rope.size(2), hi = length.data_ptr<int64_t>()[0];
+  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == x.scalar_type() && kv.is_contiguous() && kv.size(0) % 2 == 0 &&
+                  layer >= 0 && 2 * layer + 1 < kv.size(0) && kv.size(1) >= N && kv.size(2) == n_kv &&
+                  kv.size(4) == D,
+              E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
+  TORCH_CHECK(hi < kv.size(3), E, "slot ", hi, " outside the cache (", kv.size(3), " slots)");
+  return run_layer(x, ln1, ln2, G, rope, &kv, nullptr, layer, hi, pad, eps, n_heads, n_kv, folded, clk);
+}
+
+// decode_layer over the tiered store of lowrank_lib/kv (MethodStore with the fused tier attention): the token's k / v
+// are written at appended row length - t0 of k_new / v_new (t0: the prompt length, a device scalar), and the
+// attention is tiers.cpp's tier_attend over the fitted tiers and the appended rows up to that one
+at::Tensor decode_layer_tiers(const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
+                              const c10::optional<at::Tensor>& ln2, at::TensorList w, at::IntArrayRef meta,
+                              const at::Tensor& rope, at::Tensor& k_new, at::Tensor& v_new, const at::Tensor& k_exact,
+                              const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
+                              const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
+                              const at::Tensor& b_k, const at::Tensor& b_v,
+                              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                              const at::Tensor& length, const at::Tensor& t0, const at::Tensor& pad, double eps,
+                              int64_t n_heads, int64_t n_kv, bool folded) {
+  Clock clk;
+  const char* E = "lowrank_lrk::decode_layer_tiers: ";
+  const auto G = parse_layer(E, x, ln1, ln2, w, meta, rope, length, pad, n_heads, n_kv, folded);
+  const int64_t N = x.size(0), D = rope.size(2), hi = length.data_ptr<int64_t>()[0];
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == x.scalar_type() && t->device().is_cpu() && t->size(0) >= N &&
+                    t->size(1) == n_kv && t->size(3) == D && t->stride(3) == 1 && t->size(2) == k_new.size(2),
+                E, name, " must be the appended rows [>=B, ", n_kv, ", cap, ", D, "] of x's dtype, got ", t->sizes(),
+                " ", t->scalar_type());
+  TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
+              "t0 must be a one-element int64 CPU tensor (the prompt length)");
+  const int64_t slot = hi - t0.data_ptr<int64_t>()[0];
+  TORCH_CHECK(slot >= 0 && slot < k_new.size(2), E, "appended row ", slot, " (position ", hi, ") outside the ",
+              k_new.size(2), " reserved rows");
+  const Tier tier{k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, slot};
+  return run_layer(x, ln1, ln2, G, rope, nullptr, &tier, 0, hi, pad, eps, n_heads, n_kv, folded, clk);
 }
 
 }  // namespace layer
@@ -495,11 +591,17 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
   m.def(
       "decode_layer(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) kv, int layer, "
       "Tensor length, Tensor pad, float eps, int n_heads, int n_kv, bool folded) -> Tensor");
+  m.def(
+      "decode_layer_tiers(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) k_new, "
+      "Tensor(b!) v_new, Tensor k_exact, Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, "
+      "Tensor a_v, Tensor b_k, Tensor b_v, Tensor? k_scale, Tensor? v_scale, Tensor length, Tensor t0, Tensor pad, "
+      "float eps, int n_heads, int n_kv, bool folded) -> Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
   m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {
   m.impl("decode_layer", &lrk::layer::decode_layer);
+  m.impl("decode_layer_tiers", &lrk::layer::decode_layer_tiers);
   m.impl("silu_mul", &lrk::layer::silu_mul_op);
 }

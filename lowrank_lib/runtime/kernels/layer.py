@@ -5,9 +5,12 @@
 would run anyway, decided from capabilities, never from backend names:
 
 - the decode GEMVs are our packed kernels (:attr:`GemvChoice.packed`; ``kernels="portable"`` rules them out);
-- the KV store is the dense store itself (:class:`~lowrank_lib.runtime.kv.dense.DenseKV`, not a subclass or another
-  ``kv/`` store: those keep their own append / attend) and its attention backend is our native kernel reading the
-  ``bhsd`` buffer and the cursor from memory (``BackendCaps.native``, ``layout``, no mask);
+- the KV store is the dense store itself (:class:`~lowrank_lib.runtime.kv.dense.DenseKV`, not a subclass) and its
+  attention backend is our native kernel reading the ``bhsd`` buffer and the cursor from memory
+  (``BackendCaps.native``, ``layout``, no mask); or a store that offers the tiered layout of ``lowrank_lib.kv``
+  (``fused_tiers_unavailable()`` returns None: ``kv.MethodStore`` with the fused tier attention and a method that
+  appends each token's exact k / v), which the op then reads with ``tiers.cpp``'s kernel
+  (``lowrank_lrk::decode_layer_tiers``); any other store keeps its own append / attend;
 - every projection group is packed (one stage-1 matrix: ``pack_qkv`` / ``pack_mlp``), its low-rank members in one
   segmented stage-2 call: fp32 / bf16 packs (``lrk::pack``), or quantized factors (int8 / int4,
   :class:`~lowrank_lib.runtime.packing.QuantizedProjectionGroup` with its ``qgemv`` blobs: where the packed
@@ -16,8 +19,8 @@ would run anyway, decided from capabilities, never from backend names:
 - the MLP activation is SiLU; at most :data:`~lowrank_lib.runtime.kernels.gemv.LRK_MAX_ROWS` rows (``max_batch``).
 
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
-calling it is one ``torch.ops.lowrank_lrk.decode_layer`` call, so a ``torch.compile``-d step traces one extern call
-per layer.
+calling it is one ``torch.ops.lowrank_lrk.decode_layer`` (or ``decode_layer_tiers``) call, so a ``torch.compile``-d
+step traces one extern call per layer.
 
 :func:`phase_times` reads the op's own phase timers (:data:`PHASES`): where a decode token's time goes inside the
 layers (issue 29's breakdown; ``lowrank_lib.runtime.profiling.token_breakdown`` turns them into ms per token).
@@ -73,10 +76,17 @@ def fused_layer_unavailable(gemv, store, groups, act_is_silu: bool, max_batch: i
     if not gemv.packed:
         return f"the decode GEMVs run {gemv.name} ({gemv.reason})"
     if type(store) is not DenseKV:
-        return f"the {store.name!r} KV store keeps its own append and attention"
-    caps = store.backend.caps
-    if not caps.native or caps.layout != "bhsd" or caps.needs_mask:
-        return f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not our native kernel"
+        tiers = getattr(store, "fused_tiers_unavailable", None)
+        if tiers is None:
+            return f"the {store.name!r} KV store keeps its own append and attention"
+        why = tiers()
+        if why is not None:
+            return f"the {store.name!r} KV store keeps its own append and attention ({why})"
+    else:
+        caps = store.backend.caps
+        if not caps.native or caps.layout != "bhsd" or caps.needs_mask:
+            return (f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not our native "
+                    f"kernel")
     if not all(g.pack for g in groups):
         return ("a projection group is not packed (pack_qkv / pack_mlp off, or a quantized group with a dense "
                 "member)")
@@ -201,8 +211,16 @@ class FusedLayer:
         self.ln2 = norm(L.ln2, L.gate_up)
         self.args = (engine.eps, engine.n_heads, engine.n_kv, engine.fold)
 
-    def __call__(self, x: torch.Tensor, rope: torch.Tensor, kv: torch.Tensor, length: torch.Tensor,
+    def __call__(self, x: torch.Tensor, rope: torch.Tensor, store, length: torch.Tensor,
                  pad: torch.Tensor) -> torch.Tensor:
-        from .ops import decode_layer
+        """x [B, H] -> the layer's output; the token's k / v go to ``store`` (the engine's KV store: the dense
+        buffer, or a tiered store's appended rows, whose layout the op's attention reads)."""
+        from .ops import decode_layer, decode_layer_tiers
 
-        return decode_layer(x, self.ln1, self.ln2, self.w, self.meta, rope, kv, self.i, length, pad, *self.args)
+        if not hasattr(store, "fused_tier_args"):
+            return decode_layer(x, self.ln1, self.ln2, self.w, self.meta, rope, store.kv, self.i, length, pad,
+                                *self.args)
+        out = decode_layer_tiers(x, self.ln1, self.ln2, self.w, self.meta, rope, *store.fused_tier_args(self.i),
+                                 length, pad, *self.args)
+        store.fused_appended(self.i)
+        return out

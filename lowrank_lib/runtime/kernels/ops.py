@@ -63,6 +63,21 @@ def decode_layer(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | 
     return _ops().decode_layer.default(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded)
 
 
+def decode_layer_tiers(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | None, w: list[torch.Tensor],
+                       meta: list[int], rope: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                       k_exact: torch.Tensor, v_exact: torch.Tensor, e_off: torch.Tensor, runs: torch.Tensor,
+                       r_off: torch.Tensor, a_k: torch.Tensor, a_v: torch.Tensor, b_k: torch.Tensor, b_v: torch.Tensor,
+                       k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, t0: torch.Tensor,
+                       length: torch.Tensor, pad: torch.Tensor, eps: float, n_heads: int, n_kv: int,
+                       folded: bool) -> torch.Tensor:
+    """:func:`decode_layer` over a tiered KV layer (``kv/tiers.py``'s layout): the token's k / v are written at
+    appended row ``length - t0`` of k_new / v_new [B, Hkv, cap, D] in place, and the attention is :func:`tier_attend`
+    over the fitted tiers and the appended rows up to that one."""
+    return _ops().decode_layer_tiers.default(x, ln1, ln2, w, meta, rope, k_new, v_new, k_exact, v_exact, e_off, runs,
+                                             r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, length, t0, pad, eps,
+                                             n_heads, n_kv, folded)
+
+
 def layer_profile(on: bool) -> list[int]:
     """decode_layer's phase timers: [calls, ns per phase (``layer.PHASES``)] since the previous call (then reset),
     and the timers turned on or off."""
