@@ -311,6 +311,32 @@ def test_readme_kv_decode_table_equals_the_json():
         _same(cells[6].split(" (target")[0], r["attn_ratio_vs_dense"], what + " attention ratio")
 
 
+def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json():
+    res = _load("kv_decode_4.json")
+    header, rows = _readme_table("`benchmarks/results/kv_decode_4.json`;")
+    assert header == ["threads", "system", "budget (bytes held)", "ms/token (IQR)", "speed-up vs dense", "attention ms",
+                      "attention vs dense"]
+    assert len(rows) == len(res["rows"]) == 8
+    for cells in rows:
+        th, sys_, budget = int(cells[0]), cells[1], None if cells[1] == "dense" else float(cells[2])
+        (r,) = [r for r in res["rows"] if r["threads"] == th and r["system"] == sys_ and r["budget"] == budget]
+        what = f"README kv-decode row {th} {sys_} {budget}"
+        assert r["fused_layer"] == "lrk_decode_layer" and r["graph"] == "whole-step", what
+        _same(cells[2], r["bytes_ratio"], what + " bytes held")
+        ms, lo, hi = re.fullmatch(r"([\d.]+) \(([\d.]+)-([\d.]+)\)", cells[3]).groups()
+        _same(ms, r["decode_ms_per_token"], what + " ms/token")
+        _same(lo, r["decode_iqr_ms"][0], what + " IQR low")
+        _same(hi, r["decode_iqr_ms"][1], what + " IQR high")
+        speed = cells[4].replace("*", "").split(" (target")[0]
+        _same(speed, r["speedup_vs_dense"], what + " speed-up")
+        if "(target" in cells[4]:                     # a verdict that matches the number
+            target = float(re.search(r"target ([\d.]+)x", cells[4]).group(1))
+            assert ("NOT met" in cells[4]) == (r["speedup_vs_dense"] < target), what
+        _same(cells[5], r["attn_ms_per_token"], what + " attention ms")
+        _same(cells[6], r["attn_ratio_vs_dense"], what + " attention ratio")
+    assert res["machine"]["cpu"] and res["copy_gbs"] > 0
+
+
 #: the README's file labels of the load table -> (family, refusal)
 _LOAD_LABELS = {"SVD-LLM v1 (whole-model pickle)": ("svdllm", False), "SVD-LLM v2": ("svdllm_v2", False),
                 "Dobi-SVD (pickle": ("dobi", False), "Dobi-SVD remap": ("dobi-remap", False),
