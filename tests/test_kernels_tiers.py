@@ -339,3 +339,43 @@ def test_the_library_is_built_from_every_source():
         p.name for p in list(here.glob("*.cpp")) + list(here.glob("*.h")))
     assert all(p.exists() for p in build.SOURCES + build.HEADERS)
     assert build.extension_kwargs()["sources"] == [str(p) for p in build.SOURCES]
+
+
+@needs_lrk_native
+def test_the_exact_row_prefetch_changes_no_bit():
+    """$LOWRANK_LIB_TIER_PF picks the exact-row loops with or without software prefetch (off by default on AMD, where
+    it cost ~20 % at one thread; read once per process): both give the same bits, at 1 and 3 threads, fp32 and bf16,
+    both ISA levels, over exact rows long enough for several chunks and the appended rows."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests'); from test_kernels_tiers import make_layer, query\n"
+        "from lowrank_lib.kv.tiers import attend\n"
+        "from lowrank_lib.runtime.kernels import build, ops\n"
+        "import os; assert ops.tier_prefetch() == (os.environ['LOWRANK_LIB_TIER_PF'] == '1')\n"
+        "outs = []\n"
+        "levels = ['all'] + (['avx2'] if build.load().has('avx2', 'fma') else [])\n"
+        "for dt in (torch.float32, torch.bfloat16):\n"
+        "    layer = make_layer(B=2, H=3, d=64, seed=5, dtype=dt, quant8=True, max_exact=1500, appended=300)\n"
+        "    q = query(layer, 3)\n"
+        "    for lvl in levels:\n"
+        "        for th in (1, 3):\n"
+        "            torch.set_num_threads(th)\n"
+        "            with build.limit_isa(lvl), build.pool(min_bytes=1):\n"
+        "                outs.append(attend(layer, q, backend='lrk_tiers').float())\n"
+        "torch.save(outs, sys.argv[1])\n")
+    from pathlib import Path
+    import tempfile
+
+    root = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        got = {}
+        for pf in ("0", "1"):
+            out = Path(tmp) / f"pf{pf}.pt"
+            env = {**__import__("os").environ, "LOWRANK_LIB_TIER_PF": pf}
+            subprocess.run([sys.executable, "-c", code, str(out)], cwd=root, env=env, check=True)
+            got[pf] = torch.load(out)
+    assert len(got["0"]) == len(got["1"]) >= 4
+    for a, b in zip(got["0"], got["1"]):
+        assert torch.equal(a, b)

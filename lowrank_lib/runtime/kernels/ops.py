@@ -49,6 +49,12 @@ def tier_attend(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tensor, e
                               k_new, v_new, n_new, scale)
 
 
+def tier_prefetch() -> bool:
+    """Whether :func:`tier_attend`'s exact-row loops prefetch in software in this process (``$LOWRANK_LIB_TIER_PF``,
+    else off on AMD CPUs, on elsewhere; the same bits either way)."""
+    return bool(_ops().tier_prefetch())
+
+
 def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torch.Tensor, V: int, max_fraction: float,
                    stats: torch.Tensor) -> torch.Tensor:
     """logits [N, V] of the certified LM head (``runtime/lm_head.py``); ``stats`` int64 [5] is updated in place."""

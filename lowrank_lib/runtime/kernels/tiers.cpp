@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -58,8 +59,8 @@ namespace tiers {
 #define LRK_TIER_CH 256          // tokens per online-softmax update (scores scratch: G * CH floats)
 #endif
 #ifndef LRK_TIER_PF
-#define LRK_TIER_PF 1            // prefetch the other stream of exact rows (V while scoring K, next K while summing V)
-#endif
+#define LRK_TIER_PF 1            // compile the prefetch of the other stream of exact rows (V while scoring K, next K
+#endif                           // while summing V); whether it runs is prefetch_exact_rows()'s choice
 constexpr int64_t CH = LRK_TIER_CH;
 constexpr int NG_MAX = 4;    // query heads per register group in the factor loops
 constexpr int64_t NCOL = 9;
@@ -78,7 +79,26 @@ struct Layer {
   bool q8, s32;
   const void *kn, *vn;                  // appended rows: segment (b, h) at b * sb + h * sh, rows at ss
   int64_t H, kn_sb, kn_sh, kn_ss, vn_sb, vn_sh, vn_ss, nn;
+  bool pf;                              // software prefetch of the exact rows (prefetch_exact_rows)
 };
+
+// Whether the exact-row loops prefetch the other stream in software: $LOWRANK_LIB_TIER_PF=1 / 0, else off on AMD
+// CPUs and on elsewhere. On the 2-core AMD EPYC (Zen 4) VM the prefetches cost more than they hide: 8000 exact rows x 3
+// KV heads x 30 layers (fp32, G = 3, d = 64) took 21.4 ms with them and 17.0 without at 1 thread, 13.5 / 11.9 at 2
+// (its hardware prefetchers follow the two streams; the dense kernel, which prefetches nothing, took 13.7-17.0 in the
+// same runs). Intel keeps the earlier default (on), not re-measured since.
+static bool prefetch_exact_rows() {
+  static const bool on = [] {
+    const char* e = std::getenv("LOWRANK_LIB_TIER_PF");
+    if (e && *e) return std::atoi(e) != 0;
+#if LRK_X86 && (defined(__GNUC__) || defined(__clang__))
+    return !__builtin_cpu_is("amd");
+#else
+    return true;
+#endif
+  }();
+  return on;
+}
 
 // Per-call scratch of one thread (allocated by the driver, outside the ISA regions).
 struct Scratch {
@@ -134,13 +154,13 @@ static inline __m512 ld_tail(const F* p, int64_t left) {  // 16 elements, or the
 
 // ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. pf (or null): rows
 // at stride spf prefetched alongside (the V rows of the same tokens, read next)
-template <typename T, int DC>
+template <typename T, int DC, bool PF>
 static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
                          int64_t spf) {
   constexpr int D = DC * 16;
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const int m = (int)(n - t0 < 16 ? n - t0 : 16);
-    if (LRK_TIER_PF && pf)
+    if (PF)
       for (int i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * sizeof(T));
     for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
       __m512 qv[DC];
@@ -163,7 +183,7 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
 
 // acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside (the
 // next chunk's K rows)
-template <typename T, int DC>
+template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
   constexpr int D = DC * 16;
@@ -174,7 +194,7 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
     for (int g = 0; g < gb; g++)
       for (int c = 0; c < DC; c++) a[g][c] = _mm512_loadu_ps(acc + (g0 + g) * D + c * 16);
     for (int64_t t = 0; t < n; t++) {
-      if (LRK_TIER_PF && pf && g0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+      if (PF && g0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
       const T* v = V + t * sv;
       __m512 vv[DC];
       for (int c = 0; c < DC; c++) vv[c] = ld(v + c * 16);
@@ -351,13 +371,13 @@ static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs
 
 // ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH), 8 rows per transpose-add (lanes >= n hold
 // copies of a real row's score: the softmax masks them). pf (or null): rows at stride spf prefetched alongside
-template <typename T, int DC>
+template <typename T, int DC, bool PF>
 static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
                          int64_t spf) {
   constexpr int D = DC * 16;
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
     const int64_t m = n - t0 < 8 ? n - t0 : 8;
-    if (LRK_TIER_PF && pf)
+    if (PF)
       for (int64_t i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * sizeof(T));
     const T* k[8];
     for (int i = 0; i < 8; i++) k[i] = K + (t0 + (i < m ? i : m - 1)) * sk;
@@ -374,7 +394,7 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
 }
 
 // acc[g0 + g][:] += sum_{t < n} p[(g0 + g) * CH + t] V_t for GB heads, CB 8-float column chunks per pass
-template <typename T, int DC, int GB>
+template <typename T, int DC, int GB, bool PF>
 static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
   constexpr int D = DC * 16, NC = 2 * DC, CB = 12 / GB;
@@ -385,7 +405,7 @@ static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int
       for (int c = 0; c < CB; c++)
         if (c < cn) a[g][c] = _mm256_loadu_ps(acc + (g0 + g) * D + (c0 + c) * 8);
     for (int64_t t = 0; t < n; t++) {
-      if (LRK_TIER_PF && pf && g0 == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+      if (PF && g0 == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
       const T* v = V + t * sv + c0 * 8;
       __m256 pb[GB];
       for (int g = 0; g < GB; g++) pb[g] = _mm256_set1_ps(p[(g0 + g) * CH + t]);
@@ -402,15 +422,15 @@ static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int
 }
 
 // acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside
-template <typename T, int DC>
+template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
   for (int64_t g0 = 0; g0 < G; g0 += 4) {
     switch (G - g0 < 4 ? G - g0 : 4) {
-      case 1: values_group<T, DC, 1>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      case 2: values_group<T, DC, 2>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      case 3: values_group<T, DC, 3>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      default: values_group<T, DC, 4>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      case 1: values_group<T, DC, 1, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      case 2: values_group<T, DC, 2, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      case 3: values_group<T, DC, 3, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
+      default: values_group<T, DC, 4, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
     }
   }
 }
@@ -674,6 +694,7 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   L.eoff = eo, L.runs = rd, L.roff = ro;
   L.ak = a_k.data_ptr(), L.av = a_v.data_ptr(), L.bk = b_k.data_ptr(), L.bv = b_v.data_ptr();
   L.q8 = q8, L.s32 = s32;
+  L.pf = LRK_TIER_PF && prefetch_exact_rows();
   L.ks = q8 ? k_scale->data_ptr() : nullptr, L.vs = q8 ? v_scale->data_ptr() : nullptr;
 
   // ---- work items: one per segment, or (several threads, enough work) pieces of about equal cost
@@ -778,3 +799,8 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) { m.impl("tier_attend", &lrk::tiers::tier_attend); }
+
+// tier_prefetch() -> whether tier_attend's exact-row loops prefetch in software in this process
+TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
+  m.def("tier_prefetch() -> bool", [] { return (bool)(LRK_TIER_PF && lrk::tiers::prefetch_exact_rows()); });
+}

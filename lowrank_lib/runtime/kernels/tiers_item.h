@@ -54,17 +54,20 @@ static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64
                        float* l, float* acc, const Scratch& S) {
   typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
   typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
-  static const sc_fn SC[8] = {exact_scores<T, 1>, exact_scores<T, 2>, exact_scores<T, 3>, exact_scores<T, 4>,
-                              exact_scores<T, 5>, exact_scores<T, 6>, exact_scores<T, 7>, exact_scores<T, 8>};
-  static const va_fn VA[8] = {exact_values<T, 1>, exact_values<T, 2>, exact_values<T, 3>, exact_values<T, 4>,
-                              exact_values<T, 5>, exact_values<T, 6>, exact_values<T, 7>, exact_values<T, 8>};
+  // [prefetch][D / 16 - 1]: the loops without the prefetch carry no test of it
+#define LRK_TIER_TBL(f, PF) \
+  { f<T, 1, PF>, f<T, 2, PF>, f<T, 3, PF>, f<T, 4, PF>, f<T, 5, PF>, f<T, 6, PF>, f<T, 7, PF>, f<T, 8, PF> }
+  static const sc_fn SC[2][8] = {LRK_TIER_TBL(exact_scores, false), LRK_TIER_TBL(exact_scores, true)};
+  static const va_fn VA[2][8] = {LRK_TIER_TBL(exact_values, false), LRK_TIER_TBL(exact_values, true)};
+#undef LRK_TIER_TBL
+  const int pf = L.pf ? 1 : 0;
   const int64_t G = L.G, D = L.D;
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t cn = b - c0 < CH ? b - c0 : CH;
     const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
-    SC[D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    SC[pf][D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
     softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
-    VA[D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, nx ? K + (c0 + cn) * sk : nullptr, sk, nx);
+    VA[pf][D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, K + (c0 + cn) * sk, sk, nx);
   }
 }
 
