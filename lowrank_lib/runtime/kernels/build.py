@@ -185,7 +185,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer_tiers")
     def _(x, ln1, ln2, w, meta, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale,
-          v_scale, length, t0, pad, eps, n_heads, n_kv, folded):
+          v_scale, t0, length, pad, eps, n_heads, n_kv, folded):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{NAMESPACE}::qpack")

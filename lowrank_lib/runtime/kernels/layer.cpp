@@ -33,7 +33,7 @@
 //   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
 //   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
 //   decode_layer_tiers(x, ln1?, ln2?, w, meta, rope, k_new(a!), v_new(b!) [>=B, Hkv, cap, D], k_exact, v_exact,
-//                      e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale?, v_scale?, length [1], t0 [1], pad, eps,
+//                      e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale?, v_scale?, t0 [1], length [1], pad, eps,
 //                      n_heads, n_kv, folded) -> x_out [B, H]
 //   the same layer over the tiered KV store of lowrank_lib/kv (MethodStore): the token's k / v are written at
 //   appended row length - t0 (t0: the prompt length) and the attention is tiers.cpp's tier_attend over the fitted
@@ -564,7 +564,7 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, const c10::optional<at::Tenso
                               const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
                               const at::Tensor& b_k, const at::Tensor& b_v,
                               const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                              const at::Tensor& length, const at::Tensor& t0, const at::Tensor& pad, double eps,
+                              const at::Tensor& t0, const at::Tensor& length, const at::Tensor& pad, double eps,
                               int64_t n_heads, int64_t n_kv, bool folded) {
   Clock clk;
   const char* E = "lowrank_lrk::decode_layer_tiers: ";
@@ -594,7 +594,7 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
   m.def(
       "decode_layer_tiers(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) k_new, "
       "Tensor(b!) v_new, Tensor k_exact, Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, "
-      "Tensor a_v, Tensor b_k, Tensor b_v, Tensor? k_scale, Tensor? v_scale, Tensor length, Tensor t0, Tensor pad, "
+      "Tensor a_v, Tensor b_k, Tensor b_v, Tensor? k_scale, Tensor? v_scale, Tensor t0, Tensor length, Tensor pad, "
       "float eps, int n_heads, int n_kv, bool folded) -> Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
   m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");

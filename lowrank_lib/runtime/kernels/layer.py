@@ -210,6 +210,8 @@ class FusedLayer:
         self.ln1 = norm(L.ln1, L.qkv)
         self.ln2 = norm(L.ln2, L.gate_up)
         self.args = (engine.eps, engine.n_heads, engine.n_kv, engine.fold)
+        # the dense store's buffer, or a tiered store's layout (select_fused_layer admitted one of the two)
+        self.tiered = hasattr(engine.kv, "fused_tier_args")
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, store, length: torch.Tensor,
                  pad: torch.Tensor) -> torch.Tensor:
@@ -217,7 +219,7 @@ class FusedLayer:
         buffer, or a tiered store's appended rows, whose layout the op's attention reads)."""
         from .ops import decode_layer, decode_layer_tiers
 
-        if not hasattr(store, "fused_tier_args"):
+        if not self.tiered:
             return decode_layer(x, self.ln1, self.ln2, self.w, self.meta, rope, store.kv, self.i, length, pad,
                                 *self.args)
         out = decode_layer_tiers(x, self.ln1, self.ln2, self.w, self.meta, rope, *store.fused_tier_args(self.i),

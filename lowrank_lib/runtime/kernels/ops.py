@@ -80,7 +80,7 @@ def decode_layer_tiers(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Ten
     appended row ``length - t0`` of k_new / v_new [B, Hkv, cap, D] in place, and the attention is :func:`tier_attend`
     over the fitted tiers and the appended rows up to that one."""
     return _ops().decode_layer_tiers.default(x, ln1, ln2, w, meta, rope, k_new, v_new, k_exact, v_exact, e_off, runs,
-                                             r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, length, t0, pad, eps,
+                                             r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, t0, length, pad, eps,
                                              n_heads, n_kv, folded)
 
 
