@@ -10,6 +10,8 @@ the CPU has (``tests/kernel_isa.py``: the AVX-512 kernels, and the AVX2 ones for
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -296,6 +298,28 @@ def test_certified_head_every_thread_count_same_bits(dtype):
 
 
 @needs_lrk_native
+def test_pool_mode_follows_torchs_threads_unless_the_environment_says():
+    """A process starts with our kernels' chunks on torch's OpenMP threads where torch's intra-op backend is OpenMP
+    (no second set of spinning threads beside libgomp's), else on our own workers; ``$LOWRANK_LIB_POOL`` overrides,
+    and a bad value is refused by name."""
+    import subprocess
+    import sys
+
+    omp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    assert build.default_pool_mode() == ("omp" if omp else "own")
+    code = ("import torch; from lowrank_lib.runtime.kernels import build; build.load(); "
+            "print(build.pool_info()['mode'])")
+    env = {k: v for k, v in os.environ.items() if k != "LOWRANK_LIB_POOL"}
+    for setting, want in ((None, build.default_pool_mode()), ("own", "own"), ("omp", "omp")):
+        e = dict(env, **({"LOWRANK_LIB_POOL": setting} if setting else {}))
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and out.stdout.split()[-1] == want, (setting, out.stdout, out.stderr[-2000:])
+    bad = subprocess.run([sys.executable, "-c", code], env=dict(env, LOWRANK_LIB_POOL="threads"),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "LOWRANK_LIB_POOL='threads'" in bad.stderr
+
+
+@needs_lrk_native
 def test_pool_survives_fork_and_concurrent_callers():
     """A forked child (whose parent's workers do not exist in it) builds a fresh pool on its first split call and gets
     the parent's bits; two Python threads calling at once (one owns the workers, the other runs alone) both get them;
@@ -309,7 +333,7 @@ def test_pool_survives_fork_and_concurrent_callers():
     W = torch.randn(700, 300, generator=g)
     P = ops.pack(W)
     x = torch.randn(2, 300, generator=g)
-    with build.pool(threads=2, min_bytes=1):
+    with build.pool(threads=2, min_bytes=1, mode="own"):   # our workers (the default may be OpenMP's threads)
         want = ops.gemv(x, [P], [700], [300], [0])          # the parent's workers are running now
         assert build.pool_info()["workers"] >= 1
         pid = os.fork()

@@ -238,7 +238,7 @@ def load(jit: bool = True, log=None) -> KernelLibrary:
     if level not in ISA_LEVELS:
         raise ValueError(f"LOWRANK_LIB_ISA={level!r}: use one of {sorted(ISA_LEVELS)}")
     _set_level(level)
-    mode = os.environ.get("LOWRANK_LIB_POOL", "own")
+    mode = os.environ.get("LOWRANK_LIB_POOL") or default_pool_mode()
     if mode not in POOL_MODES:
         raise ValueError(f"LOWRANK_LIB_POOL={mode!r}: use one of {sorted(POOL_MODES)}")
     getattr(torch.ops, NAMESPACE).set_pool(-1, -1, -1, POOL_MODES[mode])
@@ -272,8 +272,25 @@ def limit_isa(level: str):
         _set_level(prev)
 
 
-#: the kernel pool's modes (``set_pool``'s ``mode``; ``$LOWRANK_LIB_POOL`` at load)
+#: the kernel pool's modes (``set_pool``'s ``mode``; ``$LOWRANK_LIB_POOL`` at load, else :func:`default_pool_mode`)
 POOL_MODES = {"own": 0, "omp": 1}
+
+
+def default_pool_mode() -> str:
+    """The pool mode a process starts in: ``"omp"`` where torch's intra-op threads are OpenMP's (its CPU wheels), so
+    our kernels' chunks run on the SAME threads as ATen's and inductor's parallel loops; else ``"own"``.
+
+    Why: libgomp's idle threads spin after every parallel region, and ATen / inductor open regions inside a decode step
+    (the LM head's norm, ``argmax`` over the vocabulary). Beside them, our own workers were a second set of spinning
+    threads on the same cores, and each kernel call waited for a worker the scheduler had parked behind an OpenMP
+    spinner. Measured on the 2-core AMD EPYC VM (Llama-3.2-1B geometry, int4 keep-0.5 factors, q8 head, compiled step,
+    2 threads, modes alternated in one process, 3 rounds): 25.7 / 20.9 / 22.1 ms per token with our workers, 14.8 /
+    15.0 / 15.2 in OpenMP's; 1 thread and SmolLM2 (whose regions are too small for OpenMP to split) unchanged
+    (7.52 vs 7.63 ms, within noise). ``OMP_WAIT_POLICY=PASSIVE`` cures it too (20-21 ms), but only when set before
+    torch starts."""
+    import torch
+
+    return "omp" if "parallel backend: OpenMP" in torch.__config__.parallel_info() else "own"
 
 
 def _pool_settings() -> dict:
@@ -291,7 +308,8 @@ def pool(threads: int | None = None, min_bytes: int | None = None, spin_us: int 
     threads: the threads a call may use (0: ``torch.get_num_threads()``, the default); min_bytes: streamed bytes per
     thread below which a call runs on one thread (32 KB; 1: split whatever can be split); spin_us: how long an idle
     worker spins before sleeping (50; ``$LOWRANK_LIB_SPIN_US``); mode: ``"own"`` (the library's workers) or ``"omp"``
-    (the same chunks in an OpenMP region: torch's intra-op threads; ``$LOWRANK_LIB_POOL``)."""
+    (the same chunks in an OpenMP region: torch's intra-op threads; ``$LOWRANK_LIB_POOL``; the default is
+    :func:`default_pool_mode`'s)."""
     import torch
 
     lib = load()
