@@ -220,9 +220,9 @@ def _expand(cells: list[str]) -> list[list[str]]:
 def _system(label: str) -> dict:
     """A README system label -> the row key it names."""
     m = re.fullmatch(r"(llama\.cpp|ik_llama\.cpp|lowrank_lib), (dense|keep ([\d.]+)|BF16|Q8_0|Q4_K_M)"
-                     r"( \+ certified head)?(, int(8|4) factors)?", label)
+                     r"( \+ (certified|q8) head)?(, int(8|4) factors)?", label)
     assert m, f"unknown system label {label!r}"
-    key = {"lm_head": "certified" if m.group(4) else "exact", "factor_bits": int(m.group(6)) if m.group(6) else None}
+    key = {"lm_head": m.group(5) or "exact", "factor_bits": int(m.group(7)) if m.group(7) else None}
     if m.group(1) in ("llama.cpp", "ik_llama.cpp"):
         key["system"] = "llamacpp_dense" if m.group(1) == "llama.cpp" else "ik_llamacpp"
         if m.group(2) in ("BF16", "Q8_0", "Q4_K_M"):
@@ -242,7 +242,9 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b_2.json`**", "peer_scale_llama2-7b_2.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b.json`**", "peer_scale_llama3.2-1b.json", None),
-               ("**`benchmarks/results/peer_scale_llama3.2-1b_5.json`**", "peer_scale_llama3.2-1b_5.json", None)]
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_5.json`**", "peer_scale_llama3.2-1b_5.json", None),
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_6.json`**", "peer_scale_llama3.2-1b_6.json", None),
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_7.json`**", "peer_scale_llama3.2-1b_7.json", None)]
 
 
 @pytest.mark.parametrize("anchor,name,threads", PEER_TABLES, ids=[t[1] for t in PEER_TABLES])
