@@ -152,7 +152,7 @@ static inline __m512 ld_tail(const F* p, int64_t left) {  // 16 elements, or the
   return left >= 16 ? ld(p) : ldm(p, lanes(left));
 }
 
-// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. pf (or null): rows
+// ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH); K rows at stride sk. With PF, pf: rows
 // at stride spf prefetched alongside (the V rows of the same tokens, read next)
 template <typename T, int DC, bool PF>
 static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
@@ -181,7 +181,7 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
   }
 }
 
-// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside (the
+// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. With PF, pf: npf rows at stride spf prefetched alongside (the
 // next chunk's K rows)
 template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
@@ -370,7 +370,7 @@ static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs
 }
 
 // ---- exact / appended rows: sc[g * CH + i] = qs_g . K_i (i < n <= CH), 8 rows per transpose-add (lanes >= n hold
-// copies of a real row's score: the softmax masks them). pf (or null): rows at stride spf prefetched alongside
+// copies of a real row's score: the softmax masks them). With PF, pf: rows at stride spf prefetched alongside
 template <typename T, int DC, bool PF>
 static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int64_t n, float* sc, const T* pf,
                          int64_t spf) {
@@ -421,7 +421,7 @@ static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int
   }
 }
 
-// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. pf (or null): npf rows at stride spf prefetched alongside
+// acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. With PF, pf: npf rows at stride spf prefetched alongside
 template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
