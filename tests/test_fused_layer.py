@@ -210,7 +210,7 @@ def counted(monkeypatch):
     real = ops.decode_layer
 
     def counting(*a, **k):
-        calls.append(a[7])
+        calls.append(a[4])
         return real(*a, **k)
 
     monkeypatch.setattr(ops, "decode_layer", counting)
@@ -331,14 +331,13 @@ def test_decode_layer_tiers_rejects_hostile_arguments():
     names = ["k_new", "v_new", "k_exact", "v_exact", "e_off", "runs", "r_off", "a_k", "a_v", "b_k", "b_v", "k_scale",
              "v_scale", "t0"]
     x = torch.randn(1, eng.hidden)
-    good = dict(x=x, ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, rope=eng.cs_table, **dict(zip(names, args)),
-                length=eng.cursor.length, pad=eng.cursor.pad, eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv,
-                folded=eng.fold)
+    good = dict(x=x, plan=f.plan, rope=eng.cs_table, **dict(zip(names, args)), length=eng.cursor.length,
+                pad=eng.cursor.pad)
     assert ops.decode_layer_tiers(**good).shape == x.shape
     kn = good["k_new"]
     bad = [dict(t0=eng.cursor.length + 1), dict(t0=eng.cursor.length - kn.shape[2]), dict(k_new=kn[..., :8]), dict(k_new=kn[:, :, :1]),
            dict(v_new=good["v_new"].double()), dict(k_new=kn.transpose(2, 3)), dict(e_off=good["e_off"] + 1),
-           dict(runs=good["runs"][:, :8]), dict(meta=f.meta[:-1]), dict(n_kv=eng.n_kv + 1)]
+           dict(runs=good["runs"][:, :8]), dict(plan=f.plan + 10**6), dict(x=x.bfloat16())]
     for b in bad:
         with pytest.raises(RuntimeError, match="decode_layer_tiers|tier_attend"):
             ops.decode_layer_tiers(**{**good, **b})
@@ -346,22 +345,56 @@ def test_decode_layer_tiers_rejects_hostile_arguments():
 
 @needs_lrk_native
 def test_decode_layer_rejects_hostile_arguments():
-    """The op checks what it reads: the description's length, tensor sizes, member widths, the slot."""
+    """The op checks what it reads: the plan, x against the plan, the RoPE table, the layer and the slot."""
     from lowrank_lib.runtime.kernels import ops
 
     eng = Engine(_model("lowrank-gqa"), EngineConfig(max_seq_len=16))
     f = eng._fused[0]
     x = torch.randn(1, eng.hidden)
     c = eng.cursor
-    good = dict(x=x, ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, rope=eng.cs_table, kv=eng.kv.kv, layer=0,
-                length=c.length, pad=c.pad, eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv, folded=eng.fold)
+    good = dict(x=x, plan=f.plan, rope=eng.cs_table, kv=eng.kv.kv, layer=0, length=c.length, pad=c.pad)
     assert ops.decode_layer(**good).shape == x.shape
-    bad = [dict(meta=f.meta[:-1]), dict(meta=f.meta + [1]), dict(w=f.w[:-1]), dict(w=[f.w[1]] + f.w[1:]),
-           dict(layer=len(eng.layers)), dict(length=torch.tensor([16])), dict(n_kv=eng.n_kv + 1),
-           dict(folded=not eng.fold), dict(x=x.bfloat16()), dict(x=torch.randn(2, eng.hidden + 1))]
+    bad = [dict(plan=f.plan + 10**6), dict(plan=-1), dict(layer=len(eng.layers)), dict(length=torch.tensor([16])),
+           dict(x=x.bfloat16()), dict(x=torch.randn(2, eng.hidden + 1)), dict(rope=eng.cs_table[..., :8]),
+           dict(kv=eng.kv.kv[:, :, :1]), dict(pad=c.pad.int())]
     for b in bad:
         with pytest.raises(RuntimeError, match="decode_layer"):
             ops.decode_layer(**{**good, **b})
+
+
+@needs_lrk_native
+def test_layer_plan_rejects_hostile_descriptions_and_outlives_nothing():
+    """A plan is checked once, when made: the description's length, the tensors' sizes and dtypes, member widths,
+    the geometry. A dropped plan's id is refused by the ops, never served by another layer's weights."""
+    from lowrank_lib.runtime.kernels import ops
+
+    eng = Engine(_model("lowrank-gqa"), EngineConfig(max_seq_len=16))
+    f = eng._fused[0]
+    good = dict(ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, hidden=eng.hidden, head_dim=eng.head_dim, bf16=False,
+                eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv, folded=eng.fold)
+    bad = [dict(meta=f.meta[:-1]), dict(meta=f.meta + [1]), dict(w=f.w[:-1]), dict(w=[f.w[1]] + f.w[1:]),
+           dict(n_kv=eng.n_kv + 1), dict(folded=not eng.fold), dict(bf16=True), dict(hidden=eng.hidden + 1),
+           dict(head_dim=eng.head_dim + 1), dict(w=[t.double() for t in f.w]), dict(final_w=torch.randn(eng.hidden)),
+           dict(final_norm=True, final_w=torch.randn(eng.hidden + 1))]
+    for b in bad:
+        with pytest.raises(RuntimeError, match="layer_plan"):
+            ops.layer_plan(**{**good, **b})
+    plan = ops.layer_plan(**good)
+    x, c = torch.randn(1, eng.hidden), eng.cursor
+    args = dict(rope=eng.cs_table, kv=eng.kv.kv, layer=0, length=c.length, pad=c.pad)
+    kv0 = eng.kv.kv.clone()
+    assert torch.equal(ops.decode_layer(x, plan, **args), ops.decode_layer(x, f.plan, **args))
+    assert ops.drop_layer_plan(plan) and not ops.drop_layer_plan(plan)
+    assert ops.layer_plan(**good) > plan                      # ids move on
+    with pytest.raises(RuntimeError, match="no layer plan"):
+        ops.decode_layer(x, plan, **args)
+    # the engine's plans go with its layers
+    plans = [g.plan for g in eng._fused]
+    del eng, f
+    import gc
+    gc.collect()
+    assert not any(ops.drop_layer_plan(p) for p in plans)
+    assert kv0.numel() > 0
 
 
 def test_selection_without_packed_gemvs_says_why():

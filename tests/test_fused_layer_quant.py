@@ -260,18 +260,19 @@ def test_decode_layer_rejects_hostile_quantized_arguments():
     f = eng._fused[0]
     x = torch.randn(1, eng.hidden)
     c = eng.cursor
-    good = dict(x=x, ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, rope=eng.cs_table, kv=eng.kv.kv, layer=0,
-                length=c.length, pad=c.pad, eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv, folded=eng.fold)
+    desc = dict(ln1=f.ln1, ln2=f.ln2, w=f.w, meta=f.meta, hidden=eng.hidden, head_dim=eng.head_dim, bf16=False,
+                eps=1e-6, n_heads=eng.n_heads, n_kv=eng.n_kv, folded=eng.fold)
+    good = dict(x=x, plan=f.plan, rope=eng.cs_table, kv=eng.kv.kv, layer=0, length=c.length, pad=c.pad)
     assert f.meta[:2] == [8, 32] and f.w[0].dtype == torch.uint8
     assert ops.decode_layer(**good).shape == x.shape
     for meta in ([5] + f.meta[1:], [8, 48] + f.meta[2:]):
-        with pytest.raises(RuntimeError, match="decode_layer: group 0: quantized as .*qgemv serves 8 / 4 bits"):
-            ops.decode_layer(**{**good, "meta": meta})
+        with pytest.raises(RuntimeError, match="layer_plan: group 0: quantized as .*qgemv serves 8 / 4 bits"):
+            ops.layer_plan(**{**desc, "meta": meta})
     bad = [dict(meta=[4] + f.meta[1:]), dict(w=[f.w[0][:-1]] + f.w[1:]), dict(w=[f.w[0].view(torch.int8)] + f.w[1:]),
            dict(w=[f.w[1]] + f.w[1:])]
     for b in bad:
-        with pytest.raises(RuntimeError, match="decode_layer: weight tensor 0"):
-            ops.decode_layer(**{**good, **b})
+        with pytest.raises(RuntimeError, match="layer_plan: weight tensor 0"):
+            ops.layer_plan(**{**desc, **b})
     kv9 = eng.kv.kv.new_zeros((eng.kv.kv.shape[0], 9, *eng.kv.kv.shape[2:]))
     nine = dict(x=torch.randn(9, eng.hidden), kv=kv9, pad=torch.zeros(9, dtype=torch.long))
     with pytest.raises(RuntimeError, match="at most 8 rows with quantized groups"):

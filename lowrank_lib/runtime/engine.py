@@ -245,7 +245,7 @@ class Engine:
             x, c = F.embedding(tokens, self.embed), self.cursor
             for f in self._fused:
                 x = f(x, self.cs_table, self.kv, c.length, c.pad)
-            return self._head(x)
+            return self.lm_head(x)[0]                # the last layer's op applied the final norm
         ctx = self.step_context(tokens.shape[0], live)
         x = F.embedding(tokens, self.embed)
         for i in range(self.n_layers):

@@ -180,12 +180,12 @@ def _register_fakes() -> None:
         return q.new_empty(q.shape[0], q.shape[1] * q.shape[2] * q.shape[3])
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer")
-    def _(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded):
+    def _(x, plan, rope, kv, layer, length, pad):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer_tiers")
-    def _(x, ln1, ln2, w, meta, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale,
-          v_scale, t0, length, pad, eps, n_heads, n_kv, folded):
+    def _(x, plan, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, t0,
+          length, pad):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{NAMESPACE}::qpack")

@@ -22,19 +22,28 @@
 // adds). Where inductor's fused kernels of the compiled step round differently (it may keep fp32 between fused
 // elementwise ops) the two differ by bf16 roundings, not more.
 //
-// Op (namespace lowrank_lrk):
-//   decode_layer(x [B, H], ln1?, ln2? [H], w Tensor[], meta int[], rope [Smax, 2, D], kv(a!) [2L, >=B, Hkv, S, D],
-//                layer, length [1], pad [>=B], eps, n_heads, n_kv, folded) -> x_out [B, H]
+// Ops (namespace lowrank_lrk):
+//   layer_plan(ln1?, ln2? [H], w Tensor[], meta int[], hidden H, head_dim D, bf16, eps, n_heads, n_kv, folded,
+//              final_norm, final_w? [H]) -> id
+//   parses and checks one layer's weights ONCE (the engine builds a plan per layer) and keeps references to its
+//   tensors until drop_layer_plan(id) (-> whether the id was live; ids are never reused, so a stale id is refused).
+//   final_norm: the layer's output is then the model's final RMSNorm of it (* final_w if given): the last layer's
+//   plan does the norm before the LM head while its output is hot (an eager norm after the last layer cost ~0.25 ms
+//   on SmolLM2: the first ATen op after the weight stream finds its code and data evicted).
+//   Why: parsing w / meta and marshalling a list of ~15 tensors and ~60 ints from Python cost ~20 us per layer call
+//   on SmolLM2 (0.6 ms of a ~8.6 ms token at 1 thread); a call now passes the plan's id.
 //   w, meta: the four projection groups (qkv, o, gate_up, down) in order, each described by meta as
 //     qbits, qgroup, rows1, has_b1, nseg, (out, in, xoff) * nseg, has_b2, nmem, (src, off, width) * nmem
 //   and taking from w in order: S (packed [rows1, in]), b1 [rows1] if has_b1, the nseg packed stage-2 factors,
-//   b2 [sum outs] if has_b2. qbits 0: S and the factors are lrk::pack blobs of x's dtype (gemv_into); qbits 8 / 4:
-//   qpack blobs (uint8) of that many bits and qgroup columns per fp16 scale (qgemv_into, at most 8 rows), each
-//   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always x's dtype. Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the
-//   stage-2 output (src 1). qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
-//   decode_layer_tiers(x, ln1?, ln2?, w, meta, rope, k_new(a!), v_new(b!) [>=B, Hkv, cap, D], k_exact, v_exact,
-//                      e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale?, v_scale?, t0 [1], length [1], pad, eps,
-//                      n_heads, n_kv, folded) -> x_out [B, H]
+//   b2 [sum outs] if has_b2. qbits 0: S and the factors are lrk::pack blobs of the layer's dtype (gemv_into); qbits
+//   8 / 4: qpack blobs (uint8) of that many bits and qgroup columns per fp16 scale (qgemv_into, at most 8 rows), each
+//   group's own kind, so a layer may mix quantized and fp32 / bf16 groups; biases are always the layer's dtype.
+//   Member i's output is columns [off, off + width) of the stage-1 output (src 0) or of the stage-2 output (src 1).
+//   qkv has 3 members (q, k, v), gate_up 2 (gate, up), o and down 1.
+//   decode_layer(x [B, H], plan, rope [Smax, 2, D], kv(a!) [2L, >=B, Hkv, S, D], layer, length [1], pad [>=B])
+//     -> x_out [B, H]: the plan's layer over layer `layer` of the dense store.
+//   decode_layer_tiers(x, plan, rope, k_new(a!), v_new(b!) [>=B, Hkv, cap, D], k_exact, v_exact, e_off, runs, r_off,
+//                      a_k, a_v, b_k, b_v, k_scale?, v_scale?, t0 [1], length [1], pad) -> x_out [B, H]
 //   the same layer over the tiered KV store of lowrank_lib/kv (MethodStore): the token's k / v are written at
 //   appended row length - t0 (t0: the prompt length) and the attention is tiers.cpp's tier_attend over the fitted
 //   tiers (the layout of kv/tiers.py, checked by tier_attend) and the appended rows up to that one.
@@ -61,7 +70,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 namespace lrk {
@@ -338,18 +350,32 @@ struct Tier {
 };
 
 template <typename T>
+struct Scratch {  // a piece of layer_impl's arena
+  T* p = nullptr;
+  T* data() const { return p; }
+};
+
+template <typename T>
 static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
                        const at::Tensor& rope, at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi,
-                       const int64_t* pad, float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, at::Tensor& out,
-                       Clock& clk) {
+                       const int64_t* pad, float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, bool fin,
+                       const T* fin_w, at::Tensor& out, Clock& clk) {
   const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
   const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
   const int64_t I = gu.mem[0].width;
-  // scratch: h [N, max(H, I)], h1 / y2 of the widest group, q [N, Hq D], o [N, Hq D], x1 [N, H]
+  // scratch: h [N, max(H, I)], h1 / y2 of the widest group, q [N, Hq D], o [N, Hq D], x1 [N, H], kr [Hkv D]
   int64_t w1 = 0, w2 = 0;
   for (const Group& g : G) w1 = std::max(w1, g.rows), w2 = std::max(w2, g.segw);
-  std::vector<T> h(N * std::max(H, I)), h1(N * w1), y2(N * std::max<int64_t>(w2, 1)), q(N * Hq * D),
-      o(N * Hq * D), x1(N * H);
+  // one thread-local arena per element type, grown to the largest layer seen (no allocation per call)
+  static thread_local std::vector<T> arena;
+  const int64_t sz[7] = {N * std::max(H, I), N * w1, N * std::max<int64_t>(w2, 1), N * Hq * D, N * Hq * D, N * H,
+                         Hkv * D};
+  int64_t need = 0;
+  for (int64_t v : sz) need += v;
+  if ((int64_t)arena.size() < need) arena.resize(need);
+  Scratch<T> buf[7];
+  for (int64_t i = 0, off = 0; i < 7; off += sz[i], i++) buf[i] = {arena.data() + off};
+  const Scratch<T> &h = buf[0], &h1 = buf[1], &y2 = buf[2], &q = buf[3], &o = buf[4], &x1 = buf[5], &kr = buf[6];
   const T* xp = (const T*)x.data_ptr();
   T* xo = (T*)out.data_ptr();
   clk.lap(P_PROLOG);
@@ -377,7 +403,6 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
     row = hi;
   }
   const T* cs = (const T*)rope.data_ptr();
-  std::vector<T> kr(Hkv * D);
   for (int64_t b = 0; b < N; b++) {
     const int64_t pos = std::max<int64_t>(hi - pad[b], 0);
     const T* c = cs + pos * rope.stride(0);
@@ -428,47 +453,68 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
   for (int64_t r = 0; r < N; r++)
     for (int64_t i = 0; i < H; i++) stf(xo, r * H + i, ldf(x1.data(), r * H + i) + ldf(yd, r * ld + i));
   clk.lap(P_RESID);
+  if (fin) {  // the model's final RMSNorm (the last layer's plan): the engine's _norm before the LM head, in place
+    rms(xo, N, H, fin_w, eps, xo);
+    clk.lap(P_NORM);
+  }
 }
 
-// The checks and parsing both ops share: x, the norms, the RoPE table, the geometry, length / pad and the four groups
-// of w / meta -> the groups (D = rope's head dim)
-static std::vector<Group> parse_layer(const char* E, const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
-                                      const c10::optional<at::Tensor>& ln2, at::TensorList w, at::IntArrayRef meta,
-                                      const at::Tensor& rope, const at::Tensor& length, const at::Tensor& pad,
-                                      int64_t n_heads, int64_t n_kv, bool folded) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              E, "x must be a contiguous fp32 or bf16 [B, H]");
-  const bool bf = x.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(kind_runs(bf), E, "this CPU runs no packed kernel for ", x.scalar_type());
-  const int64_t N = x.size(0), H = x.size(1);
-  auto same = [&](const at::Tensor& t) { return t.scalar_type() == x.scalar_type() && t.is_contiguous(); };
-  for (const auto* ln : {&ln1, &ln2})
-    TORCH_CHECK(!ln->has_value() || (same(**ln) && (*ln)->numel() == H), E, "norm weights must be [H] of x's dtype");
-  TORCH_CHECK(rope.dim() == 3 && same(rope) && rope.size(1) == 2, E, "rope must be a contiguous [Smax, 2, D] table");
-  const int64_t D = rope.size(2);
-  TORCH_CHECK(D % 16 == 0 && D <= 128 && n_kv > 0 && n_heads % n_kv == 0 && n_heads / n_kv <= 256, E,
+// ---- layer plans: one layer's weights parsed once (layer_plan), then named by an id in every decode call
+struct Plan {
+  std::vector<Group> G;
+  std::vector<at::Tensor> keep;         // w, ln1, ln2: alive while the plan is
+  const void* ln1 = nullptr;
+  const void* ln2 = nullptr;
+  const void* fin_w = nullptr;           // the final norm's weight (fin), or none
+  bool bf = false, folded = false, quantized = false, fin = false;
+  int64_t H = 0, D = 0, n_heads = 0, n_kv = 0;
+  float eps = 0;
+};
+static std::mutex g_plans_m;
+static std::unordered_map<int64_t, std::shared_ptr<const Plan>> g_plans;
+static int64_t g_next_plan = 1;          // ids are never reused: a dropped id is refused, never another layer's
+
+// Parses and checks one layer's description (the norms, w / meta of the four groups, the geometry) into a plan
+static std::shared_ptr<const Plan> parse_plan(const c10::optional<at::Tensor>& ln1,
+                                              const c10::optional<at::Tensor>& ln2, at::TensorList w,
+                                              at::IntArrayRef meta, int64_t H, int64_t D, bool bf, double eps,
+                                              int64_t n_heads, int64_t n_kv, bool folded, bool fin,
+                                              const c10::optional<at::Tensor>& fin_w) {
+  const char* E = "lowrank_lrk::layer_plan: ";
+  const auto st = bf ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(kind_runs(bf), E, "this CPU runs no packed kernel for ", st);
+  TORCH_CHECK(H > 0, E, "hidden must be positive, got ", H);
+  TORCH_CHECK(D % 16 == 0 && D > 0 && D <= 128 && n_kv > 0 && n_heads % n_kv == 0 && n_heads / n_kv <= 256, E,
               "head_dim must be a multiple of 16 up to 128 and n_heads a multiple of n_kv (<= 256 per KV head)");
-  TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && pad.scalar_type() == at::kLong &&
-                  pad.is_contiguous() && pad.numel() >= N,
-              E, "length [1] and pad [>=B] int64");
-  const int64_t hi = length.data_ptr<int64_t>()[0];
-  TORCH_CHECK(hi >= 0 && hi < rope.size(0), E, "position ", hi, " outside the RoPE table (", rope.size(0), " rows)");
-  // the four groups
-  std::vector<Group> G(4);
+  auto P = std::make_shared<Plan>();
+  P->bf = bf, P->folded = folded, P->H = H, P->D = D, P->n_heads = n_heads, P->n_kv = n_kv, P->eps = (float)eps;
+  auto same = [&](const at::Tensor& t) { return t.scalar_type() == st && t.is_contiguous() && t.device().is_cpu(); };
+  TORCH_CHECK(fin || !fin_w.has_value(), E, "a final norm weight without final_norm");
+  P->fin = fin;
+  for (const auto* ln : {&ln1, &ln2, &fin_w}) {
+    TORCH_CHECK(!ln->has_value() || (same(**ln) && (*ln)->numel() == H), E, "norm weights must be [H] of ", st);
+    if (ln->has_value()) P->keep.push_back(**ln);
+  }
+  P->ln1 = ln1.has_value() ? ln1->data_ptr() : nullptr;
+  P->ln2 = ln2.has_value() ? ln2->data_ptr() : nullptr;
+  P->fin_w = fin_w.has_value() ? fin_w->data_ptr() : nullptr;
+  std::vector<Group>& G = P->G;
+  G.resize(4);
   const int64_t ins[4] = {H, n_heads * D, H, -1};
   size_t mi = 0, ti = 0;
   auto next_int = [&]() {
     TORCH_CHECK(mi < meta.size(), E, "meta too short");
     return meta[mi++];
   };
-  // q: a quantized matrix's qpack blob (uint8), else x's dtype
+  // q: a quantized matrix's qpack blob (uint8), else the plan's dtype
   auto next_t = [&](int64_t numel, bool q = false) -> const void* {
     TORCH_CHECK(ti < w.size(), E, "too few weight tensors");
     const at::Tensor& t = w[ti++];
-    TORCH_CHECK((q ? t.scalar_type() == at::kByte && t.is_contiguous() : same(t)) && t.dim() == 1 &&
-                    t.numel() == numel,
+    TORCH_CHECK((q ? t.scalar_type() == at::kByte && t.is_contiguous() && t.device().is_cpu() : same(t)) &&
+                    t.dim() == 1 && t.numel() == numel,
                 E, "weight tensor ", ti - 1, " has ", t.numel(), " values of ", t.scalar_type(), ", expected ", numel,
-                q ? " uint8 (a qpack blob)" : " of x's dtype");
+                q ? " uint8 (a qpack blob)" : " of the layer's dtype");
+    P->keep.push_back(t);
     return t.data_ptr();
   };
   for (int gi = 0; gi < 4; gi++) {
@@ -480,7 +526,7 @@ static std::vector<Group> parse_layer(const char* E, const at::Tensor& x, const 
     TORCH_CHECK(!q || qgemv_shape_ok(g.qbits, g.qgroup), E, "group ", gi, ": quantized as ", g.qbits, " bits, group ",
                 g.qgroup, " (qgemv serves 8 / 4 bits, groups 32 / 64 / 128 / 256)");
     TORCH_CHECK(!q || qgemv_runs(), E, "group ", gi, " is quantized and qgemv has no code for this CPU");
-    TORCH_CHECK(!q || N <= QGEMV_MAX_ROWS, E, "at most ", QGEMV_MAX_ROWS, " rows with quantized groups, got ", N);
+    P->quantized = P->quantized || q;
     g.rows = next_int();
     const bool b1 = next_int() != 0;
     const int64_t nseg = next_int();
@@ -514,62 +560,95 @@ static std::vector<Group> parse_layer(const char* E, const at::Tensor& x, const 
                   G[0].mem[2].width == n_kv * D && G[1].mem[0].width == H && G[2].mem[1].width == G[2].mem[0].width &&
                   G[3].mem[0].width == H,
               E, "member widths do not match the geometry");
-  return G;
+  return P;
 }
 
-static at::Tensor run_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
-                            const c10::optional<at::Tensor>& ln2, const std::vector<Group>& G, const at::Tensor& rope,
-                            at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi, const at::Tensor& pad,
-                            double eps, int64_t n_heads, int64_t n_kv, bool folded, Clock& clk) {
-  const int64_t N = x.size(0), H = x.size(1), D = rope.size(2);
+int64_t layer_plan(const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2, at::TensorList w,
+                   at::IntArrayRef meta, int64_t hidden, int64_t head_dim, bool bf16, double eps, int64_t n_heads,
+                   int64_t n_kv, bool folded, bool final_norm, const c10::optional<at::Tensor>& final_w) {
+  auto P = parse_plan(ln1, ln2, w, meta, hidden, head_dim, bf16, eps, n_heads, n_kv, folded, final_norm, final_w);
+  std::lock_guard<std::mutex> lk(g_plans_m);
+  const int64_t id = g_next_plan++;
+  g_plans.emplace(id, std::move(P));
+  return id;
+}
+
+bool drop_layer_plan(int64_t id) {
+  std::lock_guard<std::mutex> lk(g_plans_m);
+  return g_plans.erase(id) > 0;
+}
+
+// the plan of a call (a shared reference: a concurrent drop cannot free it mid-call)
+static std::shared_ptr<const Plan> get_plan(const char* E, int64_t id) {
+  std::lock_guard<std::mutex> lk(g_plans_m);
+  auto it = g_plans.find(id);
+  TORCH_CHECK(it != g_plans.end(), E, "no layer plan ", id, " (dropped, or never made by layer_plan)");
+  return it->second;
+}
+
+// The per-call checks both ops share: x, the RoPE table, length / pad against the plan -> the position (length)
+static int64_t check_call(const char* E, const Plan& P, const at::Tensor& x, const at::Tensor& rope,
+                          const at::Tensor& length, const at::Tensor& pad) {
+  const auto st = P.bf ? at::kBFloat16 : at::kFloat;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == st && x.size(1) == P.H && x.device().is_cpu(),
+              E, "x must be a contiguous ", st, " [B, ", P.H, "] (the plan's), got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!P.quantized || x.size(0) <= QGEMV_MAX_ROWS, E, "at most ", QGEMV_MAX_ROWS,
+              " rows with quantized groups, got ", x.size(0));
+  TORCH_CHECK(rope.dim() == 3 && rope.scalar_type() == st && rope.is_contiguous() && rope.size(1) == 2 &&
+                  rope.size(2) == P.D,
+              E, "rope must be a contiguous [Smax, 2, ", P.D, "] table of ", st);
+  TORCH_CHECK(length.scalar_type() == at::kLong && length.numel() == 1 && length.device().is_cpu() &&
+                  pad.scalar_type() == at::kLong && pad.is_contiguous() && pad.numel() >= x.size(0),
+              E, "length [1] and pad [>=B] int64");
+  const int64_t hi = length.data_ptr<int64_t>()[0];
+  TORCH_CHECK(hi >= 0 && hi < rope.size(0), E, "position ", hi, " outside the RoPE table (", rope.size(0), " rows)");
+  return hi;
+}
+
+static at::Tensor run_layer(const at::Tensor& x, const Plan& P, const at::Tensor& rope, at::Tensor* kv,
+                            const Tier* tier, int64_t layer, int64_t hi, const at::Tensor& pad, Clock& clk) {
+  const int64_t N = x.size(0), H = x.size(1);
   auto out = at::empty({N, H}, x.options());
   if (N == 0) return out;
   const int64_t* pd = pad.data_ptr<int64_t>();
   if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
-  if (x.scalar_type() == at::kBFloat16) {
-    auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const uint16_t*)t->data_ptr() : nullptr; };
-    layer_impl<uint16_t>(true, x, wp(ln1), wp(ln2), G, rope, kv, tier, layer, hi, pd, (float)eps, n_heads, n_kv, D,
-                         folded, out, clk);
-  } else {
-    auto wp = [&](const c10::optional<at::Tensor>& t) { return t.has_value() ? (const float*)t->data_ptr() : nullptr; };
-    layer_impl<float>(false, x, wp(ln1), wp(ln2), G, rope, kv, tier, layer, hi, pd, (float)eps, n_heads, n_kv, D,
-                      folded, out, clk);
-  }
+  if (P.bf)
+    layer_impl<uint16_t>(true, x, (const uint16_t*)P.ln1, (const uint16_t*)P.ln2, P.G, rope, kv, tier, layer, hi, pd,
+                         P.eps, P.n_heads, P.n_kv, P.D, P.folded, P.fin, (const uint16_t*)P.fin_w, out, clk);
+  else
+    layer_impl<float>(false, x, (const float*)P.ln1, (const float*)P.ln2, P.G, rope, kv, tier, layer, hi, pd, P.eps,
+                      P.n_heads, P.n_kv, P.D, P.folded, P.fin, (const float*)P.fin_w, out, clk);
   return out;
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const c10::optional<at::Tensor>& ln1, const c10::optional<at::Tensor>& ln2,
-                        at::TensorList w, at::IntArrayRef meta, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
-                        const at::Tensor& length, const at::Tensor& pad, double eps, int64_t n_heads, int64_t n_kv,
-                        bool folded) {
-  Clock clk;  // the checks and parsing below count as the call's prolog
+at::Tensor decode_layer(const at::Tensor& x, int64_t plan, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
+                        const at::Tensor& length, const at::Tensor& pad) {
+  Clock clk;  // the checks below count as the call's prolog
   const char* E = "lowrank_lrk::decode_layer: ";
-  const auto G = parse_layer(E, x, ln1, ln2, w, meta, rope, length, pad, n_heads, n_kv, folded);
-  const int64_t N = x.size(0), D = rope.size(2), hi = length.data_ptr<int64_t>()[0];
+  const auto P = get_plan(E, plan);
+  const int64_t hi = check_call(E, *P, x, rope, length, pad);
   TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == x.scalar_type() && kv.is_contiguous() && kv.size(0) % 2 == 0 &&
-                  layer >= 0 && 2 * layer + 1 < kv.size(0) && kv.size(1) >= N && kv.size(2) == n_kv &&
-                  kv.size(4) == D,
+                  layer >= 0 && 2 * layer + 1 < kv.size(0) && kv.size(1) >= x.size(0) && kv.size(2) == P->n_kv &&
+                  kv.size(4) == P->D,
               E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
   TORCH_CHECK(hi < kv.size(3), E, "slot ", hi, " outside the cache (", kv.size(3), " slots)");
-  return run_layer(x, ln1, ln2, G, rope, &kv, nullptr, layer, hi, pad, eps, n_heads, n_kv, folded, clk);
+  return run_layer(x, *P, rope, &kv, nullptr, layer, hi, pad, clk);
 }
 
 // decode_layer over the tiered store of lowrank_lib/kv (MethodStore with the fused tier attention): the token's k / v
 // are written at appended row length - t0 of k_new / v_new (t0: the prompt length, a device scalar), and the
 // attention is tiers.cpp's tier_attend over the fitted tiers and the appended rows up to that one
-at::Tensor decode_layer_tiers(const at::Tensor& x, const c10::optional<at::Tensor>& ln1,
-                              const c10::optional<at::Tensor>& ln2, at::TensorList w, at::IntArrayRef meta,
-                              const at::Tensor& rope, at::Tensor& k_new, at::Tensor& v_new, const at::Tensor& k_exact,
-                              const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
-                              const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
-                              const at::Tensor& b_k, const at::Tensor& b_v,
-                              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-                              const at::Tensor& t0, const at::Tensor& length, const at::Tensor& pad, double eps,
-                              int64_t n_heads, int64_t n_kv, bool folded) {
+at::Tensor decode_layer_tiers(const at::Tensor& x, int64_t plan, const at::Tensor& rope, at::Tensor& k_new,
+                              at::Tensor& v_new, const at::Tensor& k_exact, const at::Tensor& v_exact,
+                              const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+                              const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                              const at::Tensor& b_v, const c10::optional<at::Tensor>& k_scale,
+                              const c10::optional<at::Tensor>& v_scale, const at::Tensor& t0,
+                              const at::Tensor& length, const at::Tensor& pad) {
   Clock clk;
   const char* E = "lowrank_lrk::decode_layer_tiers: ";
-  const auto G = parse_layer(E, x, ln1, ln2, w, meta, rope, length, pad, n_heads, n_kv, folded);
-  const int64_t N = x.size(0), D = rope.size(2), hi = length.data_ptr<int64_t>()[0];
+  const auto P = get_plan(E, plan);
+  const int64_t hi = check_call(E, *P, x, rope, length, pad), N = x.size(0), n_kv = P->n_kv, D = P->D;
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
     TORCH_CHECK(t->dim() == 4 && t->scalar_type() == x.scalar_type() && t->device().is_cpu() && t->size(0) >= N &&
                     t->size(1) == n_kv && t->size(3) == D && t->stride(3) == 1 && t->size(2) == k_new.size(2),
@@ -581,7 +660,7 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, const c10::optional<at::Tenso
   TORCH_CHECK(slot >= 0 && slot < k_new.size(2), E, "appended row ", slot, " (position ", hi, ") outside the ",
               k_new.size(2), " reserved rows");
   const Tier tier{k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, slot};
-  return run_layer(x, ln1, ln2, G, rope, nullptr, &tier, 0, hi, pad, eps, n_heads, n_kv, folded, clk);
+  return run_layer(x, *P, rope, nullptr, &tier, 0, hi, pad, clk);
 }
 
 }  // namespace layer
@@ -589,13 +668,15 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, const c10::optional<at::Tenso
 
 TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
   m.def(
-      "decode_layer(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) kv, int layer, "
-      "Tensor length, Tensor pad, float eps, int n_heads, int n_kv, bool folded) -> Tensor");
+      "layer_plan(Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, int hidden, int head_dim, bool bf16, float eps, "
+      "int n_heads, int n_kv, bool folded, bool final_norm=False, Tensor? final_w=None) -> int",
+      &lrk::layer::layer_plan);
+  m.def("drop_layer_plan(int plan) -> bool", &lrk::layer::drop_layer_plan);
+  m.def("decode_layer(Tensor x, int plan, Tensor rope, Tensor(a!) kv, int layer, Tensor length, Tensor pad) -> Tensor");
   m.def(
-      "decode_layer_tiers(Tensor x, Tensor? ln1, Tensor? ln2, Tensor[] w, int[] meta, Tensor rope, Tensor(a!) k_new, "
-      "Tensor(b!) v_new, Tensor k_exact, Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, "
-      "Tensor a_v, Tensor b_k, Tensor b_v, Tensor? k_scale, Tensor? v_scale, Tensor t0, Tensor length, Tensor pad, "
-      "float eps, int n_heads, int n_kv, bool folded) -> Tensor");
+      "decode_layer_tiers(Tensor x, int plan, Tensor rope, Tensor(a!) k_new, Tensor(b!) v_new, Tensor k_exact, "
+      "Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, Tensor a_v, Tensor b_k, Tensor b_v, "
+      "Tensor? k_scale, Tensor? v_scale, Tensor t0, Tensor length, Tensor pad) -> Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
   m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");
 }

@@ -19,14 +19,15 @@ would run anyway, decided from capabilities, never from backend names:
 - the MLP activation is SiLU; at most :data:`~lowrank_lib.runtime.kernels.gemv.LRK_MAX_ROWS` rows (``max_batch``).
 
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
-calling it is one ``torch.ops.lowrank_lrk.decode_layer`` (or ``decode_layer_tiers``) call, so a ``torch.compile``-d
-step traces one extern call per layer.
+it becomes a plan of ``layer.cpp`` (parsed once); calling it is one ``torch.ops.lowrank_lrk.decode_layer`` (or
+``decode_layer_tiers``) call naming the plan, so a ``torch.compile``-d step traces one extern call per layer.
 
 :func:`phase_times` reads the op's own phase timers (:data:`PHASES`): where a decode token's time goes inside the
 layers (issue 29's breakdown; ``lowrank_lib.runtime.profiling.token_breakdown`` turns them into ms per token).
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -193,9 +194,14 @@ def _describe(g) -> tuple[list[int], list[torch.Tensor]]:
 
 
 class FusedLayer:
-    """One engine layer's arguments of ``lowrank_lrk::decode_layer`` (the weights are the groups' own tensors)."""
+    """One engine layer as a plan of ``layer.cpp`` (``lowrank_lrk::layer_plan``: its weight list and integer
+    description parsed once, the tensors held by the plan until this object is collected); a call passes the plan's
+    id, so a decode step's layer costs one cheap op call (issue 29: the list marshalling and parsing cost ~20 us per
+    layer)."""
 
     def __init__(self, engine, i: int):
+        from . import ops
+
         L = engine.layers[i]
         self.i = i
         self.meta: list[int] = []
@@ -209,20 +215,33 @@ class FusedLayer:
         norm = lambda ln, g: (g.x_scale if g.quantized else None) if engine.fold_norm else ln
         self.ln1 = norm(L.ln1, L.qkv)
         self.ln2 = norm(L.ln2, L.gate_up)
-        self.args = (engine.eps, engine.n_heads, engine.n_kv, engine.fold)
+        # the last layer also applies the model's final norm (the engine's _norm before the LM head)
+        self.final = i == engine.n_layers - 1
+        self.plan = ops.layer_plan(self.ln1, self.ln2, self.w, self.meta, engine.hidden, engine.head_dim,
+                                   engine.dtype == torch.bfloat16, engine.eps, engine.n_heads, engine.n_kv, engine.fold,
+                                   self.final, None if engine.fold_norm or not self.final else engine.norm)
+        weakref.finalize(self, _drop_plan, self.plan)
         # the dense store's buffer, or a tiered store's layout (select_fused_layer admitted one of the two)
         self.tiered = hasattr(engine.kv, "fused_tier_args")
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, store, length: torch.Tensor,
                  pad: torch.Tensor) -> torch.Tensor:
-        """x [B, H] -> the layer's output; the token's k / v go to ``store`` (the engine's KV store: the dense
-        buffer, or a tiered store's appended rows, whose layout the op's attention reads)."""
-        from .ops import decode_layer, decode_layer_tiers
+        """x [B, H] -> the layer's output (the last layer's: after the model's final norm, what the LM head reads);
+        the token's k / v go to ``store`` (the engine's KV store: the dense buffer, or a tiered store's appended rows,
+        whose layout the op's attention reads)."""
+        from . import ops
 
         if not self.tiered:
-            return decode_layer(x, self.ln1, self.ln2, self.w, self.meta, rope, store.kv, self.i, length, pad,
-                                *self.args)
-        out = decode_layer_tiers(x, self.ln1, self.ln2, self.w, self.meta, rope, *store.fused_tier_args(self.i),
-                                 length, pad, *self.args)
+            return ops.decode_layer(x, self.plan, rope, store.kv, self.i, length, pad)
+        out = ops.decode_layer_tiers(x, self.plan, rope, *store.fused_tier_args(self.i), length, pad)
         store.fused_appended(self.i)
         return out
+
+
+def _drop_plan(plan: int) -> None:
+    from .ops import drop_layer_plan
+
+    try:
+        drop_layer_plan(plan)
+    except Exception:           # interpreter shutdown: the library may be gone already
+        pass

@@ -61,27 +61,39 @@ def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torc
     return _ops().certified_head(x, Q, meta, P, V, max_fraction, stats)
 
 
-def decode_layer(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | None, w: list[torch.Tensor],
-                 meta: list[int], rope: torch.Tensor, kv: torch.Tensor, layer: int, length: torch.Tensor,
-                 pad: torch.Tensor, eps: float, n_heads: int, n_kv: int, folded: bool) -> torch.Tensor:
-    """One decode layer of the dense-KV engine in one call (``layer.cpp``; ``w`` / ``meta`` from ``layer.py``): x [B, H]
+def layer_plan(ln1: torch.Tensor | None, ln2: torch.Tensor | None, w: list[torch.Tensor], meta: list[int], hidden: int,
+               head_dim: int, bf16: bool, eps: float, n_heads: int, n_kv: int, folded: bool, final_norm: bool = False,
+               final_w: torch.Tensor | None = None) -> int:
+    """One decode layer's weights (``w`` / ``meta`` from ``layer.py``, the norms, the geometry) parsed and checked once
+    by ``layer.cpp``, which keeps references to the tensors: the plan's id, for :func:`decode_layer` /
+    :func:`decode_layer_tiers`, until :func:`drop_layer_plan`. ``final_norm``: the layer's output is the model's final
+    RMSNorm of it (times ``final_w`` if given; the last layer's plan)."""
+    return int(_ops().layer_plan(ln1, ln2, w, meta, hidden, head_dim, bf16, eps, n_heads, n_kv, folded, final_norm,
+                                 final_w))
+
+
+def drop_layer_plan(plan: int) -> bool:
+    """Forget a layer plan (its tensors are released); whether it was live. Its id is never given out again."""
+    return bool(_ops().drop_layer_plan(plan))
+
+
+def decode_layer(x: torch.Tensor, plan: int, rope: torch.Tensor, kv: torch.Tensor, layer: int, length: torch.Tensor,
+                 pad: torch.Tensor) -> torch.Tensor:
+    """One decode layer of the dense-KV engine in one call (``layer.cpp``; ``plan`` from :func:`layer_plan`): x [B, H]
     -> x after attention and MLP; writes the token's K/V at slot ``length`` of layer ``layer`` of ``kv`` in place."""
-    return _ops().decode_layer.default(x, ln1, ln2, w, meta, rope, kv, layer, length, pad, eps, n_heads, n_kv, folded)
+    return _ops().decode_layer.default(x, plan, rope, kv, layer, length, pad)
 
 
-def decode_layer_tiers(x: torch.Tensor, ln1: torch.Tensor | None, ln2: torch.Tensor | None, w: list[torch.Tensor],
-                       meta: list[int], rope: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+def decode_layer_tiers(x: torch.Tensor, plan: int, rope: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                        k_exact: torch.Tensor, v_exact: torch.Tensor, e_off: torch.Tensor, runs: torch.Tensor,
                        r_off: torch.Tensor, a_k: torch.Tensor, a_v: torch.Tensor, b_k: torch.Tensor, b_v: torch.Tensor,
                        k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, t0: torch.Tensor,
-                       length: torch.Tensor, pad: torch.Tensor, eps: float, n_heads: int, n_kv: int,
-                       folded: bool) -> torch.Tensor:
+                       length: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
     """:func:`decode_layer` over a tiered KV layer (``kv/tiers.py``'s layout): the token's k / v are written at
     appended row ``length - t0`` of k_new / v_new [B, Hkv, cap, D] in place, and the attention is :func:`tier_attend`
     over the fitted tiers and the appended rows up to that one."""
-    return _ops().decode_layer_tiers.default(x, ln1, ln2, w, meta, rope, k_new, v_new, k_exact, v_exact, e_off, runs,
-                                             r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, t0, length, pad, eps,
-                                             n_heads, n_kv, folded)
+    return _ops().decode_layer_tiers.default(x, plan, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k,
+                                             a_v, b_k, b_v, k_scale, v_scale, t0, length, pad)
 
 
 def layer_profile(on: bool) -> list[int]:
