@@ -208,15 +208,21 @@ static void rms(const T* x, int64_t N, int64_t H, const T* w, float eps, T* h) {
 template <typename T>
 static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c, const T* s, T* out) {
   const int64_t half = D / 2, n = nh * D;
-  for (int64_t j = 0; j < n; j++) {
-    const int64_t d = j % D;
-    const float v = ldf(y, j);
-    float r;
-    if (folded)
-      r = ldf(y, n + j);
-    else
-      r = d < half ? -ldf(y, j + half) : ldf(y, j - half);
-    stf(out, j, rnd(ldf(c, d) * v, y) + rnd(ldf(s, d) * r, y));
+  float cf[128], sf[128];  // D <= 128 (layer_plan checks it)
+  for (int64_t d = 0; d < D; d++) cf[d] = ldf(c, d), sf[d] = ldf(s, d);
+  // out = rnd(c * v) + rnd(s * r), r the rotated partner: [y, rot y] folded, else (-y[d + half], y[d - half])
+  auto put = [&](T* o, const T* v, const T* r, float sign, int64_t d0, int64_t d1) {
+    for (int64_t d = d0; d < d1; d++) stf(o, d, rnd(cf[d] * ldf(v, d), y) + rnd(sf[d] * (sign * ldf(r, d)), y));
+  };
+  for (int64_t h = 0; h < nh; h++) {
+    const T* yh = y + h * D;
+    T* oh = out + h * D;
+    if (folded) {
+      put(oh, yh, y + n + h * D, 1.0f, 0, D);
+    } else {
+      put(oh, yh, yh + half, -1.0f, 0, half);   // r[d] = -y[d + half]
+      put(oh, yh, yh - half, 1.0f, half, D);    // r[d] = y[d - half]
+    }
   }
 }
 
