@@ -238,6 +238,7 @@ def _system(label: str) -> dict:
 PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", None),
                ("**`benchmarks/results/peer_cpu_8.json`**", "peer_cpu_8.json", None),
                ("**`benchmarks/results/peer_cpu_9.json`**", "peer_cpu_9.json", None),
+               ("**`benchmarks/results/peer_cpu_10.json`**", "peer_cpu_10.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
