@@ -221,8 +221,12 @@ class FusedLayer:
                                    engine.dtype == torch.bfloat16, engine.eps, engine.n_heads, engine.n_kv, engine.fold,
                                    self.final, None if engine.fold_norm or not self.final else engine.norm)
         weakref.finalize(self, _drop_plan, self.plan)
-        # the dense store's buffer, or a tiered store's layout (select_fused_layer admitted one of the two)
-        self.tiered = hasattr(engine.kv, "fused_tier_args")
+        # the dense store's buffer, or a tiered store's layout: select_fused_layer admitted the dense store itself or
+        # a store whose fused_tiers_unavailable() is None (the tiered protocol: fused_tier_args, fused_appended), the
+        # same test here
+        from ..kv.dense import DenseKV
+
+        self.tiered = type(engine.kv) is not DenseKV
 
     def __call__(self, x: torch.Tensor, rope: torch.Tensor, store, length: torch.Tensor,
                  pad: torch.Tensor) -> torch.Tensor:
