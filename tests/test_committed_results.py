@@ -317,7 +317,7 @@ def test_readme_kv_decode_table_equals_the_json():
         _same(cells[6].split(" (target")[0], r["attn_ratio_vs_dense"], what + " attention ratio")
 
 
-@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json"])
+@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json", "kv_decode_7.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import ops
+
 FUSED_MODES = ("auto", "off", "on")
 #: decode_layer's timed phases, in layer.cpp's order: the call's checks / parsing / scratch (prolog), both RMSNorms,
 #: the four projection groups' GEMVs, RoPE + the KV write, attention, the residual adds, SiLU(gate) * up
@@ -46,14 +48,12 @@ GEMV_PHASES = {"qkv_gemv": "qkv", "o_gemv": "o", "gate_up_gemv": "gate_up", "dow
 def phase_times():
     """Turn decode_layer's phase timers on for the block; the yielded dict then holds ``calls`` and the seconds
     spent in each of :data:`PHASES` by the fused-layer calls inside it (summed over calls and layers)."""
-    from .ops import layer_profile
-
-    layer_profile(True)                      # drops what an earlier block left
+    ops.layer_profile(True)                      # drops what an earlier block left
     got: dict = {}
     try:
         yield got
     finally:
-        calls, *ns = layer_profile(False)
+        calls, *ns = ops.layer_profile(False)
         got.update(calls=calls, **{p: n * 1e-9 for p, n in zip(PHASES, ns)})
 
 
@@ -135,11 +135,10 @@ def quant_summary(groups) -> str:
     q = [g for g in groups if g.quantized]
     if not q:
         return ""
-    from .ops import qgemv_isa
 
     kinds = sorted({(g.bits, g.group) for g in q}, reverse=True)
     what = " / ".join(f"int{b} group {gr}" for b, gr in kinds)
-    return f"{what} factors through qgemv ({qgemv_isa()}) in {len(q)} of {len(groups)} groups"
+    return f"{what} factors through qgemv ({ops.qgemv_isa()}) in {len(q)} of {len(groups)} groups"
 
 
 def select_fused_layer(mode: str, gemv, store, groups, act_is_silu: bool, max_batch: int) -> FusedChoice:
@@ -200,8 +199,6 @@ class FusedLayer:
     layer)."""
 
     def __init__(self, engine, i: int):
-        from . import ops
-
         L = engine.layers[i]
         self.i = i
         self.meta: list[int] = []
@@ -233,8 +230,6 @@ class FusedLayer:
         """x [B, H] -> the layer's output (the last layer's: after the model's final norm, what the LM head reads);
         the token's k / v go to ``store`` (the engine's KV store: the dense buffer, or a tiered store's appended rows,
         whose layout the op's attention reads)."""
-        from . import ops
-
         if not self.tiered:
             return ops.decode_layer(x, self.plan, rope, store.kv, self.i, length, pad)
         out = ops.decode_layer_tiers(x, self.plan, rope, *store.fused_tier_args(self.i), length, pad)
@@ -243,9 +238,7 @@ class FusedLayer:
 
 
 def _drop_plan(plan: int) -> None:
-    from .ops import drop_layer_plan
-
     try:
-        drop_layer_plan(plan)
+        ops.drop_layer_plan(plan)
     except Exception:           # interpreter shutdown: the library may be gone already
         pass
