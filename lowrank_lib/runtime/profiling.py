@@ -257,7 +257,7 @@ def token_breakdown(engine, ids: torch.Tensor, gen_len: int, warmup: int = 4) ->
 
     - ``phases_ms``: each of :data:`~lowrank_lib.runtime.kernels.layer.PHASES` summed over the layers;
     - ``gemv_ms`` (the four projection groups), ``elementwise_ms`` (norms, RoPE + KV write, residuals, SiLU * up),
-      ``attention_ms``, ``prolog_ms`` (the op's argument checks, parsing and scratch: its fixed cost per call);
+      ``attention_ms``, ``prolog_ms`` (the op's argument checks, plan lookup and scratch: its fixed cost per call);
     - ``outside_layers_ms``: the rest of the step (embedding, LM head, the step's own dispatch / graph replay; the
       final norm is the last layer's, in its ``rmsnorm`` phase), the measured step time minus the layers' phases;
     - ``gemv_GBps``: the layers' GEMV weight bytes per token over ``gemv_ms`` (against the copy bandwidth it says

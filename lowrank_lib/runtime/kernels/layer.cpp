@@ -361,11 +361,26 @@ struct Scratch {  // a piece of layer_impl's arena
   T* data() const { return p; }
 };
 
+// One layer's weights and geometry, parsed and checked once (layer_plan's; the registry is below)
+struct Plan {
+  std::vector<Group> G;
+  std::vector<at::Tensor> keep;         // w, ln1, ln2: alive while the plan is
+  const void* ln1 = nullptr;
+  const void* ln2 = nullptr;
+  const void* fin_w = nullptr;           // the final norm's weight (fin), or none
+  bool bf = false, folded = false, quantized = false, fin = false;
+  int64_t H = 0, D = 0, n_heads = 0, n_kv = 0;
+  float eps = 0;
+};
+
 template <typename T>
-static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2, const std::vector<Group>& G,
-                       const at::Tensor& rope, at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi,
-                       const int64_t* pad, float eps, int64_t Hq, int64_t Hkv, int64_t D, bool folded, bool fin,
-                       const T* fin_w, at::Tensor& out, Clock& clk) {
+static void layer_impl(const Plan& P, const at::Tensor& x, const at::Tensor& rope, at::Tensor* kv, const Tier* tier,
+                       int64_t layer, int64_t hi, const int64_t* pad, at::Tensor& out, Clock& clk) {
+  const bool bf = P.bf, folded = P.folded, fin = P.fin;
+  const T *ln1 = (const T*)P.ln1, *ln2 = (const T*)P.ln2, *fin_w = (const T*)P.fin_w;
+  const std::vector<Group>& G = P.G;
+  const float eps = P.eps;
+  const int64_t Hq = P.n_heads, Hkv = P.n_kv, D = P.D;
   const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
   const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
   const int64_t I = gu.mem[0].width;
@@ -466,16 +481,6 @@ static void layer_impl(bool bf, const at::Tensor& x, const T* ln1, const T* ln2,
 }
 
 // ---- layer plans: one layer's weights parsed once (layer_plan), then named by an id in every decode call
-struct Plan {
-  std::vector<Group> G;
-  std::vector<at::Tensor> keep;         // w, ln1, ln2: alive while the plan is
-  const void* ln1 = nullptr;
-  const void* ln2 = nullptr;
-  const void* fin_w = nullptr;           // the final norm's weight (fin), or none
-  bool bf = false, folded = false, quantized = false, fin = false;
-  int64_t H = 0, D = 0, n_heads = 0, n_kv = 0;
-  float eps = 0;
-};
 static std::mutex g_plans_m;
 static std::unordered_map<int64_t, std::shared_ptr<const Plan>> g_plans;
 static int64_t g_next_plan = 1;          // ids are never reused: a dropped id is refused, never another layer's
@@ -619,11 +624,9 @@ static at::Tensor run_layer(const at::Tensor& x, const Plan& P, const at::Tensor
   const int64_t* pd = pad.data_ptr<int64_t>();
   if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
   if (P.bf)
-    layer_impl<uint16_t>(true, x, (const uint16_t*)P.ln1, (const uint16_t*)P.ln2, P.G, rope, kv, tier, layer, hi, pd,
-                         P.eps, P.n_heads, P.n_kv, P.D, P.folded, P.fin, (const uint16_t*)P.fin_w, out, clk);
+    layer_impl<uint16_t>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
   else
-    layer_impl<float>(false, x, (const float*)P.ln1, (const float*)P.ln2, P.G, rope, kv, tier, layer, hi, pd, P.eps,
-                      P.n_heads, P.n_kv, P.D, P.folded, P.fin, (const float*)P.fin_w, out, clk);
+    layer_impl<float>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
   return out;
 }
 

@@ -36,7 +36,7 @@ import torch
 from . import ops
 
 FUSED_MODES = ("auto", "off", "on")
-#: decode_layer's timed phases, in layer.cpp's order: the call's checks / parsing / scratch (prolog), both RMSNorms,
+#: decode_layer's timed phases, in layer.cpp's order: the call's checks / plan lookup / scratch (prolog), both RMSNorms,
 #: the four projection groups' GEMVs, RoPE + the KV write, attention, the residual adds, SiLU(gate) * up
 PHASES = ("prolog", "rmsnorm", "qkv_gemv", "rope_kv_write", "attention", "o_gemv", "residual", "gate_up_gemv",
           "silu_mul", "down_gemv")

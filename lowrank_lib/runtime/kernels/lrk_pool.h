@@ -6,7 +6,8 @@
 // late (or not at all) just takes fewer chunks; run returns when every chunk has finished. The workers belong to
 // the library (created on first use, grown to the thread count asked for, never destroyed; re-created lazily in a
 // forked child), spin briefly after each call, then sleep on a condition variable. Mode 1 runs the same claiming
-// loop in an OpenMP parallel region instead (torch's intra-op threads), for comparison.
+// loop in an OpenMP parallel region instead (torch's intra-op threads): the default where torch's backend is OpenMP
+// (build.default_pool_mode()).
 #pragma once
 
 #include <cstdint>
