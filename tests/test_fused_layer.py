@@ -183,8 +183,8 @@ def same_bits_at_every_thread_count(engine):
 @pytest.mark.parametrize("name", ["dense-gqa", "lowrank-smol"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_layer_compiled_step_one_call_per_layer(name, dtype):
-    """torch.compile of the whole step: one lowrank_lrk::decode_layer extern call per layer and no other GEMM than
-    the LM head's; logits equal to the eager per-op step (fp32 1e-5, bf16 one rounding) and within the bf16 bound
+    """torch.compile of the whole step: one lowrank_lrk::decode_stack extern call for every layer (the dense store)
+    and no other GEMM than the LM head's; logits equal to the eager per-op step (fp32 1e-5, bf16 one rounding) and within the bf16 bound
     of the compiled per-op step."""
     from lowrank_lib.runtime.profiling import per_token_counts
 
@@ -195,25 +195,31 @@ def test_fused_layer_compiled_step_one_call_per_layer(name, dtype):
         _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, mask, tokens)
         assert _rel_err(got, comp) < (1e-5 if dtype == "fp32" else 0.05), _rel_err(got, comp)
         counts = per_token_counts(eng, ids, 2)
-    n = len(eng.layers)
-    assert counts["ops"].get("lowrank_lrk.decode_layer") == n, counts["ops"]
-    assert counts["by_class"]["layer"] == n and counts["by_class"]["gemm"] == 1, counts["by_class"]
+    assert counts["ops"].get("lowrank_lrk.decode_stack") == 1 and "lowrank_lrk.decode_layer" not in counts["ops"], \
+        counts["ops"]
+    assert counts["by_class"]["layer"] == 1 and counts["by_class"]["gemm"] == 1, counts["by_class"]
 
 
 # --------------------------------------------------------------------------- when it runs, and why not
 @pytest.fixture
 def counted(monkeypatch):
-    """Every lowrank_lrk::decode_layer call the engine makes through ``kernels.ops``, counted."""
+    """The layer index of every fused layer the engine runs through ``kernels.ops``: each lowrank_lrk::decode_layer
+    call, and each layer of a decode_stack call (the dense store's step: every layer, in order, in one call)."""
     from lowrank_lib.runtime.kernels import ops
 
     calls = []
-    real = ops.decode_layer
+    real, real_stack = ops.decode_layer, ops.decode_stack
 
     def counting(*a, **k):
         calls.append(a[4])
         return real(*a, **k)
 
+    def counting_stack(x, plans, *a, **k):
+        calls.extend(range(len(plans)))
+        return real_stack(x, plans, *a, **k)
+
     monkeypatch.setattr(ops, "decode_layer", counting)
+    monkeypatch.setattr(ops, "decode_stack", counting_stack)
     return calls
 
 
@@ -360,6 +366,48 @@ def test_decode_layer_rejects_hostile_arguments():
     for b in bad:
         with pytest.raises(RuntimeError, match="decode_layer"):
             ops.decode_layer(**{**good, **b})
+
+
+@needs_lrk_native
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_stack_is_the_layer_loop_bit_for_bit_and_refuses_hostile_plans(dtype):
+    """The dense store's step runs every layer in one decode_stack call: the same logits and the same KV bits as one
+    decode_layer call per layer (the engine's loop, which a profiler's layer marks switch to and their undo switches
+    back from); an empty, dropped, or too long list of plans is refused, and a stack is the engine's layers in order on
+    the dense store or nothing."""
+    from lowrank_lib.runtime.kernels import ops
+    from lowrank_lib.runtime.kernels.layer import FusedStack
+
+    model = _model("lowrank-gqa")
+    ids, mask = prompt(2)
+    out = {}
+    for stacked in (True, False):
+        eng = Engine(model, EngineConfig(max_seq_len=24, max_batch=2, dtype=dtype))
+        assert eng._stack is not None and eng._stack.plans == [f.plan for f in eng._fused]
+        if not stacked:
+            eng._stack = None
+        with torch.no_grad():
+            logits = [eng.prefill(ids, mask)]
+            for _ in range(5):
+                logits.append(eng.step(logits[-1].argmax(-1)))
+        out[stacked] = logits, eng.kv.kv.clone()
+    assert all(torch.equal(a, b) for a, b in zip(out[True][0], out[False][0]))
+    assert torch.equal(out[True][1], out[False][1])
+    stack = eng._stack = FusedStack(eng._fused)
+    undo = eng.layer_sections(lambda i: None)
+    assert eng._stack is None
+    undo()
+    assert eng._stack is stack
+    x, c = torch.randn(1, eng.hidden).to(eng.dtype), eng.cursor
+    args = dict(rope=eng.cs_table, kv=eng.kv.kv, length=c.length, pad=c.pad)
+    plans = stack.plans
+    for bad in ([], plans + plans[:1], plans[:1] + [plans[-1] + 10**6]):
+        with pytest.raises(RuntimeError, match="decode_stack|decode_layer"):
+            ops.decode_stack(x, bad, **args)
+    with pytest.raises(ValueError, match="FusedStack"):
+        FusedStack(eng._fused[1:])
+    with pytest.raises(ValueError, match="FusedStack"):
+        FusedStack([])
 
 
 @needs_lrk_native

@@ -198,7 +198,7 @@ def test_fused_quantized_layer_same_bits_at_every_thread_count(bits, group):
 @needs_lrk_native
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_quantized_compiled_step_one_call_per_layer(dtype):
-    """torch.compile of the whole step: one decode_layer extern call per layer, no GEMM but the LM head's; logits
+    """torch.compile of the whole step: one decode_stack extern call for every layer, no GEMM but the LM head's; logits
     within the bound of the eager per-op step and of the compiled per-op step (inductor fuses the elementwise ops:
     0.05 in bf16, as test_fused_layer)."""
     from lowrank_lib.runtime.profiling import per_token_counts
@@ -213,10 +213,9 @@ def test_fused_quantized_compiled_step_one_call_per_layer(dtype):
         _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, None, tokens)
         assert _rel_err(got, comp) < (BOUND["fp32"] if dtype == "fp32" else 0.05), _rel_err(got, comp)
         counts = per_token_counts(eng, ids, 2)
-    n = len(eng.layers)
-    assert counts["ops"].get("lowrank_lrk.decode_layer") == n, counts["ops"]
-    assert "lowrank_lrk.qgemv" not in counts["ops"], counts["ops"]
-    assert counts["by_class"]["layer"] == n and counts["by_class"]["gemm"] == 1, counts["by_class"]
+    assert counts["ops"].get("lowrank_lrk.decode_stack") == 1, counts["ops"]
+    assert "lowrank_lrk.qgemv" not in counts["ops"] and "lowrank_lrk.decode_layer" not in counts["ops"], counts["ops"]
+    assert counts["by_class"]["layer"] == 1 and counts["by_class"]["gemm"] == 1, counts["by_class"]
 
 
 # --------------------------------------------------------------------------- when it runs, and why not

@@ -142,11 +142,13 @@ class Engine:
             expand=lambda i, j, h: self.layers[i].qkv.stage2(j, h), rope_table=self.cs_table,
             rope_at=self.rope_at, probe=self.probe))
         self.backend = self.kv.backend
-        from .kernels.layer import FusedLayer, select_fused_layer
+        from .kernels.layer import FusedLayer, FusedStack, select_fused_layer
 
         self.fused = select_fused_layer(cfg.fused_layer, self.gemv, self.kv, self._groups()[1:], self._act is F.silu,
                                         cfg.max_batch)
         self._fused = [FusedLayer(self, i) for i in range(self.n_layers)] if self.fused.enabled else None
+        # the dense store: every layer in one decode_stack call per step (a tiered store: one call per layer)
+        self._stack = FusedStack(self._fused) if self._fused and not self._fused[0].tiered else None
         self._B = None
         from .graphs import GraphRunner
 
@@ -241,10 +243,13 @@ class Engine:
     def decode_body(self, tokens: torch.Tensor, live: int | None = None) -> torch.Tensor:
         """One decode step, all on device: tokens [B] -> logits [B, V]; writes the token's K/V at slot
         ``cursor.length``. ``live``: slots read (eager) or None (graphs). Does not move the cursor."""
-        if self._fused is not None:                  # one lowrank_lrk::decode_layer(_tiers) call per layer
+        if self._fused is not None:
             x, c = F.embedding(tokens, self.embed), self.cursor
-            for f in self._fused:
-                x = f(x, self.cs_table, self.kv, c.length, c.pad)
+            if self._stack is not None:              # one lowrank_lrk::decode_stack call for every layer
+                x = self._stack(x, self.cs_table, self.kv, c.length, c.pad)
+            else:                                    # one lowrank_lrk::decode_layer(_tiers) call per layer
+                for f in self._fused:
+                    x = f(x, self.cs_table, self.kv, c.length, c.pad)
             return self.lm_head(x)[0]                # the last layer's op applied the final norm
         ctx = self.step_context(tokens.shape[0], live)
         x = F.embedding(tokens, self.embed)
@@ -330,10 +335,13 @@ class Engine:
                     mark(None)
             return run
 
-        if self._fused is not None:
-            orig = list(self._fused)
-            self._fused[:] = [marked(i, f) for i, f in enumerate(orig)]
-            return lambda: self._fused.__setitem__(slice(None), orig)
+        if self._fused is not None:                  # one call per layer while marked (no decode_stack)
+            orig, stack = list(self._fused), self._stack
+            self._fused[:], self._stack = [marked(i, f) for i, f in enumerate(orig)], None
+
+            def undo_fused():
+                self._fused[:], self._stack = orig, stack
+            return undo_fused
         blocks = ("_attn_block", "_mlp_block")
         for name in blocks:                      # instance attributes over the methods, deleted by the undo
             block = getattr(self, name)

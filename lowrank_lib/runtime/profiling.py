@@ -36,7 +36,9 @@ __all__ = ["count_cuda_launches", "DISPATCH_TOKENS", "count_profiled_aten_ops", 
 OP_CLASSES = {
     "gemm": ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_int_mm", "mv", "dot", "gemv"),
     "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),
-    "layer": ("decode_layer",),    # our fused decode layer (runtime/kernels/layer.cpp): a whole layer in one call
+    # our fused decode layer (runtime/kernels/layer.cpp): a whole layer in one call (decode_layer, decode_layer_tiers),
+    # or every layer of the dense store in one call (decode_stack)
+    "layer": ("decode_layer", "decode_layer_tiers", "decode_stack"),
     "view": ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select", "expand",
              "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "as_strided", "alias", "unbind",
              "narrow", "detach", "_reshape_alias", "unflatten"),

@@ -183,6 +183,10 @@ def _register_fakes() -> None:
     def _(x, plan, rope, kv, layer, length, pad):
         return torch.empty_like(x)
 
+    @torch.library.register_fake(f"{NAMESPACE}::decode_stack")
+    def _(x, plans, rope, kv, length, pad):
+        return torch.empty_like(x)
+
     @torch.library.register_fake(f"{NAMESPACE}::decode_layer_tiers")
     def _(x, plan, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, t0,
           length, pad):

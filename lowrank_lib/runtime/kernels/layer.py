@@ -20,7 +20,10 @@ would run anyway, decided from capabilities, never from backend names:
 
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
 it becomes a plan of ``layer.cpp`` (parsed once); calling it is one ``torch.ops.lowrank_lrk.decode_layer`` (or
-``decode_layer_tiers``) call naming the plan, so a ``torch.compile``-d step traces one extern call per layer.
+``decode_layer_tiers``) call naming the plan. On the dense store the engine runs all its layers as one
+:class:`FusedStack` (``lowrank_lib.runtime.kernels.layer``'s ``decode_stack``: one call per step, one extern call in a
+``torch.compile``-d step); on a tiered store, and while a profiler marks layers (``Engine.layer_sections``), one call
+per layer.
 
 :func:`phase_times` reads the op's own phase timers (:data:`PHASES`): where a decode token's time goes inside the
 layers (issue 29's breakdown; ``lowrank_lib.runtime.profiling.token_breakdown`` turns them into ms per token).
@@ -235,6 +238,23 @@ class FusedLayer:
         out = ops.decode_layer_tiers(x, self.plan, rope, *store.fused_tier_args(self.i), length, pad)
         store.fused_appended(self.i)
         return out
+
+
+class FusedStack:
+    """Every :class:`FusedLayer` of an engine on the dense store, run in order by ONE ``lowrank_lrk::decode_stack``
+    call per step (the per-layer Python and dispatcher round trip, ~4-5 % of a SmolLM2 token at one thread, paid once).
+    Holds the layers, so their plans live as long as it does."""
+
+    def __init__(self, layers: list[FusedLayer]):
+        if not layers or any(f.tiered for f in layers) or [f.i for f in layers] != list(range(len(layers))):
+            raise ValueError("FusedStack: every layer of the engine, in order, on the dense store")
+        self.layers = layers
+        self.plans = [f.plan for f in layers]
+
+    def __call__(self, x: torch.Tensor, rope: torch.Tensor, store, length: torch.Tensor,
+                 pad: torch.Tensor) -> torch.Tensor:
+        """x [B, H] (the embedding) -> the last layer's output; every token's k / v go to ``store.kv``."""
+        return ops.decode_stack(x, self.plans, rope, store.kv, length, pad)
 
 
 def _drop_plan(plan: int) -> None:

@@ -84,6 +84,13 @@ def decode_layer(x: torch.Tensor, plan: int, rope: torch.Tensor, kv: torch.Tenso
     return _ops().decode_layer.default(x, plan, rope, kv, layer, length, pad)
 
 
+def decode_stack(x: torch.Tensor, plans: list[int], rope: torch.Tensor, kv: torch.Tensor, length: torch.Tensor,
+                 pad: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_layer` of ``plans[i]`` over layer ``i`` of ``kv``, every layer in order, in one call: x [B, H] ->
+    the last layer's output (the step's per-layer Python and dispatcher round trip paid once)."""
+    return _ops().decode_stack.default(x, plans, rope, kv, length, pad)
+
+
 def decode_layer_tiers(x: torch.Tensor, plan: int, rope: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                        k_exact: torch.Tensor, v_exact: torch.Tensor, e_off: torch.Tensor, runs: torch.Tensor,
                        r_off: torch.Tensor, a_k: torch.Tensor, a_v: torch.Tensor, b_k: torch.Tensor, b_v: torch.Tensor,
