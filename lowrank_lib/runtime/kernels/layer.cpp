@@ -189,24 +189,6 @@ static const T* member(const Group& g, int64_t i, const T* h1, const T* y2, int6
   return (m.src ? y2 : h1) + m.off;
 }
 
-// _rms: fp32 x * rsqrt(mean(x^2) + eps) (* w); bf16 rounds x * rstd to bf16, then w * y to bf16
-template <typename T>
-static void rms(const T* x, int64_t N, int64_t H, const T* w, float eps, T* h) {
-  for (int64_t r = 0; r < N; r++) {
-    double ss = 0;
-    for (int64_t i = 0; i < H; i++) {
-      const float v = ldf(x, r * H + i);
-      ss += (double)v * v;
-    }
-    const float rstd = 1.0f / std::sqrt((float)(ss / (double)H) + eps);
-    for (int64_t i = 0; i < H; i++) {
-      float y = rnd(ldf(x, r * H + i) * rstd, x);
-      if (w) y = ldf(w, i) * y;
-      stf(h, r * H + i, y);
-    }
-  }
-}
-
 // apply_rope of one row's member output y (nh heads of D; folded: [y, rot y]) with (cos, sin) rows c, s -> out
 template <typename T>
 static void rope_row(const T* y, int64_t nh, int64_t D, bool folded, const T* c, const T* s, T* out) {
@@ -332,6 +314,79 @@ static void silu_mul(const T* g, const T* u, int64_t n, T* out, int level) {
 #endif
   silu_mul_scalar(g, u, n, out);
 }
+
+// _rms: fp32 x * rsqrt(mean(x^2) + eps) (* w); bf16 rounds x * rstd to bf16, then w * y to bf16. The scaling pass
+// by the silu_mul levels (16 / 8 lanes, the tail through padded copies; each value rounded as the scalar code does:
+// x * rstd, its rounding to T, w * y, the store's rounding: the same bits at every level); h may be x.
+template <typename T>
+static void rms_scale_scalar(const T* x, const T* w, int64_t n, float rstd, T* h) {
+  for (int64_t i = 0; i < n; i++) {
+    float y = rnd(ldf(x, i) * rstd, x);
+    if (w) y = ldf(w, i) * y;
+    stf(h, i, y);
+  }
+}
+#if LRK_LAYER_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,fma")
+template <typename T>
+static void rms_scale_512(const T* x, const T* w, int64_t n, float rstd, T* h) {
+  const __m512 r = _mm512_set1_ps(rstd);
+  by_lanes<16>(x, w ? w : x, n, h, [&](const T* xp, const T* wp, T* op) {
+    __m512 y = rnd16(_mm512_mul_ps(ld(xp), r), xp);
+    if (w) y = _mm512_mul_ps(ld(wp), y);
+    st16(op, y);
+  });
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+template <typename T>
+static void rms_scale_256(const T* x, const T* w, int64_t n, float rstd, T* h) {
+  const __m256 r = _mm256_set1_ps(rstd);
+  by_lanes<8>(x, w ? w : x, n, h, [&](const T* xp, const T* wp, T* op) {
+    __m256 y = rnd8(_mm256_mul_ps(ld8(xp), r), xp);
+    if (w) y = _mm256_mul_ps(ld8(wp), y);
+    st8(op, y);
+  });
+}
+#pragma GCC pop_options
+#endif
+
+template <typename T>
+static void rms(const T* x, int64_t N, int64_t H, const T* w, float eps, T* h) {
+  const int level = silu_level();
+  for (int64_t r = 0; r < N; r++) {
+    // the sum of squares in double over 8 lanes (lane k: the elements i = k mod 8; every v * v is exact in double,
+    // so a contracted multiply-add gives the same bits), added in a fixed tree: no serial chain of H dependent adds
+    double a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const T* xr = x + r * H;
+    int64_t i = 0;
+    for (; i + 8 <= H; i += 8)
+      for (int k = 0; k < 8; k++) {
+        const float v = ldf(xr, i + k);
+        a[k] += (double)v * v;
+      }
+    for (; i < H; i++) {
+      const float v = ldf(xr, i);
+      a[i % 8] += (double)v * v;
+    }
+    const double ss = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+    const float rstd = 1.0f / std::sqrt((float)(ss / (double)H) + eps);
+#if LRK_LAYER_X86
+    if (level == 2) {
+      rms_scale_512(xr, w, H, rstd, h + r * H);
+      continue;
+    }
+    if (level == 1) {
+      rms_scale_256(xr, w, H, rstd, h + r * H);
+      continue;
+    }
+#endif
+    rms_scale_scalar(xr, w, H, rstd, h + r * H);
+  }
+}
+
 
 // op silu_mul(g, u, level) -> g's SiLU times u, the fused layer's code (level -1: what this CPU runs; 0 / 1 / 2 force
 // scalar / AVX2 / AVX-512 when the CPU has it): the tests compare it with ATen's silu(g) * u

@@ -955,8 +955,13 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
   const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::CHUNKS_PER_THREAD);
 #if LRK_X86
   auto heads = [&](int64_t i0, int64_t i1) {
-    // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows
-    std::vector<float> sc(w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
+    // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows. In
+    // the running thread's own grow-only scratch (this lambda runs on the caller and on the pool's workers; contents
+    // undefined: the kernels write before they read)
+    static thread_local std::vector<float> t_sc;
+    const int64_t need = w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D;
+    if ((int64_t)t_sc.size() < need) t_sc.resize(need);
+    float* const sc = t_sc.data();
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
       const char* qp = (const char*)q + (i * G * D) * es;
@@ -970,16 +975,16 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
       if (!w512) {
         if (bf)
           attend_head2<uint16_t>((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
-                                 D, scale, (uint16_t*)op, sc.data());
+                                 D, scale, (uint16_t*)op, sc);
         else
           attend_head2<float>((const float*)qp, (const float*)kp, (const float*)vp, ks[2], vs[2], lo, hi, G, D, scale,
-                              (float*)op, sc.data());
+                              (float*)op, sc);
       } else if (bf)
         ATTN_BF16[D / 16 - 1]((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
-                              scale, (uint16_t*)op, sc.data());
+                              scale, (uint16_t*)op, sc);
       else
         ATTN_F32[D / 16 - 1]((const float*)qp, (const float*)kp, (const float*)vp, ks[2], vs[2], lo, hi, G, scale,
-                             (float*)op, sc.data());
+                             (float*)op, sc);
     }
   };
   pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) { heads(cut[c], cut[c + 1]); });

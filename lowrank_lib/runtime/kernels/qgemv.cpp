@@ -497,25 +497,49 @@ static bool dpb_on() {
 #endif
 
 // qgemv's work on raw pointers (lrk_api.h's qgemv_into): the caller checked the ISA, shapes and blob sizes
+// grow-only thread-local scratch: n elements of v (contents undefined), no allocation once the largest call was seen
+template <typename T>
+static T* scratch(std::vector<T>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+  return v.data();
+}
+
 static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y,
                       int64_t ldy, int64_t bits, int64_t group) {
   if (N == 0 || M == 0) return;
 #if LRK_X86
   const Path isa = path();
-  std::vector<Geo> geo;
+  // the per-call work lists and buffers live in this thread's scratch (the pool's workers only read them while the
+  // calling thread waits in pool::run): a decode step makes ~200 of these calls, each once ~10 allocations. The
+  // lambdas below reach them through these local references (a thread_local named inside a lambda would be the
+  // worker's own).
+  static thread_local std::vector<Geo> t_geo;
+  static thread_local std::vector<int64_t> t_off;
+  static thread_local std::vector<int16_t> t_xq;
+  static thread_local std::vector<float> t_xs, t_xf;
+  static thread_local std::vector<int32_t> t_S, t_xp;
+  static thread_local std::vector<Job> t_jobs;
+  static thread_local std::vector<double> t_wt;
+  std::vector<Geo>& geo = t_geo;
+  std::vector<Job>& jobs = t_jobs;
+  std::vector<double>& wt = t_wt;
+  geo.clear();
   for (int64_t m = 0; m < M; m++) geo.emplace_back(bits, group, mats[m].out, mats[m].in);
   const int64_t es = bf ? 2 : 4;
   // 1. x quantized per matrix, row and group (on the calling thread: in * N values, a small part of the bytes)
-  std::vector<int64_t> qo(M + 1, 0), go(M + 1, 0);
+  int64_t* qo = scratch(t_off, 2 * (M + 1));
+  int64_t* go = qo + M + 1;
+  qo[0] = go[0] = 0;
   int64_t pmax = 0;
   for (int64_t m = 0; m < M; m++) {
     qo[m + 1] = qo[m] + N * geo[m].in_pad;
     go[m + 1] = go[m] + N * geo[m].G;
     pmax = std::max(pmax, geo[m].in_pad);
   }
-  std::vector<int16_t> xq(qo[M]);
-  std::vector<float> xs(go[M]), xf(pmax);
-  std::vector<int32_t> S(go[M]);
+  int16_t* xq = scratch(t_xq, qo[M]);
+  float* xs = scratch(t_xs, go[M]);
+  float* xf = scratch(t_xf, pmax);
+  int32_t* S = scratch(t_S, go[M]);
   const char* xb = (const char*)x;
   for (int64_t m = 0; m < M; m++)
     for (int64_t r = 0; r < N; r++) {
@@ -524,29 +548,29 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
       if (bf)
         for (int64_t i = 0; i < Gm.in; i++) xf[i] = bits_to_f((uint32_t)((const uint16_t*)row)[i] << 16);
       else
-        std::memcpy(xf.data(), row, Gm.in * 4);
-      std::fill(xf.begin() + Gm.in, xf.begin() + Gm.in_pad, 0.0f);
-      int16_t* q = xq.data() + qo[m] + r * Gm.in_pad;
-      float* s = xs.data() + go[m] + r * Gm.G;
-      int32_t* sm = S.data() + go[m] + r * Gm.G;
+        std::memcpy(xf, row, Gm.in * 4);
+      std::fill(xf + Gm.in, xf + Gm.in_pad, 0.0f);
+      int16_t* q = xq + qo[m] + r * Gm.in_pad;
+      float* s = xs + go[m] + r * Gm.G;
+      int32_t* sm = S + go[m] + r * Gm.G;
       if (isa == VNNI512)
-        quant_row_vnni(xf.data(), Gm.G, Gm.g, q, s, sm);
+        quant_row_vnni(xf, Gm.G, Gm.g, q, s, sm);
       else if (isa == BW512)
-        quant_row_bw(xf.data(), Gm.G, Gm.g, q, s, sm);
+        quant_row_bw(xf, Gm.G, Gm.g, q, s, sm);
       else
-        quant_row_avx2(xf.data(), Gm.G, Gm.g, q, s, sm);
+        quant_row_avx2(xf, Gm.G, Gm.g, q, s, sm);
     }
   // int4 with VNNI: x's bytes in the order of the nibbles (qblk4_dpb), in_pad / 2 int32 per matrix and row
   const bool dpb = isa == VNNI512 && bits == 4 && dpb_on();
-  std::vector<int32_t> xp(dpb ? qo[M] / 2 : 0);
+  int32_t* xp = dpb ? scratch(t_xp, qo[M] / 2) : nullptr;
   if (dpb)
     for (int64_t m = 0; m < M; m++)
       for (int64_t r = 0; r < N; r++)
-        quads_row(xq.data() + qo[m] + r * geo[m].in_pad, geo[m].in_pad, xp.data() + (qo[m] + r * geo[m].in_pad) / 2);
+        quads_row(xq + qo[m] + r * geo[m].in_pad, geo[m].in_pad, xp + (qo[m] + r * geo[m].in_pad) / 2);
   // 2. block jobs, cut into runs of about equal bytes over the kernel pool
   const int64_t rpj = isa == AVX2 ? 1 : MAXR;
-  std::vector<Job> jobs;
-  std::vector<double> wt;
+  jobs.clear();
+  wt.clear();
   int64_t total = 0;
   for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b * BW < geo[m].rows; b++)
@@ -566,10 +590,10 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
     void* yr[MAXR];
     for (int64_t r = 0; r < R; r++) {
       const int64_t row = J.r0 + r;
-      X.xq[r] = xq.data() + qo[J.m] + row * Gm.in_pad;
-      X.xs[r] = xs.data() + go[J.m] + row * Gm.G;
-      X.S[r] = S.data() + go[J.m] + row * Gm.G;
-      X.xp[r] = dpb ? xp.data() + (qo[J.m] + row * Gm.in_pad) / 2 : nullptr;
+      X.xq[r] = xq + qo[J.m] + row * Gm.in_pad;
+      X.xs[r] = xs + go[J.m] + row * Gm.G;
+      X.S[r] = S + go[J.m] + row * Gm.G;
+      X.xp[r] = dpb ? xp + (qo[J.m] + row * Gm.in_pad) / 2 : nullptr;
       yr[r] = yb + (row * ldy + mats[J.m].yoff + J.b * BW) * es;
     }
     const uint8_t* blk = (const uint8_t*)mats[J.m].P + Gm.block_off(J.b);
