@@ -118,3 +118,30 @@ def test_engine_weights_live_in_the_arena_and_the_report_says_so():
     assert arena["on"] and arena["live"] >= before + len(model.model.layers) * 4
     del eng
     assert _live()["live"] == before, "the engine's packed weights outlived it"
+
+
+def test_dense_kv_buffer_lives_in_the_arena_zeroed_and_goes_with_its_engine():
+    """The dense store's buffer (which our attention streams every token) is arena memory when our native attention
+    reads it: zeros, 64-byte aligned, handed out of the arena (its bytes counted), released with the engine; with the
+    portable kernels it is torch memory. arena_zeros refuses a negative size."""
+    ops = _ops()
+    model = models.tiny_model("tiny-gqa", seed=0)
+    base = _live()
+    eng = Engine(model, EngineConfig(max_seq_len=48, kernels="lrk", graph="none"))
+    if not eng.kv.backend.caps.native:
+        pytest.skip(f"our attention does not run here: {eng.kv.backend.reason}")
+    kv = eng.kv.kv
+    info = _live()
+    assert info["bytes_live"] - base["bytes_live"] >= kv.numel() * kv.element_size()
+    assert kv.data_ptr() % 64 == 0 and not kv.any()
+    eng.generate(torch.randint(0, 100, (1, 5)), 3)
+    assert kv.any()                                                  # the engine wrote its cache there
+    del eng, kv
+    assert _live()["live"] == base["live"], "the KV buffer outlived its engine"
+    port = Engine(model, EngineConfig(max_seq_len=48, kernels="portable", graph="none"))
+    assert _live()["bytes_live"] == base["bytes_live"] and not port.kv.kv.any()
+    with build.arena(False):
+        z = ops.arena_zeros((3, 5), torch.bfloat16)
+        assert _live()["live"] == base["live"] and z.shape == (3, 5) and z.dtype == torch.bfloat16 and not z.any()
+    with pytest.raises(RuntimeError, match="numel"):
+        ops.arena_zeros((-1,), torch.float32)

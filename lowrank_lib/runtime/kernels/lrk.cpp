@@ -25,6 +25,8 @@
 //   pool_info() -> int[]                     its counters
 //   set_arena(on) -> int, arena_info() -> int[]   the weight arena that pack / qpack allocate from (arena.cpp: 2 MB
 //                                            transparent huge pages); its switch (returns the previous state), its state
+//   arena_zeros(numel, dtype) -> Tensor [numel] zeros in that arena (torch's allocator when it is off): the dense KV
+//                                            store's buffer, which the decode attention streams every token like a weight
 //
 // Threads: gemv (and the certified head) cut their block jobs into contiguous runs of about equal weight bytes,
 // attend its (row, KV head) pairs; the calling thread and the kernel pool's workers claim the runs (lrk_pool.h).
@@ -1034,6 +1036,10 @@ TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("pool_info() -> int[]", &lrk::pool::pool_info);
   m.def("set_arena(int on) -> int", [](int64_t on) -> int64_t { return lrk::arena::set_enabled(on != 0) ? 1 : 0; });
   m.def("arena_info() -> int[]", &lrk::arena::info);
+  m.def("arena_zeros(int numel, ScalarType dtype) -> Tensor", [](int64_t numel, at::ScalarType dtype) -> at::Tensor {
+    TORCH_CHECK(numel >= 0, "lowrank_lrk::arena_zeros: numel must be >= 0, got ", numel);
+    return lrk::arena_empty(numel, at::TensorOptions().dtype(dtype)).zero_();
+  });
 }
 
 TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {

@@ -103,6 +103,15 @@ def decode_layer_tiers(x: torch.Tensor, plan: int, rope: torch.Tensor, k_new: to
                                              a_v, b_k, b_v, k_scale, v_scale, t0, length, pad)
 
 
+def arena_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor of ``shape`` in the weight arena (``arena.cpp``: 2 MB transparent huge pages; torch's allocator
+    when the arena is off): for a buffer a kernel streams every token, as the dense KV store's."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return _ops().arena_zeros(n, dtype).view(shape)
+
+
 def layer_profile(on: bool) -> list[int]:
     """decode_layer's phase timers: [calls, ns per phase (``layer.PHASES``)] since the previous call (then reset),
     and the timers turned on or off."""

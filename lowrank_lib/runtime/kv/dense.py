@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import BACKENDS, select_backend
+from ..kernels import ops as lrk_ops
 from .base import BackendChoice, KVSpec, StepContext, slot_mask
 
 
@@ -43,7 +44,13 @@ class DenseKV:
         self.layout = self.backend.layout
         B, S, H, D = spec.max_batch, spec.max_seq_len, spec.n_kv_heads, spec.head_dim
         shape = (B, H, S, D) if self.layout == "bhsd" else (B, S, H, D)
-        self.kv = torch.zeros((2 * spec.n_layers, *shape), dtype=spec.dtype, device=spec.device)
+        full = (2 * spec.n_layers, *shape)
+        if self.backend.caps.native and torch.device(spec.device).type == "cpu":
+            # our kernel streams this buffer every token: in the kernels' huge-page arena, as the weights are (the KV
+            # read is ~1/4 of a SmolLM2 int4 token at 512 tokens; paired steps: 4-5 % faster than 4 KB pages)
+            self.kv = lrk_ops.arena_zeros(full, spec.dtype)
+        else:
+            self.kv = torch.zeros(full, dtype=spec.dtype, device=spec.device)
         views = self.kv.unbind(0)
         self.k, self.v = list(views[0::2]), list(views[1::2])
         self._slots = torch.arange(S, device=spec.device)
