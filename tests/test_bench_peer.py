@@ -376,7 +376,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
     assert res["equivalence"]["tokens_equal"]
     want = {("llamacpp_dense", d, "exact", None) for d in ("fp32", "bf16", "q8_0", "q4_k_m")}
     want |= {(s, d, h, None) for s in OURS for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
-    want |= {("lowrank_lib_lowrank", "bf16", "exact", b) for b in (8, 4)}         # quantized factors, bf16 only
+    want |= {("lowrank_lib_lowrank", "bf16", h, b) for b in (8, 4) for h in peer_base.LM_HEADS}   # quantized, bf16 only
     assert [(r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]
             if (r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) in want] == [
         (r["system"], r["dtype"], r["lm_head"], r["factor_bits"]) for r in res["rows"]]

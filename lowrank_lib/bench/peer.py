@@ -65,12 +65,14 @@ class PeerConfig:
     repeats: int = 3
     systems: tuple[str, ...] = DEFAULT_SYSTEMS     # + "ik_llamacpp": ik_llama.cpp on the bf16 / quantized files
     lm_heads: tuple[str, ...] = LM_HEADS  # our systems run once per LM head (EngineConfig.lm_head)
-    graph: str = "whole-step"            # our engine's decode step: compiled (CPU "graph") or "none"
+    #: our engine's decode step: "none" (eager: one decode_stack call, then the head) or "whole-step" (torch.compile-d;
+    #: with the fused layer op it has nothing left to fuse, and measured 3-5 % slower in paired steps: dynamo's entry)
+    graph: str = "none"
     llama_flash_attn: str = "auto"       # "on" | "off" | "auto" (the faster of the two in a short probe)
     prompt: str = "wikitext"             # "wikitext" (a test-split window) or "random" token ids
     audit_prompts: int = 20              # the certified head's audit: fidelity prompts x gen_len tokens (0 = none)
     quants: tuple[str, ...] = ("q8_0", "q4_k_m")   # llama.cpp's quantized files (bf16 rows; needs dtype bf16)
-    factor_bits: tuple[int, ...] = (8, 4)          # our low-rank factors quantized (bf16 rows, exact head)
+    factor_bits: tuple[int, ...] = (8, 4)          # our low-rank factors quantized (bf16 rows, each LM head)
     seed: int = 0
     out: str = "benchmarks/results"
     note: str = ""
@@ -184,9 +186,10 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
                 for head in cfg.lm_heads if s in cfg.systems else ():
                     timed[(s, dt, head)] = Timed(s, engine(model, dt, n_ctx, cfg.graph, head))
-            for b in q_bits if dt == "bf16" else ():
-                timed[("lowrank_lib_lowrank", dt, "exact", b)] = Timed("lowrank_lib_lowrank", engine(
-                    quantized[b], dt, n_ctx, cfg.graph, "exact"))
+            for b in q_bits if dt == "bf16" else ():               # quantized factors, with each head too
+                for head in cfg.lm_heads:
+                    timed[("lowrank_lib_lowrank", dt, head, b)] = Timed("lowrank_lib_lowrank", engine(
+                        quantized[b], dt, n_ctx, cfg.graph, head))
         for t in timed.values():
             t.warm(ids, min(4, cfg.gen_len))
         bar = tqdm(total=cfg.repeats, desc=f"peer bench, {th} thread(s), rounds", disable=not progress)

@@ -71,7 +71,7 @@ class ScaleConfig:
     repeats: int = 3
     layers: int | None = None                       # a reduced layer count (dry runs, tests)
     overrides: dict = field(default_factory=dict)   # other geometry fields replaced (tests: a small vocabulary)
-    graph: str = "whole-step"
+    graph: str = "none"
     llama_flash_attn: str = "on"                    # "on" | "off" (llama-bench's CPU default is on)
     lm_heads: tuple[str, ...] = ("exact",)          # our systems run once per LM head (EngineConfig.lm_head)
     rounds: int = 1                                 # the unit list run this many times in turn: rows are medians
