@@ -387,9 +387,16 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                for r in q)                                                      # codes + scales read, not bf16
     assert any("speedup_vs_llamacpp_q4_k_m" in c for c in res["comparisons"])
     assert all("CPU" in r["info"]["system_info"] for r in res["rows"] if r["system"] == "llamacpp_dense")  # build
+    from lowrank_lib import models
+
+    cfg = models.tiny_model("tiny-smol").config       # K and V of every layer at the mean live length, the cache's type
+    kv_row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
     for r in res["rows"]:
         assert r["decode_steps"] == 7 and r["decode_ms_per_token"] > 0
         assert 0 < r["decode_cpu_ms_per_token"] <= 1.5 * r["decode_ms_per_token"]   # 1 thread: CPU ~ wall
+        assert r["kv_bytes_per_token"] == int(kv_row * (4 if r["dtype"] == "fp32" else 2) * (32 + 8 / 2)), r
+        assert r["roofline_with_kv_x"] == pytest.approx(r["roofline_x"] * r["weight_bytes_per_token"] / (
+            r["weight_bytes_per_token"] + r["kv_bytes_per_token"]))
         if r["lm_head"] == "certified":
             rep = r["lm_head_report"]
             assert rep["mode"] == "certified" and rep["calls"] == rep["rows"] == 8   # the timed run: prefill + 7 steps

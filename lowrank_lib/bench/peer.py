@@ -47,7 +47,7 @@ from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
 from ..eval.speed_plot import draw_decode_vs_bytes, draw_thread_scaling
 from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
-                        format_table, judged, llama_runner, save_figure, start)
+                        format_table, judged, kv_bytes_per_token, llama_runner, save_figure, start)
 from .results import ResultFiles
 
 #: the keys every row holds (the notebooks' tables)
@@ -202,6 +202,9 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         for (s, dt, *rest), t in timed.items():
             row = t.row(th, bw, rbw, shape=shape, dtype=dt, keep=cfg.keep if s == "lowrank_lib_lowrank" else None,
                         factor_bits=rest[1] if len(rest) > 1 else None)
+            kvb = kv_bytes_per_token(dense.config, ids.shape[1], cfg.gen_len, 4 if dt == "fp32" else 2)
+            row.update(kv_bytes_per_token=kvb, roofline_with_kv_x=row["decode_ms_per_token"] / 1e3 / (
+                (row["weight_bytes_per_token"] + kvb) / (bw * 1e9)))
             row["breakdown"] = t.profile(ids, cfg.gen_len)                # after the row took the counters
             if t.llama:
                 row["info"]["flash_attn_probe"] = fa.get((dt, th), {}).get("probe")

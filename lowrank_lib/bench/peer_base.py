@@ -108,6 +108,15 @@ def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool, s
                           flash_attn=flash_attn)
 
 
+def kv_bytes_per_token(config, prompt_len: int, gen_len: int, elem: int) -> int:
+    """The K and V bytes a decode step reads, on average over a generation after a ``prompt_len`` prompt: every layer's
+    K and V rows of the live context (mean ``prompt_len + gen_len / 2`` slots), ``elem`` bytes a value (the cache's
+    type: bf16 2, fp32 4; llama.cpp's cache holds the same type, ``KV_FOR_DTYPE``). Not in ``weight_bytes_per_token``
+    nor in the rows' ``roofline_x``: the rows' ``roofline_with_kv_x`` adds them."""
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(2 * config.num_hidden_layers * config.num_key_value_heads * D * elem * (prompt_len + gen_len / 2))
+
+
 def engine(model, dtype: str, n_ctx: int, graph: str, lm_head: str = "exact") -> Engine:
     return Engine(model, EngineConfig(max_batch=1, max_seq_len=n_ctx, dtype=dtype, graph=graph, lm_head=lm_head))
 
