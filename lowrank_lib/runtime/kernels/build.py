@@ -310,7 +310,7 @@ def pool(threads: int | None = None, min_bytes: int | None = None, spin_us: int 
          mode: str | None = None):
     """``with pool(min_bytes=1):`` the kernels' thread pool (``pool.cpp``) with other settings, restored on exit.
     threads: the threads a call may use (0: ``torch.get_num_threads()``, the default); min_bytes: streamed bytes per
-    thread below which a call runs on one thread (32 KB; 1: split whatever can be split); spin_us: how long an idle
+    thread below which a call runs on one thread (128 KB; 1: split whatever can be split); spin_us: how long an idle
     worker spins before sleeping (50; ``$LOWRANK_LIB_SPIN_US``); mode: ``"own"`` (the library's workers) or ``"omp"``
     (the same chunks in an OpenMP region: torch's intra-op threads; ``$LOWRANK_LIB_POOL``; the default is
     :func:`default_pool_mode`'s)."""

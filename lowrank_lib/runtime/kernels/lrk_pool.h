@@ -25,7 +25,7 @@ int64_t threads();
 // Threads worth using for `bytes` of streamed work: min(threads(), bytes / min_bytes), at least 1 (below 2 * min_bytes
 // one thread does everything: waking a worker costs more than it saves).
 int64_t threads_for(int64_t bytes);
-// The threshold of threads_for: streamed bytes per thread (32 KB; set_pool changes it).
+// The threshold of threads_for: streamed bytes per thread (128 KB; set_pool changes it).
 int64_t min_bytes();
 // Chunks per thread a caller should cut (dynamic claiming evens out late workers).
 constexpr int64_t CHUNKS_PER_THREAD = 4;

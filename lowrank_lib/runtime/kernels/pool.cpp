@@ -42,9 +42,13 @@
 // bytes of streamed work per thread below which a thread is not worth waking. A hot hand-off (workers spinning)
 // costs the caller well under 1 us (a cache line written, read back by each worker, the join); a cold one (workers
 // asleep) a condition-variable wake of a few us on the caller, while the dynamic claiming lets the caller do the
-// chunks a late worker has not taken. One core streams 10-25 GB/s, so 32 KB is 1.3-3 us of work: a 64 KB matrix
-// split in two saves about as much as a cold hand-off costs, more when hot; smaller splits cannot pay.
-#define LRK_POOL_MIN_BYTES (32 << 10)
+// chunks a late worker has not taken. One core streams 10-25 GB/s, so 32 KB is 1.3-3 us of work: in theory a 64 KB
+// matrix split in two saves about as much as a cold hand-off costs. Measured (SmolLM2 keep 0.5 at 2 threads, OpenMP
+// mode, paired decode steps switching the threshold per step): 32 / 64 / 128 / 256 / 512 KB gave 5.67 / 5.32 / 4.85 /
+// 4.74 / 4.77 ms with int8 factors, 3.82 / 3.74 / 3.61 / 3.78 / 3.76 with int4 and 6.96 / 6.94 / 6.86 / 7.15 / 7.19 with
+// bf16: splits of 20-250 KB matrices (the factors) cost more than they save (the hand-off, and a second thread's
+// short streams that the hardware prefetcher never ramps up); 128 KB is the best or within 2 % of it in each.
+#define LRK_POOL_MIN_BYTES (128 << 10)
 #endif
 #ifndef LRK_POOL_SPIN_US
 // how long a worker spins for the next call before sleeping: the kernel calls of one decode step come microseconds

@@ -712,7 +712,7 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   double total = 0;
   for (int64_t s = 0; s < S; s++) for_each_tier(s, [&](int64_t n, double w) { total += n * w; });
   // threads (the kernel pool): one when the layer is small (pool::threads_for), else every segment is cut into
-  // pieces of about total / (4 threads) cost (at least the pool's min_bytes, 32 KB-equivalent: a run piece projects
+  // pieces of about total / (4 threads) cost (at least the pool's min_bytes, 128 KB-equivalent: a run piece projects
   // the queries onto its bases and back once; a piece may span tiers), each piece is a
   // chunk the caller and the workers claim, and the pieces of a segment are merged by their (m, l, acc) states
   // (flash-decoding). The pieces depend on the thread count, so a split layer's result differs across thread counts
