@@ -239,6 +239,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_8.json`**", "peer_cpu_8.json", None),
                ("**`benchmarks/results/peer_cpu_9.json`**", "peer_cpu_9.json", None),
                ("**`benchmarks/results/peer_cpu_10.json`**", "peer_cpu_10.json", None),
+               ("**`benchmarks/results/peer_cpu_12.json`**", "peer_cpu_12.json", None),
+               ("**`benchmarks/results/peer_cpu_13.json`**", "peer_cpu_13.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -290,7 +292,8 @@ def test_readme_peer_table_equals_the_json(anchor, name, threads):
                 value = {"decode ms/token": lambda: r["decode_ms_per_token"], "prefill ms": lambda: r["prefill_ms"],
                          "MB/token": lambda: r["weight_bytes_per_token"] / 1e6,
                          "GB/token": lambda: r["weight_bytes_per_token"] / 1e9,
-                         "x roofline": lambda: r["roofline_x"], "x copy roofline": lambda: r["roofline_x"]}[h]()
+                         "x roofline": lambda: r["roofline_x"], "x copy roofline": lambda: r["roofline_x"],
+                         "x roofline with KV": lambda: r["roofline_with_kv_x"]}[h]()
                 _same(cells[i], value, what)
     assert len(seen) >= len(rows)
 
