@@ -387,7 +387,6 @@ static void rms(const T* x, int64_t N, int64_t H, const T* w, float eps, T* h) {
   }
 }
 
-
 // op silu_mul(g, u, level) -> g's SiLU times u, the fused layer's code (level -1: what this CPU runs; 0 / 1 / 2 force
 // scalar / AVX2 / AVX-512 when the CPU has it): the tests compare it with ATen's silu(g) * u
 at::Tensor silu_mul_op(const at::Tensor& g, const at::Tensor& u, int64_t level) {
