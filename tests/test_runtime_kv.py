@@ -114,14 +114,18 @@ def test_bytes_held_per_store(model):
 
 def test_kv_is_appended_in_one_place(model):
     """One decode step writes each layer's k and v exactly once (the store), never again in a kernel; with the fused
-    decode layer (``runtime/kernels/layer.cpp``, where it runs) inside its one call per layer instead."""
+    decode layer (``runtime/kernels/layer.cpp``, where it runs) inside its call instead: on the dense store one
+    decode_stack call for every layer, else one decode_layer call per layer."""
     for store, fused in ((DenseKV(), "off"), (DenseKV(), "auto"), (STORES["attsvd"](), "auto")):
         eng = Engine(model, EngineConfig(**ECFG, fused_layer=fused), kv=store)
         ids, mask = _batch()
         tok = eng.prefill(ids, mask).argmax(-1)
         with DispatchCounter() as c:
             eng.step(tok)
-        if eng.fused.enabled:
+        if eng._stack is not None:
+            assert c.counts["lowrank_lrk.decode_stack.default"] == 1, c.counts
+            assert not c.counts["lowrank_lrk.decode_layer.default"] and not c.counts["aten.index_copy_.default"], c.counts
+        elif eng.fused.enabled:
             assert c.counts["lowrank_lrk.decode_layer.default"] == 2 and not c.counts["aten.index_copy_.default"], c.counts
         else:
             assert c.counts["aten.index_copy_.default"] == 2 * 2, (store.name, c.counts)   # k + v, 2 layers
