@@ -450,9 +450,9 @@ static void layer_impl(const Plan& P, const at::Tensor& x, const at::Tensor& rop
                          Hkv * D};
   int64_t need = 0;
   for (int64_t v : sz) need += v;
-  if ((int64_t)arena.size() < need) arena.resize(need);
+  T* const base = grow(arena, need);
   Scratch<T> buf[7];
-  for (int64_t i = 0, off = 0; i < 7; off += sz[i], i++) buf[i] = {arena.data() + off};
+  for (int64_t i = 0, off = 0; i < 7; off += sz[i], i++) buf[i] = {base + off};
   const Scratch<T> &h = buf[0], &h1 = buf[1], &y2 = buf[2], &q = buf[3], &o = buf[4], &x1 = buf[5], &kr = buf[6];
   const T* xp = (const T*)x.data_ptr();
   T* xo = (T*)out.data_ptr();

@@ -961,9 +961,7 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
     // the running thread's own grow-only scratch (this lambda runs on the caller and on the pool's workers; contents
     // undefined: the kernels write before they read)
     static thread_local std::vector<float> t_sc;
-    const int64_t need = w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D;
-    if ((int64_t)t_sc.size() < need) t_sc.resize(need);
-    float* const sc = t_sc.data();
+    float* const sc = grow(t_sc, w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
       const char* qp = (const char*)q + (i * G * D) * es;

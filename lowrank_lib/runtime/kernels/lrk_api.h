@@ -1,11 +1,21 @@
 // The raw entry points of lrk.cpp's decode kernels, for other translation units of the library (layer.cpp, the
 // fused decode layer): the same code the ops `gemv`, `attend` and `qgemv` run after checking their arguments, on plain
 // pointers, writing into buffers the caller owns. Callers check the ISA first (kind_runs) and the shapes themselves.
+// Also the grow-only scratch helper the three translation units share for their per-call buffers.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 namespace lrk {
+
+// grow-only scratch: n elements of v (contents undefined), allocated only when n exceeds every earlier request; with
+// a thread_local v, a kernel's per-call buffers cost no allocation once the largest call has been seen
+template <typename T>
+inline T* grow(std::vector<T>& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize(n);
+  return v.data();
+}
 
 // whether this CPU (under set_isa_mask) runs the packed kernels of fp32 (bf = false) or bf16 (bf = true)
 bool kind_runs(bool bf);

@@ -497,13 +497,6 @@ static bool dpb_on() {
 #endif
 
 // qgemv's work on raw pointers (lrk_api.h's qgemv_into): the caller checked the ISA, shapes and blob sizes
-// grow-only thread-local scratch: n elements of v (contents undefined), no allocation once the largest call was seen
-template <typename T>
-static T* scratch(std::vector<T>& v, int64_t n) {
-  if ((int64_t)v.size() < n) v.resize(n);
-  return v.data();
-}
-
 static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y,
                       int64_t ldy, int64_t bits, int64_t group) {
   if (N == 0 || M == 0) return;
@@ -527,7 +520,7 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
   for (int64_t m = 0; m < M; m++) geo.emplace_back(bits, group, mats[m].out, mats[m].in);
   const int64_t es = bf ? 2 : 4;
   // 1. x quantized per matrix, row and group (on the calling thread: in * N values, a small part of the bytes)
-  int64_t* qo = scratch(t_off, 2 * (M + 1));
+  int64_t* qo = grow(t_off, 2 * (M + 1));
   int64_t* go = qo + M + 1;
   qo[0] = go[0] = 0;
   int64_t pmax = 0;
@@ -536,10 +529,10 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
     go[m + 1] = go[m] + N * geo[m].G;
     pmax = std::max(pmax, geo[m].in_pad);
   }
-  int16_t* xq = scratch(t_xq, qo[M]);
-  float* xs = scratch(t_xs, go[M]);
-  float* xf = scratch(t_xf, pmax);
-  int32_t* S = scratch(t_S, go[M]);
+  int16_t* xq = grow(t_xq, qo[M]);
+  float* xs = grow(t_xs, go[M]);
+  float* xf = grow(t_xf, pmax);
+  int32_t* S = grow(t_S, go[M]);
   const char* xb = (const char*)x;
   for (int64_t m = 0; m < M; m++)
     for (int64_t r = 0; r < N; r++) {
@@ -562,7 +555,7 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
     }
   // int4 with VNNI: x's bytes in the order of the nibbles (qblk4_dpb), in_pad / 2 int32 per matrix and row
   const bool dpb = isa == VNNI512 && bits == 4 && dpb_on();
-  int32_t* xp = dpb ? scratch(t_xp, qo[M] / 2) : nullptr;
+  int32_t* xp = dpb ? grow(t_xp, qo[M] / 2) : nullptr;
   if (dpb)
     for (int64_t m = 0; m < M; m++)
       for (int64_t r = 0; r < N; r++)
