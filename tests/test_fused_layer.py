@@ -10,6 +10,9 @@ q / k / v inside each layer, biases on a mixed dense / low-rank model, GQA and M
 """
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 import torch
 
@@ -157,8 +160,10 @@ def test_fused_layer_same_bits_at_every_thread_count(dtype):
 def same_bits_at_every_thread_count(engine):
     """At each of THREADS with the pool splitting every call (min_bytes=1): ``engine()`` builds and checks a fused
     engine; the first one's op, run on the same layer inputs and cache at every count, gives the same bits (output
-    and K / V writes), and the pool did split calls."""
-    outs = {}
+    and K / V writes), and the pool did split calls. So does its ``decode_stack`` (every layer in one call, on a team
+    of the threads in each pool mode, and with the team off): the same bits as the layer loop at one thread, a team's
+    members taking chunks off the calling thread."""
+    outs, stacks = {}, []
     for t in THREADS:
         with num_threads(t), build.pool(min_bytes=1):
             before = build.pool_info()["parallel_calls"]
@@ -173,9 +178,35 @@ def same_bits_at_every_thread_count(engine):
             outs[t] = (x, same.kv.kv.clone())
             if t > 1:
                 assert build.pool_info()["parallel_calls"] > before, "the pool never split a call"
+            for mode, team in (("omp", "1"), ("own", "1"), ("own", "0")):
+                with build.pool(mode=mode), _env("LOWRANK_LIB_TEAM", team):
+                    same.kv.kv.copy_(kv0)
+                    # a team's other members claim chunks in each of its hundreds of constructs; without the team a
+                    # cold worker may find every chunk taken, so only the split is counted
+                    key = "chunks_off_caller" if team == "1" else "parallel_calls"
+                    n0 = build.pool_info()[key]
+                    x = same._stack(x0, same.cs_table, same.kv, same.cursor.length, same.cursor.pad)
+                    stacks.append((t, mode, team, x, same.kv.kv.clone()))
+                    if t > 1:
+                        assert build.pool_info()[key] > n0, (t, mode, team, "nothing split")
     assert not torch.equal(outs[1][1], kv0)                  # the op wrote the token's K / V
     for t in THREADS[1:]:
         assert torch.equal(outs[t][0], outs[1][0]) and torch.equal(outs[t][1], outs[1][1]), t
+    for t, mode, team, x, kv in stacks:
+        assert torch.equal(x, outs[1][0]) and torch.equal(kv, outs[1][1]), (t, mode, team)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 # --------------------------------------------------------------------------- compiled step
@@ -369,16 +400,18 @@ def test_decode_layer_rejects_hostile_arguments():
 
 
 @needs_lrk_native
+@pytest.mark.parametrize("name", ["lowrank-gqa", "mixed-bias-mha", "shared-basis"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_decode_stack_is_the_layer_loop_bit_for_bit_and_refuses_hostile_plans(dtype):
-    """The dense store's step runs every layer in one decode_stack call: the same logits and the same KV bits as one
-    decode_layer call per layer (the engine's loop, which a profiler's layer marks switch to and their undo switches
-    back from); an empty, dropped, or too long list of plans is refused, and a stack is the engine's layers in order on
+def test_decode_stack_is_the_layer_loop_bit_for_bit_and_refuses_hostile_plans(name, dtype):
+    """The dense store's step runs every layer in one decode_stack call (at 2 threads a team, every call split, the
+    biases added by one member): the same logits and the same KV bits as one decode_layer call per layer (the
+    engine's loop, which a profiler's layer marks switch to and their undo switches back from), batch 2 with left
+    padding; an empty, dropped, or too long list of plans is refused, and a stack is the engine's layers in order on
     the dense store or nothing."""
     from lowrank_lib.runtime.kernels import ops
     from lowrank_lib.runtime.kernels.layer import FusedStack
 
-    model = _model("lowrank-gqa")
+    model = _model(name)
     ids, mask = prompt(2)
     out = {}
     for stacked in (True, False):
@@ -386,7 +419,7 @@ def test_decode_stack_is_the_layer_loop_bit_for_bit_and_refuses_hostile_plans(dt
         assert eng._stack is not None and eng._stack.plans == [f.plan for f in eng._fused]
         if not stacked:
             eng._stack = None
-        with torch.no_grad():
+        with torch.no_grad(), num_threads(2), build.pool(min_bytes=1):
             logits = [eng.prefill(ids, mask)]
             for _ in range(5):
                 logits.append(eng.step(logits[-1].argmax(-1)))

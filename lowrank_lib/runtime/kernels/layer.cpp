@@ -44,7 +44,12 @@
 //     -> x_out [B, H]: the plan's layer over layer `layer` of the dense store.
 //   decode_stack(x [B, H], plans [L], rope, kv(a!) [2L', >=B, Hkv, S, D], length [1], pad [>=B]) -> x_out [B, H]:
 //     decode_layer of plans[i] over layer i of the dense store, i = 0 .. L-1 in order, in ONE call (the per-layer
-//     Python and dispatcher round trip is paid once per step: ~4-5 % of a SmolLM2 token at 1 thread)
+//     Python and dispatcher round trip is paid once per step: ~4-5 % of a SmolLM2 token at 1 thread), on a TEAM of
+//     the pool's threads (lrk_pool.h; $LOWRANK_LIB_TEAM=0: the calling thread, as decode_layer): every member runs
+//     every layer, each GEMV and the attention a construct whose outputs the members share, so one hand-off per step
+//     replaces one per split call and the small factor matrices split too. Measured on SmolLM2 keep 0.5 at 2 threads
+//     (paired steps, AMD Zen 4): 7.63 -> 5.67 ms with bf16 factors, 4.81 -> 4.27 int8, 3.65 -> 3.45-3.54 int4. The
+//     same bits as decode_layer's loop at every thread count.
 //   decode_layer_tiers(x, plan, rope, k_new(a!), v_new(b!) [>=B, Hkv, cap, D], k_exact, v_exact, e_off, runs, r_off,
 //                      a_k, a_v, b_k, b_v, k_scale?, v_scale?, t0 [1], length [1], pad) -> x_out [B, H]
 //   the same layer over the tiered KV store of lowrank_lib/kv (MethodStore): the token's k / v are written at
@@ -60,6 +65,7 @@
 #include <torch/library.h>
 
 #include "lrk_api.h"
+#include "lrk_pool.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -100,7 +106,7 @@ static std::atomic<int64_t> g_prof_calls{0};
 struct Clock {  // lap(p): the time since the previous lap (or the start) is phase p's
   bool on;
   std::chrono::steady_clock::time_point t;
-  Clock() : on(g_prof.load(std::memory_order_relaxed)) {
+  explicit Clock(bool on_ = g_prof.load(std::memory_order_relaxed)) : on(on_) {
     if (on) t = std::chrono::steady_clock::now();
   }
   void lap(Phase p) {
@@ -170,15 +176,24 @@ static void group_gemv(bool bf, const Group& g, const void* x, int64_t ldx, int6
     gemv_into(bf, x, ldx, N, mats, M, y, ldy);
 }
 
-// x [N, in] (row stride ldx) -> h1 [N, rows], y2 [N, segw] (the group's two GEMV calls, biases added)
+// f() on one member of a team, the others waiting until it is done (a write to memory the members share); outside a
+// team f() then nothing
+template <typename F>
+static void once(F&& f) {
+  if (pool::rank() == 0) f();
+  pool::barrier();
+}
+
+// x [N, in] (row stride ldx) -> h1 [N, rows], y2 [N, segw] (the group's two GEMV calls, biases added). In a team each
+// GEMV call is a construct (lrk_pool.h): h1 / y2 are shared and complete on every member when it returns.
 template <typename T>
 static void run_group(bool bf, const Group& g, const T* x, int64_t ldx, int64_t N, T* h1, T* y2) {
   GemvMat s1{g.S, g.rows, g.in, 0, 0};
   group_gemv(bf, g, x, ldx, N, &s1, 1, h1, g.rows);
-  if (g.b1) add_bias(h1, N, g.rows, (const T*)g.b1);
+  if (g.b1) once([&] { add_bias(h1, N, g.rows, (const T*)g.b1); });
   if (!g.seg.empty()) {
     group_gemv(bf, g, h1, g.rows, N, g.seg.data(), (int64_t)g.seg.size(), y2, g.segw);
-    if (g.b2) add_bias(y2, N, g.segw, (const T*)g.b2);
+    if (g.b2) once([&] { add_bias(y2, N, g.segw, (const T*)g.b2); });
   }
 }
 
@@ -412,10 +427,21 @@ struct Tier {
   int64_t slot;
 };
 
+// Where one layer call's activations live. In a team (decode_stack on two or more threads) the outputs of the kernel
+// calls are shared by the members, and the rest each member computes itself, the same bits on each (a few thousand
+// values: cheaper than a barrier). Two sets of GEMV outputs, used by the groups in turn (qkv and gate_up: set 0, o
+// and down: set 1): a member may still read a group's outputs (residual, SiLU, RoPE) while a faster one already runs
+// the next group's first GEMV, which writes the other set; the set it reads is written again only two groups later,
+// after a barrier every member has passed.
 template <typename T>
-struct Scratch {  // a piece of layer_impl's arena
-  T* p = nullptr;
-  T* data() const { return p; }
+struct Bufs {
+  T* h1[2];  // shared: stage-1 outputs [N, max rows]
+  T* y2[2];  // shared: stage-2 outputs [N, max segw]
+  T* o;      // shared: the attention's output [N, Hq D]
+  T* h;      // own: a norm's output, then silu(g) * u [N, max(H, I)]
+  T* q;      // own: the rotated queries [N, Hq D]
+  T* x1;     // own: the residual after the attention [N, H]
+  T* kr;     // own: one row's rotated keys [Hkv D]
 };
 
 // One layer's weights and geometry, parsed and checked once (layer_plan's; the registry is below)
@@ -430,42 +456,57 @@ struct Plan {
   float eps = 0;
 };
 
+// the sizes of Bufs' pieces (values) for N rows of the layers of plans ps[0 .. L)
+struct Sizes {
+  int64_t h1 = 0, y2 = 1, o = 0, h = 0, q = 0, x1 = 0, kr = 0;
+  int64_t shared() const { return 2 * h1 + 2 * y2 + o; }
+  int64_t own() const { return h + q + x1 + kr; }
+};
+static Sizes buf_sizes(const std::shared_ptr<const Plan>* ps, int64_t L, int64_t N) {
+  Sizes z;
+  for (int64_t i = 0; i < L; i++) {
+    const Plan& P = *ps[i];
+    for (const Group& g : P.G) z.h1 = std::max(z.h1, N * g.rows), z.y2 = std::max(z.y2, N * g.segw);
+    z.o = std::max(z.o, N * P.n_heads * P.D), z.q = z.o;
+    z.h = std::max(z.h, N * std::max(P.H, P.G[2].mem[0].width));
+    z.x1 = std::max(z.x1, N * P.H), z.kr = std::max(z.kr, P.n_kv * P.D);
+  }
+  return z;
+}
 template <typename T>
-static void layer_impl(const Plan& P, const at::Tensor& x, const at::Tensor& rope, at::Tensor* kv, const Tier* tier,
-                       int64_t layer, int64_t hi, const int64_t* pad, at::Tensor& out, Clock& clk) {
+static void carve_shared(Bufs<T>& b, T* p, const Sizes& z) {
+  b.h1[0] = p, b.h1[1] = p + z.h1, p += 2 * z.h1;
+  b.y2[0] = p, b.y2[1] = p + z.y2, p += 2 * z.y2;
+  b.o = p;
+}
+template <typename T>
+static void carve_own(Bufs<T>& b, T* p, const Sizes& z) {
+  b.h = p, b.q = p + z.h, b.x1 = b.q + z.q, b.kr = b.x1 + z.x1;
+}
+
+// One layer: xp [N, H] -> xo [N, H] (xo != xp), K / V written at slot hi of layer `layer` of the dense store (kv) or
+// at the tiered store's appended row (tier)
+template <typename T>
+static void layer_impl(const Plan& P, const T* xp, T* xo, int64_t N, const at::Tensor& rope, at::Tensor* kv,
+                       const Tier* tier, int64_t layer, int64_t hi, const int64_t* pad, const Bufs<T>& B, Clock& clk) {
   const bool bf = P.bf, folded = P.folded, fin = P.fin;
   const T *ln1 = (const T*)P.ln1, *ln2 = (const T*)P.ln2, *fin_w = (const T*)P.fin_w;
   const std::vector<Group>& G = P.G;
   const float eps = P.eps;
-  const int64_t Hq = P.n_heads, Hkv = P.n_kv, D = P.D;
-  const int64_t N = x.size(0), H = x.size(1), qg = Hq / Hkv;
+  const int64_t Hq = P.n_heads, Hkv = P.n_kv, D = P.D, H = P.H, qg = Hq / Hkv;
   const Group &qkv = G[0], &og = G[1], &gu = G[2], &dn = G[3];
   const int64_t I = gu.mem[0].width;
-  // scratch: h [N, max(H, I)], h1 / y2 of the widest group, q [N, Hq D], o [N, Hq D], x1 [N, H], kr [Hkv D]
-  int64_t w1 = 0, w2 = 0;
-  for (const Group& g : G) w1 = std::max(w1, g.rows), w2 = std::max(w2, g.segw);
-  // one thread-local arena per element type, grown to the largest layer seen (no allocation per call)
-  static thread_local std::vector<T> arena;
-  const int64_t sz[7] = {N * std::max(H, I), N * w1, N * std::max<int64_t>(w2, 1), N * Hq * D, N * Hq * D, N * H,
-                         Hkv * D};
-  int64_t need = 0;
-  for (int64_t v : sz) need += v;
-  T* const base = grow(arena, need);
-  Scratch<T> buf[7];
-  for (int64_t i = 0, off = 0; i < 7; off += sz[i], i++) buf[i] = {base + off};
-  const Scratch<T> &h = buf[0], &h1 = buf[1], &y2 = buf[2], &q = buf[3], &o = buf[4], &x1 = buf[5], &kr = buf[6];
-  const T* xp = (const T*)x.data_ptr();
-  T* xo = (T*)out.data_ptr();
+  T *const h = B.h, *const q = B.q, *const x1 = B.x1, *const kr = B.kr, *const o = B.o;
   clk.lap(P_PROLOG);
   // attention half
-  rms(xp, N, H, ln1, eps, h.data());
+  rms(xp, N, H, ln1, eps, h);
   clk.lap(P_NORM);
-  run_group(bf, qkv, h.data(), H, N, h1.data(), y2.data());
+  run_group(bf, qkv, h, H, N, B.h1[0], B.y2[0]);
   clk.lap(P_QKV);
   int64_t lq, lk, lv;
-  const T* yq = member(qkv, 0, h1.data(), y2.data(), &lq);
-  const T* yk = member(qkv, 1, h1.data(), y2.data(), &lk);
-  const T* yv = member(qkv, 2, h1.data(), y2.data(), &lv);
+  const T* yq = member(qkv, 0, B.h1[0], B.y2[0], &lq);
+  const T* yk = member(qkv, 1, B.h1[0], B.y2[0], &lk);
+  const T* yv = member(qkv, 2, B.h1[0], B.y2[0], &lv);
   const int64_t es = sizeof(T);
   // where this token's k / v rows go: slot `hi` of the dense cache, or appended row `slot` of the tiered store
   T *K, *V;
@@ -481,55 +522,64 @@ static void layer_impl(const Plan& P, const at::Tensor& x, const at::Tensor& rop
     row = hi;
   }
   const T* cs = (const T*)rope.data_ptr();
-  for (int64_t b = 0; b < N; b++) {
-    const int64_t pos = std::max<int64_t>(hi - pad[b], 0);
-    const T* c = cs + pos * rope.stride(0);
-    const T* s = c + rope.stride(1);
-    rope_row(yq + b * lq, Hq, D, folded, c, s, q.data() + b * Hq * D);
-    rope_row(yk + b * lk, Hkv, D, folded, c, s, kr.data());
-    for (int64_t hh = 0; hh < Hkv; hh++) {
-      std::memcpy(K + b * ks[0] + hh * ks[1] + row * ks[2], kr.data() + hh * D, D * es);
-      std::memcpy(V + b * vs[0] + hh * vs[1] + row * vs[2], yv + b * lv + hh * D, D * es);
-    }
+  auto cos_sin = [&](int64_t b, const T** c, const T** s) {
+    *c = cs + std::max<int64_t>(hi - pad[b], 0) * rope.stride(0);
+    *s = *c + rope.stride(1);
+  };
+  for (int64_t b = 0; b < N; b++) {  // every member's own rotated queries
+    const T *c, *s;
+    cos_sin(b, &c, &s);
+    rope_row(yq + b * lq, Hq, D, folded, c, s, q + b * Hq * D);
   }
+  once([&] {  // the cache's rows: written by one member, read by all in the attention
+    for (int64_t b = 0; b < N; b++) {
+      const T *c, *s;
+      cos_sin(b, &c, &s);
+      rope_row(yk + b * lk, Hkv, D, folded, c, s, kr);
+      for (int64_t hh = 0; hh < Hkv; hh++) {
+        std::memcpy(K + b * ks[0] + hh * ks[1] + row * ks[2], kr + hh * D, D * es);
+        std::memcpy(V + b * vs[0] + hh * vs[1] + row * vs[2], yv + b * lv + hh * D, D * es);
+      }
+    }
+  });
   clk.lap(P_ROPE_KV);
   const float scale = (float)std::pow((double)D, -0.5);
   if (tier) {  // every tier and the appended rows through the store's fused kernel (tiers.cpp), the same call and bits
     int64_t nn = row + 1;
     const auto ot = tiers::tier_attend(
-        at::from_blob(q.data(), {N, Hkv, qg, D}, x.options()), tier->k_exact, tier->v_exact, tier->e_off, tier->runs,
+        at::from_blob(q, {N, Hkv, qg, D}, tier->k_new.options()), tier->k_exact, tier->v_exact, tier->e_off, tier->runs,
         tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale, tier->v_scale, tier->k_new,
         tier->v_new, at::from_blob(&nn, {1}, at::TensorOptions().dtype(at::kLong)), scale);
-    std::memcpy(o.data(), ot.data_ptr(), N * Hq * D * es);
+    std::memcpy(o, ot.data_ptr(), N * Hq * D * es);
   } else {
-    attend_into(bf, q.data(), K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o.data());
+    attend_into(bf, q, K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o);
   }
   clk.lap(P_ATTN);
-  run_group(bf, og, o.data(), Hq * D, N, h1.data(), y2.data());
+  run_group(bf, og, o, Hq * D, N, B.h1[1], B.y2[1]);
   clk.lap(P_O);
   int64_t la;
-  const T* ya = member(og, 0, h1.data(), y2.data(), &la);
+  const T* ya = member(og, 0, B.h1[1], B.y2[1], &la);
   for (int64_t r = 0; r < N; r++)
-    for (int64_t i = 0; i < H; i++) stf(x1.data(), r * H + i, ldf(xp, r * H + i) + ldf(ya, r * la + i));
+    for (int64_t i = 0; i < H; i++) stf(x1, r * H + i, ldf(xp, r * H + i) + ldf(ya, r * la + i));
   clk.lap(P_RESID);
   // MLP half
-  rms(x1.data(), N, H, ln2, eps, h.data());
+  rms(x1, N, H, ln2, eps, h);
   clk.lap(P_NORM);
-  run_group(bf, gu, h.data(), H, N, h1.data(), y2.data());
+  run_group(bf, gu, h, H, N, B.h1[0], B.y2[0]);
   clk.lap(P_GATE_UP);
   int64_t lg, lu;
-  const T* yg = member(gu, 0, h1.data(), y2.data(), &lg);
-  const T* yu = member(gu, 1, h1.data(), y2.data(), &lu);
-  T* m = h.data();  // h is free again: silu(g) * u [N, I]
+  const T* yg = member(gu, 0, B.h1[0], B.y2[0], &lg);
+  const T* yu = member(gu, 1, B.h1[0], B.y2[0], &lu);
+  T* m = h;  // h is free again: silu(g) * u [N, I]
   const int sl = silu_level();
   for (int64_t r = 0; r < N; r++) silu_mul(yg + r * lg, yu + r * lu, I, m + r * I, sl);
   clk.lap(P_SILU);
-  run_group(bf, dn, m, I, N, h1.data(), y2.data());
+  run_group(bf, dn, m, I, N, B.h1[1], B.y2[1]);
   clk.lap(P_DOWN);
   int64_t ld;
-  const T* yd = member(dn, 0, h1.data(), y2.data(), &ld);
+  const T* yd = member(dn, 0, B.h1[1], B.y2[1], &ld);
   for (int64_t r = 0; r < N; r++)
-    for (int64_t i = 0; i < H; i++) stf(xo, r * H + i, ldf(x1.data(), r * H + i) + ldf(yd, r * ld + i));
+    for (int64_t i = 0; i < H; i++) stf(xo, r * H + i, ldf(x1, r * H + i) + ldf(yd, r * ld + i));
   clk.lap(P_RESID);
   if (fin) {  // the model's final RMSNorm (the last layer's plan): the engine's _norm before the LM head, in place
     rms(xo, N, H, fin_w, eps, xo);
@@ -673,18 +723,44 @@ static int64_t check_call(const char* E, const Plan& P, const at::Tensor& x, con
   return hi;
 }
 
-static at::Tensor run_layer(const at::Tensor& x, const Plan& P, const at::Tensor& rope, at::Tensor* kv,
-                            const Tier* tier, int64_t layer, int64_t hi, const at::Tensor& pad, Clock& clk) {
+// One layer call on the calling thread (decode_layer, decode_layer_tiers): its kernel calls split over the kernel
+// pool as the separate ops do; every buffer in this thread's grow-only arena (no allocation per call)
+template <typename T>
+static void solo_layer(const std::shared_ptr<const Plan>& P, const at::Tensor& x, const at::Tensor& rope, at::Tensor* kv,
+                       const Tier* tier, int64_t layer, int64_t hi, const int64_t* pd, at::Tensor& out, Clock& clk) {
+  const int64_t N = x.size(0);
+  const Sizes z = buf_sizes(&P, 1, N);
+  static thread_local std::vector<T> arena;
+  T* base = grow(arena, z.shared() + z.own());
+  Bufs<T> B;
+  carve_shared(B, base, z);
+  carve_own(B, base + z.shared(), z);
+  layer_impl<T>(*P, (const T*)x.data_ptr(), (T*)out.data_ptr(), N, rope, kv, tier, layer, hi, pd, B, clk);
+}
+
+static at::Tensor run_layer(const at::Tensor& x, const std::shared_ptr<const Plan>& P, const at::Tensor& rope,
+                            at::Tensor* kv, const Tier* tier, int64_t layer, int64_t hi, const at::Tensor& pad,
+                            Clock& clk) {
   const int64_t N = x.size(0), H = x.size(1);
   auto out = at::empty({N, H}, x.options());
   if (N == 0) return out;
   const int64_t* pd = pad.data_ptr<int64_t>();
   if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
-  if (P.bf)
-    layer_impl<uint16_t>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
+  if (P->bf)
+    solo_layer<uint16_t>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
   else
-    layer_impl<float>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
+    solo_layer<float>(P, x, rope, kv, tier, layer, hi, pd, out, clk);
   return out;
+}
+
+// the dense store's checks of layer `layer` (decode_layer, decode_stack)
+static void check_kv(const char* E, const Plan& P, const at::Tensor& x, const at::Tensor& kv, int64_t layer,
+                     int64_t hi) {
+  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == x.scalar_type() && kv.is_contiguous() && kv.size(0) % 2 == 0 &&
+                  layer >= 0 && 2 * layer + 1 < kv.size(0) && kv.size(1) >= x.size(0) && kv.size(2) == P.n_kv &&
+                  kv.size(4) == P.D,
+              E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
+  TORCH_CHECK(hi < kv.size(3), E, "slot ", hi, " outside the cache (", kv.size(3), " slots)");
 }
 
 at::Tensor decode_layer(const at::Tensor& x, int64_t plan, const at::Tensor& rope, at::Tensor& kv, int64_t layer,
@@ -693,20 +769,69 @@ at::Tensor decode_layer(const at::Tensor& x, int64_t plan, const at::Tensor& rop
   const char* E = "lowrank_lrk::decode_layer: ";
   const auto P = get_plan(E, plan);
   const int64_t hi = check_call(E, *P, x, rope, length, pad);
-  TORCH_CHECK(kv.dim() == 5 && kv.scalar_type() == x.scalar_type() && kv.is_contiguous() && kv.size(0) % 2 == 0 &&
-                  layer >= 0 && 2 * layer + 1 < kv.size(0) && kv.size(1) >= x.size(0) && kv.size(2) == P->n_kv &&
-                  kv.size(4) == P->D,
-              E, "kv must be the dense store's contiguous [2L, >=B, Hkv, S, D] buffer (layer ", layer, ")");
-  TORCH_CHECK(hi < kv.size(3), E, "slot ", hi, " outside the cache (", kv.size(3), " slots)");
-  return run_layer(x, *P, rope, &kv, nullptr, layer, hi, pad, clk);
+  check_kv(E, *P, x, kv, layer, hi);
+  return run_layer(x, P, rope, &kv, nullptr, layer, hi, pad, clk);
+}
+
+// whether decode_stack runs as a team ($LOWRANK_LIB_TEAM=0: every layer on the calling thread, each kernel call split
+// over the pool as decode_layer does; read at every call, so a benchmark can alternate the two in one process)
+static bool team_on() {
+  const char* e = std::getenv("LOWRANK_LIB_TEAM");
+  return !(e && e[0] == '0');
+}
+
+// The layers of plans[0 .. L) in order on a team of the pool's threads (lrk_pool.h): one hand-off per step instead of
+// one per split kernel call. Each member runs every layer (its own x, norms, RoPE'd queries, residuals and SiLU: the
+// same bits as on one thread); the GEMVs and the attention are constructs whose outputs the members share; the
+// cache's row is written by one member.
+template <typename T>
+static void stack_impl(const std::vector<std::shared_ptr<const Plan>>& plans, const at::Tensor& x,
+                       const at::Tensor& rope, at::Tensor& kv, int64_t hi, const int64_t* pd, at::Tensor& out) {
+  const int64_t N = x.size(0), H = x.size(1), L = (int64_t)plans.size();
+  const Sizes z = buf_sizes(plans.data(), L, N);
+  static thread_local std::vector<T> shared;  // the calling thread's: the members' shared buffers
+  Bufs<T> S;
+  carve_shared(S, grow(shared, z.shared()), z);
+  const bool prof = g_prof.load(std::memory_order_relaxed);
+  auto body = [&](int64_t r, int64_t) {
+    static thread_local std::vector<T> own;   // each member's: its buffers and two x rows
+    T* base = grow(own, z.own() + 2 * N * H);
+    Bufs<T> B = S;
+    carve_own(B, base, z);
+    T* xs[2] = {base + z.own(), base + z.own() + N * H};
+    Clock clk(prof && r == 0);                // the phase timers: one member's wall time
+    const T* cur = (const T*)x.data_ptr();
+    for (int64_t i = 0; i < L; i++) {
+      if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
+      layer_impl<T>(*plans[i], cur, xs[i & 1], N, rope, &kv, nullptr, i, hi, pd, B, clk);
+      cur = xs[i & 1];
+    }
+    if (r == 0) std::memcpy(out.data_ptr(), cur, N * H * sizeof(T));
+  };
+  pool::team(team_on() ? pool::threads() : 1, body);
 }
 
 at::Tensor decode_stack(const at::Tensor& x, at::IntArrayRef plans, const at::Tensor& rope, at::Tensor& kv,
                         const at::Tensor& length, const at::Tensor& pad) {
-  TORCH_CHECK(!plans.empty(), "lowrank_lrk::decode_stack: no layer plans");
-  at::Tensor h = x;
-  for (int64_t i = 0; i < (int64_t)plans.size(); i++) h = decode_layer(h, plans[i], rope, kv, i, length, pad);
-  return h;
+  const char* E = "lowrank_lrk::decode_stack: ";
+  TORCH_CHECK(!plans.empty(), E, "no layer plans");
+  std::vector<std::shared_ptr<const Plan>> ps;
+  int64_t hi = 0;
+  for (int64_t i = 0; i < (int64_t)plans.size(); i++) {  // every check before the first layer runs
+    ps.push_back(get_plan(E, plans[i]));
+    const Plan& P = *ps.back();
+    hi = check_call(E, P, x, rope, length, pad);
+    TORCH_CHECK(P.bf == ps[0]->bf && (!P.fin || i + 1 == (int64_t)plans.size()), E, "plan ", i,
+                P.bf != ps[0]->bf ? " has another dtype than plan 0" : " has the final norm but is not the last");
+    check_kv(E, P, x, kv, i, hi);
+  }
+  auto out = at::empty_like(x);
+  if (x.size(0) == 0) return out;
+  if (ps[0]->bf)
+    stack_impl<uint16_t>(ps, x, rope, kv, hi, pad.data_ptr<int64_t>(), out);
+  else
+    stack_impl<float>(ps, x, rope, kv, hi, pad.data_ptr<int64_t>(), out);
+  return out;
 }
 
 // decode_layer over the tiered store of lowrank_lib/kv (MethodStore with the fused tier attention): the token's k / v
@@ -734,7 +859,7 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, int64_t plan, const at::Tenso
   TORCH_CHECK(slot >= 0 && slot < k_new.size(2), E, "appended row ", slot, " (position ", hi, ") outside the ",
               k_new.size(2), " reserved rows");
   const Tier tier{k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, slot};
-  return run_layer(x, *P, rope, nullptr, &tier, 0, hi, pad, clk);
+  return run_layer(x, P, rope, nullptr, &tier, 0, hi, pad, clk);
 }
 
 }  // namespace layer

@@ -694,7 +694,7 @@ static void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& b
   int64_t total = 0;
   for (auto b : bytes) total += b;
   const int64_t tu = imin(pool::threads_for(total), n);
-  if (tu <= 1) {
+  if (tu <= 1 && !pool::in_team()) {  // (in a team every call is a construct: the members meet after it)
     for (int64_t j = 0; j < n; j++) f(jobs[j]);
     return;
   }

@@ -8,6 +8,14 @@
 // forked child), spin briefly after each call, then sleep on a condition variable. Mode 1 runs the same claiming
 // loop in an OpenMP parallel region instead (torch's intra-op threads): the default where torch's backend is OpenMP
 // (build.default_pool_mode()).
+//
+// A team (team(), for the fused decode stack) is the other way to use the threads: every thread runs the SAME code
+// from start to end (a whole decode step), and a kernel call inside it is a work-sharing construct: each member calls
+// run() with the same arguments, the members claim the chunks from a counter of the team, and run() returns on every
+// member after a barrier, when all chunks are done. Splitting a call then costs one barrier between hot threads
+// (~0.1-0.3 us) instead of a hand-off (an OpenMP region, or waking our workers), so the step's small matrices can be
+// split too. Code between the calls runs on every member (each on its own copy of the small activations, the same
+// bits), except what must happen once (a write to shared memory: rank() == 0, then barrier()).
 #pragma once
 
 #include <cstdint>
@@ -19,8 +27,8 @@ namespace pool {
 
 typedef void (*ChunkFn)(void* ctx, int64_t chunk);
 
-// Threads a kernel call may use now: the set_pool override when > 0, else at::get_num_threads(); 1 when called from
-// inside a parallel region.
+// Threads a kernel call may use now: inside a team its size; else the set_pool override when > 0, else
+// at::get_num_threads(); 1 when called from inside a parallel region.
 int64_t threads();
 // Threads worth using for `bytes` of streamed work: min(threads(), bytes / min_bytes), at least 1 (below 2 * min_bytes
 // one thread does everything: waking a worker costs more than it saves).
@@ -39,6 +47,29 @@ void run(int64_t nchunks, int64_t nthreads, F&& f) {
   using G = std::remove_reference_t<F>;
   run(nchunks, nthreads, [](void* c, int64_t i) { (*static_cast<G*>(c))(i); }, (void*)&f);
 }
+
+// fn(ctx, rank, size) on a team of up to nthreads threads, the caller one of them (ranks 0 .. size - 1; size: the
+// team's real size, 1 when the workers are busy, inside another team, or nthreads <= 1), returning when every member
+// has returned. Inside fn, run() is a work-sharing construct (see above), threads() is the team's size and
+// threads_for() splits from team_min_bytes(); a member that throws makes every member leave at its next barrier, and
+// team() rethrows the first exception.
+typedef void (*TeamFn)(void* ctx, int64_t rank, int64_t size);
+void team(int64_t nthreads, TeamFn fn, void* ctx);
+
+template <typename F>
+void team(int64_t nthreads, F&& f) {
+  using G = std::remove_reference_t<F>;
+  team(nthreads, [](void* c, int64_t r, int64_t n) { (*static_cast<G*>(c))(r, n); }, (void*)&f);
+}
+// this thread's rank in the team it runs in (0 outside a team)
+int64_t rank();
+// whether this thread runs inside a team of two or more
+bool in_team();
+// inside a team: returns when every member has called it (outside: nothing)
+void barrier();
+// the threshold of threads_for inside a team: bytes per thread, the smaller of min_bytes() and 16 KB
+// ($LOWRANK_LIB_TEAM_MIN_BYTES at the first call)
+int64_t team_min_bytes();
 
 // Cuts [0, n) into at most `parts` contiguous ranges of about equal weight (w[i] >= 0): cut[0] = 0 < ... = n.
 std::vector<int64_t> cuts(const std::vector<double>& w, int64_t parts);

@@ -76,7 +76,63 @@ static int64_t spin_us() {
   return v;
 }
 
+// ---- teams (lrk_pool.h): the members' shared state, and each member's view of it
+struct Team {
+  int64_t size = 1;
+  alignas(64) std::atomic<int64_t> arrived{0};          // members at the current barrier
+  alignas(64) std::atomic<int64_t> epoch{0};            // barriers passed
+  alignas(64) std::atomic<int64_t> next[2];             // a construct's chunk counter, by the parity of its epoch
+  alignas(64) std::atomic<bool> failed{false};
+  std::mutex m;
+  std::exception_ptr error;                             // the first exception of a member
+};
+struct TeamAbort {};                                    // thrown in a member's barrier once another member failed
+static thread_local Team* t_team = nullptr;
+static thread_local int64_t t_rank = 0, t_epoch = 0;
+
+static void team_fail(Team* T) {
+  std::lock_guard<std::mutex> lk(T->m);
+  if (!T->failed.load()) T->error = std::current_exception(), T->failed.store(true);
+}
+
+int64_t rank() { return t_team ? t_rank : 0; }
+bool in_team() { return t_team != nullptr; }
+
+// Sense by epoch: the last member to arrive resets the counter of the next epoch's construct (the slot the epoch
+// before this one used, which nobody reads any more: every member has arrived here), then opens the next epoch.
+void barrier() {
+  Team* T = t_team;
+  if (!T) return;
+  const int64_t e = t_epoch;
+  if (T->arrived.fetch_add(1) == T->size - 1) {
+    T->arrived.store(0);
+    T->next[(e + 1) & 1].store(0);
+    T->epoch.store(e + 1);
+  } else {
+    for (int64_t i = 1; T->epoch.load(std::memory_order_acquire) == e; i++) {
+      LRK_PAUSE();
+      if ((i & 1023) == 0) {
+        if (T->failed.load()) throw TeamAbort{};
+        if (i > (1 << 20)) std::this_thread::yield();  // a member descheduled (more threads than cores): let it run
+      }
+    }
+  }
+  t_epoch = e + 1;
+}
+
+int64_t team_min_bytes() {
+  // a split costs a team one barrier, which it pays after every call anyway: any call worth a second stream is split.
+  // Measured (SmolLM2 keep 0.5 at 2 threads, paired steps): 8 / 16 / 32 / 64 KB within 1-2 % of each other with bf16,
+  // int8 and int4 factors (5.71-5.75, 4.31-4.37, 3.67-3.70 ms); below set_pool's min_bytes (tests force splits with 1)
+  static const int64_t v = [] {
+    const char* e = std::getenv("LOWRANK_LIB_TEAM_MIN_BYTES");
+    return e ? std::max<int64_t>(1, std::atoll(e)) : (int64_t)(16 << 10);
+  }();
+  return std::min(min_bytes(), v);
+}
+
 int64_t threads() {
+  if (t_team) return t_team->size;
   if (at::in_parallel_region()) return 1;
   const int64_t n = g_threads.load(std::memory_order_relaxed);
   return std::max<int64_t>(1, n > 0 ? n : (int64_t)at::get_num_threads());
@@ -87,7 +143,7 @@ int64_t min_bytes() { return std::max<int64_t>(1, g_min_bytes.load(std::memory_o
 int64_t threads_for(int64_t bytes) {
   const int64_t nt = threads();
   if (nt <= 1) return 1;
-  const int64_t mb = min_bytes();
+  const int64_t mb = t_team ? team_min_bytes() : min_bytes();
   return std::max<int64_t>(1, std::min<int64_t>(nt, bytes / mb));
 }
 
@@ -209,7 +265,27 @@ static void run_own(Pool* P, int64_t nchunks, int64_t nworkers, ChunkFn fn, void
   if (theirs) std::rethrow_exception(theirs);
 }
 
+// run() inside a team: members of rank < nthreads claim the chunks from the counter of this epoch, then all meet
+static void run_team(Team* T, int64_t nchunks, int64_t nthreads, ChunkFn fn, void* ctx) {
+  if (t_rank < std::min(nthreads, T->size)) {
+    std::atomic<int64_t>& next = T->next[t_epoch & 1];
+    try {
+      for (int64_t c; (c = next.fetch_add(1)) < nchunks;) {
+        if (t_rank != 0) g_stats[1].fetch_add(1, std::memory_order_relaxed);
+        fn(ctx, c);
+      }
+    } catch (...) {
+      team_fail(T);
+      next.store(nchunks);
+    }
+  }
+  if (t_rank == 0) g_stats[nthreads > 1 ? 0 : 2].fetch_add(1, std::memory_order_relaxed);
+  barrier();
+}
+
 void run(int64_t nchunks, int64_t nthreads, ChunkFn fn, void* ctx) {
+  if (t_team) return run_team(t_team, nchunks, std::max<int64_t>(1, std::min(nthreads, nchunks)),
+                                                  fn, ctx);
   nthreads = std::min(nthreads, nchunks);
   if (nthreads <= 1) {
     g_stats[2].fetch_add(1, std::memory_order_relaxed);
@@ -247,6 +323,65 @@ void run(int64_t nchunks, int64_t nthreads, ChunkFn fn, void* ctx) {
   }
   g_stats[0].fetch_add(1, std::memory_order_relaxed);
   run_own(P, nchunks, nthreads - 1, fn, ctx);
+}
+
+// one member of a team: its view set for the call (and restored after: a member may be a thread that runs other work
+// later)
+static void member(Team* T, int64_t r, TeamFn fn, void* ctx) {
+  Team* prev = t_team;
+  const int64_t prev_rank = t_rank, prev_epoch = t_epoch;
+  t_team = T->size > 1 ? T : nullptr, t_rank = r, t_epoch = 0;  // a team of one: the calls split as outside one
+  try {
+    fn(ctx, r, T->size);
+  } catch (const TeamAbort&) {
+  } catch (...) {
+    team_fail(T);
+  }
+  t_team = prev, t_rank = prev_rank, t_epoch = prev_epoch;
+}
+
+struct TeamJob {
+  Team* T;
+  TeamFn fn;
+  void* ctx;
+};
+
+void team(int64_t nthreads, TeamFn fn, void* ctx) {
+  Team T;
+  T.next[0].store(0), T.next[1].store(0);
+  nthreads = t_team ? 1 : std::max<int64_t>(1, std::min<int64_t>(nthreads, 256));  // nested: a team of one
+  bool own = false;
+  Pool* P = nullptr;
+  if (nthreads > 1) {
+#if defined(_OPENMP)
+    if (g_mode.load(std::memory_order_relaxed) == 1) {
+#pragma omp parallel num_threads((int)nthreads)
+      {
+#pragma omp single
+        T.size = omp_get_num_threads();                 // what OpenMP gave (its implicit barrier publishes it)
+        member(&T, omp_get_thread_num(), fn, ctx);
+      }
+      if (T.failed.load()) std::rethrow_exception(T.error);
+      return;
+    }
+#endif
+    P = get_pool();
+    own = !P->owner.exchange(true);                     // else another call holds the workers: a team of one
+  }
+  if (!own) {
+    T.size = 1;
+    member(&T, 0, fn, ctx);
+  } else {
+    // our workers: one chunk per member, each claimed by a different thread (a member returns only once every
+    // member has reached its last barrier, so no thread can claim two)
+    T.size = nthreads;
+    TeamJob job{&T, fn, ctx};
+    run_own(P, nthreads, nthreads - 1, [](void* c, int64_t r) {
+      const TeamJob* j = (const TeamJob*)c;
+      member(j->T, r, j->fn, j->ctx);
+    }, &job);
+  }
+  if (T.failed.load()) std::rethrow_exception(T.error);
 }
 
 // ---- ops: set_pool(threads, min_bytes, spin_us, mode) (negative: unchanged) -> the previous four; pool_info()

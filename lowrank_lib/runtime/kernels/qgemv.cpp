@@ -601,7 +601,7 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
       KERNELS_AVX2[bi][nz](blk, Gm.G, Gm.g, X, yr, bf, n);
   };
   const int64_t nj = (int64_t)jobs.size(), tu = imin(pool::threads_for(total), nj);
-  if (tu <= 1) {
+  if (tu <= 1 && !pool::in_team()) {  // (in a team every call is a construct: the members meet after it)
     for (const Job& J : jobs) run(J);
   } else {
     const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::CHUNKS_PER_THREAD);
