@@ -655,3 +655,43 @@ def test_engine_lrk_equals_portable_at_the_1b_geometry(one_layer_1b, which, dtyp
         e_lrk = float((a.logits[0].float() - ref32.logits[0]).abs().max()) / scale
         e_aten = float((b.logits[0].float() - ref32.logits[0]).abs().max()) / scale
         assert e_lrk < 0.05 and e_lrk < 2 * e_aten + 0.01, (e_lrk, e_aten)
+
+
+@needs_lrk_native
+def test_weight_prefetch_hint_follows_the_env_and_never_changes_bits():
+    """``$LOWRANK_LIB_PF_NTA`` picks the GEMVs' prefetch hint at load (``ops.weight_prefetch()``: "nta" by default,
+    "t0" with 0): a packed GEMV (fp32, bf16, several rows and matrices) and an int8 / int4 qgemv give the same bits in a
+    process of each."""
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    code = (
+        "import sys, torch\n"
+        "from lowrank_lib.quant import quantize\n"
+        "from lowrank_lib.runtime.kernels import build, ops\n"
+        "assert build.load().available\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "outs = [ops.weight_prefetch()]\n"
+        "for dt in (torch.float32, torch.bfloat16):\n"
+        "    Ws = [torch.randn(o, i, generator=g).to(dt) for o, i in ((300, 70), (96, 70))]\n"
+        "    x = torch.randn(3, 70, generator=g).to(dt)\n"
+        "    outs.append(ops.gemv(x, [ops.pack(W) for W in Ws], [300, 96], [70, 70], [0, 0]))\n"
+        "    for bits, group in ((8, 32), (4, 64)):\n"
+        "        t = quantize(torch.randn(200, 70, generator=g), bits, group)\n"
+        "        P = ops.qpack(t.data, t.scale, bits, group, 200, 70)\n"
+        "        outs.append(ops.qgemv(x, [P], [200], [70], [0], bits, group))\n"
+        "torch.save(outs, sys.argv[1])\n")
+    root = Path(__file__).resolve().parent.parent
+    got = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for nta in ("1", "0"):
+            out = Path(tmp) / f"nta{nta}.pt"
+            env = {**os.environ, "LOWRANK_LIB_PF_NTA": nta}
+            subprocess.run([sys.executable, "-c", code, str(out)], cwd=root, env=env, check=True)
+            got[nta] = torch.load(out)
+    assert got["1"][0] == "nta" and got["0"][0] == "t0"
+    assert len(got["1"]) == len(got["0"]) == 7
+    for a, b in zip(got["1"][1:], got["0"][1:]):
+        assert torch.equal(a, b)

@@ -59,6 +59,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -84,10 +85,15 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: 
 #define LRK_PREFETCH 2048
 #endif
 #if LRK_PREFETCH > 0
-#define LRK_PF(p) _mm_prefetch((const char*)(p), _MM_HINT_T0)
+#define LRK_PF(p) \
+  (g_pf_nta ? _mm_prefetch((const char*)(p), _MM_HINT_NTA) : _mm_prefetch((const char*)(p), _MM_HINT_T0))
 #else
 #define LRK_PF(p) ((void)0)
 #endif
+const bool g_pf_nta = [] {  // lrk_api.h (declared extern there)
+  const char* e = std::getenv("LOWRANK_LIB_PF_NTA");
+  return !(e && e[0] == '0');
+}();
 #ifndef LRK_UNROLL
 #define LRK_UNROLL 1              // independent accumulator sets per block (hides FMA latency)
 #endif
@@ -1032,6 +1038,8 @@ TORCH_LIBRARY(lowrank_lrk, m) {
   m.def("certified_head(Tensor x, Tensor Q, Tensor meta, Tensor P, int V, float max_fraction, Tensor(a!) stats) -> Tensor");
   m.def("set_pool(int threads, int min_bytes, int spin_us, int mode) -> int[]", &lrk::pool::set_pool);
   m.def("pool_info() -> int[]", &lrk::pool::pool_info);
+  // weight_prefetch() -> how the GEMVs prefetch their weight stream in this process: "nta", "t0" or "none"
+  m.def("weight_prefetch() -> str", [] { return std::string(LRK_PREFETCH > 0 ? (lrk::g_pf_nta ? "nta" : "t0") : "none"); });
   m.def("set_arena(int on) -> int", [](int64_t on) -> int64_t { return lrk::arena::set_enabled(on != 0) ? 1 : 0; });
   m.def("arena_info() -> int[]", &lrk::arena::info);
   m.def("arena_zeros(int numel, ScalarType dtype) -> Tensor", [](int64_t numel, at::ScalarType dtype) -> at::Tensor {

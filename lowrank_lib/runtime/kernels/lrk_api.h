@@ -17,6 +17,15 @@ inline T* grow(std::vector<T>& v, int64_t n) {
   return v.data();
 }
 
+// Whether the GEMVs' software prefetch of the weight stream (lrk.cpp's LRK_PF, qgemv.cpp's QPF) uses the non-temporal
+// hint (prefetchnta; $LOWRANK_LIB_PF_NTA=0 at load: prefetcht0). A decode step reads every weight once and the KV
+// cache every step: with T0 the weight stream (90-270 MB a token on SmolLM2) evicts the cache's 12.5 MB from L3 each
+// step; with NTA the streamed lines bypass it and the attention finds K / V there the next step. Measured on the AMD
+// Zen 4 VM (SmolLM2 keep 0.5, 512-token prompt, the hint switched every 8 steps in one process): 1 thread 7.57 ->
+// 7.20 ms with bf16 factors, 5.56 -> 5.13 int8, 4.65 -> 4.26 int4; 2 threads 5.67 -> 5.60, 4.26 -> 4.23, 3.88 ->
+// 3.59. Not measured on Intel, where NTA lines skip L2 (the 2-4 KB prefetch distance keeps them in L1 until read).
+extern const bool g_pf_nta;
+
 // whether this CPU (under set_isa_mask) runs the packed kernels of fp32 (bf = false) or bf16 (bf = true)
 bool kind_runs(bool bf);
 // values of pack(W [out, in]) (fp32, or bf16 when bf)

@@ -55,6 +55,14 @@ def tier_prefetch() -> bool:
     return bool(_ops().tier_prefetch())
 
 
+def weight_prefetch() -> str:
+    """How the GEMVs (``gemv``, ``qgemv``, the fused layer's) prefetch their weight stream in this process:
+    ``"nta"`` (the default: streamed weights bypass the last-level cache, which keeps the KV cache there between
+    steps), ``"t0"`` (``$LOWRANK_LIB_PF_NTA=0`` at load) or ``"none"`` (built with ``-DLRK_PREFETCH=0``); the same bits
+    either way."""
+    return str(_ops().weight_prefetch())
+
+
 def certified_head(x: torch.Tensor, Q: torch.Tensor, meta: torch.Tensor, P: torch.Tensor, V: int, max_fraction: float,
                    stats: torch.Tensor) -> torch.Tensor:
     """logits [N, V] of the certified LM head (``runtime/lm_head.py``); ``stats`` int64 [5] is updated in place."""
