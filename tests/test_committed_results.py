@@ -241,6 +241,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_10.json`**", "peer_cpu_10.json", None),
                ("**`benchmarks/results/peer_cpu_12.json`**", "peer_cpu_12.json", None),
                ("**`benchmarks/results/peer_cpu_13.json`**", "peer_cpu_13.json", None),
+               ("**`benchmarks/results/peer_cpu_14.json`**", "peer_cpu_14.json", None),
+               ("**`benchmarks/results/peer_cpu_15.json`**", "peer_cpu_15.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -320,7 +322,7 @@ def test_readme_kv_decode_table_equals_the_json():
         _same(cells[6].split(" (target")[0], r["attn_ratio_vs_dense"], what + " attention ratio")
 
 
-@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json", "kv_decode_7.json"])
+@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json", "kv_decode_7.json", "kv_decode_8.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")
