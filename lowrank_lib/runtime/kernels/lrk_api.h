@@ -18,12 +18,14 @@ inline T* grow(std::vector<T>& v, int64_t n) {
 }
 
 // Whether the GEMVs' software prefetch of the weight stream (lrk.cpp's LRK_PF, qgemv.cpp's QPF) uses the non-temporal
-// hint (prefetchnta; $LOWRANK_LIB_PF_NTA=0 at load: prefetcht0). A decode step reads every weight once and the KV
-// cache every step: with T0 the weight stream (90-270 MB a token on SmolLM2) evicts the cache's 12.5 MB from L3 each
-// step; with NTA the streamed lines bypass it and the attention finds K / V there the next step. Measured on the AMD
-// Zen 4 VM (SmolLM2 keep 0.5, 512-token prompt, the hint switched every 8 steps in one process): 1 thread 7.57 ->
-// 7.20 ms with bf16 factors, 5.56 -> 5.13 int8, 4.65 -> 4.26 int4; 2 threads 5.67 -> 5.60, 4.26 -> 4.23, 3.88 ->
-// 3.59. Not measured on Intel, where NTA lines skip L2 (the 2-4 KB prefetch distance keeps them in L1 until read).
+// hint (prefetchnta; $LOWRANK_LIB_PF_NTA=0 at load: prefetcht0). A decode step reads every weight once. Measured on the
+// AMD Zen 4 VM (SmolLM2 keep 0.5, 512-token prompt, the hint switched every 8 steps in one process): 1 thread 7.57 ->
+// 7.20 ms with bf16 factors, 5.56 -> 5.13 int8, 4.65 -> 4.26 int4; 2 threads 5.67 -> 5.60, 4.26 -> 4.23, 3.88 -> 3.59.
+// Where (phase timers, int4, 1 thread, processes alternated): the layers' GEMVs ~3-4 % faster and most of the rest in
+// the exact LM head's stream; the attention over the 512-token cache unchanged (0.71-0.81 ms either way). Not
+// verified with counters (the VM has none): Zen's L3 is filled by lines evicted from L2, and an nta line skips that
+// fill, so a read-once stream no longer spends L2-to-L3 traffic. Not measured on Intel, where nta lines skip L2 (the
+// 2-4 KB prefetch distance keeps them in L1 until read).
 extern const bool g_pf_nta;
 
 // whether this CPU (under set_isa_mask) runs the packed kernels of fp32 (bf = false) or bf16 (bf = true)
