@@ -692,7 +692,7 @@ struct Job {
 };
 
 // Runs f on every job: one thread below the pool's threshold, else contiguous runs of jobs of about equal weight
-// bytes (CHUNKS_PER_THREAD per thread) claimed by the caller and the pool's workers. A job writes its own outputs
+// bytes (pool::chunks_per_thread() per thread) claimed by the caller and the pool's workers. A job writes its own outputs
 // with the same code whichever thread runs it, so the result is the same bits at every thread count.
 template <typename F>
 static void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& bytes, F&& f) {
@@ -705,7 +705,7 @@ static void run_jobs(const std::vector<Job>& jobs, const std::vector<int64_t>& b
     return;
   }
   const std::vector<int64_t> cut = pool::cuts(std::vector<double>(bytes.begin(), bytes.end()),
-                                              tu * pool::CHUNKS_PER_THREAD);
+                                              tu * pool::chunks_per_thread());
   pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) {
     for (int64_t j = cut[c]; j < cut[c + 1]; j++) f(jobs[j]);
   });
@@ -960,7 +960,7 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
   double work = 0;
   for (double w : wt) work += w;
   const int64_t tu = imin(pool::threads_for((int64_t)work), B * H);
-  const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::CHUNKS_PER_THREAD);
+  const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::chunks_per_thread());
 #if LRK_X86
   auto heads = [&](int64_t i0, int64_t i1) {
     // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows. In

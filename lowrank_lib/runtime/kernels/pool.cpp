@@ -120,6 +120,8 @@ void barrier() {
   t_epoch = e + 1;
 }
 
+int64_t chunks_per_thread() { return t_team ? 1 : CHUNKS_PER_THREAD; }
+
 int64_t team_min_bytes() {
   // a split costs a team one barrier, which it pays after every call anyway: any call worth a second stream is split.
   // Measured (SmolLM2 keep 0.5 at 2 threads, paired steps): 8 / 16 / 32 / 64 KB within 1-2 % of each other with bf16,

@@ -605,7 +605,7 @@ static void qgemv_raw(bool bf, const void* x, int64_t ldx, int64_t N, const Gemv
   if (tu <= 1 && !pool::in_team()) {  // (in a team every call is a construct: the members meet after it)
     for (const Job& J : jobs) run(J);
   } else {
-    const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::CHUNKS_PER_THREAD);
+    const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::chunks_per_thread());
     pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) {
       for (int64_t j = cut[c]; j < cut[c + 1]; j++) run(jobs[j]);
     });
