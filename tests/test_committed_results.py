@@ -324,7 +324,8 @@ def test_readme_kv_decode_table_equals_the_json():
         _same(cells[6].split(" (target")[0], r["attn_ratio_vs_dense"], what + " attention ratio")
 
 
-@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json", "kv_decode_7.json", "kv_decode_8.json"])
+@pytest.mark.parametrize("name", ["kv_decode_5.json", "kv_decode_6.json", "kv_decode_7.json", "kv_decode_8.json",
+                                  "kv_decode_9.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")
@@ -335,7 +336,8 @@ def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
         th, sys_, budget = int(cells[0]), cells[1], None if cells[1] == "dense" else float(cells[2])
         (r,) = [r for r in res["rows"] if r["threads"] == th and r["system"] == sys_ and r["budget"] == budget]
         what = f"README kv-decode row {th} {sys_} {budget}"
-        assert r["fused_layer"] == "lrk_decode_layer" and r["graph"] == "whole-step", what
+        assert r["fused_layer"] == "lrk_decode_layer" and r["graph"] == res["config"]["graph"], what
+        assert (r["graph"] == "none") == ("--graph none" in res["command"]), what   # the README's command says which
         _same(cells[2], r["bytes_ratio"], what + " bytes held")
         ms, lo, hi = re.fullmatch(r"([\d.]+) \(([\d.]+)-([\d.]+)\)", cells[3]).groups()
         _same(ms, r["decode_ms_per_token"], what + " ms/token")
