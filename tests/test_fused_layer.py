@@ -10,9 +10,6 @@ q / k / v inside each layer, biases on a mixed dense / low-rank model, GQA and M
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import pytest
 import torch
 
@@ -179,7 +176,8 @@ def same_bits_at_every_thread_count(engine):
             if t > 1:
                 assert build.pool_info()["parallel_calls"] > before, "the pool never split a call"
             for mode, team in (("omp", "1"), ("own", "1"), ("own", "0")):
-                with build.pool(mode=mode), _env("LOWRANK_LIB_TEAM", team):
+                with build.pool(mode=mode), pytest.MonkeyPatch.context() as mp:
+                    mp.setenv("LOWRANK_LIB_TEAM", team)
                     same.kv.kv.copy_(kv0)
                     # a team's other members claim chunks in each of its hundreds of constructs; without the team a
                     # cold worker may find every chunk taken, so only the split is counted
@@ -194,19 +192,6 @@ def same_bits_at_every_thread_count(engine):
         assert torch.equal(outs[t][0], outs[1][0]) and torch.equal(outs[t][1], outs[1][1]), t
     for t, mode, team, x, kv in stacks:
         assert torch.equal(x, outs[1][0]) and torch.equal(kv, outs[1][1]), (t, mode, team)
-
-
-@contextlib.contextmanager
-def _env(name, value):
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
 
 
 # --------------------------------------------------------------------------- compiled step

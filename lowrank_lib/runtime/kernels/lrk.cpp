@@ -85,8 +85,7 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: 
 #define LRK_PREFETCH 2048
 #endif
 #if LRK_PREFETCH > 0
-#define LRK_PF(p) \
-  (g_pf_nta ? _mm_prefetch((const char*)(p), _MM_HINT_NTA) : _mm_prefetch((const char*)(p), _MM_HINT_T0))
+#define LRK_PF(p) prefetch_weight(p)
 #else
 #define LRK_PF(p) ((void)0)
 #endif

@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
 namespace lrk {
 
 // grow-only scratch: n elements of v (contents undefined), allocated only when n exceeds every earlier request; with
@@ -27,6 +31,15 @@ inline T* grow(std::vector<T>& v, int64_t n) {
 // fill, so a read-once stream no longer spends L2-to-L3 traffic. Not measured on Intel, where nta lines skip L2 (the
 // 2-4 KB prefetch distance keeps them in L1 until read).
 extern const bool g_pf_nta;
+#if defined(__x86_64__) || defined(_M_X64)
+// one software prefetch of the weight stream with that hint (LRK_PF, QPF)
+inline void prefetch_weight(const void* p) {
+  if (g_pf_nta)
+    _mm_prefetch((const char*)p, _MM_HINT_NTA);
+  else
+    _mm_prefetch((const char*)p, _MM_HINT_T0);
+}
+#endif
 
 // whether this CPU (under set_isa_mask) runs the packed kernels of fp32 (bf = false) or bf16 (bf = true)
 bool kind_runs(bool bf);

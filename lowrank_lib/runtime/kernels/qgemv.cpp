@@ -82,8 +82,7 @@ constexpr int64_t MAX_N = QGEMV_MAX_ROWS;  // rows of x per call (more: the call
 #endif
 constexpr int64_t QP_DIST = LRK_QPREFETCH;
 #if LRK_QPREFETCH > 0
-#define QPF(p) \
-  (::lrk::g_pf_nta ? _mm_prefetch((const char*)(p), _MM_HINT_NTA) : _mm_prefetch((const char*)(p), _MM_HINT_T0))
+#define QPF(p) ::lrk::prefetch_weight(p)
 #else
 #define QPF(p) ((void)0)
 #endif
