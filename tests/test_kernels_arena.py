@@ -145,3 +145,43 @@ def test_dense_kv_buffer_lives_in_the_arena_zeroed_and_goes_with_its_engine():
         assert _live()["live"] == base["live"] and z.shape == (3, 5) and z.dtype == torch.bfloat16 and not z.any()
     with pytest.raises(RuntimeError, match="numel"):
         ops.arena_zeros((-1,), torch.float32)
+
+
+def test_tiered_store_buffers_live_in_the_arena_and_decode_the_same_bits():
+    """A method's tiered layers (composed cache: exact rows, int8 runs, scales, appended rows), which the fused kernel
+    streams every token, are moved into the arena after the fit (``TieredLayer.place``) when our kernel reads them:
+    every streamed buffer handed out of the arena, the decode's logits the same bits as with the arena off (torch
+    memory), and every byte back when the engine goes."""
+    from lowrank_lib.kv import MethodStore, make_method
+    from lowrank_lib.kv.tiers import TieredLayer
+
+    model = models.tiny_model("tiny-gqa", seed=0).eval()
+    g = torch.Generator().manual_seed(0)
+    ids, nxt = torch.randint(3, 256, (1, 48), generator=g), torch.randint(3, 256, (3, 1), generator=g)
+
+    def run():
+        eng = Engine(model, EngineConfig(max_seq_len=56, graph="none"),
+                     kv=MethodStore(make_method("composed-kvzip-q8", budget=0.5)))
+        with torch.no_grad():
+            out = [eng.prefill(ids)] + [eng.step(t) for t in nxt]
+        return eng, torch.stack([o.float() for o in out])
+
+    base = _live()
+    dense = Engine(model, EngineConfig(max_seq_len=56, graph="none"))      # the packed weights + the dense KV buffer
+    weights = _live()["bytes_live"] - base["bytes_live"] - dense.kv.kv.numel() * dense.kv.kv.element_size()
+    del dense
+    eng, logits = run()
+    if eng.kv.backend.name != "lrk_tiers":
+        pytest.skip(f"the fused tier kernel does not run here: {eng.kv.backend.reason}")
+    layers = eng.kv.layers
+    streamed = [getattr(l, n) for l in layers for n in TieredLayer.STREAMED if getattr(l, n) is not None]
+    assert any(l.counts()["mid"] for l in layers) and any(l.counts()["exact"] for l in layers)
+    held = sum(t.numel() * t.element_size() for t in streamed)
+    assert _live()["bytes_live"] - base["bytes_live"] >= weights + held
+    assert all(t.data_ptr() % 64 == 0 for t in streamed if t.numel())
+    del eng, layers, streamed
+    assert _live()["live"] == base["live"], "the tiered buffers outlived their engine"
+    with build.arena(False):
+        eng_off, logits_off = run()
+        assert _live()["bytes_live"] == base["bytes_live"]
+    assert torch.equal(logits, logits_off)

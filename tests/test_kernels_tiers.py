@@ -88,11 +88,25 @@ def as_float64(layer: TieredLayer) -> TieredLayer:
                                layer.v_scale.double(), k_new=f(layer.k_new), v_new=f(layer.v_new))
 
 
+@pytest.fixture(params=[48, None], ids=["chunk48", "chunk_default"])
+def chunk(request):
+    """The kernel's tokens per online-softmax update: 48 (every tier of these layouts cut into many chunks, tails
+    included) or the built default (4096: most layouts here in one chunk); restored after the test."""
+    if not LIB.available or request.param is None:
+        yield request.param
+        return
+    from lowrank_lib.runtime.kernels import ops
+
+    before = ops.tier_chunk(request.param)
+    yield request.param
+    ops.tier_chunk(before)
+
+
 # --------------------------------------------------------------------------- equal to the portable path
 @needs_lrk
 @pytest.mark.parametrize("quant8", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_fp32_equals_portable_ragged_layouts(quant8, seed):
+def test_fp32_equals_portable_ragged_layouts(quant8, seed, chunk):
     """Ragged tiers of every kind, d 64, G 3 and B 2 (SmolLM2's attention), appended rows 0 or some."""
     for appended in (0, 7):
         layer = make_layer(seed=seed, quant8=quant8, appended=appended)
@@ -102,7 +116,7 @@ def test_fp32_equals_portable_ragged_layouts(quant8, seed):
 
 @needs_lrk
 @pytest.mark.parametrize("d,G,B,H", [(16, 1, 1, 1), (32, 5, 2, 2), (48, 2, 1, 4), (128, 3, 2, 1), (80, 4, 1, 2)])
-def test_fp32_head_dims_group_sizes_and_long_runs(d, G, B, H):
+def test_fp32_head_dims_group_sizes_and_long_runs(d, G, B, H, chunk):
     """Every supported head_dim class, query groups beyond one register group (G 5), runs longer than a chunk."""
     for quant8 in (False, True):
         layer = make_layer(B, H, d, seed=d + G, quant8=quant8, max_exact=700, max_run=900, max_rank=16, appended=3)
@@ -135,7 +149,7 @@ def test_int8_fp32_scales_rank_zero_runs_and_segments_of_one_tier():
 
 @needs_lrk
 @pytest.mark.parametrize("quant8", [False, True])
-def test_bf16_within_bound_of_the_exact_evaluation(quant8):
+def test_bf16_within_bound_of_the_exact_evaluation(quant8, chunk):
     """bf16 K / V / bases (and bf16 or int8 factors): every element within BF16_ULPS of the correctly rounded
     float64 evaluation of the same stored values, at least BF16_EQUAL of them equal to it (the portable bf16 path,
     with bf16 products, is farther: up to a few percent of the output scale)."""
@@ -170,7 +184,7 @@ def test_device_side_count_reads_only_the_rows_written():
 
 
 @needs_lrk
-def test_threads_split_long_segments_and_merge():
+def test_threads_split_long_segments_and_merge(chunk):
     """Enough work for the default parallel split: pieces spanning tiers, merged by log-sum-exp, equal the
     single-thread result and the portable path at every thread count."""
     layer = make_layer(B=1, H=2, seed=7, quant8=True, max_exact=3000, max_run=4000, max_runs=2, appended=40)
@@ -190,7 +204,7 @@ def test_threads_split_long_segments_and_merge():
 
 @needs_lrk
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_thread_count_small_pieces_and_unsplit_bits(dtype):
+def test_every_thread_count_small_pieces_and_unsplit_bits(dtype, chunk):
     """With the pool's threshold at one byte every layout is cut into pieces (pieces ending inside runs, in the
     appended rows, single tokens) claimed by 1, 2, 3 threads: each result equals the portable path; unsplit (threshold
     above the layer) the result is the same bits at every thread count."""
@@ -292,6 +306,13 @@ def test_hostile_layouts_are_refused_by_name():
         attend(empty, torch.zeros(1, 2, 1, 16), backend="lrk_tiers")
     with pytest.raises(ValueError, match="one query row"):
         attend(layer, torch.zeros(1, 4, 2, 32), backend="lrk_tiers")
+    from lowrank_lib.runtime.kernels import ops
+
+    top = ops.tier_chunk()
+    for bad in (-16, 8, 40, top + 16):
+        with pytest.raises(RuntimeError, match="a multiple of 16"):
+            ops.tier_chunk(bad)
+    assert ops.tier_chunk() == top
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -354,6 +375,7 @@ def test_the_exact_row_prefetch_changes_no_bit():
         "from lowrank_lib.kv.tiers import attend\n"
         "from lowrank_lib.runtime.kernels import build, ops\n"
         "import os; assert ops.tier_prefetch() == (os.environ['LOWRANK_LIB_TIER_PF'] == '1')\n"
+        "ops.tier_chunk(64)\n"
         "outs = []\n"
         "levels = ['all'] + (['avx2'] if build.load().has('avx2', 'fma') else [])\n"
         "for dt in (torch.float32, torch.bfloat16):\n"

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.kernels import ops as kernel_ops
 from ..runtime.kv import KVSpec, StepContext
 from .method import KVMethod, Prefill
 from .tiers import BACKENDS, TieredLayer, select_backend
@@ -142,10 +143,13 @@ class MethodStore:
                           valid, self._ids, self._probe, spec.rope_at, self.tokenizer)
         self.layers = self.method.fit(prefill)
         self.fit_info = {"fit": self.method.describe(self.layers, prefill)}
+        arena = self.backend.caps.native and torch.device(spec.device).type == "cpu"
         for l in self.layers:
             if self.device_layout:
                 l.pad_to_buckets()                         # requests that round alike share one compiled step
             l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
+            if arena:                                      # our kernel streams them every token: huge pages
+                l.place(kernel_ops.arena_zeros)
         self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
 
     # ------------------------------------------------------------------ the fused decode layer

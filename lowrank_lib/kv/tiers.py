@@ -317,6 +317,23 @@ class TieredLayer:
             out.append(row)
         return out
 
+    #: the buffers the attention streams every decode step (what :meth:`place` moves)
+    STREAMED = ("k_exact", "v_exact", "a_k", "a_v", "b_k", "b_v", "k_scale", "v_scale", "k_new", "v_new")
+
+    def place(self, zeros) -> None:
+        """Move every buffer the attention streams (:attr:`STREAMED`) into tensors from ``zeros(shape, dtype)``, the
+        same values in other memory: the engine's store gives the kernels' huge-page arena
+        (``runtime.kernels.ops.arena_zeros``), as the dense store's K/V and the packed weights are. torch's
+        allocator backs a large tensor with 4 KB pages, and a stream through them misses the TLB and restarts the
+        hardware prefetch at every page: the fused kernel over one SmolLM2 layout (3k tokens, budget 0.5, 30 layers,
+        1 thread) took 5.23 ms from 4 KB pages and 3.83 ms from the arena."""
+        for name in self.STREAMED:
+            t = getattr(self, name)
+            if t is not None and t.numel():
+                z = zeros(tuple(t.shape), t.dtype)
+                z.copy_(t)
+                setattr(self, name, z)
+
     def replace_with(self, other: "TieredLayer") -> None:
         """Become ``other`` in place (adapters hold this object), its appended rows included."""
         self.__dict__.update(other.__dict__)

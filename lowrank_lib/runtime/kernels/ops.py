@@ -55,6 +55,13 @@ def tier_prefetch() -> bool:
     return bool(_ops().tier_prefetch())
 
 
+def tier_chunk(n: int = 0) -> int:
+    """:func:`tier_attend`'s tokens per online-softmax update before the call; ``n`` > 0 sets it for the process (a
+    multiple of 16, at most the built maximum, 4096 and the default: long chunks measured fastest), 0 only reads it.
+    The result changes by fp32 rounding only (the tests cut tiers into many chunks with it)."""
+    return int(_ops().tier_chunk(n))
+
+
 def weight_prefetch() -> str:
     """How the GEMVs (``gemv``, ``qgemv``, the fused layer's) prefetch their weight stream in this process:
     ``"nta"`` (the default: each weight is read once a step, and the non-temporal hint measured 4-9 % faster per

@@ -14,8 +14,9 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
   const T* bv = (const T*)L.bv + R[BV_OFF];
   project<T>(S.qs, G, D, bk, rk, S.qb);
   for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
-  for (int64_t c0 = a; c0 < b; c0 += CH) {
-    const int64_t cn = b - c0 < CH ? b - c0 : CH;
+  const int64_t ch = g_chunk.load(std::memory_order_relaxed);
+  for (int64_t c0 = a; c0 < b; c0 += ch) {
+    const int64_t cn = b - c0 < ch ? b - c0 : ch;
     const void* ks = nullptr;
     if (L.q8) ks = L.s32 ? (const void*)((const float*)L.ks + tok + c0) : (const void*)((const uint16_t*)L.ks + tok + c0);
     for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
@@ -62,9 +63,10 @@ static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64
 #undef LRK_TIER_TBL
   const int pf = L.pf ? 1 : 0;
   const int64_t G = L.G, D = L.D;
-  for (int64_t c0 = a; c0 < b; c0 += CH) {
-    const int64_t cn = b - c0 < CH ? b - c0 : CH;
-    const int64_t nx = b - c0 - cn < CH ? b - c0 - cn : CH;     // the next chunk's rows
+  const int64_t ch = g_chunk.load(std::memory_order_relaxed);
+  for (int64_t c0 = a; c0 < b; c0 += ch) {
+    const int64_t cn = b - c0 < ch ? b - c0 : ch;
+    const int64_t nx = b - c0 - cn < ch ? b - c0 - cn : ch;     // the next chunk's rows
     SC[pf][D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
     softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
     VA[pf][D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, K + (c0 + cn) * sk, sk, nx);
