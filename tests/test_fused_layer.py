@@ -282,23 +282,23 @@ def test_other_stores_attention_and_shapes_keep_the_per_op_step(counted):
 # --------------------------------------------------------------------------- over the tiered store of lowrank_lib.kv
 @pytest.fixture
 def counted_tiers(monkeypatch):
-    """Every lowrank_lrk::decode_layer_tiers call the engine makes through ``kernels.ops``, counted."""
+    """Every lowrank_lrk::decode_stack_tiers / decode_layer_tiers call the engine makes through ``kernels.ops``, by
+    name."""
     from lowrank_lib.runtime.kernels import ops
 
     calls = []
-    real = ops.decode_layer_tiers
+    for name in ("decode_stack_tiers", "decode_layer_tiers"):
+        def counting(*a, _real=getattr(ops, name), _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(ops, "decode_layer_tiers", counting)
+        monkeypatch.setattr(ops, name, counting)
     return calls
 
 
-def _tiered(name, dtype, graph, fused, batch=2, n=8):
+def _tiered(name, dtype, graph, fused, batch=2, n=8, stack=True):
     """A MethodStore engine on a low-rank tiny model, a 40-token prompt (row 1 left-padded by 5 when batch 2), teacher
-    forced over the same tokens -> (engine, store, logits)."""
+    forced over the same tokens -> (engine, store, logits); ``stack`` False: one fused call per layer."""
     from lowrank_lib.kv import MethodStore, make_method
 
     model = _model("lowrank-smol")
@@ -311,6 +311,8 @@ def _tiered(name, dtype, graph, fused, batch=2, n=8):
     store = MethodStore(make_method(name, 0.5))
     eng = Engine(model, EngineConfig(max_batch=batch, max_seq_len=40 + n + 2, dtype=dtype, graph=graph,
                                      fused_layer=fused, compile_backend="aot_eager"), kv=store)
+    if not stack:
+        eng._stack = None
     with torch.no_grad():
         out = [eng.prefill(ids, attention_mask=mask)] + [eng.step(t) for t in nxt]
     return eng, store, [x.float() for x in out]
@@ -323,13 +325,13 @@ def _tiered(name, dtype, graph, fused, batch=2, n=8):
 def test_fused_layer_over_the_tiered_store_equals_its_per_op_step(name, dtype, graph, counted_tiers):
     """A KV method of ``lowrank_lib.kv`` in the engine (exact rows, low-rank runs with int8 factors, evicted
     tokens, appended rows): the fused layer writes each token's k / v at its appended row and runs the tier kernel
-    inside the op, one decode_layer_tiers call per layer and step; logits equal to the per-op step (fp32 1e-5, bf16
-    one rounding), the same bytes held and the same appended rows, eager and compiled."""
+    inside the op, every layer in one decode_stack_tiers call per step; logits equal to the per-op step (fp32 1e-5,
+    bf16 one rounding), the same bytes held and the same appended rows, eager and compiled."""
     eng, store, got = _tiered(name, dtype, graph, "on")
     rep = eng.report()
     assert rep["fused_layer"] == "lrk_decode_layer" and "lrk_tiers attention" in rep["fused_layer_reason"], rep
     if graph == "none":
-        assert len(counted_tiers) == len(eng.layers) * 8
+        assert counted_tiers == ["decode_stack_tiers"] * 8
     ref_eng, ref_store, ref = _tiered(name, dtype, graph, "off")
     assert ref_eng.report()["fused_layer"] == "per-op"
     assert _rel_err(got, ref) < (1e-5 if dtype == "fp32" else 1e-2), _rel_err(got, ref)
@@ -339,6 +341,47 @@ def test_fused_layer_over_the_tiered_store_equals_its_per_op_step(name, dtype, g
         for x, y in ((a.k_new, b.k_new), (a.v_new, b.v_new)):     # the rows written, and nothing past them
             assert _rel_err([x[:, :, :9].float()], [y[:, :, :9].float()]) < (1e-5 if dtype == "fp32" else 1e-2)
             assert torch.equal(x[:, :, 9:], y[:, :, 9:])
+
+
+@needs_lrk_native
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_decode_stack_tiers_is_the_layer_loop_bit_for_bit_and_checks_every_layer_first(dtype):
+    """The tiered store's step runs every layer in one decode_stack_tiers call: on a team at 2 and 3 threads (every
+    GEMV and every layer's tier attention split: the attention's pieces claimed by the members, merged by one), on
+    one thread, and with the team off ($LOWRANK_LIB_TEAM=0, read per call), the same logits and the same appended rows,
+    bit for bit, as one decode_layer_tiers call per layer at the same thread count (its pieces are cut for the same
+    threads), batch 2 with left padding. Every layer's layout is checked before the first layer writes: a bad layout
+    in the last layer is refused with nothing appended."""
+    import os
+
+    from lowrank_lib.runtime.kernels import ops
+
+    for threads in THREADS:
+        for team in ("1", "0"):
+            out = {}
+            for stacked in (True, False):
+                with num_threads(threads), build.pool(min_bytes=1), pytest.MonkeyPatch.context() as mp:
+                    mp.setenv("LOWRANK_LIB_TEAM", team)
+                    eng, store, logits = _tiered("composed-kvzip-q8", dtype, "none", "on", n=4, stack=stacked)
+                assert (eng._stack is not None and eng._stack.tiered) == stacked
+                out[stacked] = logits, [torch.cat([l.k_new, l.v_new]) for l in store.layers]
+            assert all(torch.equal(a, b) for a, b in zip(out[True][0], out[False][0])), (threads, team)
+            assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1])), (threads, team)
+    # hostile: a list one short, another layer's layout in the last layer's place; nothing appended by either
+    eng, store, _ = _tiered("composed-kvzip-q8", dtype, "none", "on", n=1)
+    *tiers, t0 = store.fused_tier_lists()
+    x, c = torch.randn(2, eng.hidden).to(eng.dtype), eng.cursor
+    before = [l.k_new.clone() for l in store.layers]
+    plans = eng._stack.plans
+    short = [list(t) for t in tiers]
+    short[5] = short[5][:-1]
+    with pytest.raises(RuntimeError, match="one entry per layer plan"):
+        ops.decode_stack_tiers(x, plans, eng.cs_table, short, t0, c.length, c.pad)
+    swapped = [list(t) for t in tiers]
+    swapped[4][-1] = swapped[4][0][:-1]                  # e_off one entry short in the last layer
+    with pytest.raises(RuntimeError, match="e_off"):
+        ops.decode_stack_tiers(x, plans, eng.cs_table, swapped, t0, c.length, c.pad)
+    assert all(torch.equal(a, l.k_new) for a, l in zip(before, store.layers))
 
 
 @needs_lrk_native

@@ -59,6 +59,7 @@ class MethodStore:
         self.name = method.name or type(method).__name__
         self.capturable = method.capturable
         self.backend = None
+        self._lists = None                    # fused_tier_lists, once per prefill
         self._tier = None                     # the chosen kv.tiers.BACKENDS entry, resolved once at allocation
         self.layers: list[TieredLayer] = []
         self.fit_info: dict = {}
@@ -121,6 +122,7 @@ class MethodStore:
         self._v: list[torch.Tensor] = []
         self._q: list[torch.Tensor] = []
         self.layers = []
+        self._lists = None
 
     def store_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] post-RoPE: held until every layer has arrived."""
@@ -170,6 +172,15 @@ class MethodStore:
         L = self.layers[layer]
         return (L.k_new, L.v_new, L.k_exact, L.v_exact, L.e_off, L.runs, L.r_off, L.a_k, L.a_v, L.b_k, L.b_v,
                 L.k_scale, L.v_scale, self._t_dev)
+
+    def fused_tier_lists(self) -> tuple:
+        """:meth:`fused_tier_args` of every layer as ``lowrank_lrk::decode_stack_tiers`` reads them: 13 lists (entry i:
+        layer i's k_new, v_new, ..., v_scale), then t0. Built once per prefill (the buffers do not change until the
+        next one)."""
+        if self._lists is None:
+            per = [self.fused_tier_args(i) for i in range(len(self.layers))]
+            self._lists = tuple([p[j] for p in per] for j in range(13)) + (self._t_dev,)
+        return self._lists
 
     def fused_appended(self, layer: int) -> None:
         """The fused op appended one row to ``layer``: an eager step counts it on the host (as ``TieredLayer.append``

@@ -147,8 +147,8 @@ class Engine:
         self.fused = select_fused_layer(cfg.fused_layer, self.gemv, self.kv, self._groups()[1:], self._act is F.silu,
                                         cfg.max_batch)
         self._fused = [FusedLayer(self, i) for i in range(self.n_layers)] if self.fused.enabled else None
-        # the dense store: every layer in one decode_stack call per step (a tiered store: one call per layer)
-        self._stack = FusedStack(self._fused) if self._fused and not self._fused[0].tiered else None
+        # every layer in one call per step (decode_stack, or decode_stack_tiers on a tiered store)
+        self._stack = FusedStack(self._fused) if self._fused else None
         self._B = None
         from .graphs import GraphRunner
 
@@ -245,7 +245,7 @@ class Engine:
         ``cursor.length``. ``live``: slots read (eager) or None (graphs). Does not move the cursor."""
         if self._fused is not None:
             x, c = F.embedding(tokens, self.embed), self.cursor
-            if self._stack is not None:              # one lowrank_lrk::decode_stack call for every layer
+            if self._stack is not None:              # one lowrank_lrk::decode_stack(_tiers) call for every layer
                 x = self._stack(x, self.cs_table, self.kv, c.length, c.pad)
             else:                                    # one lowrank_lrk::decode_layer(_tiers) call per layer
                 for f in self._fused:

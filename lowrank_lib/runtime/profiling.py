@@ -38,7 +38,7 @@ OP_CLASSES = {
     "attention": ("scaled_dot_product", "flash", "efficient_attention", "softmax", "_safe_softmax", "attend"),
     # our fused decode layer (runtime/kernels/layer.cpp): a whole layer in one call (decode_layer, decode_layer_tiers),
     # or every layer of the dense store in one call (decode_stack)
-    "layer": ("decode_layer", "decode_layer_tiers", "decode_stack"),
+    "layer": ("decode_layer", "decode_layer_tiers", "decode_stack", "decode_stack_tiers"),
     "view": ("view", "_unsafe_view", "reshape", "transpose", "t", "permute", "slice", "select", "expand",
              "unsqueeze", "squeeze", "split", "split_with_sizes", "chunk", "as_strided", "alias", "unbind",
              "narrow", "detach", "_reshape_alias", "unflatten"),

@@ -87,13 +87,23 @@
 
 namespace lrk {
 int64_t isa_flags();  // lrk.cpp: bit 0 avx512f, 1 avx512bw, 2 avx512vl, 5 avx2, 6 fma (under set_isa_mask)
-namespace tiers {      // tiers.cpp: the fused decode attention over a tiered KV layer (its op, called directly)
-at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
-                       const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
-                       const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
-                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-                       const at::Tensor& n_new, double scale);
+namespace tiers {      // tiers.cpp: the fused decode attention over a tiered KV layer, into caller memory
+// q [B, H, G, D] contiguous of dt at qp -> out [B, H*G*D] (dt): tier_attend's result and checks. state: nullptr, or
+// state_floats(B*H, G, D, threads) floats the members of the team this runs in share (every member calls it with the
+// same arguments: the pieces are a construct, one member merges them into out, then a barrier)
+void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
+                 const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
+                 const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                 const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                 const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
+                 const std::optional<at::Tensor>& v_new, int64_t nn, double scale, float* state, void* out);
+// attend_into's checks alone (nn appended rows read): every layout error before a step writes anything
+void check(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D, const at::Tensor& k_exact,
+           const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+           const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, int64_t nn);
+int64_t state_floats(int64_t S, int64_t G, int64_t D, int64_t threads);
 }
 namespace layer {
 
@@ -442,6 +452,7 @@ struct Bufs {
   T* q;      // own: the rotated queries [N, Hq D]
   T* x1;     // own: the residual after the attention [N, H]
   T* kr;     // own: one row's rotated keys [Hkv D]
+  float* ts = nullptr;  // shared: the tier attention's piece states (tiers::state_floats), or null (solo: its own)
 };
 
 // One layer's weights and geometry, parsed and checked once (layer_plan's; the registry is below)
@@ -544,13 +555,10 @@ static void layer_impl(const Plan& P, const T* xp, T* xo, int64_t N, const at::T
   });
   clk.lap(P_ROPE_KV);
   const float scale = (float)std::pow((double)D, -0.5);
-  if (tier) {  // every tier and the appended rows through the store's fused kernel (tiers.cpp), the same call and bits
-    int64_t nn = row + 1;
-    const auto ot = tiers::tier_attend(
-        at::from_blob(q, {N, Hkv, qg, D}, tier->k_new.options()), tier->k_exact, tier->v_exact, tier->e_off, tier->runs,
-        tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale, tier->v_scale, tier->k_new,
-        tier->v_new, at::from_blob(&nn, {1}, at::TensorOptions().dtype(at::kLong)), scale);
-    std::memcpy(o, ot.data_ptr(), N * Hq * D * es);
+  if (tier) {  // every tier and the appended rows through the store's fused kernel (tiers.cpp): tier_attend's code
+    tiers::attend_into(q, bf ? at::kBFloat16 : at::kFloat, N, Hkv, qg, D, tier->k_exact, tier->v_exact, tier->e_off,
+                       tier->runs, tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale,
+                       tier->v_scale, tier->k_new, tier->v_new, row + 1, scale, B.ts, o);
   } else {
     attend_into(bf, q, K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o);
   }
@@ -786,12 +794,20 @@ static bool team_on() {
 // cache's row is written by one member.
 template <typename T>
 static void stack_impl(const std::vector<std::shared_ptr<const Plan>>& plans, const at::Tensor& x,
-                       const at::Tensor& rope, at::Tensor& kv, int64_t hi, const int64_t* pd, at::Tensor& out) {
+                       const at::Tensor& rope, at::Tensor* kv, const std::vector<Tier>* tiers, int64_t hi,
+                       const int64_t* pd, at::Tensor& out) {
   const int64_t N = x.size(0), H = x.size(1), L = (int64_t)plans.size();
   const Sizes z = buf_sizes(plans.data(), L, N);
   static thread_local std::vector<T> shared;  // the calling thread's: the members' shared buffers
   Bufs<T> S;
   carve_shared(S, grow(shared, z.shared()), z);
+  if (tiers) {  // the tier attention's piece states, shared by the members (sized for the most threads a team has)
+    static thread_local std::vector<float> states;
+    int64_t n = 0;
+    for (const auto& p : plans)
+      n = std::max(n, tiers::state_floats(N * p->n_kv, p->n_heads / p->n_kv, p->D, pool::threads()));
+    S.ts = grow(states, n);
+  }
   const bool prof = g_prof.load(std::memory_order_relaxed);
   auto body = [&](int64_t r, int64_t) {
     static thread_local std::vector<T> own;   // each member's: its buffers and two x rows
@@ -803,7 +819,7 @@ static void stack_impl(const std::vector<std::shared_ptr<const Plan>>& plans, co
     const T* cur = (const T*)x.data_ptr();
     for (int64_t i = 0; i < L; i++) {
       if (clk.on) g_prof_calls.fetch_add(1, std::memory_order_relaxed);
-      layer_impl<T>(*plans[i], cur, xs[i & 1], N, rope, &kv, nullptr, i, hi, pd, B, clk);
+      layer_impl<T>(*plans[i], cur, xs[i & 1], N, rope, kv, tiers ? &(*tiers)[i] : nullptr, i, hi, pd, B, clk);
       cur = xs[i & 1];
     }
     if (r == 0) std::memcpy(out.data_ptr(), cur, N * H * sizeof(T));
@@ -828,10 +844,32 @@ at::Tensor decode_stack(const at::Tensor& x, at::IntArrayRef plans, const at::Te
   auto out = at::empty_like(x);
   if (x.size(0) == 0) return out;
   if (ps[0]->bf)
-    stack_impl<uint16_t>(ps, x, rope, kv, hi, pad.data_ptr<int64_t>(), out);
+    stack_impl<uint16_t>(ps, x, rope, &kv, nullptr, hi, pad.data_ptr<int64_t>(), out);
   else
-    stack_impl<float>(ps, x, rope, kv, hi, pad.data_ptr<int64_t>(), out);
+    stack_impl<float>(ps, x, rope, &kv, nullptr, hi, pad.data_ptr<int64_t>(), out);
   return out;
+}
+
+// The tiered store's buffers of one layer, checked against the plan and x (decode_layer_tiers, decode_stack_tiers):
+// k_new / v_new the appended rows, the token's row slot = position - t0 (t0: the prompt length, a device scalar)
+static Tier tier_of(const char* E, const Plan& P, const at::Tensor& x, int64_t hi, const at::Tensor& k_new,
+                    const at::Tensor& v_new, const at::Tensor& k_exact, const at::Tensor& v_exact,
+                    const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
+                    const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                    const at::Tensor& t0) {
+  const int64_t N = x.size(0), n_kv = P.n_kv, D = P.D;
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == x.scalar_type() && t->device().is_cpu() && t->size(0) >= N &&
+                    t->size(1) == n_kv && t->size(3) == D && t->stride(3) == 1 && t->size(2) == k_new.size(2),
+                E, name, " must be the appended rows [>=B, ", n_kv, ", cap, ", D, "] of x's dtype, got ", t->sizes(),
+                " ", t->scalar_type());
+  TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
+              "t0 must be a one-element int64 CPU tensor (the prompt length)");
+  const int64_t slot = hi - t0.data_ptr<int64_t>()[0];
+  TORCH_CHECK(slot >= 0 && slot < k_new.size(2), E, "appended row ", slot, " (position ", hi, ") outside the ",
+              k_new.size(2), " reserved rows");
+  return Tier{k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, slot};
 }
 
 // decode_layer over the tiered store of lowrank_lib/kv (MethodStore with the fused tier attention): the token's k / v
@@ -847,19 +885,53 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, int64_t plan, const at::Tenso
   Clock clk;
   const char* E = "lowrank_lrk::decode_layer_tiers: ";
   const auto P = get_plan(E, plan);
-  const int64_t hi = check_call(E, *P, x, rope, length, pad), N = x.size(0), n_kv = P->n_kv, D = P->D;
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
-    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == x.scalar_type() && t->device().is_cpu() && t->size(0) >= N &&
-                    t->size(1) == n_kv && t->size(3) == D && t->stride(3) == 1 && t->size(2) == k_new.size(2),
-                E, name, " must be the appended rows [>=B, ", n_kv, ", cap, ", D, "] of x's dtype, got ", t->sizes(),
-                " ", t->scalar_type());
-  TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
-              "t0 must be a one-element int64 CPU tensor (the prompt length)");
-  const int64_t slot = hi - t0.data_ptr<int64_t>()[0];
-  TORCH_CHECK(slot >= 0 && slot < k_new.size(2), E, "appended row ", slot, " (position ", hi, ") outside the ",
-              k_new.size(2), " reserved rows");
-  const Tier tier{k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, slot};
+  const int64_t hi = check_call(E, *P, x, rope, length, pad);
+  const Tier tier = tier_of(E, *P, x, hi, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v,
+                            k_scale, v_scale, t0);
   return run_layer(x, P, rope, nullptr, &tier, 0, hi, pad, clk);
+}
+
+// decode_stack over the tiered store: layer i's buffers are entry i of each list (k_scale / v_scale: None for float
+// factors). Every plan and every layer's layout is checked before the first layer runs; then the layers run in order
+// on a team of the pool's threads as decode_stack's do, each layer's tier attention a construct of the team (its
+// pieces claimed by the members, merged by one). One call per step instead of one per layer.
+at::Tensor decode_stack_tiers(const at::Tensor& x, at::IntArrayRef plans, const at::Tensor& rope, at::TensorList k_new,
+                              at::TensorList v_new, at::TensorList k_exact, at::TensorList v_exact,
+                              at::TensorList e_off, at::TensorList runs, at::TensorList r_off, at::TensorList a_k,
+                              at::TensorList a_v, at::TensorList b_k, at::TensorList b_v,
+                              const c10::List<c10::optional<at::Tensor>>& k_scale,
+                              const c10::List<c10::optional<at::Tensor>>& v_scale, const at::Tensor& t0,
+                              const at::Tensor& length, const at::Tensor& pad) {
+  const char* E = "lowrank_lrk::decode_stack_tiers: ";
+  const int64_t L = (int64_t)plans.size();
+  TORCH_CHECK(L > 0, E, "no layer plans");
+  for (int64_t n : {(int64_t)k_new.size(), (int64_t)v_new.size(), (int64_t)k_exact.size(), (int64_t)v_exact.size(),
+                    (int64_t)e_off.size(), (int64_t)runs.size(), (int64_t)r_off.size(), (int64_t)a_k.size(),
+                    (int64_t)a_v.size(), (int64_t)b_k.size(), (int64_t)b_v.size(), (int64_t)k_scale.size(),
+                    (int64_t)v_scale.size()})
+    TORCH_CHECK(n == L, E, "every list needs one entry per layer plan (", L, "), got one of ", n);
+  std::vector<std::shared_ptr<const Plan>> ps;
+  std::vector<Tier> ts;
+  int64_t hi = 0;
+  for (int64_t i = 0; i < L; i++) {  // every check before the first layer runs
+    ps.push_back(get_plan(E, plans[i]));
+    const Plan& P = *ps.back();
+    hi = check_call(E, P, x, rope, length, pad);
+    TORCH_CHECK(P.bf == ps[0]->bf && (!P.fin || i + 1 == L), E, "plan ", i,
+                P.bf != ps[0]->bf ? " has another dtype than plan 0" : " has the final norm but is not the last");
+    ts.push_back(tier_of(E, P, x, hi, k_new[i], v_new[i], k_exact[i], v_exact[i], e_off[i], runs[i], r_off[i], a_k[i],
+                         a_v[i], b_k[i], b_v[i], k_scale.get(i), v_scale.get(i), t0));
+    const Tier& t = ts.back();
+    tiers::check(nullptr, x.scalar_type(), x.size(0), P.n_kv, P.n_heads / P.n_kv, P.D, t.k_exact, t.v_exact, t.e_off,
+                 t.runs, t.r_off, t.a_k, t.a_v, t.b_k, t.b_v, t.k_scale, t.v_scale, t.k_new, t.v_new, t.slot + 1);
+  }
+  auto out = at::empty_like(x);
+  if (x.size(0) == 0) return out;
+  if (ps[0]->bf)
+    stack_impl<uint16_t>(ps, x, rope, nullptr, &ts, hi, pad.data_ptr<int64_t>(), out);
+  else
+    stack_impl<float>(ps, x, rope, nullptr, &ts, hi, pad.data_ptr<int64_t>(), out);
+  return out;
 }
 
 }  // namespace layer
@@ -877,6 +949,11 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
       "decode_layer_tiers(Tensor x, int plan, Tensor rope, Tensor(a!) k_new, Tensor(b!) v_new, Tensor k_exact, "
       "Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, Tensor a_v, Tensor b_k, Tensor b_v, "
       "Tensor? k_scale, Tensor? v_scale, Tensor t0, Tensor length, Tensor pad) -> Tensor");
+  m.def(
+      "decode_stack_tiers(Tensor x, int[] plans, Tensor rope, Tensor(a!)[] k_new, Tensor(b!)[] v_new, "
+      "Tensor[] k_exact, Tensor[] v_exact, Tensor[] e_off, Tensor[] runs, Tensor[] r_off, Tensor[] a_k, Tensor[] a_v, "
+      "Tensor[] b_k, Tensor[] b_v, Tensor?[] k_scale, Tensor?[] v_scale, Tensor t0, Tensor length, Tensor pad) -> "
+      "Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
   m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");
 }
@@ -885,5 +962,6 @@ TORCH_LIBRARY_IMPL(lowrank_lrk, CPU, m) {
   m.impl("decode_layer", &lrk::layer::decode_layer);
   m.impl("decode_stack", &lrk::layer::decode_stack);
   m.impl("decode_layer_tiers", &lrk::layer::decode_layer_tiers);
+  m.impl("decode_stack_tiers", &lrk::layer::decode_stack_tiers);
   m.impl("silu_mul", &lrk::layer::silu_mul_op);
 }

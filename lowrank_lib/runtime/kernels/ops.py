@@ -118,6 +118,16 @@ def decode_layer_tiers(x: torch.Tensor, plan: int, rope: torch.Tensor, k_new: to
                                              a_v, b_k, b_v, k_scale, v_scale, t0, length, pad)
 
 
+def decode_stack_tiers(x: torch.Tensor, plans: list[int], rope: torch.Tensor, tiers: tuple[list, ...],
+                       t0: torch.Tensor, length: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_layer_tiers` of ``plans[i]`` over tiered layer ``i``, every layer in order, in one call (on a team
+    of the kernel pool's threads, as :func:`decode_stack`): ``tiers`` the 13 per-layer lists k_new, v_new, k_exact,
+    v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale (entry i: layer i's, what
+    :func:`decode_layer_tiers` takes; scales None for float factors). Every layer's layout is checked before the first
+    one runs."""
+    return _ops().decode_stack_tiers.default(x, plans, rope, *tiers, t0, length, pad)
+
+
 def arena_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero tensor of ``shape`` in the weight arena (``arena.cpp``: 2 MB transparent huge pages; torch's allocator
     when the arena is off): for a buffer a kernel streams every token, as the dense KV store's."""

@@ -582,26 +582,37 @@ static void check_flat(const at::Tensor& t, const char* name) {
               " must be a 1-D contiguous CPU tensor, got shape ", t.sizes(), " strides ", t.strides());
 }
 
-at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
-                       const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
-                       const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
-                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
-                       const at::Tensor& n_new, double scale) {
-  // ---- shapes, dtypes, descriptors (every offset checked against its buffer: a bad layout is an error, never a read
-  // out of bounds)
-  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu() && is_float_or_bf16(q), OP,
-              "q must be a CPU [B, H, G, d] fp32 / bf16 tensor, got ", q.sizes(), " ", q.scalar_type());
-  const bool bf = q.scalar_type() == at::kBFloat16;
+// One validated call: the layer as raw pointers and its work items (the same on every member of a team: they
+// depend on the layout and the team's size only)
+struct Call {
+  Layer L{};
+  bool bf = false, w512 = false;
+  int64_t S = 0, rmax = 0, tu = 1;     // tu: the threads the items are cut for
+  std::vector<Item> items;
+};
+
+int64_t state_floats(int64_t S, int64_t G, int64_t D, int64_t threads) {
+  return (S + 4 * std::max<int64_t>(threads, 1) + 2) * (2 * G + G * D);
+}
+
+// every check of the layout against q's geometry (B, H, G, D, dtype dt at qp, contiguous) and nn appended rows, then
+// the work items
+static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
+                    const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off,
+                    const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
+                    const at::Tensor& b_k, const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
+                    const std::optional<at::Tensor>& v_new, int64_t nn, double scale) {
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, OP, "q must be fp32 / bf16, got ", dt);
+  const bool bf = dt == at::kBFloat16;
   // the AVX-512 code where the CPU has this dtype's subset (as lrk.cpp's kinds), else the AVX2 + FMA code
   const int64_t isa = isa_flags(), need = bf ? 15 : 7;
   const bool w512 = (isa & need) == need;
   TORCH_CHECK(w512 || (isa & 96) == 96, OP, "this CPU lacks AVX2 + FMA and ",
               bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa, ")");
-  const int64_t B = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3), S = B * H;
+  const int64_t S = B * H;
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, OP, "head_dim must be a multiple of 16 up to 128, got ", D);
   TORCH_CHECK(G >= 1, OP, "q has no query head per KV head (G = 0)");
-  const auto dt = q.scalar_type();
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_exact, "k_exact"}, {&v_exact, "v_exact"}}) {
     TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->scalar_type() == dt && t->device().is_cpu() &&
                     (t->size(0) == 0 || t->stride(1) == 1),
@@ -670,12 +681,9 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
       seg_tokens[s] += n;
     }
   }
-  const int64_t nn = n_new.numel() == 1 && n_new.scalar_type() == at::kLong && n_new.device().is_cpu()
-                         ? n_new.data_ptr<int64_t>()[0]
-                         : -1;
-  TORCH_CHECK(nn >= 0, OP, "n_new must be a [1] non-negative int64 CPU tensor, got ", n_new.sizes(), " ",
-              n_new.scalar_type(), nn < 0 && n_new.numel() == 1 && n_new.scalar_type() == at::kLong ? " (negative)" : "");
-  Layer L{};
+  TORCH_CHECK(nn >= 0, OP, "n_new must be non-negative, got ", nn);
+  Call c;
+  Layer& L = c.L;
   L.nn = nn;
   if (nn > 0) {
     TORCH_CHECK(k_new.has_value() && v_new.has_value(), OP, "n_new = ", nn, " but no k_new / v_new");
@@ -694,8 +702,7 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   for (int64_t s = 0; s < S; s++)
     TORCH_CHECK(seg_tokens[s] + nn > 0, OP, "segment ", s, " (row ", s / H, ", KV head ", s % H, ") holds no token");
 
-  auto qc = q.contiguous();
-  L.G = G, L.D = D, L.H = H, L.scale = (float)scale, L.q = qc.data_ptr();
+  L.G = G, L.D = D, L.H = H, L.scale = (float)scale, L.q = qp;
   L.ke = k_exact.data_ptr(), L.ve = v_exact.data_ptr();
   L.ske = k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
   L.eoff = eo, L.runs = rd, L.roff = ro;
@@ -727,7 +734,7 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
   const int64_t tu = pool::threads_for((int64_t)total);
   const bool split = tu > 1;
   const double target = split ? std::max(total / (4.0 * tu), (double)pool::min_bytes()) : 0.0;
-  std::vector<Item> items;
+  std::vector<Item>& items = c.items;
   items.reserve(split ? S + 4 * tu + 1 : S);
   for (int64_t s = 0; s < S; s++) {
     if (!split) {
@@ -748,50 +755,109 @@ at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at:
     });
     if (idx > lo) items.push_back({s, lo, idx});
   }
-  const int64_t NI = (int64_t)items.size(), ST = 2 * G + G * D;
-  std::vector<float> state(NI * ST);
+  c.bf = bf, c.w512 = w512, c.S = S, c.rmax = rmax, c.tu = tu;
+  TORCH_CHECK((int64_t)items.size() <= state_floats(S, G, D, tu) / (2 * G + G * D), OP, "internal: ", items.size(),
+              " work items overrun the state bound");
+  return c;
+}
 
+// the items (a construct inside a team: every member calls it, the members claim the items), each writing its (m, l,
+// acc) state to state[i * ST]
+static void run_items(const Call& c, float* state) {
+  const Layer& L = c.L;
+  const int64_t G = L.G, D = L.D, NI = (int64_t)c.items.size(), ST = 2 * G + G * D;
 #if LRK_X86
-  const item_fn fn = w512 ? (bf ? ITEM512_BF16 : ITEM512_F32) : (bf ? ITEM2_BF16 : ITEM2_F32);
-  const int64_t need_sc = G * D + G * CH + 3 * G * rmax + 16;
-  pool::run(NI, tu, [&](int64_t i) {
+  const item_fn fn = c.w512 ? (c.bf ? ITEM512_BF16 : ITEM512_F32) : (c.bf ? ITEM2_BF16 : ITEM2_F32);
+  const int64_t need_sc = G * D + G * CH + 3 * G * c.rmax + 16;
+  const int64_t rmax = c.rmax;
+  pool::run(NI, c.tu, [&](int64_t i) {
     thread_local std::vector<float> buf;              // this thread's scratch, grown as needed
     if ((int64_t)buf.size() < need_sc) buf.resize(need_sc);
     float* p = buf.data();
     Scratch sc{p, p + G * D, p + G * D + G * CH, p + G * D + G * CH + G * rmax, p + G * D + G * CH + 2 * G * rmax + 16};
-    fn(L, items[i].s, items[i].lo, items[i].hi, state.data() + i * ST, sc);
+    fn(L, c.items[i].s, c.items[i].lo, c.items[i].hi, state + i * ST, sc);
   });
 #endif
+}
 
-  // ---- merge the pieces of each segment (log-sum-exp of their states) and normalise
-  auto o = at::empty({B, H * G * D}, q.options());
-  std::vector<float> out(G * D);
+// merges the pieces of each segment (log-sum-exp of their states), normalises, writes out [B, H * G * D] (q's dtype)
+static void merge(const Call& c, const float* state, void* out) {
+  const int64_t G = c.L.G, D = c.L.D, NI = (int64_t)c.items.size(), ST = 2 * G + G * D;
+  thread_local std::vector<float> o32;   // bf16 output: one segment in fp32 first
+  if (c.bf && (int64_t)o32.size() < G * D) o32.resize(G * D);
+  float* outf = c.bf ? o32.data() : nullptr;
   for (int64_t i0 = 0; i0 < NI;) {
-    const int64_t s = items[i0].s;
+    const int64_t s = c.items[i0].s;
     int64_t i1 = i0;
-    while (i1 < NI && items[i1].s == s) i1++;
+    while (i1 < NI && c.items[i1].s == s) i1++;
+    float* og = c.bf ? outf : (float*)out + s * G * D;
     for (int64_t g = 0; g < G; g++) {
       float mx = -INFINITY;
       for (int64_t i = i0; i < i1; i++) mx = std::max(mx, state[i * ST + g]);
       float l = 0;
-      for (int64_t c = 0; c < D; c++) out[g * D + c] = 0;
+      for (int64_t k = 0; k < D; k++) og[g * D + k] = 0;
       for (int64_t i = i0; i < i1; i++) {
-        const float* st = state.data() + i * ST;
+        const float* st = state + i * ST;
         const float w = std::exp(st[g] - mx);
         l += st[G + g] * w;
-        for (int64_t c = 0; c < D; c++) out[g * D + c] += st[2 * G + g * D + c] * w;
+        for (int64_t k = 0; k < D; k++) og[g * D + k] += st[2 * G + g * D + k] * w;
       }
       const float inv = 1.0f / l;
-      for (int64_t c = 0; c < D; c++) out[g * D + c] *= inv;
+      for (int64_t k = 0; k < D; k++) og[g * D + k] *= inv;
     }
-    if (bf) {
-      auto* op = o.data_ptr<at::BFloat16>() + s * G * D;
-      for (int64_t c = 0; c < G * D; c++) op[c] = at::BFloat16(out[c]);
-    } else {
-      std::memcpy(o.data_ptr<float>() + s * G * D, out.data(), G * D * sizeof(float));
+    if (c.bf) {
+      auto* op = (at::BFloat16*)out + s * G * D;
+      for (int64_t k = 0; k < G * D; k++) op[k] = at::BFloat16(outf[k]);
     }
     i0 = i1;
   }
+}
+
+void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
+                 const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
+                 const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                 const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                 const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
+                 const std::optional<at::Tensor>& v_new, int64_t nn, double scale, float* state, void* out) {
+  const Call c = prepare(qp, dt, B, H, G, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale,
+                         v_scale, k_new, v_new, nn, scale);
+  std::vector<float> own;
+  if (!state) {
+    TORCH_CHECK(!pool::in_team(), OP, "internal: inside a team the state must be the members' shared buffer");
+    own.resize(c.items.size() * (2 * G + G * D));
+    state = own.data();
+  }
+  run_items(c, state);                          // in a team: returns on every member after its barrier
+  if (pool::rank() == 0) merge(c, state, out);  // one member writes the shared output, the others wait
+  pool::barrier();
+}
+
+void check(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D, const at::Tensor& k_exact,
+           const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+           const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, int64_t nn) {
+  prepare(qp, dt, B, H, G, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, k_new,
+          v_new, nn, 1.0);
+}
+
+at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
+                       const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k,
+                       const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+                       const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
+                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                       const at::Tensor& n_new, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.device().is_cpu() && is_float_or_bf16(q), OP,
+              "q must be a CPU [B, H, G, d] fp32 / bf16 tensor, got ", q.sizes(), " ", q.scalar_type());
+  const int64_t nn = n_new.numel() == 1 && n_new.scalar_type() == at::kLong && n_new.device().is_cpu()
+                         ? n_new.data_ptr<int64_t>()[0]
+                         : -1;
+  TORCH_CHECK(nn >= 0, OP, "n_new must be a [1] non-negative int64 CPU tensor, got ", n_new.sizes(), " ",
+              n_new.scalar_type(), nn < 0 && n_new.numel() == 1 && n_new.scalar_type() == at::kLong ? " (negative)" : "");
+  auto qc = q.contiguous();
+  auto o = at::empty({q.size(0), q.size(1) * q.size(2) * q.size(3)}, q.options());
+  attend_into(qc.data_ptr(), q.scalar_type(), q.size(0), q.size(1), q.size(2), q.size(3), k_exact, v_exact, e_off,
+              runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, k_new, v_new, nn, scale, nullptr, o.data_ptr());
   return o;
 }
 
