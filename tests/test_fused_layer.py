@@ -345,13 +345,13 @@ def test_fused_layer_over_the_tiered_store_equals_its_per_op_step(name, dtype, g
 
 @needs_lrk_native
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_decode_stack_tiers_is_the_layer_loop_bit_for_bit_and_checks_every_layer_first(dtype):
+def test_decode_stack_tiers_is_the_layer_loop_bit_for_bit_and_its_layout_is_checked_once(dtype):
     """The tiered store's step runs every layer in one decode_stack_tiers call: on a team at 2 and 3 threads (every
     GEMV and every layer's tier attention split: the attention's pieces claimed by the members, merged by one), on
     one thread, and with the team off ($LOWRANK_LIB_TEAM=0, read per call), the same logits and the same appended rows,
     bit for bit, as one decode_layer_tiers call per layer at the same thread count (its pieces are cut for the same
-    threads), batch 2 with left padding. Every layer's layout is checked before the first layer writes: a bad layout
-    in the last layer is refused with nothing appended."""
+    threads), batch 2 with left padding. The layouts are checked once, when the store registers them after its
+    prefill (ops.tier_layout); a step checks its plans against the layout before the first layer writes."""
     import os
 
     from lowrank_lib.runtime.kernels import ops
@@ -367,21 +367,43 @@ def test_decode_stack_tiers_is_the_layer_loop_bit_for_bit_and_checks_every_layer
                 out[stacked] = logits, [torch.cat([l.k_new, l.v_new]) for l in store.layers]
             assert all(torch.equal(a, b) for a, b in zip(out[True][0], out[False][0])), (threads, team)
             assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1])), (threads, team)
-    # hostile: a list one short, another layer's layout in the last layer's place; nothing appended by either
+    # hostile layouts are refused when made (a list one short; e_off one entry short in the last layer); a step
+    # naming a dropped layout, or a layout of another geometry, is refused with nothing appended
     eng, store, _ = _tiered("composed-kvzip-q8", dtype, "none", "on", n=1)
-    *tiers, t0 = store.fused_tier_lists()
+    per = [store.fused_tier_args(i) for i in range(len(store.layers))]
+    lists = [[p[j] for p in per] for j in range(13)]
+    short = [list(t) for t in lists]
+    short[5] = short[5][:-1]
+    with pytest.raises(RuntimeError, match="one entry per layer"):
+        ops.tier_layout(short, eng.n_kv)
+    bad = [list(t) for t in lists]
+    bad[4][-1] = bad[4][0][:-1]
+    with pytest.raises(RuntimeError, match="e_off"):
+        ops.tier_layout(bad, eng.n_kv)
+    layout, t0 = store.fused_tier_layout()
     x, c = torch.randn(2, eng.hidden).to(eng.dtype), eng.cursor
     before = [l.k_new.clone() for l in store.layers]
     plans = eng._stack.plans
-    short = [list(t) for t in tiers]
-    short[5] = short[5][:-1]
-    with pytest.raises(RuntimeError, match="one entry per layer plan"):
-        ops.decode_stack_tiers(x, plans, eng.cs_table, short, t0, c.length, c.pad)
-    swapped = [list(t) for t in tiers]
-    swapped[4][-1] = swapped[4][0][:-1]                  # e_off one entry short in the last layer
-    with pytest.raises(RuntimeError, match="e_off"):
-        ops.decode_stack_tiers(x, plans, eng.cs_table, swapped, t0, c.length, c.pad)
+    other = ops.tier_layout([t[:-1] for t in lists], eng.n_kv)          # one layer fewer than the plans
+    with pytest.raises(RuntimeError, match="layers, the plans"):
+        ops.decode_stack_tiers(x, plans, eng.cs_table, torch.tensor([other]), t0, c.length, c.pad)
+    assert ops.drop_tier_layout(other) and not ops.drop_tier_layout(other)
+    with pytest.raises(RuntimeError, match="no tier layout"):
+        ops.decode_stack_tiers(x, plans, eng.cs_table, torch.tensor([other]), t0, c.length, c.pad)
+    with pytest.raises(RuntimeError, match="rows of"):
+        ops.decode_stack_tiers(x[:1], plans, eng.cs_table, layout, t0, c.length, c.pad)
     assert all(torch.equal(a, l.k_new) for a, l in zip(before, store.layers))
+    # the store drops its layout at the next prefill and with itself
+    held = list(store._layout_ids)
+    with torch.no_grad():
+        eng.prefill(torch.randint(3, 256, (2, 40), generator=_gen(5)))
+    assert held and not any(ops.drop_tier_layout(i) for i in held) and store._layout_ids != held
+    held = list(store._layout_ids)
+    del eng, store
+    import gc
+
+    gc.collect()
+    assert not any(ops.drop_tier_layout(i) for i in held), "the store's tier layout outlived it"
 
 
 @needs_lrk_native

@@ -30,6 +30,7 @@ description of its fit (bytes over the dense prompt bytes: the budget's meaning)
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,14 @@ from ..runtime.kernels import ops as kernel_ops
 from ..runtime.kv import KVSpec, StepContext
 from .method import KVMethod, Prefill
 from .tiers import BACKENDS, TieredLayer, select_backend
+
+
+def _drop_layouts(ids: list[int]) -> None:
+    try:
+        while ids:
+            kernel_ops.drop_tier_layout(ids.pop())
+    except Exception:           # interpreter shutdown: the library may be gone already
+        pass
 
 
 @dataclass
@@ -59,7 +68,9 @@ class MethodStore:
         self.name = method.name or type(method).__name__
         self.capturable = method.capturable
         self.backend = None
-        self._lists = None                    # fused_tier_lists, once per prefill
+        self._layout = torch.zeros(1, dtype=torch.long)   # this prefill's tier layout id (0: none)
+        self._layout_ids: list[int] = []                    # held ids, dropped at the next prefill or with the store
+        weakref.finalize(self, _drop_layouts, self._layout_ids)
         self._tier = None                     # the chosen kv.tiers.BACKENDS entry, resolved once at allocation
         self.layers: list[TieredLayer] = []
         self.fit_info: dict = {}
@@ -122,7 +133,6 @@ class MethodStore:
         self._v: list[torch.Tensor] = []
         self._q: list[torch.Tensor] = []
         self.layers = []
-        self._lists = None
 
     def store_prefill(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """q [B, Hq, T, D], k/v [B, Hkv, T, D] post-RoPE: held until every layer has arrived."""
@@ -152,6 +162,7 @@ class MethodStore:
             l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
             if arena:                                      # our kernel streams them every token: huge pages
                 l.place(kernel_ops.arena_zeros)
+        self._register_layout()
         self._k, self._v, self._q = [], [], []            # the prompt's dense K/V are freed
 
     # ------------------------------------------------------------------ the fused decode layer
@@ -173,14 +184,26 @@ class MethodStore:
         return (L.k_new, L.v_new, L.k_exact, L.v_exact, L.e_off, L.runs, L.r_off, L.a_k, L.a_v, L.b_k, L.b_v,
                 L.k_scale, L.v_scale, self._t_dev)
 
-    def fused_tier_lists(self) -> tuple:
-        """:meth:`fused_tier_args` of every layer as ``lowrank_lrk::decode_stack_tiers`` reads them: 13 lists (entry i:
-        layer i's k_new, v_new, ..., v_scale), then t0. Built once per prefill (the buffers do not change until the
-        next one)."""
-        if self._lists is None:
-            per = [self.fused_tier_args(i) for i in range(len(self.layers))]
-            self._lists = tuple([p[j] for p in per] for j in range(13)) + (self._t_dev,)
-        return self._lists
+    def fused_tier_layout(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(layout, t0) as ``lowrank_lrk::decode_stack_tiers`` reads them: ``layout`` a [1] int64 tensor holding the
+        id of this prefill's layers validated once by the library (``ops.tier_layout``, made at the end of the prefill
+        and dropped at the next one or with the store: the same tensor for every request, so a compiled step replays),
+        t0 the prompt length. Id 0 (no layout: the fused path cannot serve this store, or no prefill yet) is refused by
+        the op."""
+        return self._layout, self._t_dev
+
+    def _register_layout(self) -> None:
+        """Drop the previous prefill's tier layout; where the fused step can serve this store, validate the new
+        layers once (``ops.tier_layout``) and publish the id in ``self._layout``."""
+        while self._layout_ids:
+            kernel_ops.drop_tier_layout(self._layout_ids.pop())
+        self._layout.fill_(0)
+        if self.fused_tiers_unavailable() is not None or not self.layers:
+            return
+        per = [self.fused_tier_args(i) for i in range(len(self.layers))]
+        lid = kernel_ops.tier_layout(tuple([p[j] for p in per] for j in range(13)), self.spec.n_kv_heads)
+        self._layout_ids.append(lid)
+        self._layout.fill_(lid)
 
     def fused_appended(self, layer: int) -> None:
         """The fused op appended one row to ``layer``: an eager step counts it on the host (as ``TieredLayer.append``

@@ -193,8 +193,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{NAMESPACE}::decode_stack_tiers")
-    def _(x, plans, rope, k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale,
-          t0, length, pad):
+    def _(x, plans, rope, layout, t0, length, pad):
         return torch.empty_like(x)
 
     @torch.library.register_fake(f"{NAMESPACE}::qpack")

@@ -97,12 +97,17 @@ void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_
                  const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
                  const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
                  const std::optional<at::Tensor>& v_new, int64_t nn, double scale, float* state, void* out);
-// attend_into's checks alone (nn appended rows read): every layout error before a step writes anything
-void check(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D, const at::Tensor& k_exact,
-           const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
-           const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
-           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, int64_t nn);
+// A layout validated once (every check of tier_attend that reads neither q nor the appended rows; its tensors must
+// outlive it), and attend_into over it: per call only the appended rows are checked and the work items cut
+struct Layout;
+std::shared_ptr<const Layout> make_layout(at::ScalarType dt, int64_t B, int64_t H, int64_t D,
+                                          const at::Tensor& k_exact, const at::Tensor& v_exact,
+                                          const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+                                          const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                                          const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                                          const std::optional<at::Tensor>& v_scale);
+void attend_layout(const Layout& y, const void* qp, int64_t G, const at::Tensor& k_new, const at::Tensor& v_new,
+                   int64_t nn, double scale, float* state, void* out);
 int64_t state_floats(int64_t S, int64_t G, int64_t D, int64_t threads);
 }
 namespace layer {
@@ -435,6 +440,7 @@ struct Tier {
   at::Tensor k_new, v_new, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v;
   std::optional<at::Tensor> k_scale, v_scale;
   int64_t slot;
+  std::shared_ptr<const tiers::Layout> layout = nullptr;  // validated once (tier_layout), or checked per call
 };
 
 // Where one layer call's activations live. In a team (decode_stack on two or more threads) the outputs of the kernel
@@ -555,7 +561,9 @@ static void layer_impl(const Plan& P, const T* xp, T* xo, int64_t N, const at::T
   });
   clk.lap(P_ROPE_KV);
   const float scale = (float)std::pow((double)D, -0.5);
-  if (tier) {  // every tier and the appended rows through the store's fused kernel (tiers.cpp): tier_attend's code
+  if (tier && tier->layout) {  // every tier and the appended rows through tiers.cpp's kernel (tier_attend's code)
+    tiers::attend_layout(*tier->layout, q, qg, tier->k_new, tier->v_new, row + 1, scale, B.ts, o);
+  } else if (tier) {
     tiers::attend_into(q, bf ? at::kBFloat16 : at::kFloat, N, Hkv, qg, D, tier->k_exact, tier->v_exact, tier->e_off,
                        tier->runs, tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale,
                        tier->v_scale, tier->k_new, tier->v_new, row + 1, scale, B.ts, o);
@@ -891,27 +899,85 @@ at::Tensor decode_layer_tiers(const at::Tensor& x, int64_t plan, const at::Tenso
   return run_layer(x, P, rope, nullptr, &tier, 0, hi, pad, clk);
 }
 
-// decode_stack over the tiered store: layer i's buffers are entry i of each list (k_scale / v_scale: None for float
-// factors). Every plan and every layer's layout is checked before the first layer runs; then the layers run in order
+// ---- tier layouts: a tiered store's layers validated once per prefill (tier_layout), then named by an id (a [1]
+// int64 tensor read at run time: a compiled step replays for every request) in every decode_stack_tiers call
+struct TierSet {
+  std::vector<Tier> tiers;           // slot unset; layout set
+  at::ScalarType dt;
+  int64_t B, n_kv, D, cap;
+};
+static std::mutex g_tiers_m;
+static std::unordered_map<int64_t, std::shared_ptr<const TierSet>> g_tiers;
+static int64_t g_next_tiers = 1;     // never reused
+
+// The layers' tiered buffers, entry i of each list being layer i's (k_scale / v_scale None for float factors): every
+// check tier_attend makes of a layout, once; k_new / v_new [>=B, n_kv, cap, D] of the layers' dtype. -> its id
+int64_t tier_layout(at::TensorList k_new, at::TensorList v_new, at::TensorList k_exact, at::TensorList v_exact,
+                    at::TensorList e_off, at::TensorList runs, at::TensorList r_off, at::TensorList a_k,
+                    at::TensorList a_v, at::TensorList b_k, at::TensorList b_v,
+                    const c10::List<c10::optional<at::Tensor>>& k_scale,
+                    const c10::List<c10::optional<at::Tensor>>& v_scale, int64_t n_kv) {
+  const char* E = "lowrank_lrk::tier_layout: ";
+  const int64_t L = (int64_t)k_new.size();
+  TORCH_CHECK(L > 0 && n_kv > 0, E, "no layers, or n_kv < 1");
+  for (int64_t n : {(int64_t)v_new.size(), (int64_t)k_exact.size(), (int64_t)v_exact.size(), (int64_t)e_off.size(),
+                    (int64_t)runs.size(), (int64_t)r_off.size(), (int64_t)a_k.size(), (int64_t)a_v.size(),
+                    (int64_t)b_k.size(), (int64_t)b_v.size(), (int64_t)k_scale.size(), (int64_t)v_scale.size()})
+    TORCH_CHECK(n == L, E, "every list needs one entry per layer (", L, "), got one of ", n);
+  auto T = std::make_shared<TierSet>();
+  T->dt = k_new[0].scalar_type(), T->n_kv = n_kv, T->D = k_new[0].dim() == 4 ? k_new[0].size(3) : 0;
+  T->B = e_off[0].numel() > 0 ? (e_off[0].numel() - 1) / n_kv : 0, T->cap = k_new[0].dim() == 4 ? k_new[0].size(2) : 0;
+  TORCH_CHECK(T->dt == at::kFloat || T->dt == at::kBFloat16, E, "the layers' dtype must be fp32 or bf16, got ", T->dt);
+  TORCH_CHECK(T->B >= 1 && e_off[0].numel() == T->B * n_kv + 1, E, "e_off of layer 0 has ", e_off[0].numel(),
+              " entries: not B * n_kv + 1 for n_kv = ", n_kv);
+  for (int64_t i = 0; i < L; i++) {
+    for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new[i], "k_new"}, {&v_new[i], "v_new"}})
+      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == T->dt && t->device().is_cpu() && t->size(0) >= T->B &&
+                      t->size(1) == n_kv && t->size(2) == T->cap && t->size(3) == T->D && t->stride(3) == 1,
+                  E, "layer ", i, ": ", name, " must be [>=", T->B, ", ", n_kv, ", ", T->cap, ", ", T->D, "] ", T->dt,
+                  " with unit stride in d, got ", t->sizes(), " ", t->scalar_type());
+    Tier t{k_new[i], v_new[i], k_exact[i], v_exact[i], e_off[i], runs[i], r_off[i], a_k[i], a_v[i], b_k[i], b_v[i],
+           k_scale.get(i), v_scale.get(i), 0};
+    t.layout = tiers::make_layout(T->dt, T->B, n_kv, T->D, t.k_exact, t.v_exact, t.e_off, t.runs, t.r_off, t.a_k,
+                                  t.a_v, t.b_k, t.b_v, t.k_scale, t.v_scale);
+    T->tiers.push_back(std::move(t));
+  }
+  std::lock_guard<std::mutex> lk(g_tiers_m);
+  const int64_t id = g_next_tiers++;
+  g_tiers.emplace(id, std::move(T));
+  return id;
+}
+
+bool drop_tier_layout(int64_t id) {
+  std::lock_guard<std::mutex> lk(g_tiers_m);
+  return g_tiers.erase(id) > 0;
+}
+
+// decode_stack over a tiered store (layouts from tier_layout, named by the id in `layout`): every plan is checked
+// against the layout before the first layer runs (the layouts were checked when made); then the layers run in order
 // on a team of the pool's threads as decode_stack's do, each layer's tier attention a construct of the team (its
-// pieces claimed by the members, merged by one). One call per step instead of one per layer.
-at::Tensor decode_stack_tiers(const at::Tensor& x, at::IntArrayRef plans, const at::Tensor& rope, at::TensorList k_new,
-                              at::TensorList v_new, at::TensorList k_exact, at::TensorList v_exact,
-                              at::TensorList e_off, at::TensorList runs, at::TensorList r_off, at::TensorList a_k,
-                              at::TensorList a_v, at::TensorList b_k, at::TensorList b_v,
-                              const c10::List<c10::optional<at::Tensor>>& k_scale,
-                              const c10::List<c10::optional<at::Tensor>>& v_scale, const at::Tensor& t0,
-                              const at::Tensor& length, const at::Tensor& pad) {
+// pieces claimed by the members, merged by one). One call per step instead of one per layer, and no per-step list of
+// the layers' buffers.
+at::Tensor decode_stack_tiers(const at::Tensor& x, at::IntArrayRef plans, const at::Tensor& rope,
+                              const at::Tensor& layout, const at::Tensor& t0, const at::Tensor& length,
+                              const at::Tensor& pad) {
   const char* E = "lowrank_lrk::decode_stack_tiers: ";
   const int64_t L = (int64_t)plans.size();
   TORCH_CHECK(L > 0, E, "no layer plans");
-  for (int64_t n : {(int64_t)k_new.size(), (int64_t)v_new.size(), (int64_t)k_exact.size(), (int64_t)v_exact.size(),
-                    (int64_t)e_off.size(), (int64_t)runs.size(), (int64_t)r_off.size(), (int64_t)a_k.size(),
-                    (int64_t)a_v.size(), (int64_t)b_k.size(), (int64_t)b_v.size(), (int64_t)k_scale.size(),
-                    (int64_t)v_scale.size()})
-    TORCH_CHECK(n == L, E, "every list needs one entry per layer plan (", L, "), got one of ", n);
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.numel() == 1 && layout.device().is_cpu(), E,
+              "layout must be a one-element int64 CPU tensor (a tier_layout id)");
+  std::shared_ptr<const TierSet> T;
+  {
+    const int64_t id = layout.data_ptr<int64_t>()[0];
+    std::lock_guard<std::mutex> lk(g_tiers_m);
+    auto it = g_tiers.find(id);
+    TORCH_CHECK(it != g_tiers.end(), E, "no tier layout ", id, " (dropped, or never made by tier_layout)");
+    T = it->second;
+  }
+  TORCH_CHECK((int64_t)T->tiers.size() == L, E, "the layout has ", T->tiers.size(), " layers, the plans ", L);
+  TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
+              "t0 must be a one-element int64 CPU tensor (the prompt length)");
   std::vector<std::shared_ptr<const Plan>> ps;
-  std::vector<Tier> ts;
   int64_t hi = 0;
   for (int64_t i = 0; i < L; i++) {  // every check before the first layer runs
     ps.push_back(get_plan(E, plans[i]));
@@ -919,12 +985,15 @@ at::Tensor decode_stack_tiers(const at::Tensor& x, at::IntArrayRef plans, const 
     hi = check_call(E, P, x, rope, length, pad);
     TORCH_CHECK(P.bf == ps[0]->bf && (!P.fin || i + 1 == L), E, "plan ", i,
                 P.bf != ps[0]->bf ? " has another dtype than plan 0" : " has the final norm but is not the last");
-    ts.push_back(tier_of(E, P, x, hi, k_new[i], v_new[i], k_exact[i], v_exact[i], e_off[i], runs[i], r_off[i], a_k[i],
-                         a_v[i], b_k[i], b_v[i], k_scale.get(i), v_scale.get(i), t0));
-    const Tier& t = ts.back();
-    tiers::check(nullptr, x.scalar_type(), x.size(0), P.n_kv, P.n_heads / P.n_kv, P.D, t.k_exact, t.v_exact, t.e_off,
-                 t.runs, t.r_off, t.a_k, t.a_v, t.b_k, t.b_v, t.k_scale, t.v_scale, t.k_new, t.v_new, t.slot + 1);
+    TORCH_CHECK(T->dt == x.scalar_type() && T->n_kv == P.n_kv && T->D == P.D && T->B == x.size(0), E,
+                "the layout holds ", T->B, " rows of ", T->n_kv, " KV heads of ", T->D, " (", T->dt, "), layer ", i,
+                "'s step ", x.size(0), " rows of ", P.n_kv, " x ", P.D, " (", x.scalar_type(), ")");
   }
+  const int64_t slot = hi - t0.data_ptr<int64_t>()[0];
+  TORCH_CHECK(slot >= 0 && slot < T->cap, E, "appended row ", slot, " (position ", hi, ") outside the ", T->cap,
+              " reserved rows");
+  std::vector<Tier> ts = T->tiers;
+  for (auto& t : ts) t.slot = slot;
   auto out = at::empty_like(x);
   if (x.size(0) == 0) return out;
   if (ps[0]->bf)
@@ -950,10 +1019,15 @@ TORCH_LIBRARY_FRAGMENT(lowrank_lrk, m) {
       "Tensor v_exact, Tensor e_off, Tensor runs, Tensor r_off, Tensor a_k, Tensor a_v, Tensor b_k, Tensor b_v, "
       "Tensor? k_scale, Tensor? v_scale, Tensor t0, Tensor length, Tensor pad) -> Tensor");
   m.def(
-      "decode_stack_tiers(Tensor x, int[] plans, Tensor rope, Tensor(a!)[] k_new, Tensor(b!)[] v_new, "
-      "Tensor[] k_exact, Tensor[] v_exact, Tensor[] e_off, Tensor[] runs, Tensor[] r_off, Tensor[] a_k, Tensor[] a_v, "
-      "Tensor[] b_k, Tensor[] b_v, Tensor?[] k_scale, Tensor?[] v_scale, Tensor t0, Tensor length, Tensor pad) -> "
-      "Tensor");
+      "tier_layout(Tensor[] k_new, Tensor[] v_new, Tensor[] k_exact, Tensor[] v_exact, Tensor[] e_off, Tensor[] runs, "
+      "Tensor[] r_off, Tensor[] a_k, Tensor[] a_v, Tensor[] b_k, Tensor[] b_v, Tensor?[] k_scale, Tensor?[] v_scale, "
+      "int n_kv) -> int",
+      &lrk::layer::tier_layout);
+  m.def("drop_tier_layout(int layout) -> bool", &lrk::layer::drop_tier_layout);
+  // the layout's k_new / v_new are written in place; they are reached through the id, so the schema cannot say so:
+  // nothing else in a step may read them (the engine's fused step reads them only inside this op)
+  m.def("decode_stack_tiers(Tensor x, int[] plans, Tensor rope, Tensor layout, Tensor t0, Tensor length, Tensor pad) "
+        "-> Tensor");
   m.def("layer_profile(bool on) -> int[]", &lrk::layer::layer_profile);
   m.def("silu_mul(Tensor g, Tensor u, int level) -> Tensor");
 }

@@ -242,7 +242,7 @@ class FusedLayer:
 
 class FusedStack:
     """Every :class:`FusedLayer` of an engine, run in order by ONE call per step: ``lowrank_lrk::decode_stack`` on the
-    dense store, ``decode_stack_tiers`` on a tiered one (the store's ``fused_tier_lists``), both on a team of the
+    dense store, ``decode_stack_tiers`` on a tiered one (the store's ``fused_tier_layout``), both on a team of the
     kernel pool's threads (the per-layer Python and dispatcher round trip, ~4-5 % of a SmolLM2 token at one thread,
     paid once; on the composed cache at 3k tokens the 30 per-layer calls cost 0.41 ms a step eager, 0.93 compiled, more
     than the dense store's one call). Holds the layers, so their plans live as long as it does."""
@@ -260,8 +260,8 @@ class FusedStack:
         store) or to each tiered layer's appended rows."""
         if not self.tiered:
             return ops.decode_stack(x, self.plans, rope, store.kv, length, pad)
-        *tiers, t0 = store.fused_tier_lists()
-        out = ops.decode_stack_tiers(x, self.plans, rope, tiers, t0, length, pad)
+        layout, t0 = store.fused_tier_layout()
+        out = ops.decode_stack_tiers(x, self.plans, rope, layout, t0, length, pad)
         for f in self.layers:
             store.fused_appended(f.i)
         return out

@@ -118,14 +118,26 @@ def decode_layer_tiers(x: torch.Tensor, plan: int, rope: torch.Tensor, k_new: to
                                              a_v, b_k, b_v, k_scale, v_scale, t0, length, pad)
 
 
-def decode_stack_tiers(x: torch.Tensor, plans: list[int], rope: torch.Tensor, tiers: tuple[list, ...],
-                       t0: torch.Tensor, length: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
-    """:func:`decode_layer_tiers` of ``plans[i]`` over tiered layer ``i``, every layer in order, in one call (on a team
-    of the kernel pool's threads, as :func:`decode_stack`): ``tiers`` the 13 per-layer lists k_new, v_new, k_exact,
-    v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale (entry i: layer i's, what
-    :func:`decode_layer_tiers` takes; scales None for float factors). Every layer's layout is checked before the first
-    one runs."""
-    return _ops().decode_stack_tiers.default(x, plans, rope, *tiers, t0, length, pad)
+def tier_layout(tiers: tuple[list, ...], n_kv: int) -> int:
+    """A tiered store's layers validated once (every check :func:`tier_attend` makes of a layout), held by the library
+    until :func:`drop_tier_layout`: ``tiers`` the 13 per-layer lists k_new, v_new, k_exact, v_exact, e_off, runs,
+    r_off, a_k, a_v, b_k, b_v, k_scale, v_scale (entry i: layer i's, what :func:`decode_layer_tiers` takes; scales None
+    for float factors). -> its id."""
+    return int(_ops().tier_layout(*tiers, n_kv))
+
+
+def drop_tier_layout(layout: int) -> bool:
+    """Releases a :func:`tier_layout` (its tensors); False if it was not held."""
+    return bool(_ops().drop_tier_layout(layout))
+
+
+def decode_stack_tiers(x: torch.Tensor, plans: list[int], rope: torch.Tensor, layout: torch.Tensor, t0: torch.Tensor,
+                       length: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_layer_tiers` of ``plans[i]`` over tiered layer ``i`` of the :func:`tier_layout` whose id
+    ``layout`` ([1] int64, read at run time) holds, every layer in order, in one call (on a team of the kernel pool's
+    threads, as :func:`decode_stack`): writes each layer's appended row ``length - t0`` in place. Every plan is checked
+    against the layout before the first layer runs; per step only the appended row is checked."""
+    return _ops().decode_stack_tiers.default(x, plans, rope, layout, t0, length, pad)
 
 
 def arena_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -582,6 +582,16 @@ static void check_flat(const at::Tensor& t, const char* name) {
               " must be a 1-D contiguous CPU tensor, got shape ", t.sizes(), " strides ", t.strides());
 }
 
+// One validated layout (validate: every check that reads neither q nor the appended rows; the layout's tensors must
+// outlive it)
+struct Layout {
+  Layer L{};                       // everything but q, G, scale, nn, the appended rows and the prefetch choice
+  at::ScalarType dt = at::kFloat;
+  bool bf = false;
+  int64_t B = 0, S = 0, rmax = 0;
+  std::vector<int64_t> seg_tokens; // tokens of the fitted tiers per segment
+};
+
 // One validated call: the layer as raw pointers and its work items (the same on every member of a team: they
 // depend on the layout and the team's size only)
 struct Call {
@@ -597,22 +607,14 @@ int64_t state_floats(int64_t S, int64_t G, int64_t D, int64_t threads) {
 
 // every check of the layout against q's geometry (B, H, G, D, dtype dt at qp, contiguous) and nn appended rows, then
 // the work items
-static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
-                    const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off,
-                    const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
-                    const at::Tensor& b_k, const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
-                    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
-                    const std::optional<at::Tensor>& v_new, int64_t nn, double scale) {
+Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const at::Tensor& k_exact,
+                const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+                const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
+                const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, OP, "q must be fp32 / bf16, got ", dt);
   const bool bf = dt == at::kBFloat16;
-  // the AVX-512 code where the CPU has this dtype's subset (as lrk.cpp's kinds), else the AVX2 + FMA code
-  const int64_t isa = isa_flags(), need = bf ? 15 : 7;
-  const bool w512 = (isa & need) == need;
-  TORCH_CHECK(w512 || (isa & 96) == 96, OP, "this CPU lacks AVX2 + FMA and ",
-              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa, ")");
   const int64_t S = B * H;
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, OP, "head_dim must be a multiple of 16 up to 128, got ", D);
-  TORCH_CHECK(G >= 1, OP, "q has no query head per KV head (G = 0)");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_exact, "k_exact"}, {&v_exact, "v_exact"}}) {
     TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->scalar_type() == dt && t->device().is_cpu() &&
                     (t->size(0) == 0 || t->stride(1) == 1),
@@ -645,9 +647,6 @@ static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int
     TORCH_CHECK((st == at::kHalf || st == at::kFloat) && v_scale->scalar_type() == st, OP,
                 "k_scale / v_scale must both be fp16 or both fp32, got ", st, " / ", v_scale->scalar_type());
     s32 = st == at::kFloat;
-#if LRK_X86
-    TORCH_CHECK(w512 || s32 || __builtin_cpu_supports("f16c"), OP, "fp16 scales need F16C on the AVX2 path");
-#endif
   }
   const int64_t* eo = e_off.data_ptr<int64_t>();
   const int64_t* ro = r_off.data_ptr<int64_t>();
@@ -658,7 +657,9 @@ static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int
   TORCH_CHECK(ro[0] == 0 && ro[S] <= R, OP, "r_off must start at 0 and end at most at R = ", R, ", got ", ro[0], " .. ", ro[S]);
   const int64_t n_scale = q8 ? std::min(k_scale->numel(), v_scale->numel()) : 0;
   int64_t rmax = 0;
-  std::vector<int64_t> seg_tokens(S, 0);
+  Layout y;
+  std::vector<int64_t>& seg_tokens = y.seg_tokens;
+  seg_tokens.assign(S, 0);
   for (int64_t s = 0; s < S; s++) {
     TORCH_CHECK(eo[s + 1] >= eo[s] && ro[s + 1] >= ro[s], OP, "e_off / r_off decrease at segment ", s);
     seg_tokens[s] = eo[s + 1] - eo[s];
@@ -681,9 +682,40 @@ static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int
       seg_tokens[s] += n;
     }
   }
+  Layer& L = y.L;
+  L.D = D, L.H = H;
+  L.ke = k_exact.data_ptr(), L.ve = v_exact.data_ptr();
+  L.ske = k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
+  L.eoff = eo, L.runs = rd, L.roff = ro;
+  L.ak = a_k.data_ptr(), L.av = a_v.data_ptr(), L.bk = b_k.data_ptr(), L.bv = b_v.data_ptr();
+  L.q8 = q8, L.s32 = s32;
+  L.ks = q8 ? k_scale->data_ptr() : nullptr, L.vs = q8 ? v_scale->data_ptr() : nullptr;
+  y.dt = dt, y.bf = bf, y.B = B, y.S = S, y.rmax = rmax;
+  return y;
+}
+
+// the call of a validated layout: q (G heads per KV head, contiguous at qp), nn appended rows of k_new / v_new; its
+// work items for the threads there are now
+static Call make_call(const Layout& y, const void* qp, int64_t G, const std::optional<at::Tensor>& k_new,
+                      const std::optional<at::Tensor>& v_new, int64_t nn, double scale) {
+  const bool bf = y.bf, q8 = y.L.q8;
+  const auto dt = y.dt;
+  const int64_t B = y.B, H = y.L.H, D = y.L.D, S = y.S, rmax = y.rmax;
+  const int64_t *eo = y.L.eoff, *ro = y.L.roff, *rd = y.L.runs;
+  const std::vector<int64_t>& seg_tokens = y.seg_tokens;
+  // the AVX-512 code where the CPU has this dtype's subset (as lrk.cpp's kinds), else the AVX2 + FMA code
+  const int64_t isa = isa_flags(), need = bf ? 15 : 7;
+  const bool w512 = (isa & need) == need;
+  TORCH_CHECK(w512 || (isa & 96) == 96, OP, "this CPU lacks AVX2 + FMA and ",
+              bf ? "AVX512F/BW/VL + AVX512_BF16" : "AVX512F/BW/VL", " (isa_flags=", isa, ")");
+  TORCH_CHECK(G >= 1, OP, "q has no query head per KV head (G = 0)");
+#if LRK_X86
+  TORCH_CHECK(w512 || !q8 || y.L.s32 || __builtin_cpu_supports("f16c"), OP, "fp16 scales need F16C on the AVX2 path");
+#endif
   TORCH_CHECK(nn >= 0, OP, "n_new must be non-negative, got ", nn);
   Call c;
   Layer& L = c.L;
+  L = y.L;
   L.nn = nn;
   if (nn > 0) {
     TORCH_CHECK(k_new.has_value() && v_new.has_value(), OP, "n_new = ", nn, " but no k_new / v_new");
@@ -702,14 +734,8 @@ static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int
   for (int64_t s = 0; s < S; s++)
     TORCH_CHECK(seg_tokens[s] + nn > 0, OP, "segment ", s, " (row ", s / H, ", KV head ", s % H, ") holds no token");
 
-  L.G = G, L.D = D, L.H = H, L.scale = (float)scale, L.q = qp;
-  L.ke = k_exact.data_ptr(), L.ve = v_exact.data_ptr();
-  L.ske = k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
-  L.eoff = eo, L.runs = rd, L.roff = ro;
-  L.ak = a_k.data_ptr(), L.av = a_v.data_ptr(), L.bk = b_k.data_ptr(), L.bv = b_v.data_ptr();
-  L.q8 = q8, L.s32 = s32;
+  L.G = G, L.scale = (float)scale, L.q = qp;
   L.pf = LRK_TIER_PF && prefetch_exact_rows();
-  L.ks = q8 ? k_scale->data_ptr() : nullptr, L.vs = q8 ? v_scale->data_ptr() : nullptr;
 
   // ---- work items: one per segment, or (several threads, enough work) pieces of about equal cost
   // cost model (bytes-equivalent): an exact / appended row streams 2 d elements; a factor-space token reads
@@ -759,6 +785,16 @@ static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int
   TORCH_CHECK((int64_t)items.size() <= state_floats(S, G, D, tu) / (2 * G + G * D), OP, "internal: ", items.size(),
               " work items overrun the state bound");
   return c;
+}
+
+static Call prepare(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
+                    const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off,
+                    const at::Tensor& runs, const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v,
+                    const at::Tensor& b_k, const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
+                    const std::optional<at::Tensor>& v_new, int64_t nn, double scale) {
+  return make_call(validate(dt, B, H, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale),
+                   qp, G, k_new, v_new, nn, scale);
 }
 
 // the items (a construct inside a team: every member calls it, the members claim the items), each writing its (m, l,
@@ -813,18 +849,12 @@ static void merge(const Call& c, const float* state, void* out) {
   }
 }
 
-void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
-                 const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
-                 const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
-                 const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
-                 const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
-                 const std::optional<at::Tensor>& v_new, int64_t nn, double scale, float* state, void* out) {
-  const Call c = prepare(qp, dt, B, H, G, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale,
-                         v_scale, k_new, v_new, nn, scale);
+// the pieces, then one member's merge (a team's members all call it), then a barrier
+static void run_call(const Call& c, float* state, void* out) {
   std::vector<float> own;
   if (!state) {
     TORCH_CHECK(!pool::in_team(), OP, "internal: inside a team the state must be the members' shared buffer");
-    own.resize(c.items.size() * (2 * G + G * D));
+    own.resize(c.items.size() * (2 * c.L.G + c.L.G * c.L.D));
     state = own.data();
   }
   run_items(c, state);                          // in a team: returns on every member after its barrier
@@ -832,13 +862,30 @@ void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_
   pool::barrier();
 }
 
-void check(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D, const at::Tensor& k_exact,
-           const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
-           const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
-           const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale,
-           const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new, int64_t nn) {
-  prepare(qp, dt, B, H, G, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale, k_new,
-          v_new, nn, 1.0);
+void attend_into(const void* qp, at::ScalarType dt, int64_t B, int64_t H, int64_t G, int64_t D,
+                 const at::Tensor& k_exact, const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs,
+                 const at::Tensor& r_off, const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                 const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                 const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& k_new,
+                 const std::optional<at::Tensor>& v_new, int64_t nn, double scale, float* state, void* out) {
+  run_call(prepare(qp, dt, B, H, G, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale,
+                   k_new, v_new, nn, scale),
+           state, out);
+}
+
+std::shared_ptr<const Layout> make_layout(at::ScalarType dt, int64_t B, int64_t H, int64_t D,
+                                          const at::Tensor& k_exact, const at::Tensor& v_exact,
+                                          const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
+                                          const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k,
+                                          const at::Tensor& b_v, const std::optional<at::Tensor>& k_scale,
+                                          const std::optional<at::Tensor>& v_scale) {
+  return std::make_shared<const Layout>(
+      validate(dt, B, H, D, k_exact, v_exact, e_off, runs, r_off, a_k, a_v, b_k, b_v, k_scale, v_scale));
+}
+
+void attend_layout(const Layout& y, const void* qp, int64_t G, const at::Tensor& k_new, const at::Tensor& v_new,
+                   int64_t nn, double scale, float* state, void* out) {
+  run_call(make_call(y, qp, G, k_new, v_new, nn, scale), state, out);
 }
 
 at::Tensor tier_attend(const at::Tensor& q, const at::Tensor& k_exact, const at::Tensor& v_exact,
