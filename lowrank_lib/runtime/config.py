@@ -88,8 +88,9 @@ class EngineConfig:
         otherwise). Saves the per-step guard evaluation (hundreds of tensor checks).
     cpp_wrapper : CPU compiled step only: inductor's C++ wrapper instead of its Python wrapper (no
         Python between the kernels of a step; a longer cold compile).
-    fused_layer : ``"auto"`` (default), ``"off"`` or ``"on"``: the decode step as ONE compiled call per layer, and on the
-        dense store ONE call for all layers (``decode_stack``)
+    fused_layer : ``"auto"`` (default), ``"off"`` or ``"on"``: the decode step as ONE compiled call for all layers
+        (``decode_stack`` on the dense store, ``decode_stack_tiers`` on a tiered one; one call per layer while a
+        profiler marks layers)
         (``runtime/kernels/layer.cpp``: norms, packed GEMVs, RoPE, KV write, attention, MLP, residuals), where what it
         fuses is what would run anyway (packed GEMVs, the dense store with our attention kernel, packed fp32 / bf16 groups
         and int8 / int4 quantized groups through ``qgemv`` where this CPU has it, SiLU,

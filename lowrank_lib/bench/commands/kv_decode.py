@@ -7,7 +7,7 @@
 Every system is its own engine that prefills the same WikiText-2 window (seeded random ids for a tokenizer-less
 tiny model): the dense store, and a ``MethodStore`` of each registry method at each byte budget (the method fits
 inside its engine: KVzip's reconstruction forward is the engine's). Every engine runs the same step mode
-(``--graph``, default the compiled whole step) and its decode steps are interleaved over ``--repeats`` rounds; the
+(``--graph``, default eager as the engine's own default; ``whole-step`` for the compiled step) and its decode steps are interleaved over ``--repeats`` rounds; the
 median ms/token over every step of every round. Attention alone: one decode attention of every layer, timed apart.
 
 Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, graph, attention_kernel,
