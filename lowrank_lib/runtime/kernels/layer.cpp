@@ -603,10 +603,36 @@ static void layer_impl(const Plan& P, const T* xp, T* xo, int64_t N, const at::T
   }
 }
 
+// Objects made once and named by an id in every call (layer plans, tier layouts): ids are never reused, so a dropped
+// id is refused, never served by another object; find() hands out a shared reference, so a concurrent drop cannot
+// free an object mid-call.
+template <typename T>
+class Registry {
+ public:
+  int64_t add(std::shared_ptr<const T> p) {
+    std::lock_guard<std::mutex> lk(m_);
+    const int64_t id = next_++;
+    map_.emplace(id, std::move(p));
+    return id;
+  }
+  bool drop(int64_t id) {
+    std::lock_guard<std::mutex> lk(m_);
+    return map_.erase(id) > 0;
+  }
+  std::shared_ptr<const T> find(int64_t id) {  // null: not held
+    std::lock_guard<std::mutex> lk(m_);
+    auto it = map_.find(id);
+    return it == map_.end() ? nullptr : it->second;
+  }
+
+ private:
+  std::mutex m_;
+  std::unordered_map<int64_t, std::shared_ptr<const T>> map_;
+  int64_t next_ = 1;
+};
+
 // ---- layer plans: one layer's weights parsed once (layer_plan), then named by an id in every decode call
-static std::mutex g_plans_m;
-static std::unordered_map<int64_t, std::shared_ptr<const Plan>> g_plans;
-static int64_t g_next_plan = 1;          // ids are never reused: a dropped id is refused, never another layer's
+static Registry<Plan> g_plans;
 
 // Parses and checks one layer's description (the norms, w / meta of the four groups, the geometry) into a plan
 static std::shared_ptr<const Plan> parse_plan(const c10::optional<at::Tensor>& ln1,
@@ -701,23 +727,16 @@ int64_t layer_plan(const c10::optional<at::Tensor>& ln1, const c10::optional<at:
                    at::IntArrayRef meta, int64_t hidden, int64_t head_dim, bool bf16, double eps, int64_t n_heads,
                    int64_t n_kv, bool folded, bool final_norm, const c10::optional<at::Tensor>& final_w) {
   auto P = parse_plan(ln1, ln2, w, meta, hidden, head_dim, bf16, eps, n_heads, n_kv, folded, final_norm, final_w);
-  std::lock_guard<std::mutex> lk(g_plans_m);
-  const int64_t id = g_next_plan++;
-  g_plans.emplace(id, std::move(P));
-  return id;
+  return g_plans.add(std::move(P));
 }
 
-bool drop_layer_plan(int64_t id) {
-  std::lock_guard<std::mutex> lk(g_plans_m);
-  return g_plans.erase(id) > 0;
-}
+bool drop_layer_plan(int64_t id) { return g_plans.drop(id); }
 
 // the plan of a call (a shared reference: a concurrent drop cannot free it mid-call)
 static std::shared_ptr<const Plan> get_plan(const char* E, int64_t id) {
-  std::lock_guard<std::mutex> lk(g_plans_m);
-  auto it = g_plans.find(id);
-  TORCH_CHECK(it != g_plans.end(), E, "no layer plan ", id, " (dropped, or never made by layer_plan)");
-  return it->second;
+  auto p = g_plans.find(id);
+  TORCH_CHECK(p, E, "no layer plan ", id, " (dropped, or never made by layer_plan)");
+  return p;
 }
 
 // The per-call checks both ops share: x, the RoPE table, length / pad against the plan -> the position (length)
@@ -906,9 +925,7 @@ struct TierSet {
   at::ScalarType dt;
   int64_t B, n_kv, D, cap;
 };
-static std::mutex g_tiers_m;
-static std::unordered_map<int64_t, std::shared_ptr<const TierSet>> g_tiers;
-static int64_t g_next_tiers = 1;     // never reused
+static Registry<TierSet> g_tiers;
 
 // The layers' tiered buffers, entry i of each list being layer i's (k_scale / v_scale None for float factors): every
 // check tier_attend makes of a layout, once; k_new / v_new [>=B, n_kv, cap, D] of the layers' dtype. -> its id
@@ -942,16 +959,10 @@ int64_t tier_layout(at::TensorList k_new, at::TensorList v_new, at::TensorList k
                                   t.a_v, t.b_k, t.b_v, t.k_scale, t.v_scale);
     T->tiers.push_back(std::move(t));
   }
-  std::lock_guard<std::mutex> lk(g_tiers_m);
-  const int64_t id = g_next_tiers++;
-  g_tiers.emplace(id, std::move(T));
-  return id;
+  return g_tiers.add(std::move(T));
 }
 
-bool drop_tier_layout(int64_t id) {
-  std::lock_guard<std::mutex> lk(g_tiers_m);
-  return g_tiers.erase(id) > 0;
-}
+bool drop_tier_layout(int64_t id) { return g_tiers.drop(id); }
 
 // decode_stack over a tiered store (layouts from tier_layout, named by the id in `layout`): every plan is checked
 // against the layout before the first layer runs (the layouts were checked when made); then the layers run in order
@@ -966,14 +977,9 @@ at::Tensor decode_stack_tiers(const at::Tensor& x, at::IntArrayRef plans, const 
   TORCH_CHECK(L > 0, E, "no layer plans");
   TORCH_CHECK(layout.scalar_type() == at::kLong && layout.numel() == 1 && layout.device().is_cpu(), E,
               "layout must be a one-element int64 CPU tensor (a tier_layout id)");
-  std::shared_ptr<const TierSet> T;
-  {
-    const int64_t id = layout.data_ptr<int64_t>()[0];
-    std::lock_guard<std::mutex> lk(g_tiers_m);
-    auto it = g_tiers.find(id);
-    TORCH_CHECK(it != g_tiers.end(), E, "no tier layout ", id, " (dropped, or never made by tier_layout)");
-    T = it->second;
-  }
+  const int64_t id = layout.data_ptr<int64_t>()[0];
+  const auto T = g_tiers.find(id);
+  TORCH_CHECK(T, E, "no tier layout ", id, " (dropped, or never made by tier_layout)");
   TORCH_CHECK((int64_t)T->tiers.size() == L, E, "the layout has ", T->tiers.size(), " layers, the plans ", L);
   TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
               "t0 must be a one-element int64 CPU tensor (the prompt length)");
