@@ -195,8 +195,7 @@ class MethodStore:
     def _register_layout(self) -> None:
         """Drop the previous prefill's tier layout; where the fused step can serve this store, validate the new
         layers once (``ops.tier_layout``) and publish the id in ``self._layout``."""
-        while self._layout_ids:
-            kernel_ops.drop_tier_layout(self._layout_ids.pop())
+        _drop_layouts(self._layout_ids)
         self._layout.fill_(0)
         if self.fused_tiers_unavailable() is not None or not self.layers:
             return

@@ -605,9 +605,9 @@ int64_t state_floats(int64_t S, int64_t G, int64_t D, int64_t threads) {
   return (S + 4 * std::max<int64_t>(threads, 1) + 2) * (2 * G + G * D);
 }
 
-// every check of the layout against q's geometry (B, H, G, D, dtype dt at qp, contiguous) and nn appended rows, then
-// the work items
-Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const at::Tensor& k_exact,
+// every check of a layout (B rows of H KV heads of dim D, dtype dt) that reads neither q nor the appended rows: every
+// offset against its buffer, so a bad layout is an error, never a read out of bounds
+static Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const at::Tensor& k_exact,
                 const at::Tensor& v_exact, const at::Tensor& e_off, const at::Tensor& runs, const at::Tensor& r_off,
                 const at::Tensor& a_k, const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
                 const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
