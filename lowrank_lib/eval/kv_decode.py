@@ -26,9 +26,9 @@ class KVDecodeConfig:
     gen_len: int = 32                     # decode steps timed per round and system
     repeats: int = 3                      # rounds
     threads: list[int] = field(default_factory=lambda: [1])
-    # the engine's step mode for every system: "none" (eager, the engine's own default and what `bench peer` runs;
-    # measured faster than the compiled whole step for both engines at 8k, 2 threads: dense 18.2 against 27.4 ms in
-    # kv_decode_12 / _11) or "whole-step"
+    # the engine's step mode for every system: "none" (eager, the engine's own default and what `bench peer` runs; at
+    # 8k, 1 thread as fast as the compiled whole step or faster: dense 29.6 / 29.3 ms in kv_decode_12 / _13 against 30.1
+    # in _11) or "whole-step"
     graph: str = "none"
     attention: str = "auto"               # MethodStore attention backend
     seed: int = 0
