@@ -352,8 +352,6 @@ def test_decode_stack_tiers_is_the_layer_loop_bit_for_bit_and_its_layout_is_chec
     bit for bit, as one decode_layer_tiers call per layer at the same thread count (its pieces are cut for the same
     threads), batch 2 with left padding. The layouts are checked once, when the store registers them after its
     prefill (ops.tier_layout); a step checks its plans against the layout before the first layer writes."""
-    import os
-
     from lowrank_lib.runtime.kernels import ops
 
     for threads in THREADS:

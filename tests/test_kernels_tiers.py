@@ -306,8 +306,6 @@ def test_hostile_layouts_are_refused_by_name():
         attend(empty, torch.zeros(1, 2, 1, 16), backend="lrk_tiers")
     with pytest.raises(ValueError, match="one query row"):
         attend(layer, torch.zeros(1, 4, 2, 32), backend="lrk_tiers")
-    from lowrank_lib.runtime.kernels import ops
-
     top = ops.tier_chunk()
     for bad in (-16, 8, 40, top + 16):
         with pytest.raises(RuntimeError, match="a multiple of 16"):
