@@ -82,6 +82,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -877,6 +878,17 @@ at::Tensor decode_stack(const at::Tensor& x, at::IntArrayRef plans, const at::Te
   return out;
 }
 
+// k_new / v_new, a tiered layer's appended rows: [>=B, n_kv, cap, D] of dtype dt, unit stride in d (`where` names the
+// layer in the message)
+static void check_appended(const char* E, const std::string& where, const at::Tensor& k_new, const at::Tensor& v_new,
+                           at::ScalarType dt, int64_t B, int64_t n_kv, int64_t cap, int64_t D) {
+  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == dt && t->device().is_cpu() && t->size(0) >= B &&
+                    t->size(1) == n_kv && t->size(2) == cap && t->size(3) == D && t->stride(3) == 1,
+                E, where, name, " must be the appended rows [>=", B, ", ", n_kv, ", ", cap, ", ", D, "] of ", dt,
+                " with unit stride in d, got ", t->sizes(), " ", t->scalar_type());
+}
+
 // The tiered store's buffers of one layer, checked against the plan and x (decode_layer_tiers, decode_stack_tiers):
 // k_new / v_new the appended rows, the token's row slot = position - t0 (t0: the prompt length, a device scalar)
 static Tier tier_of(const char* E, const Plan& P, const at::Tensor& x, int64_t hi, const at::Tensor& k_new,
@@ -885,12 +897,7 @@ static Tier tier_of(const char* E, const Plan& P, const at::Tensor& x, int64_t h
                     const at::Tensor& a_v, const at::Tensor& b_k, const at::Tensor& b_v,
                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                     const at::Tensor& t0) {
-  const int64_t N = x.size(0), n_kv = P.n_kv, D = P.D;
-  for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new, "k_new"}, {&v_new, "v_new"}})
-    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == x.scalar_type() && t->device().is_cpu() && t->size(0) >= N &&
-                    t->size(1) == n_kv && t->size(3) == D && t->stride(3) == 1 && t->size(2) == k_new.size(2),
-                E, name, " must be the appended rows [>=B, ", n_kv, ", cap, ", D, "] of x's dtype, got ", t->sizes(),
-                " ", t->scalar_type());
+  check_appended(E, "", k_new, v_new, x.scalar_type(), x.size(0), P.n_kv, k_new.dim() == 4 ? k_new.size(2) : -1, P.D);
   TORCH_CHECK(t0.scalar_type() == at::kLong && t0.numel() == 1 && t0.device().is_cpu(), E,
               "t0 must be a one-element int64 CPU tensor (the prompt length)");
   const int64_t slot = hi - t0.data_ptr<int64_t>()[0];
@@ -948,11 +955,7 @@ int64_t tier_layout(at::TensorList k_new, at::TensorList v_new, at::TensorList k
   TORCH_CHECK(T->B >= 1 && e_off[0].numel() == T->B * n_kv + 1, E, "e_off of layer 0 has ", e_off[0].numel(),
               " entries: not B * n_kv + 1 for n_kv = ", n_kv);
   for (int64_t i = 0; i < L; i++) {
-    for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_new[i], "k_new"}, {&v_new[i], "v_new"}})
-      TORCH_CHECK(t->dim() == 4 && t->scalar_type() == T->dt && t->device().is_cpu() && t->size(0) >= T->B &&
-                      t->size(1) == n_kv && t->size(2) == T->cap && t->size(3) == T->D && t->stride(3) == 1,
-                  E, "layer ", i, ": ", name, " must be [>=", T->B, ", ", n_kv, ", ", T->cap, ", ", T->D, "] ", T->dt,
-                  " with unit stride in d, got ", t->sizes(), " ", t->scalar_type());
+    check_appended(E, "layer " + std::to_string(i) + ": ", k_new[i], v_new[i], T->dt, T->B, n_kv, T->cap, T->D);
     Tier t{k_new[i], v_new[i], k_exact[i], v_exact[i], e_off[i], runs[i], r_off[i], a_k[i], a_v[i], b_k[i], b_v[i],
            k_scale.get(i), v_scale.get(i), 0};
     t.layout = tiers::make_layout(T->dt, T->B, n_kv, T->D, t.k_exact, t.v_exact, t.e_off, t.runs, t.r_off, t.a_k,

@@ -597,7 +597,7 @@ struct Layout {
 struct Call {
   Layer L{};
   bool bf = false, w512 = false;
-  int64_t S = 0, rmax = 0, tu = 1;     // tu: the threads the items are cut for
+  int64_t rmax = 0, tu = 1;     // tu: the threads the items are cut for
   std::vector<Item> items;
 };
 
@@ -781,7 +781,7 @@ static Call make_call(const Layout& y, const void* qp, int64_t G, const std::opt
     });
     if (idx > lo) items.push_back({s, lo, idx});
   }
-  c.bf = bf, c.w512 = w512, c.S = S, c.rmax = rmax, c.tu = tu;
+  c.bf = bf, c.w512 = w512, c.rmax = rmax, c.tu = tu;
   TORCH_CHECK((int64_t)items.size() <= state_floats(S, G, D, tu) / (2 * G + G * D), OP, "internal: ", items.size(),
               " work items overrun the state bound");
   return c;
