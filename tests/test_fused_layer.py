@@ -492,6 +492,42 @@ def test_decode_stack_is_the_layer_loop_bit_for_bit_and_refuses_hostile_plans(na
 
 
 @needs_lrk_native
+def test_decode_stack_over_long_contexts_splits_pairs_into_pieces_with_the_same_bits():
+    """bf16, D = 64, 2100+ cached slots: the attention cuts each (row, KV head) pair's slots into pieces whose softmax
+    states the team's members share (one KV head per row here, so at 2 and 3 threads the members split pairs). From
+    the same cache, the stack at 1, 2, 3 threads (a team, every call split) and the per-layer loop give the same
+    logits and K / V bits, batch 2 with left padding, and stay within the bf16 bound of the fp32 engine."""
+    model = compress_svd(models.tiny_model("tiny-smol", seed=3, max_position_embeddings=4096), 0.5)
+    ids = torch.randint(0, 256, (2, 2100), generator=_gen(11))
+    mask = torch.ones(2, 2100, dtype=torch.long)
+    mask[1, :9] = 0
+    eng = Engine(model, EngineConfig(max_seq_len=2120, max_batch=2, dtype="bf16"))
+    assert eng._stack is not None
+    with torch.no_grad(), num_threads(1):
+        eng.prefill(ids, mask)
+    c, stack = eng.cursor, eng._stack
+    p0, kv0 = c.host, eng.kv.kv.clone()
+    toks = torch.randint(0, 256, (3, 2), generator=_gen(12))
+    runs = []
+    for t in THREADS:
+        for stacked in (True, False):
+            eng._stack = stack if stacked else None
+            eng.kv.kv.copy_(kv0)
+            c.length.fill_(p0)
+            c.host = p0
+            with torch.no_grad(), num_threads(t), build.pool(min_bytes=1):
+                runs.append(([eng.step(tk) for tk in toks], eng.kv.kv.clone()))
+    for logits, kv in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(logits, runs[0][0]))
+        assert torch.equal(kv, runs[0][1])
+    ref = Engine(model, EngineConfig(max_seq_len=2120, max_batch=2, dtype="fp32"))
+    with torch.no_grad():
+        ref.prefill(ids, mask)
+        want = [ref.step(tk) for tk in toks]
+    assert all(_rel_err(a.float(), b) < 3e-2 for a, b in zip(runs[0][0], want))
+
+
+@needs_lrk_native
 def test_layer_plan_rejects_hostile_descriptions_and_outlives_nothing():
     """A plan is checked once, when made: the description's length, the tensors' sizes and dtypes, member widths,
     the geometry. A dropped plan's id is refused by the ops, never served by another layer's weights."""

@@ -459,7 +459,8 @@ struct Bufs {
   T* q;      // own: the rotated queries [N, Hq D]
   T* x1;     // own: the residual after the attention [N, H]
   T* kr;     // own: one row's rotated keys [Hkv D]
-  float* ts = nullptr;  // shared: the tier attention's piece states (tiers::state_floats), or null (solo: its own)
+  float* ts = nullptr;  // shared: the attention's piece states (tiers::state_floats / attend_state_floats), or null
+                        // (solo: its own)
 };
 
 // One layer's weights and geometry, parsed and checked once (layer_plan's; the registry is below)
@@ -569,7 +570,7 @@ static void layer_impl(const Plan& P, const T* xp, T* xo, int64_t N, const at::T
                        tier->runs, tier->r_off, tier->a_k, tier->a_v, tier->b_k, tier->b_v, tier->k_scale,
                        tier->v_scale, tier->k_new, tier->v_new, row + 1, scale, B.ts, o);
   } else {
-    attend_into(bf, q, K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o);
+    attend_into(bf, q, K, ks, V, vs, N, Hkv, qg, D, hi, pad, scale, o, B.ts);
   }
   clk.lap(P_ATTN);
   run_group(bf, og, o, Hq * D, N, B.h1[1], B.y2[1]);
@@ -829,11 +830,12 @@ static void stack_impl(const std::vector<std::shared_ptr<const Plan>>& plans, co
   static thread_local std::vector<T> shared;  // the calling thread's: the members' shared buffers
   Bufs<T> S;
   carve_shared(S, grow(shared, z.shared()), z);
-  if (tiers) {  // the tier attention's piece states, shared by the members (sized for the most threads a team has)
+  {  // the attention's piece states, shared by the members (tiers: sized for the most threads a team has)
     static thread_local std::vector<float> states;
     int64_t n = 0;
     for (const auto& p : plans)
-      n = std::max(n, tiers::state_floats(N * p->n_kv, p->n_heads / p->n_kv, p->D, pool::threads()));
+      n = std::max(n, tiers ? tiers::state_floats(N * p->n_kv, p->n_heads / p->n_kv, p->D, pool::threads())
+                            : attend_state_floats(N * p->n_kv, p->n_heads / p->n_kv, p->D));
     S.ts = grow(states, n);
   }
   const bool prof = g_prof.load(std::memory_order_relaxed);

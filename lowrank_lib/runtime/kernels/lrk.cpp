@@ -466,6 +466,150 @@ static const attn_bf16_fn ATTN_BF16[8] = {attend_head<uint16_t, 1>, attend_head<
                                           attend_head<uint16_t, 5>, attend_head<uint16_t, 6>,
                                           attend_head<uint16_t, 7>, attend_head<uint16_t, 8>};
 
+// ---- bf16 decode attention on AVX512_BF16 dot products, one (batch row, kv head): G queries of dim D = DP * 32 over
+// slots [lo, hi]. Zen 4 runs a 512-bit FMA at one per cycle, and attend_head's widen-then-FMA spends two of them per
+// query, token and 32 dims (scores and P V); vdpbf16ps does the same work in one, on the rows as stored:
+//   scores: s_t = scale * (q . k_t), bf16 products summed in fp32 (16 slots at a time, one transpose-add per query);
+//   softmax: p_t = e^(s_t - max) rounded to bf16 (as FlashAttention's P), the sum taken over the rounded values;
+//   P V: two slots at a time, rows t and t + 1 interleaved by 16-bit unpacks into (v_t[d], v_t+1[d]) pairs, one
+//        vdpbf16ps per 32 dims and query against the pair (p_t, p_t+1); the unpacks' lane order is undone at the end.
+// Outputs rounded to bf16 once. sc: scratch >= GB * ceil16(n) floats + GB * ceil16(n) bf16.
+// one query's scores of 16 slots (M real, the rest -inf) from K rows at stride sk
+template <int DP, bool FULL>
+static inline void scores_dp(const __m512i* qv, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
+  __m512 part[16];
+  for (int i = 0; i < 16; i++) {
+    if (FULL || i < m) {
+      const uint16_t* r = k + i * sk;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[0], (__m512bh)_mm512_loadu_si512((const void*)r));
+      for (int c = 1; c < DP; c++)
+        a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512((const void*)(r + c * 32)));
+      part[i] = a;
+    } else {
+      part[i] = _mm512_setzero_ps();
+    }
+  }
+  const __m512 v = _mm512_mul_ps(hsum16(part), vscale);
+  _mm512_storeu_ps(s, FULL ? v : _mm512_mask_blend_ps(lanes(m), _mm512_set1_ps(-INFINITY), v));
+}
+
+// P V of NG queries over n slots, two at a time: acc[g][2c] / [2c + 1] take the unpacked lanes of dims 32c..32c+31
+template <int DP, int NG>
+static inline void pv_dp(const uint16_t* V, int64_t sv, int64_t n, const uint16_t* pb, int64_t np, __m512* acc) {
+  auto step = [&](const uint16_t* v0, const uint16_t* v1, int64_t t) {
+    __m512i ul[DP], uh[DP];
+    for (int c = 0; c < DP; c++) {
+      const __m512i a = _mm512_loadu_si512((const void*)(v0 + c * 32));
+      const __m512i b = v1 ? _mm512_loadu_si512((const void*)(v1 + c * 32)) : _mm512_setzero_si512();
+      ul[c] = _mm512_unpacklo_epi16(a, b);
+      uh[c] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < NG; g++) {
+      uint32_t pair;
+      std::memcpy(&pair, pb + g * np + t, 4);
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32((int)pair);
+      for (int c = 0; c < DP; c++) {
+        acc[g * 2 * DP + 2 * c] = _mm512_dpbf16_ps(acc[g * 2 * DP + 2 * c], (__m512bh)ul[c], pp);
+        acc[g * 2 * DP + 2 * c + 1] = _mm512_dpbf16_ps(acc[g * 2 * DP + 2 * c + 1], (__m512bh)uh[c], pp);
+      }
+    }
+  };
+  int64_t t = 0;
+  for (; t + 1 < n; t += 2) step(V + t * sv, V + (t + 1) * sv, t);
+  if (t < n) step(V + t * sv, nullptr, t);  // odd n: p of the slot after is 0 (masked), its row is not read
+}
+
+// stp: nullptr (o = the normalised output, bf16), or a piece's state: per query [D] fp32 normalised output, then its
+// score max and probability sum (o unused)
+template <int DP>
+static void attend_head_dp(const uint16_t* q, const uint16_t* K, const uint16_t* V, int64_t sk, int64_t sv, int64_t lo,
+                           int64_t hi, int64_t G, float scale, uint16_t* o, float* sc, float* stp) {
+  constexpr int D = DP * 32;
+  constexpr int GB = DP <= 2 ? 4 : 2;                 // queries per P V pass: GB * 2 * DP <= 16 accumulators
+  const int64_t n = hi - lo + 1, np = cdiv(n, 16) * 16;
+  uint16_t* const pb = (uint16_t*)(sc + GB * np);     // bf16 probabilities [GB, np]
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512i lo_idx = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i hi_idx = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  const uint16_t *const Kl = K + lo * sk, *const Vl = V + lo * sv;
+  for (int64_t g0 = 0; g0 < G; g0 += GB) {
+    const int gb = (int)imin(GB, G - g0);
+    float inv[GB], mxs[GB], sums[GB];
+    for (int g = 0; g < gb; g++) {
+      __m512i qv[DP];
+      for (int c = 0; c < DP; c++) qv[c] = _mm512_loadu_si512((const void*)(q + (g0 + g) * D + c * 32));
+      float* s = sc + g * np;
+      int64_t t0 = 0;
+      for (; t0 + 16 <= n; t0 += 16) scores_dp<DP, true>(qv, Kl + t0 * sk, sk, 16, vscale, s + t0);
+      if (t0 < n) scores_dp<DP, false>(qv, Kl + t0 * sk, sk, (int)(n - t0), vscale, s + t0);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < np; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+      mxs[g] = _mm512_reduce_max_ps(mx);
+      const __m512 mb = _mm512_set1_ps(mxs[g]);
+      __m512 sum = _mm512_setzero_ps();
+      uint16_t* p = pb + g * np;
+      for (int64_t t = 0; t < np; t += 16) {
+        const __m512 e = _mm512_maskz_mov_ps(lanes(n - t), exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), mb)));
+        const __m256i eb = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_storeu_si256((__m256i*)(p + t), eb);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(eb), 16)));
+      }
+      sums[g] = _mm512_reduce_add_ps(sum);
+      inv[g] = 1.0f / sums[g];
+    }
+    __m512 acc[GB * 2 * DP];
+    for (int i = 0; i < GB * 2 * DP; i++) acc[i] = _mm512_setzero_ps();
+    switch (gb) {
+      case 4: pv_dp<DP, GB >= 4 ? 4 : 1>(Vl, sv, n, pb, np, acc); break;
+      case 3: pv_dp<DP, GB >= 3 ? 3 : 1>(Vl, sv, n, pb, np, acc); break;
+      case 2: pv_dp<DP, 2>(Vl, sv, n, pb, np, acc); break;
+      default: pv_dp<DP, 1>(Vl, sv, n, pb, np, acc); break;
+    }
+    for (int g = 0; g < gb; g++) {
+      const __m512 iv = _mm512_set1_ps(inv[g]);
+      for (int c = 0; c < DP; c++) {
+        const __m512 a0 = acc[g * 2 * DP + 2 * c], a1 = acc[g * 2 * DP + 2 * c + 1];
+        const __m512 r0 = _mm512_mul_ps(_mm512_permutex2var_ps(a0, lo_idx, a1), iv);
+        const __m512 r1 = _mm512_mul_ps(_mm512_permutex2var_ps(a0, hi_idx, a1), iv);
+        if (stp) {
+          float* sg = stp + (g0 + g) * (D + 2) + c * 32;
+          _mm512_storeu_ps(sg, r0);
+          _mm512_storeu_ps(sg + 16, r1);
+        } else {
+          uint16_t* og = o + (g0 + g) * D + c * 32;
+          st(og, r0);
+          st(og + 16, r1);
+        }
+      }
+      if (stp) stp[(g0 + g) * (D + 2) + D] = mxs[g], stp[(g0 + g) * (D + 2) + D + 1] = sums[g];
+    }
+  }
+}
+typedef void (*attn_dp_fn)(const uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, float, uint16_t*, float*, float*);
+
+// the pieces' states of one pair -> its output (bf16): o = sum_p w_p o_p / sum_p w_p, w_p = l_p e^(m_p - max m)
+static void merge_dp(const float* stp, int64_t P, int64_t G, int64_t D, uint16_t* o) {
+  for (int64_t g = 0; g < G; g++) {
+    float M = -INFINITY;
+    for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
+    float w[64], wsum = 0.0f;
+    for (int64_t p = 0; p < P; p++) {
+      const float* s = stp + (p * G + g) * (D + 2);
+      w[p] = s[D + 1] * expf(s[D] - M);
+      wsum += w[p];
+    }
+    const float iw = 1.0f / wsum;
+    for (int64_t c = 0; c < D; c += 16) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t p = 0; p < P; p++)
+        a = _mm512_fmadd_ps(_mm512_set1_ps(w[p]), _mm512_loadu_ps(stp + (p * G + g) * (D + 2) + c), a);
+      st(o + g * D + c, _mm512_mul_ps(a, _mm512_set1_ps(iw)));
+    }
+  }
+}
+static const attn_dp_fn ATTN_DP[4] = {attend_head_dp<1>, attend_head_dp<2>, attend_head_dp<3>, attend_head_dp<4>};
+
 #if defined(__clang__)
 #pragma clang attribute pop
 #endif
@@ -948,10 +1092,96 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
 }
 
 // ------------------------------------------------------------------------------------ attention driver
+// Whether bf16 attention with D % 32 == 0 runs attend_head_dp (vdpbf16ps; default) or attend_head (widen, then fp32
+// FMAs): $LOWRANK_LIB_ATTN_DP=0 at load picks the latter.
+static bool attn_dp() {
+  static const bool on = [] {
+    const char* e = std::getenv("LOWRANK_LIB_ATTN_DP");
+    return !(e && e[0] == '0');
+  }();
+  return on;
+}
+// Pieces of a pair's n live slots on the dot-product kernel: one below 2 * ATTN_PIECE slots, else about n / ATTN_PIECE
+// (at most ATTN_MAX_PIECES), slot runs of multiples of 16. A function of n alone, so the same bits at every thread
+// count; they let threads share pairs (SmolLM2: 3 KV heads on 2 threads) and a merge costs ~G * D * P flops. The
+// op alone, 3 pairs of G = 3, D = 64 (AMD Zen 4, bf16): at 8000 slots 175 -> 170 us at 1 thread and 119 -> 101 at 2;
+// pieces of 256 slots cost more than they gave at 544 slots (13.6 -> 14.0 us at 1 thread, 11.4 -> 17.4 at 2).
+constexpr int64_t ATTN_PIECE = 1024, ATTN_MAX_PIECES = 8;
+static int64_t attend_pieces(int64_t n) { return std::max<int64_t>(1, std::min(ATTN_MAX_PIECES, n / ATTN_PIECE)); }
+int64_t attend_state_floats(int64_t pairs, int64_t G, int64_t D) { return pairs * ATTN_MAX_PIECES * G * (D + 2); }
+
+#if LRK_X86
+// attend_into on the dot-product kernel: items (pair, piece) weighted by their slots, run over the pool (or the team);
+// a pair of one piece writes its output, the others their states, merged per pair in a second construct
+static void attend_dp(const uint16_t* q, const uint16_t* K, const int64_t* ks, const uint16_t* V, const int64_t* vs,
+                      int64_t B, int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale,
+                      uint16_t* o, float* ts) {
+  struct Item { int64_t pair, lo, hi, state; };
+  std::vector<Item> items;
+  std::vector<double> wt;
+  std::vector<int64_t> first(B * H + 1);
+  int64_t states = 0;
+  for (int64_t i = 0; i < B * H; i++) {
+    first[i] = (int64_t)items.size();
+    const int64_t lo = pd[i / H];
+    if (lo > hi) {                      // no live slot (cannot happen for a real row): zeros, not NaN
+      std::memset(o + i * G * D, 0, G * D * 2);
+      continue;
+    }
+    const int64_t n = hi - lo + 1, P = attend_pieces(n), step = cdiv(cdiv(n, P), 16) * 16;
+    for (int64_t a = lo; a <= hi; a += step) {
+      items.push_back({i, a, std::min(hi, a + step - 1), P > 1 ? states++ : -1});
+      wt.push_back((double)(items.back().hi - a + 1) * D * 4);
+    }
+  }
+  first[B * H] = (int64_t)items.size();
+  std::vector<float> own;
+  float* S = nullptr;
+  if (states) {
+    TORCH_CHECK(ts || !pool::in_team(), "lowrank_lrk::attend: internal: no shared piece states inside a team");
+    S = ts ? ts : grow(own, states * G * (D + 2));
+  }
+  double work = 0;
+  for (double w : wt) work += w;
+  const int64_t tu = imin(pool::threads_for((int64_t)work), (int64_t)items.size());
+  const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::chunks_per_thread());
+  pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) {
+    static thread_local std::vector<float> t_sc;  // the running thread's scratch (undefined contents)
+    float* const sc = grow(t_sc, 16 * (cdiv(hi + 1, 16) * 16));
+    for (int64_t j = cut[c]; j < cut[c + 1]; j++) {
+      const Item& it = items[j];
+      const int64_t b = it.pair / H, h = it.pair % H;
+      ATTN_DP[D / 32 - 1](q + it.pair * G * D, K + b * ks[0] + h * ks[1], V + b * vs[0] + h * vs[1], ks[2], vs[2],
+                          it.lo, it.hi, G, scale, o + it.pair * G * D, sc,
+                          it.state < 0 ? nullptr : S + it.state * G * (D + 2));
+    }
+  });
+  if (!states) return;
+  std::vector<int64_t> split;           // the pairs of two or more pieces
+  for (int64_t i = 0; i < B * H; i++)
+    if (first[i + 1] - first[i] > 1) split.push_back(i);
+  auto merge = [&](int64_t c) {
+    const int64_t i = split[c];
+    merge_dp(S + items[first[i]].state * G * (D + 2), first[i + 1] - first[i], G, D, o + i * G * D);
+  };
+  if (pool::in_team())                  // a construct of the team (its members wait at its barrier anyway)
+    pool::run((int64_t)split.size(), imin(tu, (int64_t)split.size()), merge);
+  else                                  // the caller alone: a few thousand flops, cheaper than a hand-off
+    for (int64_t c = 0; c < (int64_t)split.size(); c++) merge(c);
+}
+#endif
+
 void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const void* V, const int64_t* vs, int64_t B,
-                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale, void* o) {
+                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale, void* o, float* ts) {
   const bool w512 = use512(bf ? KBF16 : KF32);
   const int64_t es = bf ? 2 : 4;
+#if LRK_X86
+  if (w512 && bf && D % 32 == 0 && attn_dp()) {  // attend_head_dp: bf16 dot products, pairs split into pieces
+    attend_dp((const uint16_t*)q, (const uint16_t*)K, ks, (const uint16_t*)V, vs, B, H, G, D, hi, pd, scale,
+              (uint16_t*)o, ts);
+    return;
+  }
+#endif
   // threads: contiguous runs of (batch row, KV head) pairs, weighted by the K / V bytes each reads; each pair's
   // output is computed by the same code whichever thread runs it (the same bits at every thread count)
   std::vector<double> wt(B * H);

@@ -57,9 +57,14 @@ struct GemvMat {
 void gemv_into(bool bf, const void* x, int64_t ldx, int64_t N, const GemvMat* mats, int64_t M, void* y, int64_t ldy);
 
 // attend's contract: q [B, H, G, D] contiguous over slots pad[b] <= s <= hi of K / V (element strides sb, sh, ss of
-// batch row, head, slot; unit stride in D) -> o [B, H * G * D]; (row, head) pairs split over the kernel pool
+// batch row, head, slot; unit stride in D) -> o [B, H * G * D]; (row, head) pairs split over the kernel pool, and
+// on the bf16 dot-product kernel each pair's slots into pieces (attend_pieces: a function of the slot count alone,
+// so the same bits at every thread count) merged by their softmax states. ts: memory for those states
+// (attend_state_floats(B * H, G, D) floats) shared by a team's members; nullptr outside a team (then its own).
 void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const void* V, const int64_t* vs, int64_t B,
-                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pad, float scale, void* o);
+                 int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pad, float scale, void* o,
+                 float* ts = nullptr);
+int64_t attend_state_floats(int64_t pairs, int64_t G, int64_t D);
 
 // qgemv.cpp's quantized GEMV (int8 / int4 codes with fp16 group scales, QUANT_SPEC), the op qgemv's code after its
 // checks: whether it has code for this CPU (under set_isa_mask); whether it serves (bits, group); the bytes of one
