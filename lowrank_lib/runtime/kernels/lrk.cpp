@@ -535,13 +535,18 @@ static void attend_head_dp(const uint16_t* q, const uint16_t* K, const uint16_t*
   for (int64_t g0 = 0; g0 < G; g0 += GB) {
     const int gb = (int)imin(GB, G - g0);
     float inv[GB], mxs[GB], sums[GB];
+    __m512i qv[GB][DP];
+    for (int g = 0; g < gb; g++)
+      for (int c = 0; c < DP; c++) qv[g][c] = _mm512_loadu_si512((const void*)(q + (g0 + g) * D + c * 32));
+    // scores, 16 slots at a time for every query (the block's K rows come from memory once, then from L1)
+    int64_t t0 = 0;
+    for (; t0 + 16 <= n; t0 += 16)
+      for (int g = 0; g < gb; g++) scores_dp<DP, true>(qv[g], Kl + t0 * sk, sk, 16, vscale, sc + g * np + t0);
+    if (t0 < n)
+      for (int g = 0; g < gb; g++)
+        scores_dp<DP, false>(qv[g], Kl + t0 * sk, sk, (int)(n - t0), vscale, sc + g * np + t0);
     for (int g = 0; g < gb; g++) {
-      __m512i qv[DP];
-      for (int c = 0; c < DP; c++) qv[c] = _mm512_loadu_si512((const void*)(q + (g0 + g) * D + c * 32));
       float* s = sc + g * np;
-      int64_t t0 = 0;
-      for (; t0 + 16 <= n; t0 += 16) scores_dp<DP, true>(qv, Kl + t0 * sk, sk, 16, vscale, s + t0);
-      if (t0 < n) scores_dp<DP, false>(qv, Kl + t0 * sk, sk, (int)(n - t0), vscale, s + t0);
       __m512 mx = _mm512_set1_ps(-INFINITY);
       for (int64_t t = 0; t < np; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
       mxs[g] = _mm512_reduce_max_ps(mx);
