@@ -76,6 +76,12 @@ namespace lrk {
 constexpr int64_t BW = 64;    // outputs per block
 constexpr int64_t TAIL = 16;  // the last block is rounded up to a multiple of this many outputs
 constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: more passes)
+// Pieces of a pair's n live slots on the dot-product kernel: one below 2 * ATTN_PIECE slots, else about n / ATTN_PIECE
+// (at most ATTN_MAX_PIECES), slot runs of multiples of 16. A function of n alone, so the same bits at every thread
+// count; they let threads share pairs (SmolLM2: 3 KV heads on 2 threads) and a merge costs ~G * D * P flops. The
+// op alone, 3 pairs of G = 3, D = 64 (AMD Zen 4, bf16), unsplit -> pieces: at 8000 slots 104 -> 88 us at 2 threads
+// (153 -> 158 at 1); pieces of 256 slots cost more than they gave at 544 slots (11.4 -> 17.4 us at 2 threads).
+constexpr int64_t ATTN_PIECE = 1024, ATTN_MAX_PIECES = 8;
 // Software prefetch distance in bytes ahead of the weight stream (0: none). 2 KB measured side by side
 // (bench: /tmp variant libraries in one process, calls interleaved, 7 repeats, 1 thread, bf16, the 2-core
 // SHARED machine at load 5-7): faster than no prefetch on every decode GEMV class of SmolLM2 / 1B / 7B,
@@ -466,14 +472,6 @@ static const attn_bf16_fn ATTN_BF16[8] = {attend_head<uint16_t, 1>, attend_head<
                                           attend_head<uint16_t, 5>, attend_head<uint16_t, 6>,
                                           attend_head<uint16_t, 7>, attend_head<uint16_t, 8>};
 
-// ---- bf16 decode attention on AVX512_BF16 dot products, one (batch row, kv head): G queries of dim D = DP * 32 over
-// slots [lo, hi]. Zen 4 runs a 512-bit FMA at one per cycle, and attend_head's widen-then-FMA spends two of them per
-// query, token and 32 dims (scores and P V); vdpbf16ps does the same work in one, on the rows as stored:
-//   scores: s_t = scale * (q . k_t), bf16 products summed in fp32 (16 slots at a time, one transpose-add per query);
-//   softmax: p_t = e^(s_t - max) rounded to bf16 (as FlashAttention's P), the sum taken over the rounded values;
-//   P V: two slots at a time, rows t and t + 1 interleaved by 16-bit unpacks into (v_t[d], v_t+1[d]) pairs, one
-//        vdpbf16ps per 32 dims and query against the pair (p_t, p_t+1); the unpacks' lane order is undone at the end.
-// Outputs rounded to bf16 once. sc: scratch >= GB * ceil16(n) floats + GB * ceil16(n) bf16.
 // one query's scores of 16 slots (M real, the rest -inf) from K rows at stride sk
 template <int DP, bool FULL>
 static inline void scores_dp(const __m512i* qv, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
@@ -519,6 +517,14 @@ static inline void pv_dp(const uint16_t* V, int64_t sv, int64_t n, const uint16_
   if (t < n) step(V + t * sv, nullptr, t);  // odd n: p of the slot after is 0 (masked), its row is not read
 }
 
+// ---- bf16 decode attention on AVX512_BF16 dot products, one (batch row, kv head): G queries of dim D = DP * 32 over
+// slots [lo, hi]. Zen 4 runs a 512-bit FMA at one per cycle, and attend_head's widen-then-FMA spends two of them per
+// query, token and 32 dims (scores and P V); vdpbf16ps does the same work in one, on the rows as stored:
+//   scores: s_t = scale * (q . k_t), bf16 products summed in fp32 (16 slots at a time, one transpose-add per query);
+//   softmax: p_t = e^(s_t - max) rounded to bf16 (as FlashAttention's P), the sum taken over the rounded values;
+//   P V: two slots at a time, rows t and t + 1 interleaved by 16-bit unpacks into (v_t[d], v_t+1[d]) pairs, one
+//        vdpbf16ps per 32 dims and query against the pair (p_t, p_t+1); the unpacks' lane order is undone at the end.
+// Outputs rounded to bf16 once. sc: scratch >= GB * ceil16(n) floats + GB * ceil16(n) bf16.
 // stp: nullptr (o = the normalised output, bf16), or a piece's state: per query [D] fp32 normalised output, then its
 // score max and probability sum (o unused)
 template <int DP>
@@ -598,7 +604,7 @@ static void merge_dp(const float* stp, int64_t P, int64_t G, int64_t D, uint16_t
   for (int64_t g = 0; g < G; g++) {
     float M = -INFINITY;
     for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
-    float w[64], wsum = 0.0f;
+    float w[ATTN_MAX_PIECES], wsum = 0.0f;
     for (int64_t p = 0; p < P; p++) {
       const float* s = stp + (p * G + g) * (D + 2);
       w[p] = s[D + 1] * expf(s[D] - M);
@@ -1106,12 +1112,6 @@ static bool attn_dp() {
   }();
   return on;
 }
-// Pieces of a pair's n live slots on the dot-product kernel: one below 2 * ATTN_PIECE slots, else about n / ATTN_PIECE
-// (at most ATTN_MAX_PIECES), slot runs of multiples of 16. A function of n alone, so the same bits at every thread
-// count; they let threads share pairs (SmolLM2: 3 KV heads on 2 threads) and a merge costs ~G * D * P flops. The
-// op alone, 3 pairs of G = 3, D = 64 (AMD Zen 4, bf16): at 8000 slots 175 -> 170 us at 1 thread and 119 -> 101 at 2;
-// pieces of 256 slots cost more than they gave at 544 slots (13.6 -> 14.0 us at 1 thread, 11.4 -> 17.4 at 2).
-constexpr int64_t ATTN_PIECE = 1024, ATTN_MAX_PIECES = 8;
 static int64_t attend_pieces(int64_t n) { return std::max<int64_t>(1, std::min(ATTN_MAX_PIECES, n / ATTN_PIECE)); }
 int64_t attend_state_floats(int64_t pairs, int64_t G, int64_t D) { return pairs * ATTN_MAX_PIECES * G * (D + 2); }
 
