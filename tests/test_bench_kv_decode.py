@@ -20,6 +20,7 @@ def test_quick_run_writes_every_system_row(tmp_path):
         (s, b, c) for c in (96, 192) for s, b in (("dense", None), ("composed-kvzip-q8", 0.5), ("attsvd", 0.5))}
     for r in rows:
         assert r["graph"] == "none" and r["threads"] == 1 and r["attention_kernel"] and r["attention_reason"]
+        assert r["dtype"] == "float32"                  # no --dtype: the model's own
         assert r["decode_ms_per_token"] > 0 and r["attn_ms_per_token"] > 0
         assert r["decode_iqr_ms"][0] <= r["decode_ms_per_token"] <= r["decode_iqr_ms"][1]
         if r["system"] == "dense":
@@ -35,3 +36,16 @@ def test_quick_run_writes_every_system_row(tmp_path):
         assert r["fused_layer"] == ("lrk_decode_layer" if fused and r["system"] != "attsvd" else "per-op"), r
         assert r["system"] != "attsvd" or "appends tokens its own way" in r["fused_layer_reason"], r
     assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and res["machine"]["cpu"] and (tmp_path / "kv_decode.txt").exists()
+
+
+def test_quick_run_in_bf16_runs_every_engine_in_bf16(tmp_path):
+    """``--dtype bf16``: the dense store and the composed cache both run bf16 (what ``bench peer`` measures), and
+    each row and the config say so; the default is the model's own dtype (fp32 here)."""
+    assert main(["kv-decode", "--quick", "--methods", "composed-kvzip-q8", "--budget", "0.5", "--dtype", "bf16",
+                 "--out", str(tmp_path), "--threads", "1"]) == 0
+    res = json.loads((tmp_path / "kv_decode.json").read_text())
+    assert res["config"]["dtype"] == "bf16"
+    assert {r["system"] for r in res["rows"]} == {"dense", "composed-kvzip-q8"}
+    assert all(r["dtype"] == "bfloat16" and r["decode_ms_per_token"] > 0 for r in res["rows"])
+    dense = [r for r in res["rows"] if r["system"] == "dense"]
+    assert all(r["kv_bytes_held"] > 0 for r in dense)

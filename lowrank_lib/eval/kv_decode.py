@@ -30,6 +30,9 @@ class KVDecodeConfig:
     # 8k, 1 thread as fast as the compiled whole step or faster: dense 29.6 / 29.3 ms in kv_decode_12 / _13 against 30.1
     # in _11) or "whole-step"
     graph: str = "none"
+    # every engine's dtype: None (the model's own: fp32 for the dequantised SmolLM2, every run up to kv_decode_13) or
+    # "bf16" (what `bench peer` measures, half the KV bytes)
+    dtype: str | None = None
     attention: str = "auto"               # MethodStore attention backend
     seed: int = 0
 
@@ -45,7 +48,8 @@ def build_engines(cfg: KVDecodeConfig, model, tok, ids, C: int) -> dict:
     from ..kv import MethodStore, make_method
     from ..runtime import Engine, EngineConfig
 
-    ecfg = EngineConfig(max_batch=1, max_seq_len=C + cfg.gen_len * cfg.repeats * len(cfg.threads) + 8, graph=cfg.graph)
+    ecfg = EngineConfig(max_batch=1, max_seq_len=C + cfg.gen_len * cfg.repeats * len(cfg.threads) + 8, graph=cfg.graph,
+                        dtype=cfg.dtype)
     systems = [("dense", None)] + [(m, b) for m in cfg.methods for b in cfg.budget]
     out = {}
     for label, b in systems:
@@ -99,7 +103,8 @@ def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
                 st, at = summary(steps[(label, b)]), summary(attn[(label, b)])
                 fit = rep["kv_store"].get("fit", {})
                 rows.append(dict(
-                    system=label, budget=b, context=C, threads=th, graph=rep["graph"], graph_impl=rep["graph_impl"],
+                    system=label, budget=b, context=C, threads=th, dtype=str(eng.dtype).replace("torch.", ""),
+                    graph=rep["graph"], graph_impl=rep["graph_impl"],
                     fused_layer=rep["fused_layer"], fused_layer_reason=rep["fused_layer_reason"],
                     attention_kernel=(rep["kv_store"].get("attention") or rep["backend"]),
                     attention_reason=rep["backend_reason"], gemv=rep["gemv"],

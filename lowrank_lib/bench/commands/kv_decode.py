@@ -10,7 +10,9 @@ inside its engine: KVzip's reconstruction forward is the engine's). Every engine
 (``--graph``, default eager as the engine's own default; ``whole-step`` for the compiled step) and its decode steps are interleaved over ``--repeats`` rounds; the
 median ms/token over every step of every round. Attention alone: one decode attention of every layer, timed apart.
 
-Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, graph, attention_kernel,
+``--dtype bf16`` runs every engine in bf16 (the model's own dtype otherwise: fp32 for SmolLM2).
+
+Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, dtype, graph, attention_kernel,
 decode_ms_per_token, decode_iqr_ms, attn_ms_per_token, ratio_vs_dense, speedup_vs_dense, attn_ratio_vs_dense,
 kv_bytes_held, bytes_ratio, compiles_s}], the config, the copy bandwidth and the load average before / after.
 Library: ``lowrank_lib.eval.kv_decode``.
@@ -34,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--repeats", type=int, default=None, help=f"interleaved rounds (default {d.repeats})")
     add_threads(p, d.threads, "torch thread counts (each measured side by side)")
     p.add_argument("--graph", default=d.graph, choices=["whole-step", "none"], help="step mode of every engine")
+    p.add_argument("--dtype", default=d.dtype, choices=["fp32", "bf16"],
+                   help="every engine's dtype (default: the model's own, fp32 for SmolLM2)")
     p.add_argument("--attention", default=d.attention, help="MethodStore attention backend (auto | portable | ...)")
     p.add_argument("--seed", type=int, default=d.seed)
 
@@ -47,7 +51,7 @@ def run(a) -> int:
     cfg = KVDecodeConfig(model=a.model or q.get("model", "smollm2"), prompt_len=q.get("prompt_len", a.prompt_len),
                          methods=a.methods, budget=a.budget, gen_len=q.get("gen_len", one(a.gen_len, "--gen-len")),
                          repeats=a.repeats or q.get("repeats", KVDecodeConfig.repeats), threads=a.threads,
-                         graph=a.graph, attention=a.attention, seed=a.seed)
+                         graph=a.graph, dtype=a.dtype, attention=a.attention, seed=a.seed)
     files = ResultFiles(a.out, "kv_decode")
 
     def write(res: dict) -> str:            # after every context: an interrupted run keeps what it measured
