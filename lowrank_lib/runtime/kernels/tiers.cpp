@@ -53,6 +53,7 @@
 namespace lrk {
 
 int64_t isa_flags();  // lrk.cpp
+bool attn_dp();       // lrk.cpp: bf16 scores on AVX512_BF16 dot products ($LOWRANK_LIB_ATTN_DP)
 
 namespace tiers {
 
@@ -215,6 +216,48 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
   }
 }
 
+// ---- bf16 exact / appended rows' scores on AVX512_BF16 dot products (D = DP * 32): sc[g * CH + i] = scale (q_g .
+// K_i) from the unscaled bf16 queries q [G, D] (bf16 products are exact in fp32, as the widened ones; only the order
+// of the fp32 sums differs, so the kernel's 1-ULP bf16 contract holds), 16 rows per transpose-add. The values stay
+// exact_values' (fp32 probabilities: rounding them to bf16 broke that contract, 8 ULPs).
+template <int DP, bool FULL>
+static inline void scores16_dp(const __m512i* qb, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
+  __m512 part[16];
+  for (int i = 0; i < 16; i++) {
+    if (FULL || i < m) {
+      const uint16_t* r = k + i * sk;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512((const void*)r));
+      for (int c = 1; c < DP; c++)
+        a = _mm512_dpbf16_ps(a, (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512((const void*)(r + c * 32)));
+      part[i] = a;
+    } else {
+      part[i] = _mm512_setzero_ps();
+    }
+  }
+  _mm512_storeu_ps(s, _mm512_mul_ps(hsum16(part), vscale));
+}
+
+template <int DP, bool PF>
+static void exact_scores_dp(const uint16_t* q, float scale, int64_t G, const uint16_t* K, int64_t sk, int64_t n,
+                            float* sc, const uint16_t* pf, int64_t spf) {
+  constexpr int D = DP * 32;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const int m = (int)(n - t0 < 16 ? n - t0 : 16);
+    if (PF)
+      for (int i = 0; i < m; i++) prefetch_row(pf + (t0 + i) * spf, D * 2);
+    for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
+      __m512i qb[DP];
+      for (int c = 0; c < DP; c++) qb[c] = _mm512_loadu_si512((const void*)(q + g * D + c * 32));
+      if (m == 16)
+        scores16_dp<DP, true>(qb, K + t0 * sk, sk, 16, vscale, sc + g * CH + t0);
+      else
+        scores16_dp<DP, false>(qb, K + t0 * sk, sk, m, vscale, sc + g * CH + t0);
+    }
+  }
+}
+#define LRK_TIER_DP 1  // tiers_item.h: this ISA has exact_scores_dp
+
 // ---- the online softmax of one chunk: scores sc[g * CH + i] (i < n) become probabilities relative to the
 // running max m[g] (times vs[i], the per-token value scales of int8 factors, when vs is given: what the value
 // product reads); l[g], acc[g * D + :] and (run pieces) pr[g * rv + :] are rescaled when the max grows; lanes >= n
@@ -317,6 +360,7 @@ static void basis_acc(const float* pr, int64_t G, int64_t rv, const T* bv, int64
 }
 
 #include "tiers_item.h"  // run_item<T> and its pieces, on the primitives above
+#undef LRK_TIER_DP
 }  // namespace a512
 
 #if defined(__clang__)

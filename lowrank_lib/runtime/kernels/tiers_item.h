@@ -49,10 +49,10 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
   basis_acc<T>(S.pr, G, rv, bv, D, acc);
 }
 
-// rows [a, b) of an exact block (the exact tier or the appended rows)
+// rows [a, b) of an exact block (the exact tier or the appended rows); q: the segment's unscaled queries [G, D]
 template <typename T>
-static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a, int64_t b, float* m,
-                       float* l, float* acc, const Scratch& S) {
+static void rows_piece(const Layer& L, const T* q, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a,
+                       int64_t b, float* m, float* l, float* acc, const Scratch& S) {
   typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
   typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
   // [prefetch][D / 16 - 1]: the loops without the prefetch carry no test of it
@@ -63,11 +63,25 @@ static void rows_piece(const Layer& L, const T* K, int64_t sk, const T* V, int64
 #undef LRK_TIER_TBL
   const int pf = L.pf ? 1 : 0;
   const int64_t G = L.G, D = L.D;
+  typedef void (*dp_fn)(const T*, float, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
+  dp_fn dp = nullptr;                     // bf16 scores on AVX512_BF16 dot products, where this ISA has them
+#ifdef LRK_TIER_DP
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    static const dp_fn SCD[2][4] = {{exact_scores_dp<1, false>, exact_scores_dp<2, false>, exact_scores_dp<3, false>,
+                                     exact_scores_dp<4, false>},
+                                    {exact_scores_dp<1, true>, exact_scores_dp<2, true>, exact_scores_dp<3, true>,
+                                     exact_scores_dp<4, true>}};
+    if (D % 32 == 0 && attn_dp()) dp = SCD[pf][D / 32 - 1];
+  }
+#endif
   const int64_t ch = g_chunk.load(std::memory_order_relaxed);
   for (int64_t c0 = a; c0 < b; c0 += ch) {
     const int64_t cn = b - c0 < ch ? b - c0 : ch;
     const int64_t nx = b - c0 - cn < ch ? b - c0 - cn : ch;     // the next chunk's rows
-    SC[pf][D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    if (dp)
+      dp(q, L.scale, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    else
+      SC[pf][D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
     softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
     VA[pf][D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, K + (c0 + cn) * sk, sk, nx);
   }
@@ -83,12 +97,13 @@ static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* s
     l[g] = 0.0f;
   }
   for (int64_t i = 0; i < G * D; i++) acc[i] = 0.0f;
-  scale_query((const T*)L.q + s * G * D, G * D, L.scale, S.qs);
+  const T* q = (const T*)L.q + s * G * D;
+  scale_query(q, G * D, L.scale, S.qs);
   // exact tier
   const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
   if (lo < ne)
-    rows_piece<T>(L, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m,
-                  l, acc, S);
+    rows_piece<T>(L, q, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne,
+                  m, l, acc, S);
   int64_t base = ne;          // first token index of the next tier
   // runs
   for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
@@ -108,7 +123,7 @@ static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* s
     const T* kn = (const T*)L.kn + bb * L.kn_sb + hh * L.kn_sh;
     const T* vn = (const T*)L.vn + bb * L.vn_sb + hh * L.vn_sh;
     const int64_t a = lo > base ? lo - base : 0, b = hi - base < L.nn ? hi - base : L.nn;
-    if (a < b) rows_piece<T>(L, kn, L.kn_ss, vn, L.vn_ss, a, b, m, l, acc, S);
+    if (a < b) rows_piece<T>(L, q, kn, L.kn_ss, vn, L.vn_ss, a, b, m, l, acc, S);
   }
 }
 
