@@ -475,19 +475,7 @@ static const attn_bf16_fn ATTN_BF16[8] = {attend_head<uint16_t, 1>, attend_head<
 // one query's scores of 16 slots (M real, the rest -inf) from K rows at stride sk
 template <int DP, bool FULL>
 static inline void scores_dp(const __m512i* qv, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
-  __m512 part[16];
-  for (int i = 0; i < 16; i++) {
-    if (FULL || i < m) {
-      const uint16_t* r = k + i * sk;
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qv[0], (__m512bh)_mm512_loadu_si512((const void*)r));
-      for (int c = 1; c < DP; c++)
-        a = _mm512_dpbf16_ps(a, (__m512bh)qv[c], (__m512bh)_mm512_loadu_si512((const void*)(r + c * 32)));
-      part[i] = a;
-    } else {
-      part[i] = _mm512_setzero_ps();
-    }
-  }
-  const __m512 v = _mm512_mul_ps(hsum16(part), vscale);
+  const __m512 v = _mm512_mul_ps(dot16_bf16<DP, FULL>(qv, k, sk, m), vscale);
   _mm512_storeu_ps(s, FULL ? v : _mm512_mask_blend_ps(lanes(m), _mm512_set1_ps(-INFINITY), v));
 }
 

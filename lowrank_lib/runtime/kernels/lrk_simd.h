@@ -1,9 +1,9 @@
 // lowrank_lib's AVX-512 helpers shared by the kernels of lrk.cpp and tiers.cpp (lane masks, e^x, fp32 / bf16
-// row loads and stores, the 16-vector transpose-add).
+// row loads and stores, the 16-vector transpose-add, 16 bf16 dot products).
 //
-// Include ONLY inside an AVX-512 target region (between `#pragma GCC push_options` + `#pragma GCC target(...)`
-// and `pop_options`, inside namespace lrk), after <immintrin.h>: every function here is static inline and gets
-// AVX-512 code, so none may be compiled outside such a region. This header includes nothing itself.
+// Include ONLY inside an AVX-512 target region that also targets AVX512_BF16 (between `#pragma GCC push_options` +
+// `#pragma GCC target(...)` and `pop_options`, inside namespace lrk), after <immintrin.h>: every function here is
+// static inline and gets AVX-512 code, so none may be compiled outside such a region. This header includes nothing.
 #pragma once
 
 static inline __mmask16 lanes(int64_t m) { return (__mmask16)(m >= 16 ? 0xFFFFu : ((1u << m) - 1u)); }
@@ -47,4 +47,23 @@ static inline __m512 hsum16(const __m512* a) {
   // lane 4q + j of w = sum of a[4j + q]
   const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(idx, w);
+}
+
+// one query's bf16 dot products with 16 rows of K (DP * 32 bf16 each, row stride sk; FULL, or the first m rows, the
+// rest 0): lane i = q . k_i, products exact in fp32, one transpose-add (attend_head_dp's and the tier kernel's scores)
+template <int DP, bool FULL>
+static inline __m512 dot16_bf16(const __m512i* qb, const uint16_t* k, int64_t sk, int m) {
+  __m512 part[16];
+  for (int i = 0; i < 16; i++) {
+    if (FULL || i < m) {
+      const uint16_t* r = k + i * sk;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512((const void*)r));
+      for (int c = 1; c < DP; c++)
+        a = _mm512_dpbf16_ps(a, (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512((const void*)(r + c * 32)));
+      part[i] = a;
+    } else {
+      part[i] = _mm512_setzero_ps();
+    }
+  }
+  return hsum16(part);
 }

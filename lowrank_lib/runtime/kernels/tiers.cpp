@@ -222,19 +222,7 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
 // exact_values' (fp32 probabilities: rounding them to bf16 broke that contract, 8 ULPs).
 template <int DP, bool FULL>
 static inline void scores16_dp(const __m512i* qb, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
-  __m512 part[16];
-  for (int i = 0; i < 16; i++) {
-    if (FULL || i < m) {
-      const uint16_t* r = k + i * sk;
-      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)qb[0], (__m512bh)_mm512_loadu_si512((const void*)r));
-      for (int c = 1; c < DP; c++)
-        a = _mm512_dpbf16_ps(a, (__m512bh)qb[c], (__m512bh)_mm512_loadu_si512((const void*)(r + c * 32)));
-      part[i] = a;
-    } else {
-      part[i] = _mm512_setzero_ps();
-    }
-  }
-  _mm512_storeu_ps(s, _mm512_mul_ps(hsum16(part), vscale));
+  _mm512_storeu_ps(s, _mm512_mul_ps(dot16_bf16<DP, FULL>(qb, k, sk, m), vscale));
 }
 
 template <int DP, bool PF>
