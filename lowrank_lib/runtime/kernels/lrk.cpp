@@ -1093,7 +1093,7 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
 // ------------------------------------------------------------------------------------ attention driver
 // Whether bf16 attention with D % 32 == 0 runs attend_head_dp (vdpbf16ps; default) or attend_head (widen, then fp32
 // FMAs), and tiers.cpp's exact-row scores likewise: $LOWRANK_LIB_ATTN_DP=0 at load picks the latter.
-bool attn_dp() {  // lrk_api.h
+bool attn_dp() {  // declared where used: tiers.cpp
   static const bool on = [] {
     const char* e = std::getenv("LOWRANK_LIB_ATTN_DP");
     return !(e && e[0] == '0');
