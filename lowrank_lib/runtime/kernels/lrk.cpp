@@ -231,6 +231,15 @@ at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
   return W;
 }
 
+// the largest bf16 <= v (the certified head's approximate logits: below every candidate's exact logit)
+static inline uint16_t bf16_round_down(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  uint16_t t = (uint16_t)(b >> 16);
+  if ((b & 0xFFFFu) != 0 && (b >> 31)) t += 1;    // a negative value truncated towards zero: one step down
+  return t;
+}
+
 // ------------------------------------------------------------------------------------ AVX-512 code
 // Everything between push_options and pop_options is compiled for AVX-512 and called only after
 // check_isa(); the only header included in this region is our own lrk_simd.h (no inline function of a
@@ -371,27 +380,80 @@ static void run_block512(Kind k, const char* blk, const void* const* xr, int64_t
     Q8_KERNELS[R - 1][bw / 16 - 1]((const int8_t*)blk, (const uint32_t* const*)xr, K / 2, (float* const*)yr, n);
 }
 
-// The certified head's per-row pass over the approximate scores (auto-vectorised for each ISA region):
-// zh = sum * (s * s_h), bound d = ((a * hn + b * rn) + 8 u |zh|) (+ the output rounding rho (|zh| + d))
-// times (1 + 2^-12) + 1e-25; lower = zh - d, upper = zh + d. Returns max(lower).
+// The certified head's per-row pass over the approximate scores, written so that GCC vectorises it for each ISA
+// region (16 lanes of running maxima: a float max reduction would not vectorise without -ffast-math; meta's
+// stride-3 rows become permutes): zh = sum * (s * s_h), bound d = ((a * hn + b * rn) + 8 u |zh|) (+ the output
+// rounding rho (|zh| + d)) times (1 + 2^-12) + 1e-25; upper = zh + d goes to up, zh to the output row (bf16: rounded
+// DOWN, below every candidate's exact logit; fp32: as is). Returns max(zh - d).
 #define LRK_BOUND_PASS(NAME)                                                                                   \
   static float NAME(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho, \
-                    float* zh, float* up) {                                                                    \
+                    bool bf, void* yrow, float* up) {                                                          \
     const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;                                   \
-    float L = -INFINITY;                                                                                       \
-    for (int64_t i = 0; i < V; i++) {                                                                          \
-      const float z = sums[i] * (meta[3 * i] * s_h);                                                           \
-      const float az = fabsf(z);                                                                               \
-      float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                         \
-      d = (d + rho * (az + d)) * safety + 1e-25f;                                                              \
-      zh[i] = z;                                                                                               \
-      up[i] = z + d;                                                                                           \
-      const float lo = z - d;                                                                                  \
-      L = lo > L ? lo : L;                                                                                     \
+    float Ls[16];                                                                                              \
+    for (int j = 0; j < 16; j++) Ls[j] = -INFINITY;                                                            \
+    uint16_t* yb = (uint16_t*)yrow;                                                                            \
+    float* yf = (float*)yrow;                                                                                  \
+    for (int64_t i0 = 0; i0 < V; i0 += 16) {                                                                   \
+      const int64_t m = V - i0 < 16 ? V - i0 : 16;                                                             \
+      if (m < 16) {                                                                                            \
+        for (int64_t j = 0; j < m; j++) {                                                                      \
+          const int64_t i = i0 + j;                                                                            \
+          const float z = sums[i] * (meta[3 * i] * s_h);                                                       \
+          const float az = fabsf(z);                                                                           \
+          float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                     \
+          d = (d + rho * (az + d)) * safety + 1e-25f;                                                          \
+          up[i] = z + d;                                                                                       \
+          const float lo = z - d;                                                                              \
+          Ls[j] = lo > Ls[j] ? lo : Ls[j];                                                                     \
+          if (bf)                                                                                              \
+            yb[i] = bf16_round_down(z);                                                                        \
+          else                                                                                                 \
+            yf[i] = z;                                                                                         \
+        }                                                                                                      \
+        break;                                                                                                 \
+      }                                                                                                        \
+      float zs[16];                                                                                            \
+      for (int j = 0; j < 16; j++) {                                                                           \
+        const int64_t i = i0 + j;                                                                              \
+        const float z = sums[i] * (meta[3 * i] * s_h);                                                         \
+        const float az = fabsf(z);                                                                             \
+        float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                       \
+        d = (d + rho * (az + d)) * safety + 1e-25f;                                                            \
+        up[i] = z + d;                                                                                         \
+        const float lo = z - d;                                                                                \
+        Ls[j] = lo > Ls[j] ? lo : Ls[j];                                                                       \
+        zs[j] = z;                                                                                             \
+      }                                                                                                        \
+      if (bf) {                                                                                                \
+        for (int j = 0; j < 16; j++) {                                                                         \
+          uint32_t b;                                                                                          \
+          std::memcpy(&b, &zs[j], 4);                                                                          \
+          yb[i0 + j] = (uint16_t)((b >> 16) + (((b & 0xFFFFu) != 0) & (b >> 31)));                              \
+        }                                                                                                      \
+      } else {                                                                                                 \
+        for (int j = 0; j < 16; j++) yf[i0 + j] = zs[j];                                                       \
+      }                                                                                                        \
     }                                                                                                          \
+    float L = -INFINITY;                                                                                       \
+    for (int j = 0; j < 16; j++) L = Ls[j] > L ? Ls[j] : L;                                                    \
     return L;                                                                                                  \
   }
+
+// The candidates of one row (up >= L): their count; each BW-row block holding one is marked in sel
+#define LRK_CAND_PASS(NAME)                                                         \
+  static int64_t NAME(const float* up, int64_t V, float L, char* sel) {             \
+    int64_t c = 0;                                                                  \
+    for (int64_t b0 = 0; b0 < V; b0 += BW) {                                        \
+      const int64_t n = V - b0 < BW ? V - b0 : BW;                                  \
+      int cnt = 0;                                                                  \
+      for (int64_t j = 0; j < n; j++) cnt += up[b0 + j] >= L;                       \
+      if (cnt) sel[b0 / BW] = 1;                                                    \
+      c += cnt;                                                                     \
+    }                                                                               \
+    return c;                                                                       \
+  }
 LRK_BOUND_PASS(bound_pass512)
+LRK_CAND_PASS(cand_pass512)
 
 // ---- decode attention, one (batch row, kv head): G queries of dim D = DC * 16 over slots [lo, hi]
 // q [G, D] (row stride D), K/V rows at stride sk / sv; sc: scratch >= GB * ceil16(n) floats
@@ -713,6 +775,7 @@ static void run_block2(Kind k, const char* blk, const void* const* xr, int64_t K
 }
 
 LRK_BOUND_PASS(bound_pass2)
+LRK_CAND_PASS(cand_pass2)
 
 // o[g0 .. g0 + GB) += P V over chunks of CB 8-float columns: GB * CB <= 12 accumulators stay in registers, and
 // each V row chunk is loaded (and widened) once for the GB queries
@@ -820,9 +883,12 @@ static void run_block(Kind k, const char* blk, const void* const* xr, int64_t K,
     run_block2(k, blk, xr, K, yr, bw, n);
 }
 static float bound_pass(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho,
-                        float* zh, float* up) {
-  return use512(KQ8) ? bound_pass512(sums, meta, V, s_h, hn, rn, rho, zh, up)
-                     : bound_pass2(sums, meta, V, s_h, hn, rn, rho, zh, up);
+                        bool bf, void* yrow, float* up) {
+  return use512(KQ8) ? bound_pass512(sums, meta, V, s_h, hn, rn, rho, bf, yrow, up)
+                     : bound_pass2(sums, meta, V, s_h, hn, rn, rho, bf, yrow, up);
+}
+static int64_t cand_pass(const float* up, int64_t V, float L, char* sel) {
+  return use512(KQ8) ? cand_pass512(up, V, L, sel) : cand_pass2(up, V, L, sel);
 }
 #endif  // LRK_X86
 
@@ -964,13 +1030,6 @@ static inline float round_up_f(double v) {       // the smallest float >= v (v f
   return (double)f >= v ? f : std::nextafter(f, INFINITY);
 }
 
-static inline uint16_t bf16_round_down(float v) { // the largest bf16 <= v
-  uint32_t b;
-  std::memcpy(&b, &v, 4);
-  uint16_t t = (uint16_t)(b >> 16);
-  if ((b & 0xFFFFu) != 0 && (b >> 31)) t += 1;    // a negative value truncated towards zero: one step down
-  return t;
-}
 
 at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Tensor& meta, const at::Tensor& P,
                           int64_t V, double max_fraction, at::Tensor& stats) {
@@ -1029,33 +1088,28 @@ at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Te
     rn[r] = round_up_f(std::sqrt(r2) * (1 + 1e-12));
   }
   // 2. approximate scores (int8 head): sums[r][i]
-  std::vector<float> sums(N * rows);
+  // per-thread scratch reused across calls (no 200 KB zero-fill per token; every entry read is written first)
+  // (a thread_local is this thread's own: the pool's workers see it through these pointers, never by name)
+  thread_local std::vector<float> sums_buf, up_buf;
+  if ((int64_t)sums_buf.size() < N * rows) sums_buf.resize(N * rows);
+  if ((int64_t)up_buf.size() < V) up_buf.resize(V);
+  float* const sums = sums_buf.data();
+  float* const up = up_buf.data();
   std::vector<Mat> qmat{{(const char*)Q.data_ptr(), V, K}};
   std::vector<Job> jobs;
   for (int64_t b = 0; b < nblk; b++) push_block_jobs(jobs, KQ8, 0, b, N);
   exec_jobs(
       KQ8, qmat, jobs, N, [&](int64_t, int64_t r) -> const void* { return xq.data() + r * K2; },
-      [&](int64_t, int64_t r, int64_t b) -> void* { return sums.data() + r * rows + b * BW; });
+      [&](int64_t, int64_t r, int64_t b) -> void* { return sums + r * rows + b * BW; });
   // 3. bounds, candidates, the union of their blocks
   const float rho = bf ? 0.00390625f : 0.0f;       // bf16 output: one rounding, unit roundoff 2^-8
-  std::vector<float> zh(V), up(V);
   std::vector<char> sel(nblk, 0);
   int64_t cands = 0;
 #if LRK_X86
   for (int64_t r = 0; r < N && finite; r++) {
-    const float L = bound_pass(sums.data() + r * rows, meta.data_ptr<float>(), V, sh[r], hn[r], rn[r], rho, zh.data(),
-                               up.data());
-    char* yr = (char*)y.data_ptr() + r * V * es;
-    for (int64_t i = 0; i < V; i++) {
-      if (up[i] >= L) {
-        cands++;
-        sel[i / BW] = 1;
-      }
-      if (bf)
-        ((uint16_t*)yr)[i] = bf16_round_down(zh[i]);   // below every candidate's exact logit
-      else
-        ((float*)yr)[i] = zh[i];
-    }
+    const float L = bound_pass(sums + r * rows, meta.data_ptr<float>(), V, sh[r], hn[r], rn[r], rho, bf,
+                               (char*)y.data_ptr() + r * V * es, up);
+    cands += cand_pass(up, V, L, sel.data());
   }
 #endif
   int64_t nsel = 0;
