@@ -220,11 +220,6 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
 // K_i) from the unscaled bf16 queries q [G, D] (bf16 products are exact in fp32, as the widened ones; only the order
 // of the fp32 sums differs, so the kernel's 1-ULP bf16 contract holds), 16 rows per transpose-add. The values stay
 // exact_values' (fp32 probabilities: rounding them to bf16 broke that contract, 8 ULPs).
-template <int DP, bool FULL>
-static inline void scores16_dp(const __m512i* qb, const uint16_t* k, int64_t sk, int m, __m512 vscale, float* s) {
-  _mm512_storeu_ps(s, _mm512_mul_ps(dot16_bf16<DP, FULL>(qb, k, sk, m), vscale));
-}
-
 template <int DP, bool PF>
 static void exact_scores_dp(const uint16_t* q, float scale, int64_t G, const uint16_t* K, int64_t sk, int64_t n,
                             float* sc, const uint16_t* pf, int64_t spf) {
@@ -237,10 +232,9 @@ static void exact_scores_dp(const uint16_t* q, float scale, int64_t G, const uin
     for (int64_t g = 0; g < G; g++) {       // the block's rows come from memory once, then from L1
       __m512i qb[DP];
       for (int c = 0; c < DP; c++) qb[c] = _mm512_loadu_si512((const void*)(q + g * D + c * 32));
-      if (m == 16)
-        scores16_dp<DP, true>(qb, K + t0 * sk, sk, 16, vscale, sc + g * CH + t0);
-      else
-        scores16_dp<DP, false>(qb, K + t0 * sk, sk, m, vscale, sc + g * CH + t0);
+      const __m512 dots = m == 16 ? dot16_bf16<DP, true>(qb, K + t0 * sk, sk, 16)
+                                  : dot16_bf16<DP, false>(qb, K + t0 * sk, sk, m);
+      _mm512_storeu_ps(sc + g * CH + t0, _mm512_mul_ps(dots, vscale));
     }
   }
 }
