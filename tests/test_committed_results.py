@@ -246,6 +246,7 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_16.json`**", "peer_cpu_16.json", None),
                ("**`benchmarks/results/peer_cpu_17.json`**", "peer_cpu_17.json", None),
                ("**`benchmarks/results/peer_cpu_18.json`**", "peer_cpu_18.json", None),
+               ("**`benchmarks/results/peer_cpu_19.json`**", "peer_cpu_19.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
