@@ -240,6 +240,19 @@ static inline uint16_t bf16_round_down(float v) {
   return t;
 }
 
+// the certified head's score and bound of row i (see LRK_BOUND_PASS): z = sum * (s * s_h); z + d to up, z - d to lo
+static inline float bound_row(const float* sums, const float* meta, int64_t i, float s_h, float hn, float rn,
+                              float rho, float* up, float& lo) {
+  const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;
+  const float z = sums[i] * (meta[3 * i] * s_h);
+  const float az = fabsf(z);
+  float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;
+  d = (d + rho * (az + d)) * safety + 1e-25f;
+  up[i] = z + d;
+  lo = z - d;
+  return z;
+}
+
 // ------------------------------------------------------------------------------------ AVX-512 code
 // Everything between push_options and pop_options is compiled for AVX-512 and called only after
 // check_isa(); the only header included in this region is our own lrk_simd.h (no inline function of a
@@ -388,7 +401,6 @@ static void run_block512(Kind k, const char* blk, const void* const* xr, int64_t
 #define LRK_BOUND_PASS(NAME)                                                                                   \
   static float NAME(const float* sums, const float* meta, int64_t V, float s_h, float hn, float rn, float rho, \
                     bool bf, void* yrow, float* up) {                                                          \
-    const float u8 = 8.0f * 5.9604645e-08f, safety = 1.0f + 2.44140625e-04f;                                   \
     float Ls[16];                                                                                              \
     for (int j = 0; j < 16; j++) Ls[j] = -INFINITY;                                                            \
     uint16_t* yb = (uint16_t*)yrow;                                                                            \
@@ -397,32 +409,21 @@ static void run_block512(Kind k, const char* blk, const void* const* xr, int64_t
       const int64_t m = V - i0 < 16 ? V - i0 : 16;                                                             \
       if (m < 16) {                                                                                            \
         for (int64_t j = 0; j < m; j++) {                                                                      \
-          const int64_t i = i0 + j;                                                                            \
-          const float z = sums[i] * (meta[3 * i] * s_h);                                                       \
-          const float az = fabsf(z);                                                                           \
-          float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                     \
-          d = (d + rho * (az + d)) * safety + 1e-25f;                                                          \
-          up[i] = z + d;                                                                                       \
-          const float lo = z - d;                                                                              \
+          float lo;                                                                                            \
+          const float z = bound_row(sums, meta, i0 + j, s_h, hn, rn, rho, up, lo);                             \
           Ls[j] = lo > Ls[j] ? lo : Ls[j];                                                                     \
           if (bf)                                                                                              \
-            yb[i] = bf16_round_down(z);                                                                        \
+            yb[i0 + j] = bf16_round_down(z);                                                                   \
           else                                                                                                 \
-            yf[i] = z;                                                                                         \
+            yf[i0 + j] = z;                                                                                    \
         }                                                                                                      \
         break;                                                                                                 \
       }                                                                                                        \
       float zs[16];                                                                                            \
       for (int j = 0; j < 16; j++) {                                                                           \
-        const int64_t i = i0 + j;                                                                              \
-        const float z = sums[i] * (meta[3 * i] * s_h);                                                         \
-        const float az = fabsf(z);                                                                             \
-        float d = meta[3 * i + 1] * hn + meta[3 * i + 2] * rn + u8 * az;                                       \
-        d = (d + rho * (az + d)) * safety + 1e-25f;                                                            \
-        up[i] = z + d;                                                                                         \
-        const float lo = z - d;                                                                                \
+        float lo;                                                                                              \
+        zs[j] = bound_row(sums, meta, i0 + j, s_h, hn, rn, rho, up, lo);                                       \
         Ls[j] = lo > Ls[j] ? lo : Ls[j];                                                                       \
-        zs[j] = z;                                                                                             \
       }                                                                                                        \
       if (bf) {                                                                                                \
         for (int j = 0; j < 16; j++) {                                                                         \
