@@ -235,9 +235,8 @@ at::Tensor unpack(const at::Tensor& P, int64_t out, int64_t in) {
 static inline uint16_t bf16_round_down(float v) {
   uint32_t b;
   std::memcpy(&b, &v, 4);
-  uint16_t t = (uint16_t)(b >> 16);
-  if ((b & 0xFFFFu) != 0 && (b >> 31)) t += 1;    // a negative value truncated towards zero: one step down
-  return t;
+  // truncation, plus one step down for a negative value truncated towards zero (branch-free: it vectorises)
+  return (uint16_t)((b >> 16) + (((b & 0xFFFFu) != 0) & (b >> 31)));
 }
 
 // the certified head's score and bound of row i (see LRK_BOUND_PASS): z = sum * (s * s_h); z + d to up, z - d to lo
@@ -426,11 +425,7 @@ static void run_block512(Kind k, const char* blk, const void* const* xr, int64_t
         Ls[j] = lo > Ls[j] ? lo : Ls[j];                                                                       \
       }                                                                                                        \
       if (bf) {                                                                                                \
-        for (int j = 0; j < 16; j++) {                                                                         \
-          uint32_t b;                                                                                          \
-          std::memcpy(&b, &zs[j], 4);                                                                          \
-          yb[i0 + j] = (uint16_t)((b >> 16) + (((b & 0xFFFFu) != 0) & (b >> 31)));                              \
-        }                                                                                                      \
+        for (int j = 0; j < 16; j++) yb[i0 + j] = bf16_round_down(zs[j]);                                     \
       } else {                                                                                                 \
         for (int j = 0; j < 16; j++) yf[i0 + j] = zs[j];                                                       \
       }                                                                                                        \
@@ -1030,7 +1025,6 @@ static inline float round_up_f(double v) {       // the smallest float >= v (v f
   float f = (float)v;
   return (double)f >= v ? f : std::nextafter(f, INFINITY);
 }
-
 
 at::Tensor certified_head(const at::Tensor& x, const at::Tensor& Q, const at::Tensor& meta, const at::Tensor& P,
                           int64_t V, double max_fraction, at::Tensor& stats) {
