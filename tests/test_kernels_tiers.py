@@ -38,8 +38,9 @@ def bf16_ulps(out: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 
 def make_layer(B=2, H=3, d=64, seed=0, dtype=torch.float32, quant8=False, max_exact=300, max_run=300, max_runs=3,
-               max_rank=9, appended=5, cap=None, big_scale=False):
-    """A random ragged layer (segment sizes drawn per segment; some empty) with ``appended`` rows written."""
+               max_rank=9, appended=5, cap=None, big_scale=False, blocked=False):
+    """A random ragged layer (segment sizes drawn per segment; some empty) with ``appended`` rows written;
+    ``blocked``: its exact keys in the fused kernel's blocked layout (``TieredLayer.block_exact_k``, 16-bit only)."""
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g)
     ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))
@@ -59,6 +60,8 @@ def make_layer(B=2, H=3, d=64, seed=0, dtype=torch.float32, quant8=False, max_ex
             row.append(Segment(2 * rnd(ne, d), rnd(ne, d), None, runs))
         segs.append(row)
     layer = TieredLayer.build(segs, quant8=quant8, dtype=dtype)
+    if blocked:
+        assert layer.block_exact_k()
     if cap is not None:
         layer.reserve(cap)
     if appended:
@@ -148,19 +151,58 @@ def test_int8_fp32_scales_rank_zero_runs_and_segments_of_one_tier():
 
 
 @needs_lrk
+@pytest.mark.parametrize("blocked", [False, True], ids=["rows", "blocked"])
 @pytest.mark.parametrize("quant8", [False, True])
-def test_bf16_within_bound_of_the_exact_evaluation(quant8, chunk):
-    """bf16 K / V / bases (and bf16 or int8 factors): every element within BF16_ULPS of the correctly rounded
-    float64 evaluation of the same stored values, at least BF16_EQUAL of them equal to it (the portable bf16 path,
-    with bf16 products, is farther: up to a few percent of the output scale)."""
+def test_bf16_within_bound_of_the_exact_evaluation(quant8, blocked, chunk):
+    """bf16 K / V / bases (and bf16 or int8 factors), exact keys as rows or blocked: every element within BF16_ULPS
+    of the correctly rounded float64 evaluation of the same stored values, at least BF16_EQUAL of them equal to it
+    (the portable bf16 path, with bf16 products, is farther: up to a few percent of the output scale)."""
     for seed in range(3):
-        layer = make_layer(seed=seed, dtype=torch.bfloat16, quant8=quant8)
+        layer = make_layer(seed=seed, dtype=torch.bfloat16, quant8=quant8, blocked=blocked)
         q = query(layer, 3, seed)
         out = attend(layer, q, backend="lrk_tiers")
         assert out.dtype == torch.bfloat16
         ulps = bf16_ulps(out, attend_portable(as_float64(layer), q.double()))
         assert float(ulps.max()) <= BF16_ULPS and float((ulps == 0).double().mean()) >= BF16_EQUAL, \
             (float(ulps.max()), float((ulps == 0).double().mean()))
+
+
+@needs_lrk
+@pytest.mark.parametrize("d,G,B,H", [(16, 1, 1, 1), (32, 5, 2, 2), (48, 2, 1, 4), (128, 3, 2, 1), (80, 4, 1, 2)])
+def test_bf16_blocked_keys_every_head_dim_and_group(d, G, B, H, chunk):
+    """Blocked exact keys at every head_dim class (pairs not a multiple of the dot-product loop's two, d 48 / 80),
+    query groups beyond one register group (G 5), segments starting and ending inside a block of 16 rows: within
+    BF16_ULPS of the exact evaluation, as the row layout is."""
+    for quant8 in (False, True):
+        layer = make_layer(B, H, d, seed=d + G, dtype=torch.bfloat16, quant8=quant8, max_exact=700, max_run=300,
+                           max_rank=16, appended=3, blocked=True)
+        assert layer.host_e_off[-1] % 16 or any(e % 16 for e in layer.host_e_off)   # unaligned segments
+        q = query(layer, G, d)
+        ref = attend_portable(as_float64(layer), q.double(), 0.3)
+        assert float(bf16_ulps(attend(layer, q, 0.3, backend="lrk_tiers"), ref).max()) <= BF16_ULPS
+
+
+def test_blocked_keys_round_trip_and_change_no_portable_result():
+    """``block_exact_k``: the rows read back (``exact_k``, any range, across block edges) are the stored rows; the
+    portable result is the same bits as from the row layout; the zero rows that pad to 16 are allocated, not held;
+    fp32 keys stay rows."""
+    layer = make_layer(seed=4, dtype=torch.bfloat16, quant8=True)
+    rows, held = layer.k_exact.clone(), layer.nbytes
+    q = query(layer, 3)
+    ref = attend_portable(layer, q)
+    assert layer.block_exact_k() and layer.k_blocked and layer.block_exact_k()      # idempotent
+    n = rows.shape[0]
+    assert layer.k_exact.shape == (-(-n // 16), 32, 16, 2)
+    assert torch.equal(layer.exact_k(0, n), rows) and torch.equal(layer.exact_k()[:n], rows)
+    for lo, hi in ((0, 0), (3, 17), (15, 16), (16, 48), (n - 5, n), (7, n - 1)):
+        assert torch.equal(layer.exact_k(lo, hi), rows[lo:hi]), (lo, hi)
+    assert layer.nbytes == held and layer.allocated_nbytes >= held
+    assert torch.equal(attend_portable(layer, q), ref)
+    assert [len(s.k) for r in layer.to_segments() for s in r] == [len(s.k) for r in
+                                                                   make_layer(seed=4, dtype=torch.bfloat16,
+                                                                              quant8=True).to_segments() for s in r]
+    fp32 = make_layer(seed=4)
+    assert not fp32.block_exact_k() and not fp32.k_blocked
 
 
 # --------------------------------------------------------------------------- appended rows, threads, compile
@@ -208,8 +250,12 @@ def test_every_thread_count_small_pieces_and_unsplit_bits(dtype, chunk):
     """With the pool's threshold at one byte every layout is cut into pieces (pieces ending inside runs, in the
     appended rows, single tokens) claimed by 1, 2, 3 threads: each result equals the portable path; unsplit (threshold
     above the layer) the result is the same bits at every thread count."""
-    for seed, quant8 in ((0, False), (1, True), (2, True)):
-        layer = make_layer(seed=seed, quant8=quant8, dtype=dtype, max_exact=120, max_run=150, appended=3)
+    cases = ((0, False, False), (1, True, False), (2, True, False))
+    if dtype == torch.bfloat16:
+        cases += ((3, False, True), (4, True, True))           # blocked exact keys: pieces start inside a block
+    for seed, quant8, blocked in cases:
+        layer = make_layer(seed=seed, quant8=quant8, dtype=dtype, max_exact=120, max_run=150, appended=3,
+                           blocked=blocked)
         q = query(layer, 3, seed)
         ref = attend_portable(layer, q) if dtype == torch.float32 else attend_portable(as_float64(layer), q.double())
 
@@ -296,6 +342,17 @@ def test_hostile_layouts_are_refused_by_name():
         call(k_scale=None)
     with pytest.raises(RuntimeError, match="k_exact must be"):
         call(k_exact=layer.k_exact.double())
+    with pytest.raises(RuntimeError, match="a blocked k_exact must be contiguous bf16"):    # fp32 q, 4-D keys
+        call(k_exact=torch.zeros(1, 16, 16, 2))
+    blk = make_layer(B=1, H=2, d=32, seed=1, dtype=torch.bfloat16, appended=0, blocked=True)
+    bargs = dict(args, q=q.bfloat16(), k_exact=blk.k_exact, v_exact=blk.v_exact, e_off=blk.e_off, runs=blk.runs,
+                 r_off=blk.r_off, a_k=blk.a_k, a_v=blk.a_v, b_k=blk.b_k, b_v=blk.b_v, k_scale=None, v_scale=None,
+                 k_new=None, v_new=None, n_new=torch.tensor([0]))
+    ops.tier_attend(**bargs)
+    with pytest.raises(RuntimeError, match=r"a blocked k_exact must be contiguous bf16 \[N_e / 16, 16, 16, 2\]"):
+        ops.tier_attend(**{**bargs, "k_exact": blk.k_exact.transpose(1, 2)})
+    with pytest.raises(RuntimeError, match="end at most at the rows"):
+        call(e_off=layer.e_off.clone().index_fill_(0, torch.tensor([2]), layer.k_exact.shape[0] + 1))
     with pytest.raises(RuntimeError, match="head_dim must be a multiple of 16"):
         call(q=torch.randn(1, 2, 2, 24))
     with pytest.raises(RuntimeError, match=r"e_off must be \[B\*H \+ 1\]"):
@@ -399,3 +456,36 @@ def test_the_exact_row_prefetch_changes_no_bit():
     assert len(got["0"]) == len(got["1"]) >= 4
     for a, b in zip(got["0"], got["1"]):
         assert torch.equal(a, b)
+
+
+@needs_lrk_native
+def test_bf16_without_dot_products_rows_and_blocked_keys():
+    """$LOWRANK_LIB_ATTN_DP=0 (read once per process) turns off the AVX512_BF16 dot products: the bf16 scores of
+    rows and of blocked keys take the widening loops instead, and stay within BF16_ULPS of the exact evaluation at 1
+    and 3 threads, pieces starting inside blocks."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, torch; sys.path.insert(0, 'tests')\n"
+        "from test_kernels_tiers import make_layer, query, as_float64, bf16_ulps, BF16_ULPS\n"
+        "from lowrank_lib.kv.tiers import attend, attend_portable\n"
+        "from lowrank_lib.runtime.kernels import build\n"
+        "for blocked in (False, True):\n"
+        "    for seed, d in ((0, 64), (1, 48)):\n"
+        "        layer = make_layer(B=2, H=2, d=d, seed=seed, dtype=torch.bfloat16, quant8=bool(seed), max_exact=400,\n"
+        "                           appended=5, blocked=blocked)\n"
+        "        q = query(layer, 3)\n"
+        "        ref = attend_portable(as_float64(layer), q.double())\n"
+        "        for th in (1, 3):\n"
+        "            torch.set_num_threads(th)\n"
+        "            with build.pool(min_bytes=1):\n"
+        "                u = float(bf16_ulps(attend(layer, q, backend='lrk_tiers'), ref).max())\n"
+        "            assert u <= BF16_ULPS, (blocked, seed, th, u)\n"
+        "print('ok')\n")
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env={**os.environ, "LOWRANK_LIB_ATTN_DP": "0"},
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -158,6 +158,7 @@ class MethodStore:
         arena = self.backend.caps.native and torch.device(spec.device).type == "cpu"
         for l in self.layers:
             if self.device_layout:
+                l.block_exact_k()                          # 16-bit keys in the fused kernel's blocked layout
                 l.pad_to_buckets()                         # requests that round alike share one compiled step
             l.reserve(1 << max(0, spec.max_seq_len - T - 1).bit_length())   # room to the end, a power of two
             if arena:                                      # our kernel streams them every token: huge pages

@@ -3,7 +3,11 @@
 A layer holds, per segment ``s = b * H + h`` (batch row b, KV head h; positions are post-RoPE, so attention
 never needs them):
 
-    exact rows     k_exact, v_exact [N_e, d]       rows e_off[s] : e_off[s + 1] are segment s's, oldest first
+    exact rows     k_exact, v_exact [N_e, d]       rows e_off[s] : e_off[s + 1] are segment s's, oldest first;
+                   k_exact may be BLOCKED (:meth:`TieredLayer.block_exact_k`, 16-bit rows for the fused kernel):
+                   [N_e / 16, d / 2, 16, 2], block b holding rows 16b .. 16b + 15 with each dim pair of its 16 rows
+                   contiguous, so a query's 16 scores are one vector product per dim pair (no transpose);
+                   :meth:`TieredLayer.exact_k` reads rows back from either layout
     low-rank runs  run j = row j of ``runs`` [R, 9] (sorted by segment; segment s owns runs r_off[s] : r_off[s + 1])
                    K_j ~ A_K,j B_K,j    A_K,j [n_j, r_k,j] stored RANK-MAJOR, an [r_k,j, n_j] block of the flat a_k at
                                         a_k_off_j; B_K,j [r_k,j, d] a block of the flat b_k at b_k_off_j
@@ -96,7 +100,7 @@ class TieredLayer:
     B: int
     H: int
     d: int
-    k_exact: torch.Tensor                 # [N_e, d]
+    k_exact: torch.Tensor                 # [N_e, d], or blocked [N_e / 16, d / 2, 16, 2] (block_exact_k)
     v_exact: torch.Tensor                 # [N_e, d]
     e_off: torch.Tensor                   # [B * H + 1] int64
     runs: torch.Tensor                    # [R, 9] int64
@@ -260,6 +264,43 @@ class TieredLayer:
             setattr(self, name, g)
         self.pad_nbytes += added
 
+    # ------------------------------------------------------------------ the exact K layout
+    @property
+    def k_blocked(self) -> bool:
+        """Whether ``k_exact`` is blocked (:meth:`block_exact_k`)."""
+        return self.k_exact.dim() == 4
+
+    def block_exact_k(self) -> bool:
+        """Store the exact keys blocked for the fused kernel: [N_e / 16, d / 2, 16, 2], block b = rows 16b .. 16b + 15,
+        the pair of dims (2j, 2j + 1) of its 16 rows one 64-byte vector. The kernel's scores of 16 rows for a query
+        are then d / 2 vector dot products against the query's pairs, where rows need d / 32 per row plus a
+        transpose-add per 16 rows; on the AMD EPYC (Zen 4) host the scores loop was the larger half of the tier
+        kernel's time (kernels/tiers.cpp, blk_scores). 16-bit rows only (an fp32 row has no pairs to pack); the rows
+        are padded with zeros to a multiple of 16 (allocated, not held). Returns whether the keys are blocked."""
+        if self.k_blocked:
+            return True
+        if self.k_exact.element_size() != 2 or self.d % 2:
+            return False
+        n, d = self.k_exact.shape
+        nb = -(-n // 16)
+        k = self.k_exact
+        if nb * 16 > n:
+            k = torch.cat([k, k.new_zeros(nb * 16 - n, d)])
+            self.pad_nbytes += (nb * 16 - n) * d * k.element_size()
+        self.k_exact = k.view(nb, 16, d // 2, 2).transpose(1, 2).contiguous()
+        return True
+
+    def exact_k(self, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """Exact key rows [lo, hi) as [hi - lo, d] from either layout (a copy when blocked)."""
+        if not self.k_blocked:
+            return self.k_exact[lo:hi]
+        hi = 16 * self.k_exact.shape[0] if hi is None else hi
+        if hi <= lo:
+            return self.k_exact.new_zeros(0, self.d)
+        b0, b1 = lo // 16, -(-hi // 16)
+        rows = self.k_exact[b0:b1].transpose(1, 2).reshape(-1, self.d)
+        return rows[lo - 16 * b0:hi - 16 * b0]
+
     # ------------------------------------------------------------------ reading one segment
     def run_factors(self, j: int, dtype: torch.dtype | None = None):
         """Run j as float factors (A_K [n, r_k], B_K [r_k, d], A_V [n, r_v], B_V [r_v, d]), int8 dequantised."""
@@ -275,7 +316,7 @@ class TieredLayer:
     def segment(self, s: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """(exact K [n_e, d], exact V, run indices) of segment ``s``."""
         lo, hi = self.host_e_off[s], self.host_e_off[s + 1]
-        return self.k_exact[lo:hi], self.v_exact[lo:hi], list(range(self.host_r_off[s], self.host_r_off[s + 1]))
+        return self.exact_k(lo, hi), self.v_exact[lo:hi], list(range(self.host_r_off[s], self.host_r_off[s + 1]))
 
     def dense(self, s: int, n_new: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row segment ``s`` holds, rebuilt (exact, then runs, then the first ``n_new`` appended rows, default

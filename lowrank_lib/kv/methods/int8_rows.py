@@ -52,6 +52,10 @@ class Int8RowsLayer(TieredLayer):
                             self.v_scale, self.pos_exact, self.pos_mid) if t is not None]
         return [self.__dict__[n] for n in ("k_q", "k_s", "v_q", "v_s")] + rest
 
+    def block_exact_k(self) -> bool:
+        """Never blocked: the rows are held as int8 with a scale per row (reading them dequantises)."""
+        return False
+
     def pad_to_buckets(self, bucket=None) -> None:
         """As :meth:`TieredLayer.pad_to_buckets`, the padding counted at the int8 rows' real size."""
         size = lambda: sum(t.numel() * t.element_size() for t in self._stored())

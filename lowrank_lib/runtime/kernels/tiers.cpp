@@ -81,6 +81,7 @@ struct Layer {
   const void* q;                        // [B*H, G, D] contiguous
   const void *ke, *ve;                  // exact rows, row strides ske / sve (elements)
   int64_t ske, sve;
+  bool kblk;                            // ke blocked [Nb, D / 2, 16, 2] (bf16; see blk_scores), ske unused
   const int64_t *eoff, *runs, *roff;
   const void *ak, *av, *bk, *bv;        // factors (T or int8) and bases (T)
   const void *ks, *vs;                  // per-token scales (int8 factors), fp16 or fp32 (s32)
@@ -238,7 +239,96 @@ static void exact_scores_dp(const uint16_t* q, float scale, int64_t G, const uin
     }
   }
 }
-#define LRK_TIER_DP 1  // tiers_item.h: this ISA has exact_scores_dp
+#define LRK_TIER_DP 1  // tiers_item.h: this ISA has exact_scores_dp and blk_scores_dp
+
+// ---- blocked exact K (bf16, TieredLayer.block_exact_k): [Nb, D / 2, 16, 2], block b = rows 16b .. 16b + 15, dims
+// (2j, 2j + 1) of its 16 rows one 64-byte vector (row i's pair in 32-bit lane i). A block's 16 scores come out in
+// lanes, so a query pays one vdpbf16ps per dim pair and 16 rows, against the row layout's one per 32 dims and row
+// plus a transpose-add per 16 rows (exact_scores_dp). Rows [r0, r0 + n) (global indices; a chunk or piece need not
+// start on a block): sc[g * CH + r - r0] for each row r; the lanes of a boundary block outside the range are not
+// stored.
+static inline void blk_store(float* sc, int64_t off, __mmask16 k, __m512 v) {  // sc[off + i] = v[i], lanes i in k
+  _mm512_mask_storeu_ps(sc + off, k, v);   // off >= -15: masked-off lanes are never accessed
+}
+static inline __mmask16 blk_lanes(int64_t b, int64_t r0, int64_t n) {          // lanes of block b inside [r0, r0+n)
+  const int64_t lo = r0 - 16 * b, hi = r0 + n - 16 * b;
+  return (__mmask16)(lanes(hi > 16 ? 16 : hi) & ~lanes(lo > 0 ? lo : 0));
+}
+// dot-product flavour: scale (q_g . K_r) from the unscaled bf16 queries q [G, D]; NG queries per pass, two
+// accumulator chains per query (even and odd pairs)
+template <int NG>
+static void blk_scores_dp_ng(const uint16_t* q, float scale, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n,
+                             float* sc) {
+  const __m512 vs = _mm512_set1_ps(scale);
+  const int64_t P = D / 2;
+  for (int64_t b = r0 >> 4, bl = (r0 + n - 1) >> 4; b <= bl; b++) {
+    const __m512i* kb = (const __m512i*)(Kb + b * 16 * D);
+    __m512 a0[NG], a1[NG];
+    for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= P; j += 2) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + j), k1 = (__m512bh)_mm512_loadu_si512(kb + j + 1);
+      for (int g = 0; g < NG; g++) {
+        const int32_t* qg = (const int32_t*)(q + g * D);
+        a0[g] = _mm512_dpbf16_ps(a0[g], k0, (__m512bh)_mm512_set1_epi32(qg[j]));
+        a1[g] = _mm512_dpbf16_ps(a1[g], k1, (__m512bh)_mm512_set1_epi32(qg[j + 1]));
+      }
+    }
+    if (j < P) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + j);
+      for (int g = 0; g < NG; g++) a0[g] = _mm512_dpbf16_ps(a0[g], k0, (__m512bh)_mm512_set1_epi32(((const int32_t*)(q + g * D))[j]));
+    }
+    const __mmask16 k = blk_lanes(b, r0, n);
+    for (int g = 0; g < NG; g++) blk_store(sc + g * CH, 16 * b - r0, k, _mm512_mul_ps(_mm512_add_ps(a0[g], a1[g]), vs));
+  }
+}
+static void blk_scores_dp(const uint16_t* q, float scale, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0,
+                          int64_t n, float* sc) {
+  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+    const uint16_t* qg = q + g0 * D;
+    float* s = sc + g0 * CH;
+    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
+      case 1: blk_scores_dp_ng<1>(qg, scale, D, Kb, r0, n, s); break;
+      case 2: blk_scores_dp_ng<2>(qg, scale, D, Kb, r0, n, s); break;
+      case 3: blk_scores_dp_ng<3>(qg, scale, D, Kb, r0, n, s); break;
+      default: blk_scores_dp_ng<4>(qg, scale, D, Kb, r0, n, s); break;
+    }
+  }
+}
+// widening flavour (no AVX512_BF16 dot products, or $LOWRANK_LIB_ATTN_DP=0): qs_g . K_r from the scaled fp32 queries
+// qs [G, D]; a lane's pair splits into two fp32 values exactly (dim 2j: the low half shifted up, 2j + 1: the high
+// half masked), one FMA each
+template <int NG>
+static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+  const __m512i hm = _mm512_set1_epi32((int)0xFFFF0000u);
+  for (int64_t b = r0 >> 4, bl = (r0 + n - 1) >> 4; b <= bl; b++) {
+    const __m512i* kb = (const __m512i*)(Kb + b * 16 * D);
+    __m512 a0[NG], a1[NG];
+    for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < D / 2; j++) {
+      const __m512i x = _mm512_loadu_si512(kb + j);
+      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), hi = _mm512_castsi512_ps(_mm512_and_si512(x, hm));
+      for (int g = 0; g < NG; g++) {
+        a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j]), lo, a0[g]);
+        a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(qs[g * D + 2 * j + 1]), hi, a1[g]);
+      }
+    }
+    const __mmask16 k = blk_lanes(b, r0, n);
+    for (int g = 0; g < NG; g++) blk_store(sc + g * CH, 16 * b - r0, k, _mm512_add_ps(a0[g], a1[g]));
+  }
+}
+static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+    const float* qg = qs + g0 * D;
+    float* s = sc + g0 * CH;
+    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
+      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
+      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
+      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
+      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
+    }
+  }
+}
 
 // ---- the online softmax of one chunk: scores sc[g * CH + i] (i < n) become probabilities relative to the
 // running max m[g] (times vs[i], the per-token value scales of int8 factors, when vs is given: what the value
@@ -422,6 +512,53 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
         for (int i = 0; i < 8; i++) part[i] = _mm256_fmadd_ps(qv, ld8(k[i] + c * 8), part[i]);
       }
       _mm256_storeu_ps(sc + g * CH + t0, hsum8x8(part));
+    }
+  }
+}
+
+// ---- blocked exact K (the AVX-512 blk_scores' layout and contract): each block as two halves of 8 lanes, a lane's
+// dim pair split into two fp32 values exactly, one FMA each; the lanes of a boundary block outside [r0, r0 + n) are
+// not stored (through a buffer: AVX2 has no masked store of a lane range)
+template <int NG>
+static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+  const __m256i hm = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t b = r0 >> 4, bl = (r0 + n - 1) >> 4; b <= bl; b++) {
+    const uint16_t* kb = Kb + b * 16 * D;
+    __m256 a[NG][2];
+    for (int g = 0; g < NG; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D / 2; j++)
+      for (int h = 0; h < 2; h++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i*)(kb + j * 32 + h * 16));
+        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), hi = _mm256_castsi256_ps(_mm256_and_si256(x, hm));
+        for (int g = 0; g < NG; g++) {
+          a[g][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + g * D + 2 * j), lo, a[g][h]);
+          a[g][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + g * D + 2 * j + 1), hi, a[g][h]);
+        }
+      }
+    const int64_t lo = r0 - 16 * b > 0 ? r0 - 16 * b : 0, hi = r0 + n - 16 * b < 16 ? r0 + n - 16 * b : 16;
+    for (int g = 0; g < NG; g++) {
+      float* out = sc + g * CH + 16 * b - r0;
+      if (lo == 0 && hi == 16) {
+        _mm256_storeu_ps(out, a[g][0]);
+        _mm256_storeu_ps(out + 8, a[g][1]);
+      } else {
+        float t[16];
+        _mm256_storeu_ps(t, a[g][0]);
+        _mm256_storeu_ps(t + 8, a[g][1]);
+        for (int64_t i = lo; i < hi; i++) out[i] = t[i];
+      }
+    }
+  }
+}
+static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+    const float* qg = qs + g0 * D;
+    float* s = sc + g0 * CH;
+    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
+      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
+      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
+      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
+      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
     }
   }
 }
@@ -641,14 +778,21 @@ static Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const
   const bool bf = dt == at::kBFloat16;
   const int64_t S = B * H;
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 128, OP, "head_dim must be a multiple of 16 up to 128, got ", D);
+  // k_exact: rows [N_e, D], or (bf16) blocked [N_e / 16, D / 2, 16, 2] contiguous (TieredLayer.block_exact_k)
+  const bool kblk = k_exact.dim() == 4;
+  if (kblk)
+    TORCH_CHECK(dt == at::kBFloat16 && k_exact.size(1) == D / 2 && k_exact.size(2) == 16 && k_exact.size(3) == 2 &&
+                    k_exact.scalar_type() == dt && k_exact.is_contiguous() && k_exact.device().is_cpu(),
+                OP, "a blocked k_exact must be contiguous bf16 [N_e / 16, ", D / 2, ", 16, 2] (bf16 q), got ",
+                k_exact.sizes(), " ", k_exact.scalar_type(), " for ", dt, " q");
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&k_exact, "k_exact"}, {&v_exact, "v_exact"}}) {
+    if (t == &k_exact && kblk) continue;
     TORCH_CHECK(t->dim() == 2 && t->size(1) == D && t->scalar_type() == dt && t->device().is_cpu() &&
                     (t->size(0) == 0 || t->stride(1) == 1),
                 OP, name, " must be [N_e, ", D, "] ", dt, " with unit column stride, got ", t->sizes(), " ",
                 t->scalar_type());
   }
-  TORCH_CHECK(k_exact.size(0) == v_exact.size(0), OP, "k_exact has ", k_exact.size(0), " rows, v_exact ",
-              v_exact.size(0));
+  const int64_t n_k = kblk ? 16 * k_exact.size(0) : k_exact.size(0);   // rows k_exact holds (each is checked below)
   for (auto [t, name] : {std::pair<const at::Tensor*, const char*>{&e_off, "e_off"}, {&r_off, "r_off"}}) {
     check_flat(*t, name);
     TORCH_CHECK(t->scalar_type() == at::kLong && t->numel() == S + 1, OP, name, " must be [B*H + 1] = [", S + 1,
@@ -678,8 +822,9 @@ static Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const
   const int64_t* ro = r_off.data_ptr<int64_t>();
   const int64_t* rd = runs.data_ptr<int64_t>();
   const int64_t R = runs.size(0);
-  TORCH_CHECK(eo[0] == 0 && eo[S] <= k_exact.size(0), OP, "e_off must start at 0 and end at most at N_e = ",
-              k_exact.size(0), ", got ", eo[0], " .. ", eo[S]);
+  TORCH_CHECK(eo[0] == 0 && eo[S] <= n_k && eo[S] <= v_exact.size(0), OP,
+              "e_off must start at 0 and end at most at the rows k_exact / v_exact hold (", n_k, " / ",
+              v_exact.size(0), "), got ", eo[0], " .. ", eo[S]);
   TORCH_CHECK(ro[0] == 0 && ro[S] <= R, OP, "r_off must start at 0 and end at most at R = ", R, ", got ", ro[0], " .. ", ro[S]);
   const int64_t n_scale = q8 ? std::min(k_scale->numel(), v_scale->numel()) : 0;
   int64_t rmax = 0;
@@ -711,7 +856,8 @@ static Layout validate(at::ScalarType dt, int64_t B, int64_t H, int64_t D, const
   Layer& L = y.L;
   L.D = D, L.H = H;
   L.ke = k_exact.data_ptr(), L.ve = v_exact.data_ptr();
-  L.ske = k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
+  L.ske = kblk ? D : k_exact.size(0) ? k_exact.stride(0) : D, L.sve = v_exact.size(0) ? v_exact.stride(0) : D;
+  L.kblk = kblk;
   L.eoff = eo, L.runs = rd, L.roff = ro;
   L.ak = a_k.data_ptr(), L.av = a_v.data_ptr(), L.bk = b_k.data_ptr(), L.bv = b_v.data_ptr();
   L.q8 = q8, L.s32 = s32;

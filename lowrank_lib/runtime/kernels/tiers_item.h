@@ -49,10 +49,11 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
   basis_acc<T>(S.pr, G, rv, bv, D, acc);
 }
 
-// rows [a, b) of an exact block (the exact tier or the appended rows); q: the segment's unscaled queries [G, D]
+// rows [a, b) of an exact block (the exact tier or the appended rows); q: the segment's unscaled queries [G, D].
+// kb0 >= 0: K is blocked (Layer::kblk, bf16 only), the block's row i is row kb0 + i of the blocked tensor at K
 template <typename T>
 static void rows_piece(const Layer& L, const T* q, const T* K, int64_t sk, const T* V, int64_t sv, int64_t a,
-                       int64_t b, float* m, float* l, float* acc, const Scratch& S) {
+                       int64_t b, float* m, float* l, float* acc, const Scratch& S, int64_t kb0 = -1) {
   typedef void (*sc_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t);
   typedef void (*va_fn)(const float*, int64_t, const T*, int64_t, int64_t, float*, const T*, int64_t, int64_t);
   // [prefetch][D / 16 - 1]: the loops without the prefetch carry no test of it
@@ -78,12 +79,24 @@ static void rows_piece(const Layer& L, const T* q, const T* K, int64_t sk, const
   for (int64_t c0 = a; c0 < b; c0 += ch) {
     const int64_t cn = b - c0 < ch ? b - c0 : ch;
     const int64_t nx = b - c0 - cn < ch ? b - c0 - cn : ch;     // the next chunk's rows
-    if (dp)
+    const T* knext = K + (c0 + cn) * sk;                        // where they start (prefetched with the values)
+    if (kb0 >= 0) {
+      if constexpr (std::is_same<T, uint16_t>::value) {
+#ifdef LRK_TIER_DP
+        if (attn_dp())
+          blk_scores_dp(q, L.scale, G, D, K, kb0 + c0, cn, S.sc);
+        else
+#endif
+          blk_scores(S.qs, G, D, K, kb0 + c0, cn, S.sc);
+      }
+      knext = K + ((kb0 + c0 + cn) >> 4) * 16 * D;              // their block: the blocks hold 16 rows' bytes each
+    } else if (dp) {
       dp(q, L.scale, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
-    else
+    } else {
       SC[pf][D / 16 - 1](S.qs, G, K + c0 * sk, sk, cn, S.sc, V + c0 * sv, sv);
+    }
     softmax_chunk(S.sc, G, cn, D, m, l, acc, nullptr, 0, nullptr, false);
-    VA[pf][D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, K + (c0 + cn) * sk, sk, nx);
+    VA[pf][D / 16 - 1](S.sc, G, V + c0 * sv, sv, cn, acc, knext, sk, nx);
   }
 }
 
@@ -101,9 +114,14 @@ static void run_item(const Layer& L, int64_t s, int64_t lo, int64_t hi, float* s
   scale_query(q, G * D, L.scale, S.qs);
   // exact tier
   const int64_t e0 = L.eoff[s], ne = L.eoff[s + 1] - e0;
-  if (lo < ne)
-    rows_piece<T>(L, q, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne,
-                  m, l, acc, S);
+  if (lo < ne) {
+    if (L.kblk)   // blocked K: the base and the segment's first row (its rows need not start on a block)
+      rows_piece<T>(L, q, (const T*)L.ke, L.D, (const T*)L.ve + e0 * L.sve, L.sve, lo, hi < ne ? hi : ne, m, l, acc,
+                    S, e0);
+    else
+      rows_piece<T>(L, q, (const T*)L.ke + e0 * L.ske, L.ske, (const T*)L.ve + e0 * L.sve, L.sve, lo,
+                    hi < ne ? hi : ne, m, l, acc, S);
+  }
   int64_t base = ne;          // first token index of the next tier
   // runs
   for (int64_t j = L.roff[s]; j < L.roff[s + 1] && base < hi; j++) {
