@@ -190,11 +190,62 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
   }
 }
 
+// bf16 rows with D a multiple of 32 (exact_values' contract, the same bits): a row is D / 32 64-byte vectors, each
+// split into two exact fp32 vectors in registers, its even dims (the low halves shifted up) and its odd dims (the
+// high halves masked), where ld widens 16 dims per cross-lane conversion; the accumulators hold the dims in that
+// order, permuted from acc's order on entry and back on exit
+template <int DC, bool PF>
+static void exact_values_pairs(const float* p, int64_t G, const uint16_t* V, int64_t sv, int64_t n, float* acc,
+                               const uint16_t* pf, int64_t spf, int64_t npf) {
+  constexpr int D = DC * 16, NV = DC / 2;
+  constexpr int GV = DC >= 16 ? 1 : 16 / DC;   // heads per pass: GV * DC <= 16 accumulators
+  const __m512i hm = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t g0 = 0; g0 < G; g0 += GV) {
+    const int gb = (int)(G - g0 < GV ? G - g0 : GV);
+    __m512 a[GV][DC];
+    for (int g = 0; g < gb; g++)
+      for (int c = 0; c < NV; c++) {
+        const float* s = acc + (g0 + g) * D + c * 32;
+        const __m512 x0 = _mm512_loadu_ps(s), x1 = _mm512_loadu_ps(s + 16);
+        a[g][2 * c] = _mm512_permutex2var_ps(x0, ev, x1);
+        a[g][2 * c + 1] = _mm512_permutex2var_ps(x0, od, x1);
+      }
+    for (int64_t t = 0; t < n; t++) {
+      if (PF && g0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(uint16_t));
+      const uint16_t* v = V + t * sv;
+      __m512 vv[DC];
+      for (int c = 0; c < NV; c++) {
+        const __m512i x = _mm512_loadu_si512((const void*)(v + c * 32));
+        vv[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, hm));
+      }
+      for (int g = 0; g < gb; g++) {
+        const __m512 pb = _mm512_set1_ps(p[(g0 + g) * CH + t]);
+        for (int c = 0; c < DC; c++) a[g][c] = _mm512_fmadd_ps(pb, vv[c], a[g][c]);
+      }
+    }
+    for (int g = 0; g < gb; g++)
+      for (int c = 0; c < NV; c++) {
+        float* s = acc + (g0 + g) * D + c * 32;
+        _mm512_storeu_ps(s, _mm512_permutex2var_ps(a[g][2 * c], lo, a[g][2 * c + 1]));
+        _mm512_storeu_ps(s + 16, _mm512_permutex2var_ps(a[g][2 * c], hi, a[g][2 * c + 1]));
+      }
+  }
+}
+
 // acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. With PF, pf: npf rows at stride spf prefetched alongside (the
 // next chunk's K rows)
 template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
+  if constexpr (std::is_same<T, uint16_t>::value && DC % 2 == 0) {
+    exact_values_pairs<DC, PF>(p, G, V, sv, n, acc, pf, spf, npf);
+    return;
+  }
   constexpr int D = DC * 16;
   constexpr int GV = DC >= 16 ? 1 : 16 / DC;   // heads per pass: GV * DC <= 16 accumulators
   for (int64_t g0 = 0; g0 < G; g0 += GV) {
