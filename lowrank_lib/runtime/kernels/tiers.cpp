@@ -962,10 +962,15 @@ static Call make_call(const Layout& y, const void* qp, int64_t G, const std::opt
 
   // ---- work items: one per segment, or (several threads, enough work) pieces of about equal cost
   // cost model (bytes-equivalent): an exact / appended row streams 2 d elements; a factor-space token reads
-  // (r_k + r_v) factor entries and costs about 12 G fp32 operations per query head in registers
+  // (r_k + r_v) factor entries and costs its rank-space products, softmax and scales in registers, 21 G. Calibrated
+  // on perf of the bf16 composed cache at 8k, budget 0.5 (1 thread, blocked keys; 322k exact rows, 397k run tokens of
+  // int8 rank 8 + 8): a run token cost 0.33 of an exact row, 84 of its 256 bytes (the earlier 12 G said 56, so a piece
+  // holding runs ran long and its thread finished last); at 2 threads the layout's 30 layers took 3.24-3.29 ms with
+  // 21 G against 3.24-3.45 with 12 G (budget 0.25: 2.04-2.50 against 2.35-2.36; 8 or 12 pieces per thread instead of
+  // 4 were slower)
   const int64_t es = bf ? 2 : 4, fes = q8 ? 1 : es;
   const double w_row = 2.0 * D * es;
-  auto w_run = [&](const int64_t* r) { return (double)((r[RK] + r[RV]) * fes + (q8 ? 4 : 0)) + 12.0 * G; };
+  auto w_run = [&](const int64_t* r) { return (double)((r[RK] + r[RV]) * fes + (q8 ? 4 : 0)) + 21.0 * G; };
   // f(tokens, cost per token) for the tiers of segment s in their order
   auto for_each_tier = [&](int64_t s, auto&& f) {
     f(eo[s + 1] - eo[s], w_row);
