@@ -7,7 +7,8 @@
 // lrk_simd2.h); threads come from the kernel pool (lrk_pool.h).
 //
 // Op:
-//   tier_attend(q [B, H, G, d], k_exact, v_exact [N_e, d], e_off [B*H+1], runs [R, 9], r_off [B*H+1],
+//   tier_attend(q [B, H, G, d], k_exact [N_e, d] (or bf16 blocked [N_e / 16, d / 2, 16, 2]), v_exact [N_e, d],
+//               e_off [B*H+1], runs [R, 9], r_off [B*H+1],
 //               a_k, a_v (flat rank-major factors: q's dtype, or int8), b_k, b_v (flat bases, q's dtype),
 //               k_scale?, v_scale? ([sum n_j] fp16 or fp32: int8 factors only), k_new?, v_new? [B, H, cap, d],
 //               n_new [1] int64 (read at run time: a compiled / captured step replays for every step), scale)
@@ -20,7 +21,9 @@
 //
 // Algorithm (all arithmetic fp32; bf16 inputs are widened on load, int8 factors converted in registers):
 //   scores   exact / appended rows: (scale q_g) . k_i (16 rows per transpose-add, each row read once for the
-//            G heads of its group); run j: s_i = k_scale_i * sum_r (scale q_g B_K^T)_r A_K[r, i]
+//            G heads of its group; bf16 exact keys blocked, k_exact [N_e / 16, d / 2, 16, 2]: 16 rows' scores in the
+//            lanes of d / 2 products, no transpose, see blk_scores); run j: s_i = k_scale_i * sum_r (scale q_g B_K^T)_r
+//            A_K[r, i]
 //   softmax  ONE online softmax per query head over every tier, updated per chunk of CH tokens (running max
 //            m_g, denominator l_g, output accumulator [d] rescaled when the max grows)
 //   values   exact / appended: acc_g += p_gi v_i; run j: pa_g = sum_i p_gi v_scale_i A_V[:, i] summed in rank
