@@ -371,18 +371,6 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
     for (int g = 0; g < NG; g++) blk_store(sc + g * CH, 16 * b - r0, k, _mm512_add_ps(a0[g], a1[g]));
   }
 }
-static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
-  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
-    const float* qg = qs + g0 * D;
-    float* s = sc + g0 * CH;
-    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
-      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
-      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
-      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
-      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
-    }
-  }
-}
 
 // ---- the online softmax of one chunk: scores sc[g * CH + i] (i < n) become probabilities relative to the
 // running max m[g] (times vs[i], the per-token value scales of int8 factors, when vs is given: what the value
@@ -615,18 +603,6 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
         _mm256_storeu_ps(t + 8, a[g][1]);
         for (int64_t i = lo; i < hi; i++) out[i] = t[i];
       }
-    }
-  }
-}
-static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
-  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
-    const float* qg = qs + g0 * D;
-    float* s = sc + g0 * CH;
-    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
-      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
-      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
-      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
-      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
     }
   }
 }

@@ -1,7 +1,22 @@
 // The control flow of tiers.cpp's fused tier attention, written once and compiled once per ISA: tiers.cpp includes
 // this file inside each ISA's target region and namespace (a512: AVX-512, a2: AVX2 + FMA), after that namespace's
-// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values, basis_acc),
-// which the unqualified calls below resolve to. No include guard: it is meant to be included twice.
+// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values, basis_acc,
+// blk_scores_ng), which the unqualified calls below resolve to. No include guard: it is meant to be included twice.
+
+// blocked exact keys' scores (this ISA's blk_scores_ng, NG_MAX query heads per pass): sc[g * CH + r - r0] = qs_g . K_r
+// for the rows r of [r0, r0 + n) of the blocked keys at Kb
+static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+  for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
+    const float* qg = qs + g0 * D;
+    float* s = sc + g0 * CH;
+    switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
+      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
+      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
+      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
+      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
+    }
+  }
+}
 
 // one run's tokens [a, b) of the current item
 template <typename T, typename F>
