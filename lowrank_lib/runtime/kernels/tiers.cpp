@@ -243,12 +243,8 @@ static void exact_values_pairs(const float* p, int64_t G, const uint16_t* V, int
 // acc[g * D + :] += sum_{i < n} p[g * CH + i] V_i. With PF, pf: npf rows at stride spf prefetched alongside (the
 // next chunk's K rows)
 template <typename T, int DC, bool PF>
-static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
-                         int64_t spf, int64_t npf) {
-  if constexpr (std::is_same<T, uint16_t>::value && DC % 2 == 0) {
-    exact_values_pairs<DC, PF>(p, G, V, sv, n, acc, pf, spf, npf);
-    return;
-  }
+static void exact_values_rows(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                              int64_t spf, int64_t npf) {
   constexpr int D = DC * 16;
   constexpr int GV = DC >= 16 ? 1 : 16 / DC;   // heads per pass: GV * DC <= 16 accumulators
   for (int64_t g0 = 0; g0 < G; g0 += GV) {
@@ -269,6 +265,14 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
     for (int g = 0; g < gb; g++)
       for (int c = 0; c < DC; c++) _mm512_storeu_ps(acc + (g0 + g) * D + c * 16, a[g][c]);
   }
+}
+template <typename T, int DC, bool PF>
+static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                         int64_t spf, int64_t npf) {
+  if constexpr (std::is_same<T, uint16_t>::value && DC % 2 == 0)   // bf16, D a multiple of 32
+    exact_values_pairs<DC, PF>(p, G, V, sv, n, acc, pf, spf, npf);
+  else
+    exact_values_rows<T, DC, PF>(p, G, V, sv, n, acc, pf, spf, npf);
 }
 
 // ---- bf16 exact / appended rows' scores on AVX512_BF16 dot products (D = DP * 32): sc[g * CH + i] = scale (q_g .
