@@ -170,9 +170,9 @@ def test_bf16_within_bound_of_the_exact_evaluation(quant8, blocked, chunk):
 @needs_lrk
 @pytest.mark.parametrize("d,G,B,H", [(16, 1, 1, 1), (32, 5, 2, 2), (48, 2, 1, 4), (128, 3, 2, 1), (80, 4, 1, 2)])
 def test_bf16_blocked_keys_every_head_dim_and_group(d, G, B, H, chunk):
-    """Blocked exact keys at every head_dim class (pairs not a multiple of the dot-product loop's two, d 48 / 80),
-    query groups beyond one register group (G 5), segments starting and ending inside a block of 16 rows: within
-    BF16_ULPS of the exact evaluation, as the row layout is."""
+    """Blocked exact keys at every head_dim class (d 48 / 80: no multiple of 32, which the row layout's dot products
+    need), query groups beyond one register group (G 5), segments starting and ending inside a block of 16 rows:
+    within BF16_ULPS of the exact evaluation, as the row layout is."""
     for quant8 in (False, True):
         layer = make_layer(B, H, d, seed=d + G, dtype=torch.bfloat16, quant8=quant8, max_exact=700, max_run=300,
                            max_rank=16, appended=3, blocked=True)

@@ -323,18 +323,13 @@ static void blk_scores_dp_ng(const uint16_t* q, float scale, int64_t D, const ui
     const __m512i* kb = (const __m512i*)(Kb + b * 16 * D);
     __m512 a0[NG], a1[NG];
     for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= P; j += 2) {
+    for (int64_t j = 0; j < P; j += 2) {      // P = D / 2 is a multiple of 8 (D: a multiple of 16)
       const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + j), k1 = (__m512bh)_mm512_loadu_si512(kb + j + 1);
       for (int g = 0; g < NG; g++) {
         const int32_t* qg = (const int32_t*)(q + g * D);
         a0[g] = _mm512_dpbf16_ps(a0[g], k0, (__m512bh)_mm512_set1_epi32(qg[j]));
         a1[g] = _mm512_dpbf16_ps(a1[g], k1, (__m512bh)_mm512_set1_epi32(qg[j + 1]));
       }
-    }
-    if (j < P) {
-      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kb + j);
-      for (int g = 0; g < NG; g++) a0[g] = _mm512_dpbf16_ps(a0[g], k0, (__m512bh)_mm512_set1_epi32(((const int32_t*)(q + g * D))[j]));
     }
     const __mmask16 k = blk_lanes(b, r0, n);
     for (int g = 0; g < NG; g++) blk_store(sc + g * CH, 16 * b - r0, k, _mm512_mul_ps(_mm512_add_ps(a0[g], a1[g]), vs));
