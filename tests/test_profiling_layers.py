@@ -37,3 +37,39 @@ def test_one_count_for_one_configuration(pair):
         a = per_token_counts(make_runner(system, comp, dense, max_seq_len=40), ids)
         b = per_token_counts(make_runner(system, comp, dense, max_seq_len=40), ids[:, :5], DISPATCH_TOKENS + 2)
         assert a["total"] == b["total"] and a["per_layer"] == b["per_layer"], system
+
+
+def test_a_finalizer_of_earlier_garbage_is_not_counted():
+    """Objects that died before the count (a dropped engine's finalizers release its kernel plans through ops) are
+    collected before it, and no collection runs inside it: the count is the block's own ops, whatever the garbage
+    collector's timing. Garbage in reference cycles whose finalizers call an op, then a collection threshold of 1
+    inside the block (a collection on nearly every allocation, the worst timing): without the guard 3 aten.zeros
+    would be counted with the 50 additions."""
+    import gc
+    import weakref
+
+    from lowrank_lib.runtime.profiling import DispatchCounter
+
+    class Cycle:
+        def __init__(self):
+            self.me = self
+
+    x = torch.ones(4)
+    threshold, enabled = gc.get_threshold(), gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(3):
+            weakref.finalize(Cycle(), torch.zeros, 1)
+        gc.enable()
+        with DispatchCounter() as c:
+            gc.set_threshold(1)
+            for _ in range(50):
+                x = x + 1
+                [[] for _ in range(10)]         # allocations that would trigger a collection
+            held_off = not gc.isenabled()
+        assert dict(c.counts) == {"aten.add.Tensor": 50}
+        assert held_off
+        assert gc.isenabled()                    # restored as it was
+    finally:
+        gc.set_threshold(*threshold)
+        (gc.enable if enabled else gc.disable)()
