@@ -36,6 +36,12 @@ def test_quick_run_writes_every_system_row(tmp_path):
         assert r["fused_layer"] == ("lrk_decode_layer" if fused and r["system"] != "attsvd" else "per-op"), r
         assert r["system"] != "attsvd" or "appends tokens its own way" in r["fused_layer_reason"], r
     assert res["config"]["graph"] == "none" and res["copy_gbs"] > 0 and res["machine"]["cpu"] and (tmp_path / "kv_decode.txt").exists()
+    # the kernel features the engines ran with, and the $LOWRANK_LIB_ISA limit when one is set
+    import os
+
+    from lowrank_lib.runtime.kernels import build
+    flags, limit = build.status().get("isa"), os.environ.get("LOWRANK_LIB_ISA")
+    assert res["kernel_isa"] == {**({"limit": limit} if limit else {}), **({"flags": flags} if flags is not None else {})}
 
 
 def test_quick_run_in_bf16_runs_every_engine_in_bf16(tmp_path):

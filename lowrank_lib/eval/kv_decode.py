@@ -10,6 +10,7 @@ median time of one decode attention of every layer through the store
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["KVDecodeConfig", "build_engines", "kv_decode", "table"]
@@ -115,6 +116,11 @@ def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
                     kv_bytes_held=rep["kv_cache_bytes"] if b is None else fit.get("bytes_held"),
                     bytes_ratio=1.0 if b is None else fit.get("bytes_ratio"),
                     compiles_s=[round(c.get("seconds", 0.0), 2) for c in rep["compiles"]]))
+        # the kernel features the engines ran with: all the CPU has, or fewer under $LOWRANK_LIB_ISA (an AVX2 run on
+        # an AVX-512 host is the AVX2 code on this host's memory, not an AVX2 host)
+        isa = (rep.get("kernels") or {}).get("isa")
+        meta["kernel_isa"] = {**({"limit": os.environ["LOWRANK_LIB_ISA"]} if os.environ.get("LOWRANK_LIB_ISA") else {}),
+                              **({"flags": isa} if isa is not None else {})}
         meta["load_average"][f"after_context_{C}"] = load_average()
         if on_context is not None:
             on_context({"rows": rows, **meta})
