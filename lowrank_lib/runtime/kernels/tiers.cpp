@@ -638,14 +638,11 @@ static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int
 template <typename T, int DC, bool PF>
 static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
                          int64_t spf, int64_t npf) {
-  for (int64_t g0 = 0; g0 < G; g0 += 4) {
-    switch (G - g0 < 4 ? G - g0 : 4) {
-      case 1: values_group<T, DC, 1, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      case 2: values_group<T, DC, 2, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      case 3: values_group<T, DC, 3, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-      default: values_group<T, DC, 4, PF>(p, g0, V, sv, n, acc, pf, spf, npf); break;
-    }
-  }
+  // one head per pass: 12 column chunks cover d <= 96, so each pass reads whole V rows (the chunk's rows stay in L1 /
+  // L2 for the next head). 2-4 heads per pass cut the rows into 12 / GB columns and, at 3 / 4 heads, overflowed the
+  // 16 ymm registers (the dense AVX2 kernel's P V ran 1.4x faster for the same change, lrk.cpp pv_query2); each
+  // output still sums its tokens in order: the same bits
+  for (int64_t g = 0; g < G; g++) values_group<T, DC, 1, PF>(p, g, V, sv, n, acc, pf, spf, npf);
 }
 
 // ---- the online softmax of one chunk (the AVX-512 softmax_chunk's contract; lanes >= n of the last 8 are 0)
