@@ -606,31 +606,28 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
   }
 }
 
-// acc[g0 + g][:] += sum_{t < n} p[(g0 + g) * CH + t] V_t for GB heads, CB 8-float column chunks per pass
-template <typename T, int DC, int GB, bool PF>
-static void values_group(const float* p, int64_t g0, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
-                         int64_t spf, int64_t npf) {
-  constexpr int D = DC * 16, NC = 2 * DC, CB = 12 / GB;
+// acc[g][:] += sum_{t < n} p[g * CH + t] V_t for ONE head, 12 8-float column chunks per pass (d <= 96: whole rows).
+// With PF (the first head only), pf: npf rows at stride spf prefetched alongside
+template <typename T, int DC, bool PF>
+static void values_head(const float* p, int64_t g, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
+                        int64_t spf, int64_t npf) {
+  constexpr int D = DC * 16, NC = 2 * DC, CB = 12;
+  float* const ag = acc + g * D;
+  const float* const pg = p + g * CH;
   for (int c0 = 0; c0 < NC; c0 += CB) {
     const int cn = NC - c0 < CB ? NC - c0 : CB;
-    __m256 a[GB][CB];
-    for (int g = 0; g < GB; g++)
-      for (int c = 0; c < CB; c++)
-        if (c < cn) a[g][c] = _mm256_loadu_ps(acc + (g0 + g) * D + (c0 + c) * 8);
+    __m256 a[CB];
+    for (int c = 0; c < CB; c++)
+      if (c < cn) a[c] = _mm256_loadu_ps(ag + (c0 + c) * 8);
     for (int64_t t = 0; t < n; t++) {
-      if (PF && g0 == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+      if (PF && g == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
       const T* v = V + t * sv + c0 * 8;
-      __m256 pb[GB];
-      for (int g = 0; g < GB; g++) pb[g] = _mm256_set1_ps(p[(g0 + g) * CH + t]);
+      const __m256 pb = _mm256_set1_ps(pg[t]);
       for (int c = 0; c < CB; c++)
-        if (c < cn) {
-          const __m256 vv = ld8(v + c * 8);
-          for (int g = 0; g < GB; g++) a[g][c] = _mm256_fmadd_ps(pb[g], vv, a[g][c]);
-        }
+        if (c < cn) a[c] = _mm256_fmadd_ps(pb, ld8(v + c * 8), a[c]);
     }
-    for (int g = 0; g < GB; g++)
-      for (int c = 0; c < CB; c++)
-        if (c < cn) _mm256_storeu_ps(acc + (g0 + g) * D + (c0 + c) * 8, a[g][c]);
+    for (int c = 0; c < CB; c++)
+      if (c < cn) _mm256_storeu_ps(ag + (c0 + c) * 8, a[c]);
   }
 }
 
@@ -642,7 +639,7 @@ static void exact_values(const float* p, int64_t G, const T* V, int64_t sv, int6
   // L2 for the next head). 2-4 heads per pass cut the rows into 12 / GB columns and, at 3 / 4 heads, overflowed the
   // 16 ymm registers (the dense AVX2 kernel's P V ran 1.4x faster for the same change, lrk.cpp pv_query2); each
   // output still sums its tokens in order: the same bits
-  for (int64_t g = 0; g < G; g++) values_group<T, DC, 1, PF>(p, g, V, sv, n, acc, pf, spf, npf);
+  for (int64_t g = 0; g < G; g++) values_head<T, DC, PF>(p, g, V, sv, n, acc, pf, spf, npf);
 }
 
 // ---- the online softmax of one chunk (the AVX-512 softmax_chunk's contract; lanes >= n of the last 8 are 0)
