@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/python -m pip --disable-pip-version-check
 # $(PYTHON) is kept instead (the venv then sees the system site-packages).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
-# pytest-xdist workers (tests/conftest.py schedules one unit for the notebook / browser tests, one per file otherwise);
+# pytest-xdist workers (tests/xdist_units.py: one unit per notebook group or test file, handed out longest first);
 # PYTEST_WORKERS=0 runs serially
 PYTEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
