@@ -779,7 +779,8 @@ LRK_CAND_PASS(cand_pass2)
 // accumulators, broadcasts and row chunk overflowed the 16 ymm registers. One query per pass, its passes after the
 // first from L2 / L3, measured with AVX2 code on the AMD Zen 4 VM over 30 layers of 8k slots, 3 KV heads x 3 queries,
 // d 64, interleaved in one process: bf16 21.0 -> 15.0 ms at 1 thread, 15.1 -> 11.7 at 2; fp32 24.0 -> 19.4. Each
-// output still sums its slots in order, one FMA each: the same bits.)
+// output still sums its slots in order, one FMA each: the same bits.) The loop over the rows is lrk_simd2.h pv_cols12,
+// shared with the tier kernel's exact values (tiers.cpp values_head).
 template <typename T>
 static void pv_query2(const float* p, const T* V, int64_t sv, int64_t lo, int64_t n, int64_t D, float inv, T* o) {
   constexpr int CB = 12;
@@ -788,12 +789,7 @@ static void pv_query2(const float* p, const T* V, int64_t sv, int64_t lo, int64_
     const int64_t cn = imin(CB, DC - c0);
     __m256 acc[CB];
     for (int c = 0; c < CB; c++) acc[c] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
-      const T* v = V + (lo + t) * sv + c0 * 8;
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      for (int c = 0; c < CB; c++)
-        if (c < cn) acc[c] = _mm256_fmadd_ps(pt, ld8(v + c * 8), acc[c]);
-    }
+    pv_cols12(p, V + lo * sv + c0 * 8, sv, n, (int)cn, acc, [](int64_t) {});
     for (int c = 0; c < CB; c++)
       if (c < cn) st8(o + (c0 + c) * 8, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
   }

@@ -65,3 +65,20 @@ static inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+
+// a[c] += sum_{t < n} p[t] * V_t[8c : 8c + 8] for the first cn (<= 12) of 12 8-float columns held in registers: the
+// P V of one query (lrk.cpp pv_query2) and of one head of the tier kernel's exact rows (tiers.cpp values_head). Rows
+// at stride sv from V; before row t, row_hook(t) (the tier kernel prefetches there). 12 accumulators, the broadcast
+// and a row's load fit the 16 ymm registers, and 12 columns cover d <= 96: a pass streams whole V rows. Each column
+// sums its rows in order, one FMA each.
+template <typename T, class Hook>
+__attribute__((always_inline)) static inline void pv_cols12(const float* p, const T* V, int64_t sv, int64_t n, int cn,
+                                                            __m256* a, Hook row_hook) {
+  for (int64_t t = 0; t < n; t++) {
+    row_hook(t);
+    const T* v = V + t * sv;
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int c = 0; c < 12; c++)
+      if (c < cn) a[c] = _mm256_fmadd_ps(pt, ld8(v + c * 8), a[c]);
+  }
+}

@@ -606,7 +606,8 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
   }
 }
 
-// acc[g][:] += sum_{t < n} p[g * CH + t] V_t for ONE head, 12 8-float column chunks per pass (d <= 96: whole rows).
+// acc[g][:] += sum_{t < n} p[g * CH + t] V_t for ONE head, 12 8-float columns per pass (lrk_simd2.h pv_cols12, shared
+// with the dense kernel's pv_query2; d <= 96: whole rows).
 // With PF (the first head only), pf: npf rows at stride spf prefetched alongside
 template <typename T, int DC, bool PF>
 static void values_head(const float* p, int64_t g, const T* V, int64_t sv, int64_t n, float* acc, const T* pf,
@@ -619,13 +620,10 @@ static void values_head(const float* p, int64_t g, const T* V, int64_t sv, int64
     __m256 a[CB];
     for (int c = 0; c < CB; c++)
       if (c < cn) a[c] = _mm256_loadu_ps(ag + (c0 + c) * 8);
-    for (int64_t t = 0; t < n; t++) {
-      if (PF && g == 0 && c0 == 0 && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
-      const T* v = V + t * sv + c0 * 8;
-      const __m256 pb = _mm256_set1_ps(pg[t]);
-      for (int c = 0; c < CB; c++)
-        if (c < cn) a[c] = _mm256_fmadd_ps(pb, ld8(v + c * 8), a[c]);
-    }
+    const bool pfh = PF && g == 0 && c0 == 0;
+    pv_cols12(pg, V + c0 * 8, sv, n, cn, a, [&](int64_t t) {
+      if (pfh && t < npf) prefetch_row(pf + t * spf, D * sizeof(T));
+    });
     for (int c = 0; c < CB; c++)
       if (c < cn) _mm256_storeu_ps(ag + (c0 + c) * 8, a[c]);
   }
