@@ -65,7 +65,6 @@ static inline __m256 hsum8x8(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-
 // a[c] += sum_{t < n} p[t] * V_t[8c : 8c + 8] for the first cn (<= 12) of 12 8-float columns held in registers: the
 // P V of one query (lrk.cpp pv_query2) and of one head of the tier kernel's exact rows (tiers.cpp values_head). Rows
 // at stride sv from V; before row t, row_hook(t) (the tier kernel prefetches there). 12 accumulators, the broadcast
