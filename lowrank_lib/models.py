@@ -204,11 +204,26 @@ def _dequantize_to_dir(gguf: Path, out: Path) -> None:
     about half its time (no model is built, nothing is copied twice). A file whose tensors do not fit
     ``LlamaForCausalLM`` is refused, naming them, before anything is written."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import GenerationConfig
+
+    from .formats.gguf import one_parse
+
+    log.info(f"dequantising {gguf.name} (gguf's dequantiser, q/k rows unpermuted, written with safetensors)")
+    with one_parse(gguf):                                # config, weights and tokenizer from ONE parse of the file
+        cfg, state, tok = _read_gguf_model(gguf)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(out))
+    GenerationConfig.from_model_config(cfg).save_pretrained(str(out))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    tok.save_pretrained(str(out))
+
+
+def _read_gguf_model(gguf: Path):
+    """(LlamaConfig, HF state dict, tokenizer) of a llama GGUF, checked to fit ``LlamaForCausalLM``."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from .formats.gguf import gguf_state_dict
 
-    log.info(f"dequantising {gguf.name} (gguf's dequantiser, q/k rows unpermuted, written with safetensors)")
     cfg_dict = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name).to_dict()
     for k in ("quantization_config", "_name_or_path"):
         cfg_dict.pop(k, None)
@@ -223,12 +238,7 @@ def _dequantize_to_dir(gguf: Path, out: Path) -> None:
     if missing or unexpected:
         raise ModelLoadError(f"{gguf.name}: its tensors do not fit LlamaForCausalLM: missing={missing[:5]} "
                              f"unexpected={unexpected[:5]}")
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    out.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(str(out))
-    GenerationConfig.from_model_config(cfg).save_pretrained(str(out))
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
-    tok.save_pretrained(str(out))
+    return cfg, state, AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
 def fetch_smollm2(cache_dir: str | Path | None = None, refresh: bool = False) -> Path:

@@ -1,5 +1,6 @@
 """Model loading: cache reuse, local directories, tiny presets, clear errors on bad files."""
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -201,3 +202,33 @@ def test_a_gguf_missing_a_tensor_is_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match=r"missing=\['model.layers.1.mlp.down_proj.weight'\]"):
         models._dequantize_to_dir(tmp_path / "src" / "t.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_cache_parses_the_gguf_once_and_gives_gguf_its_reader_back(tmp_path, monkeypatch):
+    """``_dequantize_to_dir`` reads config, weights and tokenizer from ONE ``GGUFReader`` of the file (transformers'
+    loaders parse it again on their own: three parses, ~3 s each on SmolLM2), other files are parsed as usual, and
+    ``gguf.GGUFReader`` is gguf's own again afterwards, also when the file is refused."""
+    import gguf
+
+    from lowrank_lib.formats.gguf import one_parse, write_hf_gguf
+
+    (tmp_path / "src").mkdir()
+    path = write_hf_gguf(models.tiny_model("tiny-smol", seed=5, vocab_size=320), tmp_path / "src" / "t.gguf", "Q4_1")
+    other = write_hf_gguf(models.tiny_model("tiny-smol", seed=6, vocab_size=320), tmp_path / "o.gguf")
+    real, opened = gguf.GGUFReader, []
+
+    class Counting(real):
+        def __init__(self, p, *a, **k):
+            opened.append(Path(p).name)
+            super().__init__(p, *a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    models._dequantize_to_dir(path, tmp_path / "out")
+    assert opened == ["t.gguf"] and (tmp_path / "out" / "model.safetensors").is_file()
+    with one_parse(path):
+        assert gguf.GGUFReader(str(path)) is gguf.GGUFReader(str(path))
+        assert gguf.GGUFReader(str(other)) is not gguf.GGUFReader(str(other))
+    assert gguf.GGUFReader is Counting
+    with pytest.raises(ZeroDivisionError), one_parse(path):
+        1 / 0
+    assert gguf.GGUFReader is Counting

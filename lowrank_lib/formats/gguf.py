@@ -20,6 +20,7 @@ a temporary name. q/k rows: ``convert_hf_to_gguf.py`` interleaves the two RoPE h
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +36,7 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 _WRITER_KEYS = ("general.architecture", "general.file_type")
 
 __all__ = ["DTYPE_TYPES", "FILE_TYPES", "GGUFExportError", "decode_bytes_per_token", "export_gguf", "gguf_state_dict",
-           "hf_to_gguf_names", "iter_gguf_state", "permute_qk", "placeholder_vocab", "unpermute_qk", "verify_gguf",
+           "hf_to_gguf_names", "iter_gguf_state", "one_parse", "permute_qk", "placeholder_vocab", "unpermute_qk", "verify_gguf",
            "write_hf_gguf"]
 
 
@@ -77,6 +78,32 @@ def _qk_heads(gguf_name: str, n_head: int, n_kv: int) -> int | None:
 
 
 # --------------------------------------------------------------------------- reading
+@contextmanager
+def one_parse(path: str | Path):
+    """Within this block every read-only ``gguf.GGUFReader`` of ``path`` is the SAME reader, parsed once.
+
+    transformers' GGUF config and tokenizer loaders take a path and parse the file's metadata afresh (two parses
+    for ``AutoTokenizer``), as does :func:`iter_gguf_state`: for SmolLM2's 49k-entry vocabulary each parse took about
+    3 s of the model cache's 12 s (measured). They import ``GGUFReader`` from ``gguf`` when called, so the name is
+    swapped there for the block's duration (one thread: the cache's fetch) and put back after, also on error."""
+    import gguf
+
+    real, key, parsed = gguf.GGUFReader, os.path.realpath(path), {}
+
+    def reader(p, mode="r"):
+        if mode != "r" or os.path.realpath(p) != key:
+            return real(p, mode)
+        if "r" not in parsed:
+            parsed["r"] = real(p, mode)
+        return parsed["r"]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def _open(path):
     """(reader, metadata {key: (value, types)}) of a GGUF file (memory-mapped; nothing dequantised)."""
     import gguf
