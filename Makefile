@@ -26,13 +26,15 @@ PY_OLDEST := $(VENV_OLDEST)/bin/python
 $(VENV)/.installed: pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "[setup] keeping the torch that $(PYTHON) already has"; \
-	  $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  $(PYTHON) -m venv --system-site-packages $(VENV) && $(PIP) install -q setuptools wheel ninja; \
 	else \
-	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q "$(TORCH_SPEC)"; \
+	  $(PYTHON) -m venv $(VENV) && $(PIP) install -q --no-compile "$(TORCH_SPEC)" setuptools wheel ninja \
+	  && { $(PY) -m compileall -qq -j 0 "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+	       >/dev/null 2>&1 || true; }; \
 	fi
-	@# no --no-compile: with PYTHONDONTWRITEBYTECODE=1 (this project's hosts) pip's install-time bytecode is the only
-	@# .pyc there is; without it every process of the suite compiled its imports afresh (+110 s of `make test`, measured)
-	$(PIP) install -q setuptools wheel ninja
+	@# bytecode at install time: with PYTHONDONTWRITEBYTECODE=1 (this project's hosts) it is the only .pyc there is;
+	@# without it every process of the suite compiled its imports afresh (+110 s of `make test`, measured). torch's
+	@# is compiled by compileall on every core, not by pip on one (13 + 10 s where pip took 29 s, measured)
 	@# the dependencies through uv (PyPI's `uv`, installed here) where the venv holds its own torch: its parallel
 	@# download, install and bytecode compile took 24 s where pip took about 100 s of a fresh set-up (measured on the
 	@# 2-core VM, the same versions installed); pip stays the route for a venv over the system's torch (uv must not
