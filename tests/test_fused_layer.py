@@ -200,16 +200,19 @@ def same_bits_at_every_thread_count(engine):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_layer_compiled_step_one_call_per_layer(name, dtype):
     """torch.compile of the whole step: one lowrank_lrk::decode_stack extern call for every layer (the dense store)
-    and no other GEMM than the LM head's; logits equal to the eager per-op step (fp32 1e-5, bf16 one rounding) and within the bf16 bound
-    of the compiled per-op step."""
+    and no other GEMM than the LM head's; logits equal to the eager per-op step (fp32 1e-5, bf16 one rounding). Once
+    (fp32, low rank) also equal to the compiled per-op step: compiling that graph took 38 of the 64 CPU-s of the four
+    cases with a cold compile cache (measured), and the compiled per-op step equals the eager one in
+    test_runtime_engine."""
     from lowrank_lib.runtime.profiling import per_token_counts
 
     with num_threads(2):
         eng, tokens, ref, got, (model, cfg, ids, mask) = _check(name, dtype, graph="whole-step")
         bound = 1e-5 if dtype == "fp32" else 1e-2
         assert _rel_err(got, ref) < bound, _rel_err(got, ref)
-        _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, mask, tokens)
-        assert _rel_err(got, comp) < (1e-5 if dtype == "fp32" else 0.05), _rel_err(got, comp)
+        if (name, dtype) == ("lowrank-smol", "fp32"):
+            _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, mask, tokens)
+            assert _rel_err(got, comp) < 1e-5, _rel_err(got, comp)
         counts = per_token_counts(eng, ids, 2)
     assert counts["ops"].get("lowrank_lrk.decode_stack") == 1 and "lowrank_lrk.decode_layer" not in counts["ops"], \
         counts["ops"]

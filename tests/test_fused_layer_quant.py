@@ -199,19 +199,20 @@ def test_fused_quantized_layer_same_bits_at_every_thread_count(bits, group):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_fused_quantized_compiled_step_one_call_per_layer(dtype):
     """torch.compile of the whole step: one decode_stack extern call for every layer, no GEMM but the LM head's; logits
-    within the bound of the eager per-op step and of the compiled per-op step (inductor fuses the elementwise ops:
-    0.05 in bf16, as test_fused_layer)."""
+    within the bound of the eager per-op step and, in fp32, of the compiled per-op step (its compile is most of a
+    case's time with a cold compile cache, as in test_fused_layer; the compiled per-op step on quantized factors
+    equals the eager one in test_quant_engine)."""
     from lowrank_lib.runtime.profiling import per_token_counts
 
     with num_threads(2):
         eng, tokens, ref, got, own = _check("lowrank-smol", 8, 32, dtype, graph="whole-step")
         assert torch.equal(own, tokens)
         assert _rel_err(got, ref) < BOUND[dtype], _rel_err(got, ref)
-        model = _model("lowrank-smol", 8, 32)
         ids = torch.randint(0, 256, (1, 9), generator=_gen(7))
-        cfg = dict(max_seq_len=24, max_batch=1, dtype=dtype)
-        _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, None, tokens)
-        assert _rel_err(got, comp) < (BOUND["fp32"] if dtype == "fp32" else 0.05), _rel_err(got, comp)
+        if dtype == "fp32":
+            model, cfg = _model("lowrank-smol", 8, 32), dict(max_seq_len=24, max_batch=1, dtype=dtype)
+            _, _, comp = _forced(model, dict(cfg, fused_layer="off", graph="whole-step"), ids, 6, None, tokens)
+            assert _rel_err(got, comp) < BOUND["fp32"], _rel_err(got, comp)
         counts = per_token_counts(eng, ids, 2)
     assert counts["ops"].get("lowrank_lrk.decode_stack") == 1, counts["ops"]
     assert "lowrank_lrk.qgemv" not in counts["ops"] and "lowrank_lrk.decode_layer" not in counts["ops"], counts["ops"]
