@@ -31,6 +31,22 @@ def pytest_collection_modifyitems(config, items):
     rank = {nid: i for i, nid in enumerate(xdist_units.longest_first([it.nodeid for it in items],
                                                                      xdist_units.measured_seconds()))}
     items.sort(key=lambda it: rank[it.nodeid])
+    _compat_tests_are_where_make_looks(items)
+
+
+#: `make test-oldest` collects only the files that spell this (the Makefile's COMPAT_FILES, a grep)
+COMPAT_MARK = "pytest.mark.compat"
+
+
+def _compat_tests_are_where_make_looks(items) -> None:
+    """A ``compat`` test in a file that does not spell :data:`COMPAT_MARK` (a marker applied some other way) would
+    never run on the oldest transformers: collection stops and names the file."""
+    texts: dict = {}
+    strays = sorted({str(it.path) for it in items if it.get_closest_marker("compat")
+                     and COMPAT_MARK not in texts.setdefault(it.path, it.path.read_text())})
+    if strays:
+        raise pytest.UsageError(f"compat tests in {strays}, whose text lacks {COMPAT_MARK!r}: `make test-oldest` "
+                                "collects only the files containing it (COMPAT_FILES in the Makefile)")
 
 
 def pytest_xdist_make_scheduler(config, log):
