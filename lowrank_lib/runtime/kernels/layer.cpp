@@ -61,7 +61,9 @@
 //   layer_profile(bool on) -> int[]   phase timers of decode_layer (issue 29's per-token breakdown): returns
 //     [calls, ns of each Phase below] accumulated since the previous layer_profile call, resets them, and turns the
 //     timers on or off (off: one relaxed load per decode_layer call; on: ~11 clock reads per call)
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include "lrk_api.h"

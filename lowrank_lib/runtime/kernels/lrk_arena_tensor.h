@@ -2,7 +2,9 @@
 // gives no memory (off, or no mmap). The contents are undefined: the caller writes every element.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 #include "lrk_arena.h"
 

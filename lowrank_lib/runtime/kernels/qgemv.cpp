@@ -41,7 +41,8 @@
 // the same bits (the integer sums are exact and the fp32 steps are the same operations in the same order).
 // Threads: (matrix, block, first row) jobs cut into contiguous runs of about equal bytes (lrk.cpp's split), claimed by
 // the calling thread and the pool's workers; every job's outputs are computed by the same code whichever thread runs it.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -32,7 +32,8 @@
 //            segment is cut into pieces of about equal cost (a piece may span tiers), the caller and the pool's
 //            workers claim pieces, and the pieces of a segment are merged by their (m, l, acc) states
 //            (log-sum-exp), so long segments are split (flash-decoding).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "lrk_pool.h"
