@@ -91,7 +91,7 @@ test-oldest: setup $(VENV_OLDEST)/.installed
 	@$(MAKE) --no-print-directory test-oldest-run
 
 # Only the files holding compat tests are collected (a collection of all of tests/ cost each process ~13 CPU-s, more
-# than the subset's own tests; tests/conftest.py stops a run whose compat tests lie elsewhere), in one process: the
+# than the subset's own tests; tests/compat_files.py stops a run whose compat tests lie elsewhere), in one process: the
 # subset runs at the lowest priority beside the suite and is done long before it.
 COMPAT_FILES = $(filter-out %conftest.py,$(shell grep -l "pytest.mark.compat" tests/*.py tests/*/*.py 2>/dev/null))
 

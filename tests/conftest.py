@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import compat_files
 import deprecations
 import xdist_threads
 import xdist_units
@@ -27,26 +28,13 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """The units of work longest first (``xdist_units.longest_first``); order kept within each unit (the
     browser's Run All of a notebook before the tests that reuse it). The seconds are recorded by the controller
-    when ``LOWRANK_LIB_UNIT_SECONDS`` names a file."""
+    when ``LOWRANK_LIB_UNIT_SECONDS`` names a file. A compat test where `make test-oldest` would not find it stops
+    the run (``compat_files.py``)."""
     rank = {nid: i for i, nid in enumerate(xdist_units.longest_first([it.nodeid for it in items],
                                                                      xdist_units.measured_seconds()))}
     items.sort(key=lambda it: rank[it.nodeid])
-    _compat_tests_are_where_make_looks(items)
+    compat_files.check(items)
 
-
-#: `make test-oldest` collects only the files that spell this (the Makefile's COMPAT_FILES, a grep)
-COMPAT_MARK = "pytest.mark.compat"
-
-
-def _compat_tests_are_where_make_looks(items) -> None:
-    """A ``compat`` test in a file that does not spell :data:`COMPAT_MARK` (a marker applied some other way) would
-    never run on the oldest transformers: collection stops and names the file."""
-    texts: dict = {}
-    strays = sorted({str(it.path) for it in items if it.get_closest_marker("compat")
-                     and COMPAT_MARK not in texts.setdefault(it.path, it.path.read_text())})
-    if strays:
-        raise pytest.UsageError(f"compat tests in {strays}, whose text lacks {COMPAT_MARK!r}: `make test-oldest` "
-                                "collects only the files containing it (COMPAT_FILES in the Makefile)")
 
 
 def pytest_xdist_make_scheduler(config, log):
