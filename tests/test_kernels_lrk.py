@@ -168,23 +168,25 @@ def test_attend_matches_reference(dtype, B, H, G, D, S, length):
 
 @needs_lrk
 @pytest.mark.parametrize("D", [32, 64, 96, 128])
-def test_attend_long_contexts_split_into_pieces_same_bits_at_every_thread_count(D):
-    """bf16 contexts long enough to cut each (row, KV head) pair's slots into pieces (>= 2048 live slots; the
-    AVX512_BF16 kernel merges them by their softmax states): the same bits at 1, 2, 3 threads, pieces shared by
-    threads when pairs are fewer than threads, odd slot counts, one row short enough for one piece, and close to the
-    float64 reference."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_attend_long_contexts_split_into_pieces_same_bits_at_every_thread_count(D, dtype):
+    """Contexts long enough to cut each (row, KV head) pair's slots into pieces (>= 2048 live slots; the AVX512_BF16
+    kernel and the AVX2 kernels, bf16 and fp32, merge them by their softmax states): the same bits at 1, 2, 3
+    threads, pieces shared by threads when pairs are fewer than threads, odd slot counts, one row short enough for one
+    piece, and close to the float64 reference."""
     ops = _ops()
     B, H, G, S, length = 3, 3, 3, 2600, 2502
     g = _gen(D)
-    q = torch.randn(B, H, G, D, generator=g).bfloat16()
-    K = (2 * torch.randn(B, H, S, D, generator=g)).bfloat16()
-    V = torch.randn(B, H, S, D, generator=g).bfloat16()
+    q = torch.randn(B, H, G, D, generator=g).to(dtype)
+    K = (2 * torch.randn(B, H, S, D, generator=g)).to(dtype)
+    V = torch.randn(B, H, S, D, generator=g).to(dtype)
     pad = torch.tensor([0, 37, 2200], dtype=torch.long)            # 2503, 2466 and 303 live slots
     L = torch.tensor([length], dtype=torch.long)
     outs = _at_every_thread_count(lambda: ops.attend(q, K, V, L, pad, D ** -0.5))
     _same_bits(outs)
     ref = _ref_attend(q, K, V, length, pad, D ** -0.5)
-    assert float((outs[0].double() - ref).abs().max()) <= 1e-2 * float(ref.abs().max())
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+    assert float((outs[0].double() - ref).abs().max()) <= tol * float(ref.abs().max())
     one = ops.attend(q[:1, :1], K[:1, :1], V[:1, :1], L, pad[:1], D ** -0.5)   # one pair: its pieces, no threads
     assert torch.equal(one, outs[0][:1, :G * D])
 

@@ -79,7 +79,8 @@ namespace lrk {
 constexpr int64_t BW = 64;    // outputs per block
 constexpr int64_t TAIL = 16;  // the last block is rounded up to a multiple of this many outputs
 constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: more passes)
-// Pieces of a pair's n live slots on the dot-product kernel: one below 2 * ATTN_PIECE slots, else about n / ATTN_PIECE
+// Pieces of a pair's n live slots on the dot-product kernel and the AVX2 one (attend_split): one below 2 * ATTN_PIECE
+// slots, else about n / ATTN_PIECE
 // (at most ATTN_MAX_PIECES), slot runs of multiples of 16. A function of n alone, so the same bits at every thread
 // count; they let threads share pairs (SmolLM2: 3 KV heads on 2 threads) and a merge costs ~G * D * P flops. The
 // op alone, 3 pairs of G = 3, D = 64 (AMD Zen 4, bf16), unsplit -> pieces: at 8000 slots 104 -> 88 us at 2 threads
@@ -784,8 +785,8 @@ LRK_CAND_PASS(cand_pass2)
 // d 64, interleaved in one process: bf16 21.0 -> 15.0 ms at 1 thread, 15.1 -> 11.7 at 2; fp32 24.0 -> 19.4. Each
 // output still sums its slots in order, one FMA each: the same bits.) The loop over the rows is lrk_simd2.h pv_cols12,
 // shared with the tier kernel's exact values (tiers.cpp values_head).
-template <typename T>
-static void pv_query2(const float* p, const T* V, int64_t sv, int64_t lo, int64_t n, int64_t D, float inv, T* o) {
+template <typename T, typename O>
+static void pv_query2(const float* p, const T* V, int64_t sv, int64_t lo, int64_t n, int64_t D, float inv, O* o) {
   constexpr int CB = 12;
   const int64_t DC = D / 8;
   for (int64_t c0 = 0; c0 < DC; c0 += CB) {
@@ -802,9 +803,11 @@ static void pv_query2(const float* p, const T* V, int64_t sv, int64_t lo, int64_
 // <= 128) over slots [lo, hi]. Each K row is loaded and widened once for all G queries; scores 8 slots at a time
 // (8 independent dot products, one transpose-add); P V one query per pass over whole V rows (pv_query2).
 // sc: scratch of G * ceil8(n) scores, G * D scaled queries and 8 * D widened K rows.
+// stp: nullptr (o = the normalised output), or a piece's state as attend_head_dp writes it: per query [D] fp32
+// normalised output, then its score max and probability sum (o unused)
 template <typename T>
 static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t sv, int64_t lo, int64_t hi,
-                         int64_t G, int64_t D, float scale, T* o, float* sc) {
+                         int64_t G, int64_t D, float scale, T* o, float* sc, float* stp) {
   const int64_t n = hi - lo + 1, np = cdiv(n, 8) * 8, DC = D / 8;
   float* qs = sc + G * np;
   float* kf = qs + G * D;
@@ -829,7 +832,7 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
     }
   }
   // softmax per query (tail lanes -inf: exp -> masked to 0)
-  float inv[256];
+  float inv[256], mxs[256], sums[256];
   for (int64_t g = 0; g < G; g++) {
     float* s = sc + g * np;
     for (int64_t t = n; t < np; t++) s[t] = -INFINITY;
@@ -838,7 +841,8 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
-    const __m256 mb = _mm256_set1_ps(_mm_cvtss_f32(m4));
+    mxs[g] = _mm_cvtss_f32(m4);
+    const __m256 mb = _mm256_set1_ps(mxs[g]);
     __m256 sum = _mm256_setzero_ps();
     for (int64_t t = 0; t < np; t += 8) {
       __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), mb));
@@ -846,10 +850,42 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
       _mm256_storeu_ps(s + t, e);
       sum = _mm256_add_ps(sum, e);
     }
-    inv[g] = 1.0f / hsum8(sum);
+    sums[g] = hsum8(sum);
+    inv[g] = 1.0f / sums[g];
   }
   // o = P V, one query per pass over V (pv_query2 says why)
-  for (int64_t g = 0; g < G; g++) pv_query2<T>(sc + g * np, V, sv, lo, n, D, inv[g], o + g * D);
+  for (int64_t g = 0; g < G; g++) {
+    if (!stp) {
+      pv_query2<T, T>(sc + g * np, V, sv, lo, n, D, inv[g], o + g * D);
+      continue;
+    }
+    float* sg = stp + g * (D + 2);
+    pv_query2<T, float>(sc + g * np, V, sv, lo, n, D, inv[g], sg);
+    sg[D] = mxs[g], sg[D + 1] = sums[g];
+  }
+}
+
+// the pieces' states of one pair -> its output, merge_dp's sums in 8 lanes: o = sum_p w_p o_p / sum_p w_p,
+// w_p = l_p e^(m_p - max m)
+template <typename T>
+static void merge2(const float* stp, int64_t P, int64_t G, int64_t D, T* o) {
+  for (int64_t g = 0; g < G; g++) {
+    float M = -INFINITY;
+    for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
+    float w[ATTN_MAX_PIECES], wsum = 0.0f;
+    for (int64_t p = 0; p < P; p++) {
+      const float* sp = stp + (p * G + g) * (D + 2);
+      w[p] = sp[D + 1] * expf(sp[D] - M);
+      wsum += w[p];
+    }
+    const __m256 iw = _mm256_set1_ps(1.0f / wsum);
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t p = 0; p < P; p++)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(w[p]), _mm256_loadu_ps(stp + (p * G + g) * (D + 2) + c), a);
+      st8(o + g * D + c, _mm256_mul_ps(a, iw));
+    }
+  }
 }
 
 #if defined(__clang__)
@@ -1140,11 +1176,14 @@ static int64_t attend_pieces(int64_t n) { return std::max<int64_t>(1, std::min(A
 int64_t attend_state_floats(int64_t pairs, int64_t G, int64_t D) { return pairs * ATTN_MAX_PIECES * G * (D + 2); }
 
 #if LRK_X86
-// attend_into on the dot-product kernel: items (pair, piece) weighted by their slots, run over the pool (or the team);
-// a pair of one piece writes its output, the others their states, merged per pair in a second construct
-static void attend_dp(const uint16_t* q, const uint16_t* K, const int64_t* ks, const uint16_t* V, const int64_t* vs,
-                      int64_t B, int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale,
-                      uint16_t* o, float* ts) {
+// attend_into with each (row, KV head) pair's slots cut into pieces (attend_pieces: 2048 live slots or more): items
+// (pair, piece) weighted by their slots, run over the pool (or the team); a pair of one piece writes its output, the
+// others their states, merged per pair in a second construct. The pieces depend on the slots only, not on the
+// threads: the same bits at every thread count. kern(pair, lo, hi, scratch, state or nullptr) runs one item on a
+// thread's scratch of sc_floats floats; merge(pair, its first state, pieces) writes a split pair's output.
+template <typename Kern, typename Merge>
+static void attend_split(int64_t B, int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, int64_t es,
+                         int64_t sc_floats, void* o, float* ts, Kern kern, Merge merge) {
   struct Item { int64_t pair, lo, hi, state; };
   std::vector<Item> items;
   std::vector<double> wt;
@@ -1154,13 +1193,13 @@ static void attend_dp(const uint16_t* q, const uint16_t* K, const int64_t* ks, c
     first[i] = (int64_t)items.size();
     const int64_t lo = pd[i / H];
     if (lo > hi) {                      // no live slot (cannot happen for a real row): zeros, not NaN
-      std::memset(o + i * G * D, 0, G * D * 2);
+      std::memset((char*)o + i * G * D * es, 0, G * D * es);
       continue;
     }
     const int64_t n = hi - lo + 1, P = attend_pieces(n), step = cdiv(cdiv(n, P), 16) * 16;
     for (int64_t a = lo; a <= hi; a += step) {
       items.push_back({i, a, std::min(hi, a + step - 1), P > 1 ? states++ : -1});
-      wt.push_back((double)(items.back().hi - a + 1) * D * 4);
+      wt.push_back((double)(items.back().hi - a + 1) * D * 2 * es);
     }
   }
   first[B * H] = (int64_t)items.size();
@@ -1176,27 +1215,56 @@ static void attend_dp(const uint16_t* q, const uint16_t* K, const int64_t* ks, c
   const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::chunks_per_thread());
   pool::run((int64_t)cut.size() - 1, tu, [&](int64_t c) {
     static thread_local std::vector<float> t_sc;  // the running thread's scratch (undefined contents)
-    float* const sc = grow(t_sc, 16 * (cdiv(hi + 1, 16) * 16));
+    float* const sc = grow(t_sc, sc_floats);
     for (int64_t j = cut[c]; j < cut[c + 1]; j++) {
       const Item& it = items[j];
-      const int64_t b = it.pair / H, h = it.pair % H;
-      ATTN_DP[D / 32 - 1](q + it.pair * G * D, K + b * ks[0] + h * ks[1], V + b * vs[0] + h * vs[1], ks[2], vs[2],
-                          it.lo, it.hi, G, scale, o + it.pair * G * D, sc,
-                          it.state < 0 ? nullptr : S + it.state * G * (D + 2));
+      kern(it.pair, it.lo, it.hi, sc, it.state < 0 ? nullptr : S + it.state * G * (D + 2));
     }
   });
   if (!states) return;
   std::vector<int64_t> split;           // the pairs of two or more pieces
   for (int64_t i = 0; i < B * H; i++)
     if (first[i + 1] - first[i] > 1) split.push_back(i);
-  auto merge = [&](int64_t c) {
+  auto merge_one = [&](int64_t c) {
     const int64_t i = split[c];
-    merge_dp(S + items[first[i]].state * G * (D + 2), first[i + 1] - first[i], G, D, o + i * G * D);
+    merge(i, S + items[first[i]].state * G * (D + 2), first[i + 1] - first[i]);
   };
   if (pool::in_team())                  // a construct of the team (its members wait at its barrier anyway)
-    pool::run((int64_t)split.size(), imin(tu, (int64_t)split.size()), merge);
+    pool::run((int64_t)split.size(), imin(tu, (int64_t)split.size()), merge_one);
   else                                  // the caller alone: a few thousand flops, cheaper than a hand-off
-    for (int64_t c = 0; c < (int64_t)split.size(); c++) merge(c);
+    for (int64_t c = 0; c < (int64_t)split.size(); c++) merge_one(c);
+}
+
+// the dot-product kernel (AVX512_BF16) over the pieces
+static void attend_dp(const uint16_t* q, const uint16_t* K, const int64_t* ks, const uint16_t* V, const int64_t* vs,
+                      int64_t B, int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale,
+                      uint16_t* o, float* ts) {
+  attend_split(
+      B, H, G, D, hi, pd, 2, 16 * (cdiv(hi + 1, 16) * 16), o, ts,
+      [&](int64_t i, int64_t lo, int64_t ihi, float* sc, float* stp) {
+        const int64_t b = i / H, h = i % H;
+        ATTN_DP[D / 32 - 1](q + i * G * D, K + b * ks[0] + h * ks[1], V + b * vs[0] + h * vs[1], ks[2], vs[2], lo, ihi,
+                            G, scale, o + i * G * D, sc, stp);
+      },
+      [&](int64_t i, const float* st, int64_t P) { merge_dp(st, P, G, D, o + i * G * D); });
+}
+
+// the AVX2 kernel (bf16 or fp32 rows) over the pieces: unsplit, SmolLM2's 3 KV heads of a row put two pairs on one
+// thread and one on the other at 2 threads. The op over 30 layers of 8k slots (3 KV heads x 3 queries, d 64), AVX2
+// code on the AMD Zen 4 VM, old and new alternating, 3 processes each: 2 threads bf16 10.2-10.4 -> 8.2-8.6 ms, fp32
+// 13.8-18.1 -> 12.6-13.2 ms; 1 thread unchanged within the noise (bf16 14.1-15.2 / 14.2-16.1, fp32 18.5-21.0 /
+// 18.5-22.0)
+template <typename T>
+static void attend_avx2(const T* q, const T* K, const int64_t* ks, const T* V, const int64_t* vs, int64_t B,
+                        int64_t H, int64_t G, int64_t D, int64_t hi, const int64_t* pd, float scale, T* o, float* ts) {
+  attend_split(
+      B, H, G, D, hi, pd, (int64_t)sizeof(T), G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D, o, ts,
+      [&](int64_t i, int64_t lo, int64_t ihi, float* sc, float* stp) {
+        const int64_t b = i / H, h = i % H;
+        attend_head2<T>(q + i * G * D, K + b * ks[0] + h * ks[1], V + b * vs[0] + h * vs[1], ks[2], vs[2], lo, ihi, G,
+                        D, scale, o + i * G * D, sc, stp);
+      },
+      [&](int64_t i, const float* st, int64_t P) { merge2<T>(st, P, G, D, o + i * G * D); });
 }
 #endif
 
@@ -1210,6 +1278,15 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
               (uint16_t*)o, ts);
     return;
   }
+  if (!w512) {                                     // attend_head2 (AVX2), pairs split into pieces likewise
+    if (bf)
+      attend_avx2<uint16_t>((const uint16_t*)q, (const uint16_t*)K, ks, (const uint16_t*)V, vs, B, H, G, D, hi, pd,
+                            scale, (uint16_t*)o, ts);
+    else
+      attend_avx2<float>((const float*)q, (const float*)K, ks, (const float*)V, vs, B, H, G, D, hi, pd, scale,
+                         (float*)o, ts);
+    return;
+  }
 #endif
   // threads: contiguous runs of (batch row, KV head) pairs, weighted by the K / V bytes each reads; each pair's
   // output is computed by the same code whichever thread runs it (the same bits at every thread count)
@@ -1221,11 +1298,10 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
   const std::vector<int64_t> cut = pool::cuts(wt, tu * pool::chunks_per_thread());
 #if LRK_X86
   auto heads = [&](int64_t i0, int64_t i1) {
-    // AVX-512: GB * ceil16(n) scores; AVX2: G * ceil8(n) scores + G * D scaled queries + 8 * D widened K rows. In
-    // the running thread's own grow-only scratch (this lambda runs on the caller and on the pool's workers; contents
-    // undefined: the kernels write before they read)
+    // GB * ceil16(n) scores, in the running thread's own grow-only scratch (this lambda runs on the caller and on the
+    // pool's workers; contents undefined: the kernels write before they read)
     static thread_local std::vector<float> t_sc;
-    float* const sc = grow(t_sc, w512 ? 16 * (cdiv(hi + 1, 16) * 16) : G * (cdiv(hi + 1, 8) * 8 + D) + 8 * D);
+    float* const sc = grow(t_sc, 16 * (cdiv(hi + 1, 16) * 16));
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, lo = pd[b];
       const char* qp = (const char*)q + (i * G * D) * es;
@@ -1236,14 +1312,7 @@ void attend_into(bool bf, const void* q, const void* K, const int64_t* ks, const
         std::memset(op, 0, G * D * es);
         continue;
       }
-      if (!w512) {
-        if (bf)
-          attend_head2<uint16_t>((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
-                                 D, scale, (uint16_t*)op, sc);
-        else
-          attend_head2<float>((const float*)qp, (const float*)kp, (const float*)vp, ks[2], vs[2], lo, hi, G, D, scale,
-                              (float*)op, sc);
-      } else if (bf)
+      if (bf)
         ATTN_BF16[D / 16 - 1]((const uint16_t*)qp, (const uint16_t*)kp, (const uint16_t*)vp, ks[2], vs[2], lo, hi, G,
                               scale, (uint16_t*)op, sc);
       else
