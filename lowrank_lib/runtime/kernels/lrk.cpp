@@ -86,6 +86,18 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block (more rows: 
 // op alone, 3 pairs of G = 3, D = 64 (AMD Zen 4, bf16), unsplit -> pieces: at 8000 slots 104 -> 88 us at 2 threads
 // (153 -> 158 at 1); pieces of 256 slots cost more than they gave at 544 slots (11.4 -> 17.4 us at 2 threads).
 constexpr int64_t ATTN_PIECE = 1024, ATTN_MAX_PIECES = 8;
+// the merge weights of query g's P piece states (each [D] output, score max, probability sum; G queries a piece):
+// w_p = l_p e^(m_p - max m); returns their sum (merge_dp and merge2 then sum w_p o_p in their lanes)
+static inline float piece_weights(const float* stp, int64_t P, int64_t G, int64_t g, int64_t D, float* w) {
+  float M = -INFINITY, wsum = 0.0f;
+  for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
+  for (int64_t p = 0; p < P; p++) {
+    const float* sp = stp + (p * G + g) * (D + 2);
+    w[p] = sp[D + 1] * expf(sp[D] - M);
+    wsum += w[p];
+  }
+  return wsum;
+}
 // Software prefetch distance in bytes ahead of the weight stream (0: none). 2 KB measured side by side
 // (bench: /tmp variant libraries in one process, calls interleaved, 7 repeats, 1 thread, bf16, the 2-core
 // SHARED machine at load 5-7): faster than no prefetch on every decode GEMV class of SmolLM2 / 1B / 7B,
@@ -652,15 +664,8 @@ typedef void (*attn_dp_fn)(const uint16_t*, const uint16_t*, const uint16_t*, in
 // the pieces' states of one pair -> its output (bf16): o = sum_p w_p o_p / sum_p w_p, w_p = l_p e^(m_p - max m)
 static void merge_dp(const float* stp, int64_t P, int64_t G, int64_t D, uint16_t* o) {
   for (int64_t g = 0; g < G; g++) {
-    float M = -INFINITY;
-    for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
-    float w[ATTN_MAX_PIECES], wsum = 0.0f;
-    for (int64_t p = 0; p < P; p++) {
-      const float* s = stp + (p * G + g) * (D + 2);
-      w[p] = s[D + 1] * expf(s[D] - M);
-      wsum += w[p];
-    }
-    const float iw = 1.0f / wsum;
+    float w[ATTN_MAX_PIECES];
+    const float iw = 1.0f / piece_weights(stp, P, G, g, D, w);
     for (int64_t c = 0; c < D; c += 16) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t p = 0; p < P; p++)
@@ -870,15 +875,8 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
 template <typename T>
 static void merge2(const float* stp, int64_t P, int64_t G, int64_t D, T* o) {
   for (int64_t g = 0; g < G; g++) {
-    float M = -INFINITY;
-    for (int64_t p = 0; p < P; p++) M = std::max(M, stp[(p * G + g) * (D + 2) + D]);
-    float w[ATTN_MAX_PIECES], wsum = 0.0f;
-    for (int64_t p = 0; p < P; p++) {
-      const float* sp = stp + (p * G + g) * (D + 2);
-      w[p] = sp[D + 1] * expf(sp[D] - M);
-      wsum += w[p];
-    }
-    const __m256 iw = _mm256_set1_ps(1.0f / wsum);
+    float w[ATTN_MAX_PIECES];
+    const __m256 iw = _mm256_set1_ps(1.0f / piece_weights(stp, P, G, g, D, w));
     for (int64_t c = 0; c < D; c += 8) {
       __m256 a = _mm256_setzero_ps();
       for (int64_t p = 0; p < P; p++)
