@@ -36,8 +36,8 @@ FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "BF16": 32}
 _WRITER_KEYS = ("general.architecture", "general.file_type")
 
 __all__ = ["DTYPE_TYPES", "FILE_TYPES", "GGUFExportError", "decode_bytes_per_token", "export_gguf", "gguf_state_dict",
-           "hf_to_gguf_names", "iter_gguf_state", "one_parse", "permute_qk", "placeholder_vocab", "unpermute_qk", "verify_gguf",
-           "write_hf_gguf"]
+           "hf_to_gguf_names", "iter_gguf_state", "one_parse", "permute_qk", "placeholder_vocab", "unpermute_qk",
+           "verify_gguf", "write_hf_gguf"]
 
 
 class GGUFExportError(RuntimeError):
