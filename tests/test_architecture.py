@@ -380,9 +380,10 @@ def test_bench_stays_a_thin_client():
 
 
 # --------------------------------------------------------------------------- written protocols, no probing
-#: names under which the library holds a runner (``runtime.runner.Runner``) or a KV method: what they can do is
-#: their protocol's, never found out with hasattr / getattr
-PROTOCOL_NAMES = {"runner", "engine", "eng", "method", "spec"}
+#: names under which the library holds a runner (``runtime.runner.Runner``), a KV method, a KV store
+#: (``runtime.kv.KVStore``), an attention backend (``runtime.backend``) or a projection group: what they can do is
+#: their protocol's (or their declared capabilities), never found out with hasattr / getattr
+PROTOCOL_NAMES = {"runner", "engine", "eng", "method", "spec", "store", "kv", "backend", "group"}
 
 
 def protocol_probes(root: Path) -> list[str]:
@@ -410,3 +411,51 @@ def test_the_probe_checker_sees_a_probe(tmp_path):
     (pkg / "a.py").write_text("def f(runner, self, x):\n    return hasattr(runner, 'prepare'), "
                               "getattr(self.method, 'fields', None), getattr(x, 'y', 0)\n")
     assert protocol_probes(pkg) == ["p/a.py:2", "p/a.py:2"]
+
+
+# --------------------------------------------------------------------------- capabilities, not backend names
+def backend_names(root: Path) -> set[str]:
+    """Every registered backend's name: the first argument of each ``Backend("...", ...)`` call under ``root``."""
+    names = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Backend"
+                    and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+                names.add(node.args[0].value)
+    return names
+
+
+def name_choices(root: Path, names: set[str]) -> list[str]:
+    """``file:line`` of every comparison of an attribute ``x.name`` with a string in ``names`` (``==``, ``!=``,
+    ``in`` / ``not in`` a literal tuple, list or set): behaviour chosen by a backend's name."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if not any(isinstance(x, ast.Attribute) and x.attr == "name" for x in sides):
+                continue
+            consts = [c for x in sides for c in ((x,) if isinstance(x, ast.Constant) else
+                                                getattr(x, "elts", ()) if isinstance(x, (ast.Tuple, ast.List, ast.Set))
+                                                else ())]
+            if any(isinstance(c, ast.Constant) and c.value in names for c in consts):
+                found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}")
+    return found
+
+
+def test_no_behaviour_is_chosen_by_a_backend_name():
+    names = backend_names(PKG)
+    assert {"lrk_attend", "lrk_tiers", "sdpa", "portable"} <= names, names
+    assert name_choices(PKG, names) == [], "read the backend's declared capabilities (BackendCaps) instead"
+
+
+def test_the_name_checker_sees_a_choice(tmp_path):
+    pkg = tmp_path / "p"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("B = Backend('fast', f)\n"
+                              "def f(store, mode):\n"
+                              "    return store.backend.name != 'fast', mode == 'fast', 'fast' in (store.name,), "
+                              "store.name in ('slow', 'fast')\n")
+    assert backend_names(pkg) == {"fast"}
+    assert name_choices(pkg, {"fast"}) == ["p/a.py:3", "p/a.py:3"]

@@ -271,7 +271,7 @@ def test_other_stores_attention_and_shapes_keep_the_per_op_step(counted):
     cases = [(dict(kv="rebuild"), None, "'rebuild' KV store"), (dict(attention="sdpa"), None, "attention is sdpa"),
              (dict(pack_qkv=False), None, "not packed"), (dict(max_batch=9), None, "max_batch 9"),
              ({}, MethodStore(make_method("attsvd", 0.5)), "AttSVD appends tokens its own way"),
-             ({}, MethodStore(make_method("dense"), attention="portable"), "not the fused lrk_tiers kernel")]
+             ({}, MethodStore(make_method("dense"), attention="portable"), "not a kernel the fused layer runs")]
     for cfg, store, why in cases:
         eng = Engine(model, EngineConfig(max_seq_len=16, **cfg), kv=store)
         assert eng.report()["fused_layer"] == "per-op" and why in eng.report()["fused_layer_reason"], (cfg, eng.report())

@@ -40,7 +40,7 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
     """Engine vs HF DynamicCache on a tiny model (fp32; flash_attn in bf16 against HF bf16)."""
     from .. import models
     from ..compress import compress_svd
-    from ..runtime import Engine, EngineConfig, run_generation
+    from ..runtime import ATTENTION_REGISTRY, Engine, EngineConfig, run_generation
     from ..runtime.baselines import HFRunner
 
     rows = []
@@ -48,7 +48,8 @@ def correctness(device: str, backends=("sdpa", "triton", "flash_attn"), graphs=(
     ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0)).to(device)
     mask = (torch.arange(12)[None] >= torch.tensor([[0], [3]])).long().to(device)       # row 1: 3 left pads
     for be in backends:
-        dt = torch.bfloat16 if be == "flash_attn" else torch.float32
+        dtypes = ATTENTION_REGISTRY[be].caps.dtypes            # fp32 where the backend serves it (flash_attn: bf16)
+        dt = torch.float32 if dtypes is None or torch.float32 in dtypes else torch.bfloat16
         model = base.to(dt)
         ref = run_generation(HFRunner(model, "dynamic"), ids, 10, mask, return_logits=True)
         for g in graphs:

@@ -170,10 +170,11 @@ class MethodStore:
     def fused_tiers_unavailable(self) -> str | None:
         """Why the engine's fused decode layer (``runtime/kernels/layer.py``: one op per layer, RoPE, the append and
         this store's attention inside) cannot serve this store (None: it can): the tiered attention must be our fused
-        kernel (``lrk_tiers``, which the op calls) and the method must append each token's exact k / v
+        kernel (``lrk_tiers``, which the op calls: ``BackendCaps.in_fused_layer``) and the method must append each token's exact k / v
         (``KVMethod.append``, what the op writes; AttSVD's stream mode, for one, folds tokens into its basis)."""
-        if self.backend is None or self.backend.name != "lrk_tiers":
-            return f"tiered attention {getattr(self.backend, 'name', None)}, not the fused lrk_tiers kernel"
+        if self.backend is None or not self.backend.caps.in_fused_layer:
+            name = None if self.backend is None else self.backend.name
+            return f"tiered attention {name}, not a kernel the fused layer runs (the fused lrk_tiers kernel)"
         if type(self.method).append is not KVMethod.append:
             return f"{type(self.method).__name__} appends tokens its own way"
         return None

@@ -548,7 +548,7 @@ BACKENDS: dict[str, Backend] = {b.name: b for b in (
             "the paper's rebuild-then-attend (kv.tiers.attend_rebuild)"),
     Backend("lrk_tiers", attend_lrk_tiers, BackendCaps(
         devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True,
-        decode_only=True, head_dims=tuple(range(16, 129, 16))),
+        decode_only=True, head_dims=tuple(range(16, 129, 16)), in_fused_layer=True),
         "our fused tier attention (runtime/kernels/tiers.cpp, AVX-512 or AVX2 + FMA: exact rows, runs in factor "
         "space, appended rows, one softmax)"),
 )}

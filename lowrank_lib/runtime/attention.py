@@ -220,7 +220,7 @@ _HALF = (torch.float16, torch.bfloat16)
 BACKENDS: dict[str, Backend] = {b.name: b for b in (
     Backend("lrk_attend", lrk_attend_decode, BackendCaps(
         devices=("cpu",), dtypes=(torch.float32, torch.bfloat16), isa="avx2", native=True, reads_device_layout=True,
-        head_dims=tuple(range(16, 129, 16))),
+        head_dims=tuple(range(16, 129, 16)), in_fused_layer=True),
         "our compiled decode-attention kernel (AVX-512 or AVX2 + FMA, reads the cursor's length/pad)"),
     Backend("flash_attn", flash_decode, BackendCaps(
         devices=("cuda",), dtypes=_HALF, packages=("flash_attn",), reads_device_layout=True, layout="bshd"),

@@ -29,7 +29,9 @@ class BackendCaps:
     a bucket); False: the store hands it a mask or it slices with host ints.
     needs_mask : it reads the store's additive slot mask (dense decode). capturable : it may run inside a
     captured / compiled decode step. decode_only : one query row only. head_dims : the head dims it serves (None:
-    any). layout : the dense KV layout it reads.
+    any). layout : the dense KV layout it reads. in_fused_layer : the engine's fused decode layer op
+    (``runtime/kernels/layer.cpp``: ``decode_layer`` for the dense store, ``decode_layer_tiers`` for a tiered one)
+    runs this very kernel inside itself, so a store attending with it may hand its buffers to that op.
     """
 
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -44,6 +46,7 @@ class BackendCaps:
     decode_only: bool = False
     head_dims: tuple[int, ...] | None = None
     layout: str = "bhsd"
+    in_fused_layer: bool = False
 
     def unavailable(self, device: torch.device, dtype: torch.dtype, kernels: str = "auto", explicit: bool = False,
                     head_dim: int | None = None, q_len: int = 1) -> str | None:

@@ -259,6 +259,18 @@ class ProjectionGroup:
             bias = torch.cat([b if b is not None else Ps[0].new_zeros(o) for b, o in zip(bs, outs)])
         self.seg = {"members": lr, "Ps": Ps, "outs": outs, "ins": ins, "xoffs": xoffs, "bias": bias}
 
+    def fused_readable(self) -> bool:
+        """Whether the fused decode layer op (``runtime/kernels/layer.cpp``) can read this group as it is stored: one
+        stage-1 matrix and every stage-2 factor packed fp32 / bf16 in ``lrk.cpp``'s layout (one dtype), every low-rank
+        member in the one segmented stage-2 call."""
+        if not (self.gemv.packed and self.pack):
+            return False
+        mats = [self.S_p] + [u for u in self.U_p if u is not None]
+        if any(m.P.dtype not in (torch.float32, torch.bfloat16) or m.P.dtype != self.S_p.P.dtype for m in mats):
+            return False
+        lowrank = [i for i, m in enumerate(self.members) if m.lowrank]
+        return not lowrank or (self.seg is not None and list(self.seg["members"]) == lowrank)
+
     # ------------------------------------------------------------------ views of the stored weights
     @property
     def S(self) -> torch.Tensor:
@@ -524,6 +536,16 @@ class QuantizedProjectionGroup(ProjectionGroup):
                          "xoffs": [self.offsets[self.members[i].first] for i in lr], "bias": bias}
 
     quantized = True
+
+    def fused_readable(self) -> bool:
+        """Whether the fused decode layer op can read this group: its stage-1 matrix and every U as ``qgemv`` blobs
+        (``S_q`` / ``U_q`` on the kernel), one segmented stage-2 call over every low-rank member, no stage-1 bias."""
+        if not (self.pack and self.S_q.kernel) or self.S_bias is not None:
+            return False
+        if not all(u.kernel for u in self.U_q if u is not None):
+            return False
+        lowrank = [i for i, m in enumerate(self.members) if m.lowrank]
+        return not lowrank or (self.qseg is not None and list(self.qseg["members"]) == lowrank)
 
     @property
     def S(self) -> torch.Tensor:

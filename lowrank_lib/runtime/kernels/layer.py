@@ -6,16 +6,17 @@ would run anyway, decided from capabilities, never from backend names:
 
 - the decode GEMVs are our packed kernels (:attr:`GemvChoice.packed`; ``kernels="portable"`` rules them out);
 - the KV store is the dense store itself (:class:`~lowrank_lib.runtime.kv.dense.DenseKV`, not a subclass) and its
-  attention backend is our native kernel reading the ``bhsd`` buffer and the cursor from memory
-  (``BackendCaps.native``, ``layout``, no mask); or a store that offers the tiered layout of ``lowrank_lib.kv``
-  (``fused_tiers_unavailable()`` returns None: ``kv.MethodStore`` with the fused tier attention and a method that
-  appends each token's exact k / v), which the op then reads with ``tiers.cpp``'s kernel
-  (``lowrank_lrk::decode_layer_tiers``); any other store keeps its own append / attend;
+  attention backend is the native kernel the op runs inside itself (``BackendCaps.in_fused_layer``: ``lrk_attend``,
+  reading the ``bhsd`` buffer and the cursor from memory); or a store that offers the tiered layout of
+  ``lowrank_lib.kv`` (its ``fused_tiers_unavailable()``, part of the ``KVStore`` protocol, returns None:
+  ``kv.MethodStore`` with a tiered attention the op runs, ``lrk_tiers``, and a method that appends each token's exact
+  k / v), which the op then reads with ``tiers.cpp``'s kernel (``lowrank_lrk::decode_layer_tiers``); any other store
+  keeps its own append / attend;
 - every projection group is packed (one stage-1 matrix: ``pack_qkv`` / ``pack_mlp``), its low-rank members in one
   segmented stage-2 call: fp32 / bf16 packs (``lrk::pack``), or quantized factors (int8 / int4,
   :class:`~lowrank_lib.runtime.packing.QuantizedProjectionGroup` with its ``qgemv`` blobs: where the packed
   ``qgemv`` kernel has code for this CPU, else the group runs ``qmatmul`` and the step stays per-op); each group of a
-  layer is either kind;
+  layer is either kind, and says so itself (``ProjectionGroup.fused_readable()``);
 - the MLP activation is SiLU; at most :data:`~lowrank_lib.runtime.kernels.gemv.LRK_MAX_ROWS` rows (``max_batch``).
 
 :class:`FusedLayer` holds one layer's weight list and integer description (``layer.cpp``'s header gives the format);
@@ -80,24 +81,19 @@ def fused_layer_unavailable(gemv, store, groups, act_is_silu: bool, max_batch: i
     if not gemv.packed:
         return f"the decode GEMVs run {gemv.name} ({gemv.reason})"
     if type(store) is not DenseKV:
-        tiers = getattr(store, "fused_tiers_unavailable", None)
-        if tiers is None:
-            return f"the {store.name!r} KV store keeps its own append and attention"
-        why = tiers()
+        why = store.fused_tiers_unavailable()
         if why is not None:
             return f"the {store.name!r} KV store keeps its own append and attention ({why})"
-    else:
-        caps = store.backend.caps
-        if not caps.native or caps.layout != "bhsd" or caps.needs_mask:
-            return (f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not our native "
-                    f"kernel")
+    elif not store.backend.caps.in_fused_layer:
+        return (f"the dense store's attention is {store.backend.name} ({store.backend.reason}), not the native kernel "
+                f"the fused layer runs")
     if not all(g.pack for g in groups):
         return ("a projection group is not packed (pack_qkv / pack_mlp off, or a quantized group with a dense "
                 "member)")
     slow = next((g for g in groups if g.quantized and g.qgemv_reason is not None), None)
     if slow is not None:
         return f"the quantized group {'/'.join(slow.names)} cannot run qgemv ({slow.qgemv_reason})"
-    odd = next((g for g in groups if not (_quantized(g) if g.quantized else _plain(g))), None)
+    odd = next((g for g in groups if not g.fused_readable()), None)
     if odd is not None:
         return (f"the group {'/'.join(odd.names)} is not one packed stage-1 matrix and one segmented stage-2 call of "
                 f"our kernels")
@@ -106,31 +102,6 @@ def fused_layer_unavailable(gemv, store, groups, act_is_silu: bool, max_batch: i
     if max_batch > LRK_MAX_ROWS:
         return f"max_batch {max_batch} > {LRK_MAX_ROWS} rows (the packed kernel's decode limit)"
     return None
-
-
-def _plain(g) -> bool:
-    """A packed group the op reads: its stage-1 matrix and every stage-2 factor packed fp32 / bf16 (``lrk.cpp``'s
-    layout), every low-rank member in the one segmented stage-2 call."""
-    S = getattr(g, "S_p", None)
-    mats = [S] + [u for u in getattr(g, "U_p", []) if u is not None]
-    if S is None or not all(isinstance(getattr(m, "P", None), torch.Tensor) for m in mats):
-        return False
-    if any(m.P.dtype not in (torch.float32, torch.bfloat16) or m.P.dtype != S.P.dtype for m in mats):
-        return False
-    lowrank = [i for i, m in enumerate(g.members) if m.lowrank]
-    return not lowrank or (g.seg is not None and list(g.seg["members"]) == lowrank)
-
-
-def _quantized(g) -> bool:
-    """A packed quantized group the op reads: its stage-1 matrix and every U qpack blobs (``S_q`` / ``U_q`` on the
-    kernel), one segmented stage-2 call over every low-rank member, no stage-1 bias."""
-    S = getattr(g, "S_q", None)
-    if S is None or not S.kernel or getattr(g, "S_bias", None) is not None:
-        return False
-    if not all(u.kernel for u in g.U_q if u is not None):
-        return False
-    lowrank = [i for i, m in enumerate(g.members) if m.lowrank]
-    return not lowrank or (g.qseg is not None and list(g.qseg["members"]) == lowrank)
 
 
 def quant_summary(groups) -> str:

@@ -155,6 +155,11 @@ class KVStore(Protocol):
 
     def report(self) -> dict: ...
 
+    def fused_tiers_unavailable(self) -> str | None: ...
+    # ^ why the engine's fused decode layer cannot read this store as a tiered layout (None: it can, and the store
+    #   offers ``fused_tier_args`` / ``fused_tier_layout`` / ``fused_appended``, as ``kv.MethodStore`` does); the
+    #   dense store is read by the op as its own buffer instead (``runtime/kernels/layer.py``)
+
 
 def additive_mask(ok: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """bool "may attend" -> additive mask (0 / -inf) in ``dtype``, same shape."""

@@ -70,6 +70,9 @@ class DenseKV:
     def report(self) -> dict:
         return {"store": self.name, "layout": self.layout, "buffer_bytes": self.nbytes}
 
+    def fused_tiers_unavailable(self) -> str:
+        return "one dense buffer, not a tiered layout (the fused layer reads the buffer itself: decode_layer)"
+
     # ------------------------------------------------------------------ prefill
     def reset(self, B: int, T: int, ids=None) -> None:
         pass

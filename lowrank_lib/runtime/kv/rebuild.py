@@ -48,6 +48,9 @@ class RebuildKV:
         return {"store": self.name, "buffer_bytes": self.nbytes,
                 "latent_dims": [list(d) for d in self.spec.latent_dims]}
 
+    def fused_tiers_unavailable(self) -> str:
+        return "it rebuilds K / V from latents every step"
+
     def reset(self, B: int, T: int, ids=None) -> None:
         pass
 
