@@ -71,3 +71,44 @@ def test_plain_svd_checkpoint_truncates_like_compress_svd():
     x = random_token_batches(256, 1, 16, seed=4)
     with torch.no_grad():
         torch.testing.assert_close(low(x).logits, ref(x).logits, rtol=1e-3, atol=1e-3)
+
+
+def test_a_truncated_copy_never_copies_the_factors_it_replaces(ckpt):
+    """``copy_for_factors`` (what every ``compress`` copies the model with) leaves out each parameter that only the
+    replaced modules hold: a checkpoint's U / V, a basis whose every sharer is replaced; a basis shared with a module
+    that stays, the embedding and the norms are real copies. So the slider's peak is not a second checkpoint."""
+    import copy
+
+    from lowrank_lib.compress.common import copy_for_factors
+
+    comp, _ = ckpt
+    comp = copy.deepcopy(comp)
+    lrs = _lr(comp)
+    a, b = "model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"
+    lrs[b].V = lrs[a].V                                       # one basis, two holders (Basis Sharing)
+    nbytes = lambda t: t.untyped_storage().nbytes()
+    for names, basis_copied in ((set(lrs), False), (set(lrs) - {b}, True)):
+        cp = copy_for_factors(comp, names)
+        got = _lr(cp)
+        for n in names - {a}:
+            assert nbytes(got[n].U) == got[n].U.element_size() and got[n].U.shape == lrs[n].U.shape, n
+        assert (nbytes(got[a].V) == lrs[a].V.numel() * lrs[a].V.element_size()) == basis_copied
+        emb = cp.model.embed_tokens.weight
+        assert nbytes(emb) == nbytes(comp.model.embed_tokens.weight) and emb.data_ptr() != \
+            comp.model.embed_tokens.weight.data_ptr()
+
+
+def test_shared_factors_are_views_of_the_spectra_with_the_same_logits(ckpt):
+    """``compress(..., share=True)`` (the keep slider's: each keep is measured, then dropped) holds views of the
+    spectra, no new bytes, and computes what the copies compute."""
+    comp, sp = ckpt
+    x = random_token_batches(256, 1, 16, seed=5)
+    copied, shared = sp.compress(comp, 0.4), sp.compress(comp, 0.4, share=True)
+    for n, m in _lr(shared).items():
+        assert m.U.untyped_storage().data_ptr() == sp.u[n].untyped_storage().data_ptr()
+        assert m.V.untyped_storage().data_ptr() == sp.v[n].untyped_storage().data_ptr()
+        assert m.rank == _lr(copied)[n].rank < sp.stored_rank(n)
+    for n, m in _lr(copied).items():
+        assert m.U.untyped_storage().data_ptr() != sp.u[n].untyped_storage().data_ptr()
+    with torch.no_grad():
+        assert torch.equal(shared(x).logits, copied(x).logits)

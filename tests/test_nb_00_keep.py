@@ -20,9 +20,10 @@ def explorer(monkeypatch):
     calls = {"compress": 0}
     real = spectra.compress
 
-    def counting(model, keep=None, ranks=None):
+    def counting(model, keep=None, ranks=None, share=False):
         calls["compress"] += 1
-        return real(model, keep, ranks)
+        calls["share"] = share
+        return real(model, keep, ranks, share)
 
     monkeypatch.setattr(spectra, "compress", counting)
     window = random_token_batches(256, 1, 48, seed=5)[0]
@@ -38,6 +39,7 @@ def test_values_equal_direct_compression_and_are_cached(explorer):
     assert row["ppl"] == pytest.approx(perplexity(direct, window, seq_len=48, progress=False).ppl, rel=1e-6)
     assert row["params"] == account(direct).total_params < account(m).total_params
     assert row["method"] == "svdllm" and row["keep"] == 0.6 and not row["cached"]
+    assert calls["share"]                         # the slider's model holds views of the spectra, not copies
     assert row["answer_ids"] == ex.answers.generate(direct).tolist()
     again = ex.result(0.6000000001)                     # a slider's float noise hits the same entry
     assert again["cached"] and again["ppl"] == row["ppl"] and calls["compress"] == 1

@@ -47,20 +47,23 @@ def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict
 
 
 def copy_for_factors(model, names: Iterable[str]):
-    """A deep copy of ``model`` in which ``replace_with_factors`` is about to replace the Linear modules ``names``:
-    their weights are not copied (an empty placeholder stands in until the replacement), which saves a copy of
-    most of the model's bytes. A weight some other module also holds (a tied head) is copied as usual."""
-    mods = dict(model.named_modules())
+    """A deep copy of ``model`` in which ``replace_with_factors`` is about to replace the modules ``names`` (``Linear``
+    or ``LowRankLinear``): a parameter that only those modules hold (a weight; a checkpoint's factors U / V, a
+    basis every sharer of which is replaced) is not copied (a one-element placeholder stands in until the
+    replacement),
+    which saves a copy of most of the model's bytes. A parameter some other module also holds (a tied head, a basis
+    shared with a module that stays) is copied as usual."""
     names = set(names)
-    held = {}
-    for m in mods.values():
+    holders: dict[int, set[str]] = {}
+    params: dict[int, torch.nn.Parameter] = {}
+    for n, m in model.named_modules():
         for p in m.parameters(recurse=False):
-            held[id(p)] = held.get(id(p), 0) + 1
-    memo = {}
-    for n in names:
-        w = getattr(mods.get(n), "weight", None)
-        if isinstance(w, torch.nn.Parameter) and held.get(id(w)) == 1:
-            memo[id(w)] = torch.nn.Parameter(w.new_empty(0), requires_grad=w.requires_grad)
+            holders.setdefault(id(p), set()).add(n)
+            params[id(p)] = p
+    # the placeholder: the parameter's shape, dtype and device over ONE element (stride 0), so the replacement's
+    # checks (shapes, device) read what they would read on the original
+    memo = {i: torch.nn.Parameter(params[i].new_empty(()).expand(params[i].shape), requires_grad=False)
+            for i, hs in holders.items() if hs <= names}
     return copy.deepcopy(model, memo)
 
 
@@ -79,9 +82,12 @@ class FullRankFactors:
     def rank(self, name: str, keep: float) -> int:
         raise NotImplementedError
 
-    def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None) -> dict[str, LowRankLinear]:
+    def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None,
+                share: bool = False) -> dict[str, LowRankLinear]:
         """``{name: LowRankLinear}`` at canonical ``keep`` (every matrix, :meth:`rank`) or for the matrices in
-        ``ranks``; copies, so a compressed model never aliases these factors."""
+        ``ranks``; copies, so a compressed model never aliases these factors, unless ``share``: then views of them
+        (no bytes copied; for a model that is used and dropped, as the keep slider's: changing its weights in place
+        would change these spectra)."""
         if (keep is None) == (ranks is None):
             raise ValueError("give exactly one of keep= or ranks=")
         out = {}
@@ -93,6 +99,9 @@ class FullRankFactors:
             if not 1 <= r <= full:
                 raise ValueError(f"{name}: rank {r} outside [1, {full}]")
             b = self.bias[name]
-            out[name] = LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
-                                      self.v[name][:r].clone(), None if b is None else b.clone())
+            if share:
+                out[name] = LowRankLinear(self.u[name][:, :r], self.v[name][:r], b)
+            else:
+                out[name] = LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
+                                          self.v[name][:r].clone(), None if b is None else b.clone())
         return out

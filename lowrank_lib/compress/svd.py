@@ -108,15 +108,14 @@ class FactorSpectra(FullRankFactors):
         return max(1, min(self.stored_rank(name), keep_rank(self.u[name].shape[0], self.v[name].shape[1], keep)))
 
     @torch.no_grad()
-    def compress(self, model=None, keep: float | None = None, ranks: dict[str, int] | None = None):
+    def compress(self, model=None, keep: float | None = None, ranks: dict[str, int] | None = None,
+                 share: bool = False):
         """A copy of the compressed model these spectra came from (``model``: that model or None; another one is
-        refused), its factors truncated to ``keep`` / ``ranks``."""
-        import copy
-
+        refused), its factors truncated to ``keep`` / ``ranks``: the stored factors it replaces are never copied
+        (:func:`copy_for_factors`), and with ``share`` the new ones are views of these spectra (:meth:`factors`)."""
         if model is not None and model is not self.base:
             raise ValueError("FactorSpectra truncates the model it was built from; pass that model or None")
-        facs = self.factors(keep, ranks)
+        facs = self.factors(keep, ranks, share)
         meta = dict(getattr(self.base, "lowrank_meta", None) or {})
-        m = copy.deepcopy(self.base)
-        return replace_with_factors(m, facs, {**meta, "keep": keep, "truncated_from": meta.get("keep"),
-                                              "shared_groups": []})
+        return replace_with_factors(copy_for_factors(self.base, facs), facs,
+                                    {**meta, "keep": keep, "truncated_from": meta.get("keep"), "shared_groups": []})

@@ -188,10 +188,11 @@ class WhitenedSpectra(FullRankFactors):
         return keep_rank(self.u[name].shape[0], self.v[name].shape[1], keep)
 
     @torch.no_grad()
-    def compress(self, model, keep: float | None = None, ranks: dict[str, int] | None = None):
-        """A factorized deep copy of the dense ``model`` these spectra came from (``compress_svdllm``'s result)."""
+    def compress(self, model, keep: float | None = None, ranks: dict[str, int] | None = None, share: bool = False):
+        """A factorized deep copy of the dense ``model`` these spectra came from (``compress_svdllm``'s result); with
+        ``share`` its factors are views of these spectra (:meth:`factors`)."""
         meta = {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []}
-        facs = self.factors(keep, ranks)
+        facs = self.factors(keep, ranks, share)
         return replace_with_factors(copy_for_factors(model, facs), facs, meta)
 
 

@@ -151,7 +151,7 @@ class KeepExplorer:
         if k in self.results:
             return {**self.results[k], "cached": True}
         t0 = time.perf_counter()
-        m = self.spectra.compress(self.base, k)
+        m = self.spectra.compress(self.base, k, share=True)     # views of the spectra: measured, then dropped
         row = {"keep": k, "method": self.spectra.method, **self._measure(m), **self.answers.compare(m)}
         row["seconds"] = time.perf_counter() - t0
         del m
