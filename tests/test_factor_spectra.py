@@ -110,5 +110,7 @@ def test_shared_factors_are_views_of_the_spectra_with_the_same_logits(ckpt):
         assert m.rank == _lr(copied)[n].rank < sp.stored_rank(n)
     for n, m in _lr(copied).items():
         assert m.U.untyped_storage().data_ptr() != sp.u[n].untyped_storage().data_ptr()
+    emb = comp.model.embed_tokens.weight                     # the rest: the checkpoint's own tensors, or copies
+    assert shared.model.embed_tokens.weight is emb and copied.model.embed_tokens.weight.data_ptr() != emb.data_ptr()
     with torch.no_grad():
         assert torch.equal(shared(x).logits, copied(x).logits)

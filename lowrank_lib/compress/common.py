@@ -46,13 +46,14 @@ def compress_each(model, fn: Callable[[str, torch.nn.Linear], tuple], meta: dict
     return replace_with_factors(m, new, meta)
 
 
-def copy_for_factors(model, names: Iterable[str]):
+def copy_for_factors(model, names: Iterable[str], share: bool = False):
     """A deep copy of ``model`` in which ``replace_with_factors`` is about to replace the modules ``names`` (``Linear``
     or ``LowRankLinear``): a parameter that only those modules hold (a weight; a checkpoint's factors U / V, a
     basis every sharer of which is replaced) is not copied (a one-element placeholder stands in until the
     replacement),
     which saves a copy of most of the model's bytes. A parameter some other module also holds (a tied head, a basis
-    shared with a module that stays) is copied as usual."""
+    shared with a module that stays) is copied as usual, or with ``share`` held by the copy as it is (the same tensor:
+    for a copy that is used and dropped; changing it in place would change ``model``)."""
     names = set(names)
     holders: dict[int, set[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}
@@ -64,6 +65,8 @@ def copy_for_factors(model, names: Iterable[str]):
     # checks (shapes, device) read what they would read on the original
     memo = {i: torch.nn.Parameter(params[i].new_empty(()).expand(params[i].shape), requires_grad=False)
             for i, hs in holders.items() if hs <= names}
+    if share:
+        memo.update({i: p for i, p in params.items() if i not in memo})
     return copy.deepcopy(model, memo)
 
 
@@ -87,7 +90,7 @@ class FullRankFactors:
         """``{name: LowRankLinear}`` at canonical ``keep`` (every matrix, :meth:`rank`) or for the matrices in
         ``ranks``; copies, so a compressed model never aliases these factors, unless ``share``: then views of them
         (no bytes copied; for a model that is used and dropped, as the keep slider's: changing its weights in place
-        would change these spectra)."""
+        would change these spectra; ``compress(..., share=True)`` also shares the model's other parameters)."""
         if (keep is None) == (ranks is None):
             raise ValueError("give exactly one of keep= or ranks=")
         out = {}

@@ -112,10 +112,11 @@ class FactorSpectra(FullRankFactors):
                  share: bool = False):
         """A copy of the compressed model these spectra came from (``model``: that model or None; another one is
         refused), its factors truncated to ``keep`` / ``ranks``: the stored factors it replaces are never copied
-        (:func:`copy_for_factors`), and with ``share`` the new ones are views of these spectra (:meth:`factors`)."""
+        (:func:`copy_for_factors`), and with ``share`` the new ones are views of these spectra (:meth:`factors`) and the
+        other parameters the checkpoint's own: nothing is copied."""
         if model is not None and model is not self.base:
             raise ValueError("FactorSpectra truncates the model it was built from; pass that model or None")
         facs = self.factors(keep, ranks, share)
         meta = dict(getattr(self.base, "lowrank_meta", None) or {})
-        return replace_with_factors(copy_for_factors(self.base, facs), facs,
+        return replace_with_factors(copy_for_factors(self.base, facs, share), facs,
                                     {**meta, "keep": keep, "truncated_from": meta.get("keep"), "shared_groups": []})

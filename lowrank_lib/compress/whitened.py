@@ -190,10 +190,11 @@ class WhitenedSpectra(FullRankFactors):
     @torch.no_grad()
     def compress(self, model, keep: float | None = None, ranks: dict[str, int] | None = None, share: bool = False):
         """A factorized deep copy of the dense ``model`` these spectra came from (``compress_svdllm``'s result); with
-        ``share`` its factors are views of these spectra (:meth:`factors`)."""
+        ``share`` its factors are views of these spectra (:meth:`factors`) and its other parameters ``model``'s own
+        (:func:`copy_for_factors`): nothing is copied."""
         meta = {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []}
         facs = self.factors(keep, ranks, share)
-        return replace_with_factors(copy_for_factors(model, facs), facs, meta)
+        return replace_with_factors(copy_for_factors(model, facs, share), facs, meta)
 
 
 def default_cache_dir() -> Path:
