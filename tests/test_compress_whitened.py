@@ -140,7 +140,7 @@ def test_the_disk_cache_returns_the_same_spectra_and_misses_on_any_change(tmp_pa
 def test_the_cache_is_pruned_least_recently_used_first(tmp_path):
     import os
 
-    from lowrank_lib.compress.whitened import prune_cache
+    from lowrank_lib.compress.spectra_cache import prune_cache
 
     files = []
     for i in range(4):

@@ -114,3 +114,50 @@ def test_shared_factors_are_views_of_the_spectra_with_the_same_logits(ckpt):
     assert shared.model.embed_tokens.weight is emb and copied.model.embed_tokens.weight.data_ptr() != emb.data_ptr()
     with torch.no_grad():
         assert torch.equal(shared(x).logits, copied(x).logits)
+
+
+def test_16_bit_factors_are_re_decomposed_in_float32_within_their_own_rounding(ckpt):
+    """bf16 factors are re-decomposed in float32 (not float64): at the stored rank the map equals the stored one
+    within the bf16 rounding of the new factors, and half the rank is the best rank-r approximation of the stored map
+    within that rounding too."""
+    import copy
+
+    comp, sp64 = ckpt
+    half = copy.deepcopy(comp).to(torch.bfloat16)
+    sp = FactorSpectra(half, progress=False)
+    for n, m in _lr(half).items():
+        stored = m.U.double() @ m.V.double()
+        got = sp.u[n].double() @ sp.v[n].double()
+        err = float((got - stored).norm() / stored.norm())
+        assert sp.u[n].dtype == torch.bfloat16 and err < 2 ** -8, (n, err)
+        r = max(1, sp.stored_rank(n) // 2)
+        best = torch.linalg.svdvals(stored)[r:].square().sum().sqrt() / stored.norm()
+        trunc = float(((sp.u[n][:, :r].double() @ sp.v[n][:r].double()) - stored).norm() / stored.norm())
+        assert trunc <= float(best) + 2 ** -7, (n, trunc, float(best))
+
+
+def test_cached_spectra_read_back_equal_and_follow_the_weights(ckpt, tmp_path):
+    """``FactorSpectra.cached``: the first call decomposes and writes, the second reads the same factors back (and
+    truncates to the same model); other weights are a miss; a damaged file is made again; a file over the limit is
+    not kept."""
+    import copy
+
+    comp, _ = ckpt
+    a, ia = FactorSpectra.cached(comp, cache_dir=tmp_path, progress=False)
+    b, ib = FactorSpectra.cached(comp, cache_dir=tmp_path, progress=False)
+    assert (ia["hit"], ia["written"], ib["hit"]) == (False, True, True) and ia["key"] == ib["key"]
+    assert ia["decompose_s"] > 0 and ib["decompose_s"] == 0.0
+    assert set(a.u) == set(b.u) and all(torch.equal(a.u[n], b.u[n]) and torch.equal(a.v[n], b.v[n]) for n in a.u)
+    x = random_token_batches(256, 1, 12, seed=7)
+    with torch.no_grad():
+        assert torch.equal(a.compress(comp, 0.4)(x).logits, b.compress(comp, 0.4, share=True)(x).logits)
+    other = copy.deepcopy(comp)
+    with torch.no_grad():
+        next(iter(_lr(other).values())).U.mul_(2)
+    assert not FactorSpectra.cached(other, cache_dir=tmp_path, progress=False)[1]["hit"]
+    path = tmp_path / f"{ia['key']}.safetensors"
+    path.write_bytes(b"not a safetensors file")
+    c, ic = FactorSpectra.cached(comp, cache_dir=tmp_path, progress=False)
+    assert not ic["hit"] and ic["written"] and all(torch.equal(a.u[n], c.u[n]) for n in a.u)
+    d, idd = FactorSpectra.cached(comp, cache_dir=tmp_path / "small", progress=False, max_cache_bytes=1000)
+    assert not idd["written"] and not list((tmp_path / "small").glob("*.safetensors"))

@@ -5,6 +5,9 @@ and ``compress_svd(model, keep, spectra=...)`` only truncates.
 """
 from __future__ import annotations
 
+import json
+import time
+from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -13,6 +16,7 @@ from tqdm.auto import tqdm
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, split_sqrt
 from ..ranks import keep_rank
 from .common import FullRankFactors, copy_for_factors
+from .spectra_cache import cached, read_spectra, weights_digest, write_spectra
 
 
 class SVDSpectra:
@@ -70,7 +74,9 @@ class FactorSpectra(FullRankFactors):
     slider of notebook 00 on a checkpoint you bring).
 
     For each ``LowRankLinear`` (U [out, r], V [r, in]): U = Q_u R_u and V^T = Q_v R_v (thin QR), SVD(R_u R_v^T) =
-    A S B^T, and u = Q_u A sqrt(S), v = sqrt(S) B^T Q_v^T. Then u v = U V (the same map, float64 rounding), its
+    A S B^T, and u = Q_u A sqrt(S), v = sqrt(S) B^T Q_v^T. Then u v = U V (the same map up to the rounding of the
+    working precision: float64 for fp32 factors; float32 for bf16 / fp16 ones, 2^16 times finer than what they
+    store and twice as fast: a LLaMA-7B-shape file in bf16 holds 224 such matrices of rank up to 2388), its
     components ordered by singular value, so u[:, :k] v[:k] is the best rank-k approximation of the STORED map
     (Eckart-Young; no calibration data: a checkpoint may come without its tokenizer or its dense model). Costs two
     QRs and an r x r SVD per matrix, not an SVD of the dense map. Truncating a shared basis (Basis Sharing) gives
@@ -90,7 +96,8 @@ class FactorSpectra(FullRankFactors):
             raise ValueError("the model has no LowRankLinear projection: FactorSpectra truncates stored factors "
                              "(use SVDSpectra or WhitenedSpectra on a dense model)")
         for name, lin in tqdm(lins, desc="factor SVD", disable=not progress, leave=False):
-            U, V = lin.U.detach().double(), lin.V.detach().double()
+            wt = torch.float32 if lin.U.element_size() <= 2 and lin.V.element_size() <= 2 else torch.float64
+            U, V = lin.U.detach().to(wt), lin.V.detach().to(wt)
             qu, ru = torch.linalg.qr(U)
             qv, rv = torch.linalg.qr(V.T)
             a, s, bh = torch.linalg.svd(ru @ rv.T)
@@ -99,6 +106,44 @@ class FactorSpectra(FullRankFactors):
             self.u[name] = ((qu @ a) * rs).to(dt).contiguous()
             self.v[name] = (rs[:, None] * (bh @ qv.T)).to(dt).contiguous()
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
+
+    #: bump when the stored factors change meaning (an old cache file then has another key: a miss)
+    FORMAT = 1
+
+    @classmethod
+    def cached(cls, model, targets: Iterable[str] = LLAMA_PROJ, cache_dir: str | Path | None = None,
+               progress: bool = True, max_cache_bytes: int | None = None) -> tuple["FactorSpectra", dict]:
+        """``(spectra, info)`` of ``model`` (a compressed model): read back from the cache when the same weights were
+        re-decomposed before (a notebook reopened on your checkpoint: the QRs and SVDs are the slider's wait, 129 s of
+        154 for a Llama-3.2-1B-shape file), else computed and written there (:mod:`.spectra_cache`; a file larger
+        than the limit alone is not kept). ``info``: ``hit``, ``written``, ``path``, ``key``, ``decompose_s`` (the
+        work done now; 0 on a hit), ``seconds`` (all of it, hashing the weights included). ``cache_dir`` default:
+        ``<model cache>/factor_spectra``, pruned to ``max_cache_bytes`` (default ``$LOWRANK_LIB_FACTOR_CACHE_GB``,
+        24 GB: a 7B-shape file's bf16 factors)."""
+        from ..models import cache_limit, default_cache_dir
+
+        t0 = time.perf_counter()
+        targets = tuple(targets)
+        h = weights_digest(model)
+        h.update(json.dumps([list(targets), cls.FORMAT, "factor"]).encode())
+
+        def make():
+            t1 = time.perf_counter()
+            spectra = cls(model, targets, progress)
+            return spectra, {"decompose_s": time.perf_counter() - t1}
+
+        def load(path):
+            self = cls.__new__(cls)
+            self.base = model
+            self.u, self.v, self.bias, self.targets = read_spectra(path, cls.FORMAT, cls.__name__)
+            if set(self.u) != {n for n, m in iter_linears(model, targets) if isinstance(m, LowRankLinear)}:
+                raise ValueError(f"{path}: other matrices than the model's factorized ones")
+            return self
+
+        folder = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "factor_spectra"
+        limit = cache_limit("LOWRANK_LIB_FACTOR_CACHE_GB", 24) if max_cache_bytes is None else max_cache_bytes
+        return cached(folder, h.hexdigest()[:32], load, make, lambda sp, p: write_spectra(sp, p, cls.FORMAT, cls.__name__),
+                      limit, misses={"decompose_s": 0.0}, started=t0)
 
     def stored_rank(self, name: str) -> int:
         return self.u[name].shape[1]

@@ -23,14 +23,12 @@ model's dtype, which is what ``compress_svdllm`` returns too).
 On disk: :meth:`WhitenedSpectra.cached` keeps the factors of a (model, calibration tokens, targets, dtype) as one
 safetensors file under ``<model cache>/whitened/<key>.safetensors`` (the key: sha256 of the weights, the
 calibration token ids, the targets and the dtype), memory-mapped back on the next call: a notebook reopened
-skips the calibration and the SVDs (SmolLM2: 32 s -> under a second). :func:`prune_cache` keeps that folder
-under a byte limit, least recently used first out.
+skips the calibration and the SVDs (SmolLM2: 32 s -> under a second). The folder stays under a byte limit, least
+recently used first out (:mod:`lowrank_lib.compress.spectra_cache`, shared with :meth:`FactorSpectra.cached`).
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Iterable
@@ -42,6 +40,7 @@ from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_f
 from ..ranks import keep_rank
 from .calib import CalibStats, cholesky_lower, collect_stats
 from .common import FullRankFactors, copy_for_factors
+from .spectra_cache import cached, read_spectra, weights_digest, write_spectra
 
 
 def whitened_full(W: torch.Tensor, L: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,46 +103,21 @@ class WhitenedSpectra(FullRankFactors):
 
     def save(self, path: str | Path) -> Path:
         """Write the factors as one safetensors file (``u.<name>``, ``v.<name>``, ``bias.<name>``)."""
-        from safetensors.torch import save_file
-
-        tensors = {f"u.{n}": t.contiguous() for n, t in self.u.items()}
-        tensors.update({f"v.{n}": t.contiguous() for n, t in self.v.items()})
-        tensors.update({f"bias.{n}": b.contiguous() for n, b in self.bias.items() if b is not None})
-        meta = {"format": str(self.FORMAT), "targets": json.dumps(list(self.targets)),
-                "names": json.dumps(list(self.u))}
-        path = Path(path)
-        save_file(tensors, str(path), metadata=meta)
-        return path
+        return write_spectra(self, path, self.FORMAT)
 
     @classmethod
     def load(cls, path: str | Path) -> "WhitenedSpectra":
         """The spectra :meth:`save` wrote, memory-mapped (ValueError for a file of another format or a missing
         tensor)."""
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format") != str(cls.FORMAT):
-                raise ValueError(f"{path}: whitened spectra of format {meta.get('format')!r}, expected {cls.FORMAT}")
-            names, keys = json.loads(meta["names"]), set(f.keys())
-            missing = [k for n in names for k in (f"u.{n}", f"v.{n}") if k not in keys]
-            if missing:
-                raise ValueError(f"{path}: missing {missing[:3]}")
-            u = {n: f.get_tensor(f"u.{n}") for n in names}
-            v = {n: f.get_tensor(f"v.{n}") for n in names}
-            bias = {n: f.get_tensor(f"bias.{n}") if f"bias.{n}" in keys else None for n in names}
-        return cls.from_factors(u, v, bias, json.loads(meta["targets"]))
+        u, v, bias, targets = read_spectra(path, cls.FORMAT)
+        return cls.from_factors(u, v, bias, targets)
 
     @staticmethod
     def key(model, calib_ids: torch.Tensor, targets: Iterable[str] = LLAMA_PROJ,
             dtype: torch.dtype | None = None) -> str:
         """The cache key: sha256 of the weights (names and bytes), the calibration token ids, the targets, the
         dtype and :attr:`FORMAT`."""
-        h = hashlib.sha256()
-        for name, t in sorted(model.state_dict().items()):
-            h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-            if t.numel():
-                h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        h = weights_digest(model)
         h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
         h.update(json.dumps([list(targets), str(dtype), WhitenedSpectra.FORMAT]).encode())
         return h.hexdigest()[:32]
@@ -154,34 +128,24 @@ class WhitenedSpectra(FullRankFactors):
                max_cache_bytes: int | None = None) -> tuple["WhitenedSpectra", dict]:
         """``(spectra, info)`` of ``model`` calibrated on ``calib_ids`` [n, seq]: read from the cache when this
         (weights, tokens, targets, dtype) was decomposed before, else calibrated (:func:`collect_stats`),
-        decomposed and written there (atomically). ``info``: ``hit``, ``path``, ``key``, ``stats_s`` /
-        ``whiten_s`` (the work done now; 0 on a hit), ``seconds`` (all of it, the key's hashing included).
-        ``cache_dir`` default: ``<model cache>/whitened``; after a write the folder is pruned to
-        ``max_cache_bytes`` (default :func:`cache_limit`)."""
+        decomposed and written there (atomically; :func:`lowrank_lib.compress.spectra_cache.cached`). ``info``:
+        ``hit``, ``path``, ``key``, ``written``, ``stats_s`` / ``whiten_s`` (the work done now; 0 on a hit),
+        ``seconds`` (all of it, the key's hashing included). ``cache_dir`` default: ``<model cache>/whitened``;
+        after a write the folder is pruned to ``max_cache_bytes`` (default :func:`cache_limit`)."""
         t0 = time.perf_counter()
         targets = tuple(targets)
-        folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        key = cls.key(model, calib_ids, targets, dtype)
-        path = folder / f"{key}.safetensors"
-        info = {"key": key, "path": str(path), "hit": False, "stats_s": 0.0, "whiten_s": 0.0}
-        if path.is_file():
-            try:
-                spectra = cls.load(path)
-                os.utime(path)                                  # recently used: the last to be pruned
-                return spectra, {**info, "hit": True, "seconds": time.perf_counter() - t0}
-            except Exception:            # noqa: BLE001  damaged (safetensors' own error type), foreign: made again
-                path.unlink(missing_ok=True)
-        t1 = time.perf_counter()
-        stats = collect_stats(model, calib_ids, targets, progress=progress)
-        t2 = time.perf_counter()
-        spectra = cls(model, stats, targets, dtype, progress)
-        t3 = time.perf_counter()
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        spectra.save(tmp)
-        os.replace(tmp, path)
-        prune_cache(folder, cache_limit() if max_cache_bytes is None else max_cache_bytes, keep=path)
-        return spectra, {**info, "stats_s": t2 - t1, "whiten_s": t3 - t2, "seconds": time.perf_counter() - t0}
+
+        def make():
+            t1 = time.perf_counter()
+            stats = collect_stats(model, calib_ids, targets, progress=progress)
+            t2 = time.perf_counter()
+            spectra = cls(model, stats, targets, dtype, progress)
+            return spectra, {"stats_s": t2 - t1, "whiten_s": time.perf_counter() - t2}
+
+        return cached(Path(cache_dir) if cache_dir is not None else default_cache_dir(),
+                      cls.key(model, calib_ids, targets, dtype), cls.load, make, cls.save,
+                      cache_limit() if max_cache_bytes is None else max_cache_bytes,
+                      misses={"stats_s": 0.0, "whiten_s": 0.0}, started=t0)
 
     def rank(self, name: str, keep: float) -> int:
         """SVD-LLM's rank for matrix ``name`` at canonical ``keep``."""
@@ -209,11 +173,3 @@ def cache_limit() -> int:
     from ..models import cache_limit as limit
 
     return limit("LOWRANK_LIB_WHITENED_CACHE_GB", 8)
-
-
-def prune_cache(folder: str | Path, max_bytes: int, keep: str | Path | None = None) -> list[Path]:
-    """The least recently used spectra files of ``folder`` deleted until the rest hold at most ``max_bytes``
-    (:func:`lowrank_lib.models.prune_lru`); ``keep`` never. Returns what was deleted."""
-    from ..models import prune_lru
-
-    return prune_lru(folder, max_bytes, keep, "*.safetensors")
