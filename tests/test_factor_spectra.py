@@ -28,9 +28,12 @@ def test_at_the_stored_rank_the_model_is_the_checkpoint(ckpt):
     same = sp.compress(comp, keep=1.0)                         # every rank clamps at the stored one
     assert {n: x.rank for n, x in _lr(same).items()} == {n: x.rank for n, x in _lr(comp).items()}
     x = random_token_batches(256, 1, 24, seed=3)
-    with torch.no_grad():
-        torch.testing.assert_close(same(x).logits, comp(x).logits, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():                                     # the stored factors themselves: the same logits
+        assert torch.equal(same(x).logits, comp(x).logits)
+        assert torch.equal(sp.compress(comp, keep=1.0, share=True)(x).logits, comp(x).logits)
     assert same.lowrank_meta["truncated_from"] == comp.lowrank_meta["keep"]
+    mine = _lr(comp)
+    assert all(x.U.data_ptr() != mine[n].U.data_ptr() for n, x in _lr(same).items())       # copies, unless shared
 
 
 @pytest.mark.parametrize("keep", [0.1, 0.3, 0.5])
@@ -161,3 +164,20 @@ def test_cached_spectra_read_back_equal_and_follow_the_weights(ckpt, tmp_path):
     assert not ic["hit"] and ic["written"] and all(torch.equal(a.u[n], c.u[n]) for n in a.u)
     d, idd = FactorSpectra.cached(comp, cache_dir=tmp_path / "small", progress=False, max_cache_bytes=1000)
     assert not idd["written"] and not list((tmp_path / "small").glob("*.safetensors"))
+
+
+def test_the_stored_rank_of_a_bf16_checkpoint_is_its_own_factors(ckpt):
+    """In bf16 the re-decomposed factors round differently from the stored ones, so the slider's top keep (the
+    stored rank) serves the checkpoint's own factors: exactly the checkpoint's logits; one component less is the
+    re-decomposition's."""
+    import copy
+
+    comp, _ = ckpt
+    half = copy.deepcopy(comp).to(torch.bfloat16)
+    sp = FactorSpectra(half, progress=False)
+    x = random_token_batches(256, 1, 12, seed=8)
+    with torch.no_grad():
+        assert torch.equal(sp.compress(half, keep=1.0, share=True)(x).logits, half(x).logits)
+    name = next(iter(sp.u))
+    lower = sp.factors(ranks={name: sp.stored_rank(name) - 1})[name]
+    assert lower.rank == sp.stored_rank(name) - 1 and torch.equal(lower.U, sp.u[name][:, :-1])

@@ -101,10 +101,14 @@ class FullRankFactors:
             r = ranks[name] if ranks is not None else self.rank(name, keep)
             if not 1 <= r <= full:
                 raise ValueError(f"{name}: rank {r} outside [1, {full}]")
-            b = self.bias[name]
-            if share:
-                out[name] = LowRankLinear(self.u[name][:, :r], self.v[name][:r], b)
-            else:
-                out[name] = LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
-                                          self.v[name][:r].clone(), None if b is None else b.clone())
+            out[name] = self.truncated(name, r, share)
         return out
+
+    def truncated(self, name: str, r: int, share: bool = False) -> LowRankLinear:
+        """Matrix ``name`` at rank ``r`` (checked by :meth:`factors`): the leading ``r`` components, copied or (``share``)
+        views."""
+        b = self.bias[name]
+        if share:
+            return LowRankLinear(self.u[name][:, :r], self.v[name][:r], b)
+        return LowRankLinear(self.u[name][:, :r].clone(memory_format=torch.contiguous_format),
+                             self.v[name][:r].clone(), None if b is None else b.clone())

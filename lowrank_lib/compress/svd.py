@@ -148,6 +148,18 @@ class FactorSpectra(FullRankFactors):
     def stored_rank(self, name: str) -> int:
         return self.u[name].shape[1]
 
+    def truncated(self, name: str, r: int, share: bool = False) -> LowRankLinear:
+        """At the stored rank, the checkpoint's own factors (the stored map exactly: the re-decomposition equals it
+        only up to rounding, which in bf16 changes a random-weight 7B model's greedy answer); below it, the leading
+        ``r`` components of the re-decomposition."""
+        if r < self.stored_rank(name):
+            return super().truncated(name, r, share)
+        own = self.base.get_submodule(name)
+        if share:
+            return LowRankLinear(own.U, own.V, own.bias)
+        return LowRankLinear(own.U.detach().clone(), own.V.detach().clone(),
+                             None if own.bias is None else own.bias.detach().clone())
+
     def rank(self, name: str, keep: float) -> int:
         """The rank at canonical ``keep`` (:func:`keep_rank`), never above what the checkpoint stores."""
         return max(1, min(self.stored_rank(name), keep_rank(self.u[name].shape[0], self.v[name].shape[1], keep)))
