@@ -50,10 +50,9 @@ def copy_for_factors(model, names: Iterable[str], share: bool = False):
     """A deep copy of ``model`` in which ``replace_with_factors`` is about to replace the modules ``names`` (``Linear``
     or ``LowRankLinear``): a parameter that only those modules hold (a weight; a checkpoint's factors U / V, a
     basis every sharer of which is replaced) is not copied (a one-element placeholder stands in until the
-    replacement),
-    which saves a copy of most of the model's bytes. A parameter some other module also holds (a tied head, a basis
-    shared with a module that stays) is copied as usual, or with ``share`` held by the copy as it is (the same tensor:
-    for a copy that is used and dropped; changing it in place would change ``model``)."""
+    replacement), which saves a copy of most of the model's bytes. Every other parameter (the embedding, a tied head,
+    a basis shared with a module that stays) is copied as usual, or with ``share`` held by the copy as it is (the
+    same tensor: for a copy that is used and dropped; changing it in place would change ``model``)."""
     names = set(names)
     holders: dict[int, set[str]] = {}
     params: dict[int, torch.nn.Parameter] = {}

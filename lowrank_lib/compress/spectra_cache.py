@@ -75,7 +75,7 @@ def cached(folder: str | Path, key: str, load: Callable[[Path], S], make: Callab
            started: float | None = None) -> tuple[S, dict]:
     """``(spectra, info)``: ``load(path)`` of ``<folder>/<key>.safetensors`` when it is there and reads back, else
     ``make()`` (spectra and the info of the work done) written there atomically by ``save`` and the folder pruned to
-    ``max_bytes`` (a file larger than that alone is not written). ``info``: ``key``, ``path``, ``hit``, ``written``,
+    ``max_bytes`` (a file larger than that alone is not kept: its temporary is deleted). ``info``: ``key``, ``path``, ``hit``, ``written``,
     ``seconds`` (from ``started``, a ``time.perf_counter()`` the caller took before hashing the key; default now),
     and ``misses`` (the keys a hit reports as 0) or ``make``'s info."""
     t0 = time.perf_counter() if started is None else started
