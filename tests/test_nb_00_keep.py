@@ -57,6 +57,12 @@ def test_agreement_and_kl_against_the_dense_answer(explorer):
     assert same["answer_ids"] == a.dense_ids.tolist() == a.dense["answer_ids"]
     low = a.compare(compress(m, 0.3))
     assert 0.0 <= low["agreement"] <= 1.0 and low["kl"] > 1e-4
+    with torch.no_grad():                                # agreement: top-1 against the dense model's own top-1
+        ids = torch.cat([a.prompt, a.dense_ids[None]], 1)
+        T = a.prompt.shape[1]
+        top_d = m(ids).logits[0, T - 1:-1].argmax(-1)
+        top_c = compress(m, 0.3)(ids).logits[0, T - 1:-1].argmax(-1)
+    assert low["agreement"] == pytest.approx(float((top_d == top_c).double().mean()))
     # KL by hand at the first answer position
     T = a.prompt.shape[1]
     ids = torch.cat([a.prompt, a.dense_ids[None]], 1)
