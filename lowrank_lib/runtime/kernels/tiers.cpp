@@ -45,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -415,23 +416,67 @@ static void project(const float* qs, int64_t G, int64_t D, const T* bk, int64_t 
     }
 }
 
+// TB blocks of 16 tokens from t0 (TB > 1: whole blocks) of run_scores below: TB * NG independent accumulator chains
+// (one block's NG chains alone waited on the FMA latency, rank after rank), each token's sum in rank order as before
+template <typename F, int NG, int TB>
+static inline void run_scores_blk(const float* qb, int64_t rk, const F* A, int64_t lda, const void* ks, bool s32,
+                                  int64_t t0, int64_t n, float* sc) {
+  __m512 acc[TB][NG];
+  for (int b = 0; b < TB; b++)
+    for (int g = 0; g < NG; g++) acc[b][g] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < rk; r++) {
+    __m512 qv[NG];
+    for (int g = 0; g < NG; g++) qv[g] = _mm512_set1_ps(qb[g * rk + r]);
+    for (int b = 0; b < TB; b++) {
+      const __m512 a = TB > 1 ? ld(A + r * lda + t0 + 16 * b) : ld_tail(A + r * lda + t0, n - t0);
+      for (int g = 0; g < NG; g++) acc[b][g] = _mm512_fmadd_ps(qv[g], a, acc[b][g]);
+    }
+  }
+  for (int b = 0; b < TB; b++) {
+    if (ks) {
+      const __m512 s = ld_scale(ks, s32, t0 + 16 * b, lanes(n - t0 - 16 * b));
+      for (int g = 0; g < NG; g++) acc[b][g] = _mm512_mul_ps(acc[b][g], s);
+    }
+    for (int g = 0; g < NG; g++) _mm512_storeu_ps(sc + g * CH + t0 + 16 * b, acc[b][g]);
+  }
+}
+
 // sc[g * CH + i] = k_scale_i * sum_r qb[g * rk + r] A[r * lda + i]  (i < n; NG heads; ks null: no scale)
 template <typename F, int NG>
 static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, const void* ks, bool s32, int64_t n,
                        float* sc) {
-  for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    __m512 acc[NG];
-    for (int g = 0; g < NG; g++) acc[g] = _mm512_setzero_ps();
-    for (int64_t r = 0; r < rk; r++) {
-      const __m512 a = ld_tail(A + r * lda + t0, n - t0);
-      for (int g = 0; g < NG; g++) acc[g] = _mm512_fmadd_ps(_mm512_set1_ps(qb[g * rk + r]), a, acc[g]);
+  constexpr int TB = NG <= 2 ? 4 : NG == 3 ? 3 : 2;    // TB * NG <= 9 chains: enough to cover the FMA latency
+  int64_t t0 = 0;
+  for (; t0 + 16 * TB <= n; t0 += 16 * TB) run_scores_blk<F, NG, TB>(qb, rk, A, lda, ks, s32, t0, n, sc);
+  for (; t0 < n; t0 += 16) run_scores_blk<F, NG, 1>(qb, rk, A, lda, ks, s32, t0, n, sc);
+}
+
+// RBC ranks r0 .. r0 + RBC - 1 (a compile-time count: the RBC * NG accumulators stay in registers; with the count known
+// only at run time GCC kept them on the stack, a store and a load per FMA) of run_values below
+template <typename F, int NG, int RBC>
+static inline void run_values_pass(const float* p, const F* A, int64_t lda, int64_t n, __m512 (&out)[RBC][NG]) {
+  __m512 acc[RBC][NG];
+  for (int r = 0; r < RBC; r++)
+    for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+  const int64_t nf = n & ~(int64_t)15;
+  for (int64_t t0 = 0; t0 < nf; t0 += 16) {
+    __m512 pv[NG];
+    for (int g = 0; g < NG; g++) pv[g] = _mm512_loadu_ps(p + g * CH + t0);
+    for (int r = 0; r < RBC; r++) {
+      const __m512 a = ld(A + r * lda + t0);
+      for (int g = 0; g < NG; g++) acc[r][g] = _mm512_fmadd_ps(pv[g], a, acc[r][g]);
     }
-    if (ks) {
-      const __m512 s = ld_scale(ks, s32, t0, lanes(n - t0));
-      for (int g = 0; g < NG; g++) acc[g] = _mm512_mul_ps(acc[g], s);
-    }
-    for (int g = 0; g < NG; g++) _mm512_storeu_ps(sc + g * CH + t0, acc[g]);
   }
+  if (nf < n) {
+    __m512 pv[NG];
+    for (int g = 0; g < NG; g++) pv[g] = _mm512_loadu_ps(p + g * CH + nf);
+    for (int r = 0; r < RBC; r++) {
+      const __m512 a = ld_tail(A + r * lda + nf, n - nf);
+      for (int g = 0; g < NG; g++) acc[r][g] = _mm512_fmadd_ps(pv[g], a, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < RBC; r++)
+    for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
 }
 
 // pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0). RB ranks per pass over the
@@ -440,36 +485,40 @@ static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, con
 // same bits (24 layouts compared). Over the budget-0.25 layout (515k run tokens of int8 rank 8 + 8) this loop was the
 // kernel's largest at 2 threads (17 % of samples), reading p eight times per token; alternating processes, the 30
 // layers took 2.02-2.26 ms against 2.10-2.41 at 2 threads, and the same within noise at 1 (3.07-3.49 / 3.15-3.34).
+// The ranks left after the last full pass (fewer than RB <= 16) run in passes of 8, 4, 2 and 1.
 template <typename F, int NG>
 static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
   constexpr int RB = NG == 1 ? 16 : 24 / NG;
   __m512 part[16];
   int cnt = 0;
   float* out = pa;
-  for (int64_t r0 = 0; r0 < rv; r0 += RB) {
-    const int rb = (int)(rv - r0 < RB ? rv - r0 : RB);
-    __m512 acc[RB][NG];
-    for (int r = 0; r < RB; r++)
-      for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      __m512 pv[NG];
-      for (int g = 0; g < NG; g++) pv[g] = _mm512_loadu_ps(p + g * CH + t0);
-      for (int r = 0; r < RB; r++)
-        if (r < rb) {
-          const __m512 a = ld_tail(A + (r0 + r) * lda + t0, n - t0);
-          for (int g = 0; g < NG; g++) acc[r][g] = _mm512_fmadd_ps(pv[g], a, acc[r][g]);
-        }
+  auto emit = [&](__m512 v) {
+    part[cnt++] = v;
+    if (cnt == 16) {
+      _mm512_storeu_ps(out, hsum16(part));
+      out += 16;
+      cnt = 0;
     }
-    for (int r = 0; r < rb; r++)
-      for (int g = 0; g < NG; g++) {
-        part[cnt++] = acc[r][g];
-        if (cnt == 16) {
-          _mm512_storeu_ps(out, hsum16(part));
-          out += 16;
-          cnt = 0;
-        }
-      }
+  };
+  int64_t r0 = 0;
+  for (; r0 + RB <= rv; r0 += RB) {
+    __m512 acc[RB][NG];
+    run_values_pass<F, NG, RB>(p, A + r0 * lda, lda, n, acc);
+    for (int r = 0; r < RB; r++)
+      for (int g = 0; g < NG; g++) emit(acc[r][g]);
   }
+  auto tail = [&](auto rbc) {            // a pass over the next rbc ranks
+    constexpr int K = decltype(rbc)::value;
+    __m512 acc[K][NG];
+    run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
+    for (int r = 0; r < K; r++)
+      for (int g = 0; g < NG; g++) emit(acc[r][g]);
+    r0 += K;
+  };
+  if constexpr (RB > 8) if (rv - r0 >= 8) tail(std::integral_constant<int, 8>{});
+  if constexpr (RB > 4) if (rv - r0 >= 4) tail(std::integral_constant<int, 4>{});
+  if (rv - r0 >= 2) tail(std::integral_constant<int, 2>{});
+  if (rv - r0 >= 1) tail(std::integral_constant<int, 1>{});
   if (cnt) {
     for (int i = cnt; i < 16; i++) part[i] = _mm512_setzero_ps();
     _mm512_storeu_ps(out, hsum16(part));      // pa holds 16 spare floats for this
