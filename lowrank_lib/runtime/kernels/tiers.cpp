@@ -696,9 +696,11 @@ static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, 
   const __m256 ninf = _mm256_set1_ps(-INFINITY);
   for (int64_t g = 0; g < G; g++) {
     float* s = sc + g * CH;
+    const int64_t nf = n & ~(int64_t)7;     // whole blocks, then the tail's lanes under a mask (built once)
     __m256 mx = ninf;
-    for (int64_t t0 = 0; t0 < n; t0 += 8)
-      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + t0), _mm256_castsi256_ps(lanes8(n - t0))));
+    for (int64_t t0 = 0; t0 < nf; t0 += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + t0));
+    if (nf < n)
+      mx = _mm256_max_ps(mx, _mm256_blendv_ps(ninf, _mm256_loadu_ps(s + nf), _mm256_castsi256_ps(lanes8(n - nf))));
     const float mc = hmax8(mx);
     if (mc > m[g]) {
       const float alpha = expf(m[g] - mc);          // 0 on the first chunk (m = -inf)
@@ -711,10 +713,15 @@ static void softmax_chunk(float* sc, int64_t G, int64_t n, int64_t D, float* m, 
     }
     const __m256 mb = _mm256_set1_ps(m[g]);
     __m256 sum = _mm256_setzero_ps();
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mb)),
-                                     _mm256_castsi256_ps(lanes8(n - t0)));
-      _mm256_storeu_ps(s + t0, vs ? _mm256_mul_ps(e, ld_scale8(vs, s32, t0, n - t0)) : e);
+    for (int64_t t0 = 0; t0 < nf; t0 += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t0), mb));
+      _mm256_storeu_ps(s + t0, vs ? _mm256_mul_ps(e, ld_scale8(vs, s32, t0, 8)) : e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    if (nf < n) {
+      const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(_mm256_loadu_ps(s + nf), mb)),
+                                     _mm256_castsi256_ps(lanes8(n - nf)));
+      _mm256_storeu_ps(s + nf, vs ? _mm256_mul_ps(e, ld_scale8(vs, s32, nf, n - nf)) : e);
       sum = _mm256_add_ps(sum, e);
     }
     l[g] += hsum8(sum);
@@ -741,8 +748,10 @@ static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, con
     __m256 acc[2][NG];
     for (int h = 0; h < 2; h++)
       for (int g = 0; g < NG; g++) acc[h][g] = _mm256_setzero_ps();
+    const bool whole = t0 + 16 <= n;      // no tail test per load (the same values)
     for (int64_t r = 0; r < rk; r++) {
-      const __m256 a0 = ld_tail8(A + r * lda + t0, n - t0), a1 = ld_tail8(A + r * lda + t0 + 8, n - t0 - 8);
+      const __m256 a0 = whole ? ld8(A + r * lda + t0) : ld_tail8(A + r * lda + t0, n - t0),
+                   a1 = whole ? ld8(A + r * lda + t0 + 8) : ld_tail8(A + r * lda + t0 + 8, n - t0 - 8);
       for (int g = 0; g < NG; g++) {
         const __m256 qv = _mm256_set1_ps(qb[g * rk + r]);
         acc[0][g] = _mm256_fmadd_ps(qv, a0, acc[0][g]);
@@ -760,28 +769,65 @@ static void run_scores(const float* qb, int64_t rk, const F* A, int64_t lda, con
   }
 }
 
-// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0)
+// RBC ranks (compile-time: the RBC * NG accumulators stay in registers) of run_values below, over every token
+template <typename F, int NG, int RBC>
+static inline void run_values_pass(const float* p, const F* A, int64_t lda, int64_t n, __m256 (&out)[RBC][NG]) {
+  __m256 acc[RBC][NG];
+  for (int r = 0; r < RBC; r++)
+    for (int g = 0; g < NG; g++) acc[r][g] = _mm256_setzero_ps();
+  const int64_t nf = n & ~(int64_t)7;
+  for (int64_t t0 = 0; t0 < nf; t0 += 8) {
+    __m256 pv[NG];
+    for (int g = 0; g < NG; g++) pv[g] = _mm256_loadu_ps(p + g * CH + t0);
+    for (int r = 0; r < RBC; r++) {
+      const __m256 a = ld8(A + r * lda + t0);
+      for (int g = 0; g < NG; g++) acc[r][g] = _mm256_fmadd_ps(pv[g], a, acc[r][g]);
+    }
+  }
+  if (nf < n) {
+    __m256 pv[NG];
+    for (int g = 0; g < NG; g++) pv[g] = _mm256_loadu_ps(p + g * CH + nf);
+    for (int r = 0; r < RBC; r++) {
+      const __m256 a = ld_tail8(A + r * lda + nf, n - nf);
+      for (int g = 0; g < NG; g++) acc[r][g] = _mm256_fmadd_ps(pv[g], a, acc[r][g]);
+    }
+  }
+  for (int r = 0; r < RBC; r++)
+    for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
+}
+
+// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0). RB ranks per pass over the
+// tokens (RB * NG <= 12 accumulators, with the NG probabilities and the factor row within the 16 registers), so each
+// 8 tokens' probabilities are loaded once per pass, not once per rank, and RB * NG independent chains cover the FMA
+// latency (one rank's NG chains did not); each (r, g) sums its tokens in order as before, the same bits. The ranks
+// left after the full passes (fewer than RB <= 8) run in passes of 4, 2 and 1.
 template <typename F, int NG>
 static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
+  constexpr int RB = NG == 1 ? 8 : NG == 2 ? 6 : NG == 3 ? 4 : 2;
   __m256 part[8];
   int cnt = 0;
   float* out = pa;
-  for (int64_t r = 0; r < rv; r++) {
-    __m256 acc[NG];
-    for (int g = 0; g < NG; g++) acc[g] = _mm256_setzero_ps();
-    for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const __m256 a = ld_tail8(A + r * lda + t0, n - t0);
-      for (int g = 0; g < NG; g++) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(p + g * CH + t0), a, acc[g]);
+  auto emit = [&](__m256 v) {
+    part[cnt++] = v;
+    if (cnt == 8) {
+      _mm256_storeu_ps(out, hsum8x8(part));
+      out += 8;
+      cnt = 0;
     }
-    for (int g = 0; g < NG; g++) {
-      part[cnt++] = acc[g];
-      if (cnt == 8) {
-        _mm256_storeu_ps(out, hsum8x8(part));
-        out += 8;
-        cnt = 0;
-      }
-    }
-  }
+  };
+  int64_t r0 = 0;
+  auto pass = [&](auto rbc) {             // a pass over the next rbc ranks
+    constexpr int K = decltype(rbc)::value;
+    __m256 acc[K][NG];
+    run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
+    for (int r = 0; r < K; r++)
+      for (int g = 0; g < NG; g++) emit(acc[r][g]);
+    r0 += K;
+  };
+  while (r0 + RB <= rv) pass(std::integral_constant<int, RB>{});
+  if constexpr (RB > 4) if (rv - r0 >= 4) pass(std::integral_constant<int, 4>{});
+  if constexpr (RB > 2) if (rv - r0 >= 2) pass(std::integral_constant<int, 2>{});
+  if (rv - r0 >= 1) pass(std::integral_constant<int, 1>{});
   if (cnt) {
     for (int i = cnt; i < 8; i++) part[i] = _mm256_setzero_ps();
     _mm256_storeu_ps(out, hsum8x8(part));      // pa holds 16 spare floats for this
