@@ -501,13 +501,7 @@ static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int6
     }
   };
   int64_t r0 = 0;
-  for (; r0 + RB <= rv; r0 += RB) {
-    __m512 acc[RB][NG];
-    run_values_pass<F, NG, RB>(p, A + r0 * lda, lda, n, acc);
-    for (int r = 0; r < RB; r++)
-      for (int g = 0; g < NG; g++) emit(acc[r][g]);
-  }
-  auto tail = [&](auto rbc) {            // a pass over the next rbc ranks
+  auto pass = [&](auto rbc) {             // a pass over the next rbc ranks
     constexpr int K = decltype(rbc)::value;
     __m512 acc[K][NG];
     run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
@@ -515,10 +509,11 @@ static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int6
       for (int g = 0; g < NG; g++) emit(acc[r][g]);
     r0 += K;
   };
-  if constexpr (RB > 8) if (rv - r0 >= 8) tail(std::integral_constant<int, 8>{});
-  if constexpr (RB > 4) if (rv - r0 >= 4) tail(std::integral_constant<int, 4>{});
-  if (rv - r0 >= 2) tail(std::integral_constant<int, 2>{});
-  if (rv - r0 >= 1) tail(std::integral_constant<int, 1>{});
+  while (r0 + RB <= rv) pass(std::integral_constant<int, RB>{});
+  if constexpr (RB > 8) if (rv - r0 >= 8) pass(std::integral_constant<int, 8>{});
+  if constexpr (RB > 4) if (rv - r0 >= 4) pass(std::integral_constant<int, 4>{});
+  if (rv - r0 >= 2) pass(std::integral_constant<int, 2>{});
+  if (rv - r0 >= 1) pass(std::integral_constant<int, 1>{});
   if (cnt) {
     for (int i = cnt; i < 16; i++) part[i] = _mm512_setzero_ps();
     _mm512_storeu_ps(out, hsum16(part));      // pa holds 16 spare floats for this
