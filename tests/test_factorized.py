@@ -9,6 +9,7 @@ from torch import nn
 
 from lowrank_lib import LowRankLinear, account, factorize, keep_rank, replace_with_factors, shared_groups, svd_factors
 from lowrank_lib.compress import SVDSpectra, compress_svd
+from lowrank_lib.factorized import thin_svd
 
 
 def rel(a, b):
@@ -53,7 +54,7 @@ def test_truncation_error_is_eckart_young(out, inn, seed):
     S = torch.linalg.svdvals(W)
     prev = float("inf")
     for r in range(1, min(out, inn) + 1):
-        U, V = svd_factors(W, r, compute_dtype=torch.float64)
+        U, V = svd_factors(W, r)
         assert U.shape == (out, r) and V.shape == (r, inn)
         err = (W - U @ V).norm() ** 2
         assert torch.isclose(err, (S[r:] ** 2).sum(), rtol=1e-6, atol=1e-9)
@@ -155,3 +156,51 @@ def test_generate_works_on_factorized_model(tiny_gqa):
     a = tiny_gqa.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
     b = f.generate(x, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(out=st.integers(1, 48), inn=st.integers(1, 48), rank=st.integers(0, 48), seed=st.integers(0, 10_000),
+       scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e6]))
+def test_thin_svd_is_the_svd(out, inn, rank, seed, scale):
+    """thin_svd (the Gram eigenproblem in float64) against LAPACK's SVD, on tall, wide, square, rank-deficient and
+    badly scaled matrices: the same singular values down to the Gram's rounding floor (sqrt(k eps) of the largest),
+    U S Vh = M, orthonormal components down to 1e-3 of the largest (the Gram's eigenvectors lose accuracy as
+    eps * S[0]^2 / gap^2 below that), the same rank-r maps (sign-free) wherever the cut is not a near-tie."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(out, inn)
+    r_true = min(rank, k)
+    M = (torch.randn(out, r_true, generator=g, dtype=torch.float64)
+         @ torch.randn(r_true, inn, generator=g, dtype=torch.float64)) * scale
+    U, S, Vh = thin_svd(M)
+    assert U.shape == (out, k) and S.shape == (k,) and Vh.shape == (k, inn) and U.dtype == torch.float64
+    ref = torch.linalg.svdvals(M)
+    top = float(ref[0]) if k else 0.0
+    assert torch.all(S[:-1] >= S[1:]) and torch.all(S >= 0)
+    floor = 4 * (k * torch.finfo(torch.float64).eps) ** 0.5 * top
+    assert torch.allclose(S, ref, rtol=1e-9, atol=floor)
+    assert torch.all(S[r_true:] <= floor)             # a random rank-r product: nothing above the floor past r
+    assert torch.allclose(U * S @ Vh, M, rtol=0, atol=1e-12 * top * k)
+    live = S > 1e-3 * top
+    eye = torch.eye(int(live.sum()), dtype=torch.float64)
+    assert torch.allclose(U[:, live].T @ U[:, live], eye, atol=1e-8)
+    assert torch.allclose(Vh[live] @ Vh[live].T, eye, atol=1e-8)
+    Ur, Sr, Vr = torch.linalg.svd(M, full_matrices=False)
+    for r in {1, r_true // 2, r_true} - {0}:
+        if r < r_true and ref[r - 1] - ref[r] < 1e-6 * top:
+            continue                                  # a near-tie at the cut: either basis is a best rank-r map
+        assert torch.allclose(U[:, :r] * S[:r] @ Vh[:r], Ur[:, :r] * Sr[:r] @ Vr[:r], atol=1e-8 * top)
+
+
+def test_thin_svd_dtypes_and_refusals():
+    """float32 in, float32 out (computed in float64); a bf16 weight's factors; ints as float64; not a matrix: refused."""
+    W = torch.randn(37, 11)
+    U, S, Vh = thin_svd(W)
+    assert U.dtype == S.dtype == Vh.dtype == torch.float32
+    assert torch.allclose(U * S @ Vh, W, atol=1e-5)
+    assert thin_svd(W.bfloat16())[1].dtype == torch.bfloat16
+    assert thin_svd(W, torch.float64)[1].dtype == torch.float64
+    assert thin_svd(torch.arange(6).reshape(2, 3))[1].dtype == torch.float64
+    Z = thin_svd(torch.zeros(4, 6))
+    assert not Z[1].any() and not (Z[0] * Z[1] @ Z[2]).any()
+    with pytest.raises(ValueError, match="a matrix"):
+        thin_svd(torch.randn(2, 3, 4))

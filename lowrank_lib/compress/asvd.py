@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, set_module
+from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, set_module, thin_svd
 from .calib import CalibStats
 from .common import compress_each
 
@@ -69,7 +69,7 @@ def asvd_scale(stats: CalibStats, name: str, alpha: float) -> torch.Tensor:
 
 
 def _scaled_svd(W: torch.Tensor, scale: torch.Tensor):
-    return torch.linalg.svd(W.double() * scale.double()[None, :], full_matrices=False)
+    return thin_svd(W.double() * scale.double()[None, :])
 
 
 def _truncate(svd, scale: torch.Tensor, rank: int):

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PARENT as PARENT
-from ..factorized import LLAMA_PROJ, LowRankLinear, replace_with_factors
+from ..factorized import LLAMA_PROJ, LowRankLinear, replace_with_factors, thin_svd
 from ..ranks import basis_sharing_num_basis
 from .calib import CalibStats, cholesky_lower
 
@@ -43,7 +43,7 @@ def shared_basis(Ws: list[torch.Tensor], A: torch.Tensor, keep: float,
     nb = max(1, min(nb, in_f, out_f * G))
     S = cholesky_lower(A, eps=7e-6).T                                  # upper, S^T S = A
     Wcat = torch.cat([W.double().T for W in Ws], dim=1)                # [in, out*G]
-    U, Sig, Vh = torch.linalg.svd(S @ Wcat, full_matrices=False)
+    U, Sig, Vh = thin_svd(S @ Wcat)
     basis = torch.linalg.solve_triangular(S, U[:, :nb] * Sig[:nb], upper=True)  # S^-1 U Sigma [in, nb]
     coefs = [Vh[:nb, j * out_f:(j + 1) * out_f].T for j in range(G)]   # [out, nb]
     return basis.T, coefs

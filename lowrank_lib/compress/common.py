@@ -7,7 +7,7 @@ from typing import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
+from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, thin_svd
 
 __all__ = ["FullRankFactors", "whitened_factors", "compress_each", "copy_for_factors", "leaf"]
 
@@ -18,7 +18,7 @@ def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch
     W [out, in], L [in, in] lower Cholesky factor of X^T X (float64) -> u [out, r], v [r, in] float64.
     Minimises ||(W - u v) X||_F among rank-r maps (Theorem 3.2 of SVD-LLM).
     """
-    U, S, Vh = torch.linalg.svd(W.double() @ L, full_matrices=False)
+    U, S, Vh = thin_svd(W.double() @ L)
     s = S[:rank].sqrt()
     v = torch.linalg.solve_triangular(L, s[:, None] * Vh[:rank], upper=False, left=False)  # (.) L^-1
     return U[:, :rank] * s, v

@@ -49,7 +49,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import dequantize_rows, dynamic_map, quantize_rows, remap_decode, remap_encode  # noqa: F401 (re-export)
-from ..factorized import LLAMA_PROJ, iter_linears
+from ..factorized import LLAMA_PROJ, iter_linears, thin_svd
 from .calib import CalibStats
 from .common import compress_each
 
@@ -101,7 +101,7 @@ def compress_dobi(model, stats: CalibStats, keep: float, remap: bool = False, ta
     def fn(name, lin):
         k = ranks[name]
         Pk = eig[name][1][:, :k]                                   # [m, k]
-        U2, S, Vh = torch.linalg.svd(Pk.T @ lin.weight.double(), full_matrices=False)  # W_new = Pk U2 S Vh
+        U2, S, Vh = thin_svd(Pk.T @ lin.weight.double())          # W_new = Pk U2 S Vh
         U = Pk @ U2
         m, n = shapes[name]
         if not remap:

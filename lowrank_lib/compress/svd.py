@@ -13,20 +13,21 @@ from typing import Iterable
 import torch
 from tqdm.auto import tqdm
 
-from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, split_sqrt
+from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, split_sqrt, thin_svd
 from ..ranks import keep_rank
 from .common import FullRankFactors, copy_for_factors
 from .spectra_cache import cached, read_spectra, weights_digest, write_spectra
 
 
 class SVDSpectra:
-    """Full thin SVD ``(U, S, Vh)`` of every target projection of a dense model, computed once.
+    """Full thin SVD ``(U, S, Vh)`` of every target projection of a dense model, computed once (:func:`thin_svd`,
+    float64; stored in ``dtype``).
 
     Memory: about 1x the projection weights (U and Vh are [out, k] and [k, in], k = min(out, in)).
     """
 
     def __init__(self, model, targets: Iterable[str] = LLAMA_PROJ, include_lm_head: bool = False,
-                 compute_dtype: torch.dtype = torch.float32, progress: bool = True):
+                 dtype: torch.dtype = torch.float32, progress: bool = True):
         self.targets = tuple(targets)
         self.include_lm_head = include_lm_head
         self.svd: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -35,7 +36,7 @@ class SVDSpectra:
         for name, lin in tqdm(lins, desc="SVD", disable=not progress, leave=False):
             if isinstance(lin, LowRankLinear):
                 raise ValueError(f"{name} is already factorized; SVDSpectra needs a dense model")
-            self.svd[name] = torch.linalg.svd(lin.weight.detach().to(compute_dtype), full_matrices=False)
+            self.svd[name] = thin_svd(lin.weight, dtype)
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
 
     def factors(self, keep: float | None = None, ranks: dict[str, int] | None = None, dtype=torch.float32):

@@ -48,9 +48,9 @@ import math
 
 import torch
 
-from ..factorized import LLAMA_PROJ
+from ..factorized import LLAMA_PROJ, thin_svd
 from ..ranks import keep_rank
-from .calib import CalibStats, cholesky_lower
+from .calib import CalibStats, LayerStats, cholesky_lower
 from .common import compress_each, leaf, whitened_factors
 
 __all__ = ["compress_svdllm", "loss_optimised_factors", "PAPER_CALIB_TOKENS", "v2_truncation_losses", "v2_allocate",
@@ -80,9 +80,15 @@ def _sqrt_cov(xtx: torch.Tensor, rel_floor: float = 1e-10) -> tuple[torch.Tensor
     return Us * lam.sqrt(), (Us / lam.sqrt()).T
 
 
+def _sqrt_cov_of(st: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sqrt_cov` of ``st.xtx``, once per statistic (v2's allocation and its factors both need it; one eigh per
+    distinct input: q / k / v and gate / up share theirs)."""
+    return st.once("svdllm_sqrt_cov", lambda: _sqrt_cov(st.xtx))
+
+
 def loss_optimised_factors(W: torch.Tensor, S: torch.Tensor, S_inv: torch.Tensor, rank: int):
     """SVD(W S) = U_d Sigma Vh_d; u = U_d sqrt(Sigma_r), v = sqrt(Sigma_r) Vh_d,r S^-1. float64."""
-    U, Sig, Vh = torch.linalg.svd(W.double() @ S, full_matrices=False)
+    U, Sig, Vh = thin_svd(W.double() @ S)
     s = Sig[:rank].sqrt()
     return U[:, :rank] * s, (s[:, None] * Vh[:rank]) @ S_inv
 
@@ -104,12 +110,9 @@ def v2_truncation_losses(model, stats: CalibStats, keep: float, targets=LLAMA_PR
     from ..factorized import iter_linears
 
     out: dict[str, float] = {}
-    sq: dict[int, torch.Tensor] = {}
     for name, lin in iter_linears(model, targets):
         st = stats[name]
-        if id(st) not in sq:
-            sq[id(st)] = _sqrt_cov(st.xtx)[0]
-        sig = torch.linalg.svdvals(lin.weight.double() @ sq[id(st)])
+        sig = thin_svd(lin.weight.double() @ _sqrt_cov_of(st)[0])[1]
         k = keep_rank(lin.out_features, lin.in_features, keep)
         scale = 1.0 if loss_tokens is None else math.sqrt(loss_tokens / max(int(st.tokens), 1))
         out[name] = float(sig[k:].norm()) * scale
@@ -164,17 +167,14 @@ def compress_svdllm_v2(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ
     if allocation not in ("v2", "uniform"):
         raise ValueError(f"allocation must be 'v2' or 'uniform', got {allocation!r}")
     keeps = v2_keep_ratios(model, stats, keep, targets, loss_tokens) if allocation == "v2" and ranks is None else None
-    sq: dict[int, tuple] = {}
 
     def fn(name, lin):
         st = stats[name]
-        if id(st) not in sq:
-            sq[id(st)] = _sqrt_cov(st.xtx)
         if ranks is not None:
             r = ranks[name]
         else:
             r = keep_rank(lin.out_features, lin.in_features, keep if keeps is None else keeps[name])
-        return loss_optimised_factors(lin.weight, *sq[id(st)], r)
+        return loss_optimised_factors(lin.weight, *_sqrt_cov_of(st), r)
 
     meta = {"family": "svdllm", "variant": "v2", "keep": keep, "allocation": allocation if ranks is None else "ranks",
             "loss_tokens": loss_tokens, "shared_groups": []}
@@ -202,14 +202,14 @@ def truncation_loss_table(model, stats: CalibStats, keep: float, targets=LLAMA_P
     for name, lin in iter_linears(model, targets):
         st = stats[name]
         if id(st) not in cache:
-            cache[id(st)] = (cholesky_lower(st.xtx), _sqrt_cov(st.xtx))
+            cache[id(st)] = (cholesky_lower(st.xtx), _sqrt_cov_of(st))
         L, (S, S_inv) = cache[id(st)]
         W = lin.weight.detach()
         dt = dtype or W.dtype
         r = keep_rank(lin.out_features, lin.in_features, keep)
         u1, v1 = whitened_factors(W, L, r)
         u2, v2 = loss_optimised_factors(W, S, S_inv, r)
-        row = {"rank": r, "minimum": float(torch.linalg.svdvals(W.double() @ S)[r:].norm()),
+        row = {"rank": r, "minimum": float(thin_svd(W.double() @ S)[1][r:].norm()),
                "v1": truncation_loss(W, u1, v1, st.xtx), "v2": truncation_loss(W, u2, v2, st.xtx),
                "v1_rounded": truncation_loss(W, u1.to(dt), v1.to(dt), st.xtx),
                "v2_rounded": truncation_loss(W, u2.to(dt), v2.to(dt), st.xtx)}
