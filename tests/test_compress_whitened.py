@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from mapped import mapped_from
 from lowrank_lib.compress import collect_stats, compress_svdllm
 from lowrank_lib.compress.whitened import WhitenedSpectra
 from lowrank_lib.data import random_token_batches
@@ -130,8 +131,11 @@ def test_the_disk_cache_returns_the_same_spectra_and_misses_on_any_change(tmp_pa
         m2.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
     _, i2 = WhitenedSpectra.cached(m2, ids, cache_dir=tmp_path, progress=False)
     assert not i2["hit"] and i2["key"] != ia["key"] and len(list(tmp_path.glob("*.safetensors"))) == 3
+    assert mapped_from(a.u[next(iter(a.u))], ia["path"])     # the miss returns the written file's factors, mapped
     p = tmp_path / f"{ia['key']}.safetensors"
-    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])                 # damaged: computed and written again
+    half = p.read_bytes()[: p.stat().st_size // 2]           # damaged (a new file: the old one stays mapped by a, b)
+    p.unlink()
+    p.write_bytes(half)                                      # computed and written again
     c, ic = WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)
     assert not ic["hit"] and all(torch.equal(c.u[n], a.u[n]) for n in a.u)
     assert WhitenedSpectra.cached(m, ids, cache_dir=tmp_path, progress=False)[1]["hit"]

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from lowrank_lib import models
+from mapped import mapped_from
 from lowrank_lib.compress import FactorSpectra, compress_svd, compress_svdllm, collect_stats
 from lowrank_lib.data import random_token_batches
 from lowrank_lib.factorized import LowRankLinear, account
@@ -159,6 +160,8 @@ def test_cached_spectra_read_back_equal_and_follow_the_weights(ckpt, tmp_path):
         next(iter(_lr(other).values())).U.mul_(2)
     assert not FactorSpectra.cached(other, cache_dir=tmp_path, progress=False)[1]["hit"]
     path = tmp_path / f"{ia['key']}.safetensors"
+    assert mapped_from(a.u[next(iter(a.u))], path)           # the miss returns the written file's factors, mapped
+    path.unlink()                                            # damaged (a new file: the old one stays mapped by a, b)
     path.write_bytes(b"not a safetensors file")
     c, ic = FactorSpectra.cached(comp, cache_dir=tmp_path, progress=False)
     assert not ic["hit"] and ic["written"] and all(torch.equal(a.u[n], c.u[n]) for n in a.u)

@@ -75,7 +75,10 @@ def cached(folder: str | Path, key: str, load: Callable[[Path], S], make: Callab
            started: float | None = None) -> tuple[S, dict]:
     """``(spectra, info)``: ``load(path)`` of ``<folder>/<key>.safetensors`` when it is there and reads back, else
     ``make()`` (spectra and the info of the work done) written there atomically by ``save`` and the folder pruned to
-    ``max_bytes`` (a file larger than that alone is not kept: its temporary is deleted). ``info``: ``key``, ``path``, ``hit``, ``written``,
+    ``max_bytes`` (a file larger than that alone is not kept: its temporary is deleted). Once written, the spectra
+    returned are the file's, memory-mapped (``load``), and the ones ``make`` computed are dropped: a 7B file's factors
+    (~7 GB) then sit in pages the kernel may evict and read again, not in anonymous memory next to the model.
+    ``info``: ``key``, ``path``, ``hit``, ``written``,
     ``seconds`` (from ``started``, a ``time.perf_counter()`` the caller took before hashing the key; default now),
     and ``misses`` (the keys a hit reports as 0) or ``make``'s info."""
     t0 = time.perf_counter() if started is None else started
@@ -99,6 +102,12 @@ def cached(folder: str | Path, key: str, load: Callable[[Path], S], make: Callab
         os.replace(tmp, path)
         prune_cache(folder, max_bytes, keep=path)
         info["written"] = True
+        try:
+            mapped = load(path)
+        except Exception:            # noqa: BLE001  replaced or pruned by another process meanwhile: keep ours
+            mapped = None
+        if mapped is not None:
+            spectra = mapped
     return spectra, {**info, **made, "seconds": time.perf_counter() - t0}
 
 
