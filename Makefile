@@ -82,7 +82,8 @@ $(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml
 	$(PY) -m venv $(VENV_OLDEST)
 	$(PY) -c "import site, sys; print('import site; ' + '; '.join(f'site.addsitedir({p!r})' for p in sys.path if p.endswith('-packages')))" > "$$($(PY_OLDEST) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_main_venv.pth"
 	@# no bytecode: the subset imports a few dozen of transformers' ~3,000 modules (pip's compile was 5 of its 12 CPU-s)
-	$(PY_OLDEST) -m pip --disable-pip-version-check install -q --no-compile "transformers==$(TRANSFORMERS_OLDEST)"
+	@# at the lowest CPU priority, like the subset's run: `make test` makes this venv beside the main suite
+	nice -n 19 $(PY_OLDEST) -m pip --disable-pip-version-check install -q --no-compile "transformers==$(TRANSFORMERS_OLDEST)"
 	@touch $@
 
 # The transformers-API subset (tests marked `compat`: the cache keyword, HF cache / AttSVD / eviction
