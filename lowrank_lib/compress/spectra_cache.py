@@ -28,8 +28,8 @@ def weights_digest(model, h: "hashlib._Hash | None" = None) -> "hashlib._Hash":
     h = h if h is not None else hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(name.encode() + str(t.dtype).encode() + str(tuple(t.shape)).encode())
-        if t.numel():
-            h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+        if t.numel():                                # the bytes in place (no copy of each tensor to hash)
+            h.update(t.detach().contiguous().view(torch.uint8).reshape(-1).numpy())
     return h
 
 
