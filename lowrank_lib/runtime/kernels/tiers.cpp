@@ -479,46 +479,19 @@ static inline void run_values_pass(const float* p, const F* A, int64_t lda, int6
     for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
 }
 
-// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0). RB ranks per pass over the
+// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per pass over the
 // tokens (RB * NG accumulators of the 32 registers), so each 16 tokens' probabilities are loaded once per pass, not
 // once per rank (a chunk's p, NG * 16 KB, does not stay in L1); each (r, g) sums its tokens in order as before: the
 // same bits (24 layouts compared). Over the budget-0.25 layout (515k run tokens of int8 rank 8 + 8) this loop was the
 // kernel's largest at 2 threads (17 % of samples), reading p eight times per token; alternating processes, the 30
 // layers took 2.02-2.26 ms against 2.10-2.41 at 2 threads, and the same within noise at 1 (3.07-3.49 / 3.15-3.34).
 // The ranks left after the last full pass (fewer than RB <= 16) run in passes of 8, 4, 2 and 1.
-template <typename F, int NG>
-static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
-  constexpr int RB = NG == 1 ? 16 : 24 / NG;
-  __m512 part[16];
-  int cnt = 0;
-  float* out = pa;
-  auto emit = [&](__m512 v) {
-    part[cnt++] = v;
-    if (cnt == 16) {
-      _mm512_storeu_ps(out, hsum16(part));
-      out += 16;
-      cnt = 0;
-    }
-  };
-  int64_t r0 = 0;
-  auto pass = [&](auto rbc) {             // a pass over the next rbc ranks
-    constexpr int K = decltype(rbc)::value;
-    __m512 acc[K][NG];
-    run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
-    for (int r = 0; r < K; r++)
-      for (int g = 0; g < NG; g++) emit(acc[r][g]);
-    r0 += K;
-  };
-  while (r0 + RB <= rv) pass(std::integral_constant<int, RB>{});
-  if constexpr (RB > 8) if (rv - r0 >= 8) pass(std::integral_constant<int, 8>{});
-  if constexpr (RB > 4) if (rv - r0 >= 4) pass(std::integral_constant<int, 4>{});
-  if (rv - r0 >= 2) pass(std::integral_constant<int, 2>{});
-  if (rv - r0 >= 1) pass(std::integral_constant<int, 1>{});
-  if (cnt) {
-    for (int i = cnt; i < 16; i++) part[i] = _mm512_setzero_ps();
-    _mm512_storeu_ps(out, hsum16(part));      // pa holds 16 spare floats for this
-  }
-}
+template <int NG>
+constexpr int run_values_rb() { return NG == 1 ? 16 : 24 / NG; }
+using vecf = __m512;
+constexpr int VLANES = 16;
+static inline vecf vzero() { return _mm512_setzero_ps(); }
+static inline void store_sums(float* out, const vecf* part) { _mm512_storeu_ps(out, hsum16(part)); }   // VLANES sums
 
 // acc[g * D + :] += sum_r pr[g * rv + r] B_V[r, :]   (B_V [rv, D] in T; once per run piece)
 template <typename T>
@@ -791,43 +764,17 @@ static inline void run_values_pass(const float* p, const F* A, int64_t lda, int6
     for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
 }
 
-// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0). RB ranks per pass over the
+// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per pass over the
 // tokens (RB * NG <= 12 accumulators, with the NG probabilities and the factor row within the 16 registers), so each
 // 8 tokens' probabilities are loaded once per pass, not once per rank, and RB * NG independent chains cover the FMA
 // latency (one rank's NG chains did not); each (r, g) sums its tokens in order as before, the same bits. The ranks
 // left after the full passes (fewer than RB <= 8) run in passes of 4, 2 and 1.
-template <typename F, int NG>
-static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
-  constexpr int RB = NG == 1 ? 8 : NG == 2 ? 6 : NG == 3 ? 4 : 2;
-  __m256 part[8];
-  int cnt = 0;
-  float* out = pa;
-  auto emit = [&](__m256 v) {
-    part[cnt++] = v;
-    if (cnt == 8) {
-      _mm256_storeu_ps(out, hsum8x8(part));
-      out += 8;
-      cnt = 0;
-    }
-  };
-  int64_t r0 = 0;
-  auto pass = [&](auto rbc) {             // a pass over the next rbc ranks
-    constexpr int K = decltype(rbc)::value;
-    __m256 acc[K][NG];
-    run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
-    for (int r = 0; r < K; r++)
-      for (int g = 0; g < NG; g++) emit(acc[r][g]);
-    r0 += K;
-  };
-  while (r0 + RB <= rv) pass(std::integral_constant<int, RB>{});
-  if constexpr (RB > 4) if (rv - r0 >= 4) pass(std::integral_constant<int, 4>{});
-  if constexpr (RB > 2) if (rv - r0 >= 2) pass(std::integral_constant<int, 2>{});
-  if (rv - r0 >= 1) pass(std::integral_constant<int, 1>{});
-  if (cnt) {
-    for (int i = cnt; i < 8; i++) part[i] = _mm256_setzero_ps();
-    _mm256_storeu_ps(out, hsum8x8(part));      // pa holds 16 spare floats for this
-  }
-}
+template <int NG>
+constexpr int run_values_rb() { return NG == 1 ? 8 : NG == 2 ? 6 : NG == 3 ? 4 : 2; }
+using vecf = __m256;
+constexpr int VLANES = 8;
+static inline vecf vzero() { return _mm256_setzero_ps(); }
+static inline void store_sums(float* out, const vecf* part) { _mm256_storeu_ps(out, hsum8x8(part)); }   // VLANES sums
 
 // acc[g * D + :] += sum_r pr[g * rv + r] B_V[r, :]   (B_V [rv, D] in T; once per run piece)
 template <typename T>

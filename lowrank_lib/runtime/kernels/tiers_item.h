@@ -1,7 +1,46 @@
 // The control flow of tiers.cpp's fused tier attention, written once and compiled once per ISA: tiers.cpp includes
 // this file inside each ISA's target region and namespace (a512: AVX-512, a2: AVX2 + FMA), after that namespace's
-// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values, basis_acc,
-// blk_scores_ng), which the unqualified calls below resolve to. No include guard: it is meant to be included twice.
+// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values_pass with
+// run_values_rb / vecf / VLANES / vzero / store_sums, basis_acc, blk_scores_ng), which the unqualified calls below
+// resolve to. No include guard: it is meant to be included twice.
+
+// pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0): passes over the tokens of
+// run_values_rb<NG>() ranks each (this ISA's run_values_pass, its accumulators in registers), the ranks left after the
+// full passes in passes of 8, 4, 2 and 1 (those below RB); every VLANES (r, g) sums go out through one horizontal sum
+// (store_sums). pa holds 16 spare floats for the last, partial group.
+template <typename F, int NG>
+static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int64_t n, float* pa) {
+  constexpr int RB = run_values_rb<NG>();
+  vecf part[VLANES];
+  int cnt = 0;
+  float* out = pa;
+  auto emit = [&](vecf v) {
+    part[cnt++] = v;
+    if (cnt == VLANES) {
+      store_sums(out, part);
+      out += VLANES;
+      cnt = 0;
+    }
+  };
+  int64_t r0 = 0;
+  auto pass = [&](auto rbc) {             // a pass over the next rbc ranks
+    constexpr int K = decltype(rbc)::value;
+    vecf acc[K][NG];
+    run_values_pass<F, NG, K>(p, A + r0 * lda, lda, n, acc);
+    for (int r = 0; r < K; r++)
+      for (int g = 0; g < NG; g++) emit(acc[r][g]);
+    r0 += K;
+  };
+  while (r0 + RB <= rv) pass(std::integral_constant<int, RB>{});
+  if constexpr (RB > 8) if (rv - r0 >= 8) pass(std::integral_constant<int, 8>{});
+  if constexpr (RB > 4) if (rv - r0 >= 4) pass(std::integral_constant<int, 4>{});
+  if constexpr (RB > 2) if (rv - r0 >= 2) pass(std::integral_constant<int, 2>{});
+  if (rv - r0 >= 1) pass(std::integral_constant<int, 1>{});
+  if (cnt) {
+    for (int i = cnt; i < VLANES; i++) part[i] = vzero();
+    store_sums(out, part);
+  }
+}
 
 // blocked exact keys' scores (this ISA's blk_scores_ng, NG_MAX query heads per pass): sc[g * CH + r - r0] = qs_g . K_r
 // for the rows r of [r0, r0 + n) of the blocked keys at Kb
