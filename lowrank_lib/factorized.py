@@ -27,9 +27,9 @@ from torch import nn
 
 from .quant import DEFAULT_GROUP, QuantizedTensor, gptq, qmatmul, quantize
 
-__all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "thin_svd", "svd_factors", "split_sqrt", "iter_linears", "set_module",
-           "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account", "lowrank_modules",
-           "shared_groups", "quantize_factors", "factor_matrix", "MIXED_4_8"]
+__all__ = ["LLAMA_PROJ", "LLAMA_PARENT", "LowRankLinear", "thin_svd", "svd_factors", "split_sqrt", "iter_linears",
+           "set_module", "untie_lm_head", "replace_with_factors", "factorize", "Accounting", "account",
+           "lowrank_modules", "shared_groups", "quantize_factors", "factor_matrix", "MIXED_4_8"]
 
 #: Projection names of a Llama-family decoder layer, in forward order.
 LLAMA_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

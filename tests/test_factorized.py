@@ -192,7 +192,8 @@ def test_thin_svd_is_the_svd(out, inn, rank, seed, scale):
 
 
 def test_thin_svd_dtypes_and_refusals():
-    """float32 in, float32 out (computed in float64); a bf16 weight's factors; ints as float64; not a matrix: refused."""
+    """float32 in, float32 out (computed in float64); a bf16 weight's factors; ints as float64; not a matrix:
+    refused."""
     W = torch.randn(37, 11)
     U, S, Vh = thin_svd(W)
     assert U.dtype == S.dtype == Vh.dtype == torch.float32

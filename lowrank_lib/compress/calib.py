@@ -31,15 +31,6 @@ class LayerStats:
     abs_mean: torch.Tensor     # [in] float64, sum over samples of per-sample mean |x|
     tokens: int = 0
     samples: int = 0
-    memo: dict = field(default_factory=dict, repr=False, compare=False)   # see once()
-
-    def once(self, key: str, make):
-        """``make()``, computed on the first call for ``key`` and kept with these statistics (a square root or an
-        eigendecomposition of ``xtx``, which SVD-LLM v2 needs for its allocation and again for its factors: the
-        statistics are final once :func:`collect_stats` returns)."""
-        if key not in self.memo:
-            self.memo[key] = make()
-        return self.memo[key]
 
 
 @dataclass

@@ -80,10 +80,13 @@ def _sqrt_cov(xtx: torch.Tensor, rel_floor: float = 1e-10) -> tuple[torch.Tensor
     return Us * lam.sqrt(), (Us / lam.sqrt()).T
 
 
-def _sqrt_cov_of(st: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_sqrt_cov` of ``st.xtx``, once per statistic (v2's allocation and its factors both need it; one eigh per
-    distinct input: q / k / v and gate / up share theirs)."""
-    return st.once("svdllm_sqrt_cov", lambda: _sqrt_cov(st.xtx))
+def _sqrt_cov_of(st: LayerStats, roots: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sqrt_cov` of ``st.xtx``, computed once per statistic into ``roots`` (id(st) -> (S, S^-1)), a dict the
+    caller keeps for one compression: v2's allocation and its factors both read it (one eigh per distinct input;
+    q / k / v and gate / up share theirs), and it is freed with the call, not kept beside the statistics."""
+    if id(st) not in roots:
+        roots[id(st)] = _sqrt_cov(st.xtx)
+    return roots[id(st)]
 
 
 def loss_optimised_factors(W: torch.Tensor, S: torch.Tensor, S_inv: torch.Tensor, rank: int):
@@ -100,19 +103,21 @@ PAPER_CALIB_TOKENS = 256 * 2048
 
 @torch.no_grad()
 def v2_truncation_losses(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ,
-                         loss_tokens: int | None = PAPER_CALIB_TOKENS) -> dict[str, float]:
+                         loss_tokens: int | None = PAPER_CALIB_TOKENS, roots: dict | None = None) -> dict[str, float]:
     """v2 §3.1: each matrix's theoretical truncation loss at the UNIFORM rank k, L_i = ||sigma_{k+1:}(W S)||_2.
 
     L_i^2 is a sum over calibration tokens, so its size (and log L_i, which the allocation divides by)
     depends on how many tokens were seen: ``loss_tokens`` expresses every L_i for that many tokens,
-    L_i * sqrt(loss_tokens / tokens) (default: the paper's 256 x 2048); ``None`` keeps the raw value.
+    L_i * sqrt(loss_tokens / tokens) (default: the paper's 256 x 2048); ``None`` keeps the raw value. ``roots``: the
+    square roots of X^T X already taken (:func:`compress_svdllm_v2` shares them with its factors), filled in here.
     """
     from ..factorized import iter_linears
 
     out: dict[str, float] = {}
+    roots = {} if roots is None else roots
     for name, lin in iter_linears(model, targets):
         st = stats[name]
-        sig = thin_svd(lin.weight.double() @ _sqrt_cov_of(st)[0])[1]
+        sig = thin_svd(lin.weight.double() @ _sqrt_cov_of(st, roots)[0])[1]
         k = keep_rank(lin.out_features, lin.in_features, keep)
         scale = 1.0 if loss_tokens is None else math.sqrt(loss_tokens / max(int(st.tokens), 1))
         out[name] = float(sig[k:].norm()) * scale
@@ -145,9 +150,9 @@ def v2_allocate(losses: dict[str, float], keep: float, min_keep: float = 0.05) -
 
 
 def v2_keep_ratios(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ,
-                   loss_tokens: int | None = PAPER_CALIB_TOKENS) -> dict[str, float]:
-    """Heterogeneous keep per matrix: :func:`v2_allocate` of :func:`v2_truncation_losses`."""
-    return v2_allocate(v2_truncation_losses(model, stats, keep, targets, loss_tokens), keep)
+                   loss_tokens: int | None = PAPER_CALIB_TOKENS, roots: dict | None = None) -> dict[str, float]:
+    """Heterogeneous keep per matrix: :func:`v2_allocate` of :func:`v2_truncation_losses` (``roots``: see there)."""
+    return v2_allocate(v2_truncation_losses(model, stats, keep, targets, loss_tokens, roots), keep)
 
 
 def v2_ranks(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ,
@@ -166,7 +171,9 @@ def compress_svdllm_v2(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ
     measure the truncation alone) + loss-optimised truncation (two SVDs). ``ranks`` overrides both."""
     if allocation not in ("v2", "uniform"):
         raise ValueError(f"allocation must be 'v2' or 'uniform', got {allocation!r}")
-    keeps = v2_keep_ratios(model, stats, keep, targets, loss_tokens) if allocation == "v2" and ranks is None else None
+    roots: dict = {}                      # X^T X's square roots: the allocation's, then the factors'
+    keeps = (v2_keep_ratios(model, stats, keep, targets, loss_tokens, roots) if allocation == "v2" and ranks is None
+             else None)
 
     def fn(name, lin):
         st = stats[name]
@@ -174,7 +181,7 @@ def compress_svdllm_v2(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ
             r = ranks[name]
         else:
             r = keep_rank(lin.out_features, lin.in_features, keep if keeps is None else keeps[name])
-        return loss_optimised_factors(lin.weight, *_sqrt_cov_of(st), r)
+        return loss_optimised_factors(lin.weight, *_sqrt_cov_of(st, roots), r)
 
     meta = {"family": "svdllm", "variant": "v2", "keep": keep, "allocation": allocation if ranks is None else "ranks",
             "loss_tokens": loss_tokens, "shared_groups": []}
@@ -197,13 +204,14 @@ def truncation_loss_table(model, stats: CalibStats, keep: float, targets=LLAMA_P
     and with the factors rounded to ``dtype`` (default: the weight's dtype), all on the same X^T X."""
     from ..factorized import iter_linears
 
-    cache: dict[int, tuple] = {}
+    cache: dict[int, torch.Tensor] = {}
+    roots: dict = {}
     out = {}
     for name, lin in iter_linears(model, targets):
         st = stats[name]
         if id(st) not in cache:
-            cache[id(st)] = (cholesky_lower(st.xtx), _sqrt_cov_of(st))
-        L, (S, S_inv) = cache[id(st)]
+            cache[id(st)] = cholesky_lower(st.xtx)
+        L, (S, S_inv) = cache[id(st)], _sqrt_cov_of(st, roots)
         W = lin.weight.detach()
         dt = dtype or W.dtype
         r = keep_rank(lin.out_features, lin.in_features, keep)

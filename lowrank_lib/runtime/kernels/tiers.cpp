@@ -479,13 +479,13 @@ static inline void run_values_pass(const float* p, const F* A, int64_t lda, int6
     for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
 }
 
-// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per pass over the
-// tokens (RB * NG accumulators of the 32 registers), so each 16 tokens' probabilities are loaded once per pass, not
-// once per rank (a chunk's p, NG * 16 KB, does not stay in L1); each (r, g) sums its tokens in order as before: the
-// same bits (24 layouts compared). Over the budget-0.25 layout (515k run tokens of int8 rank 8 + 8) this loop was the
-// kernel's largest at 2 threads (17 % of samples), reading p eight times per token; alternating processes, the 30
-// layers took 2.02-2.26 ms against 2.10-2.41 at 2 threads, and the same within noise at 1 (3.07-3.49 / 3.15-3.34).
-// The ranks left after the last full pass (fewer than RB <= 16) run in passes of 8, 4, 2 and 1.
+// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per
+// pass over the tokens (RB * NG accumulators of the 32 registers), so each 16 tokens' probabilities are loaded once per
+// pass, not once per rank (a chunk's p, NG * 16 KB, does not stay in L1); each (r, g) sums its tokens in order as
+// before: the same bits (24 layouts compared). Over the budget-0.25 layout (515k run tokens of int8 rank 8 + 8) this
+// loop was the kernel's largest at 2 threads (17 % of samples), reading p eight times per token; alternating processes,
+// the 30 layers took 2.02-2.26 ms against 2.10-2.41 at 2 threads, and the same within noise at 1 (3.07-3.49 /
+// 3.15-3.34). The ranks left after the last full pass (fewer than RB <= 16) run in passes of 8, 4, 2 and 1.
 template <int NG>
 constexpr int run_values_rb() { return NG == 1 ? 16 : 24 / NG; }
 using vecf = __m512;
@@ -764,11 +764,11 @@ static inline void run_values_pass(const float* p, const F* A, int64_t lda, int6
     for (int g = 0; g < NG; g++) out[r][g] = acc[r][g];
 }
 
-// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per pass over the
-// tokens (RB * NG <= 12 accumulators, with the NG probabilities and the factor row within the 16 registers), so each
-// 8 tokens' probabilities are loaded once per pass, not once per rank, and RB * NG independent chains cover the FMA
-// latency (one rank's NG chains did not); each (r, g) sums its tokens in order as before, the same bits. The ranks
-// left after the full passes (fewer than RB <= 8) run in passes of 4, 2 and 1.
+// run_values (tiers_item.h) on this ISA: pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]. RB ranks per
+// pass over the tokens (RB * NG <= 12 accumulators, with the NG probabilities and the factor row within the 16
+// registers), so each 8 tokens' probabilities are loaded once per pass, not once per rank, and RB * NG independent
+// chains cover the FMA latency (one rank's NG chains did not); each (r, g) sums its tokens in order as before, the same
+// bits. The ranks left after the full passes (fewer than RB <= 8) run in passes of 4, 2 and 1.
 template <int NG>
 constexpr int run_values_rb() { return NG == 1 ? 8 : NG == 2 ? 6 : NG == 3 ? 4 : 2; }
 using vecf = __m256;
