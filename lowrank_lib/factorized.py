@@ -253,13 +253,13 @@ def thin_svd(M: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.T
 
 def svd_factors(W: torch.Tensor, rank: int | None = None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Best rank-r factors of W [out, in] (Eckart-Young): U_r sqrt(S_r) [out, r], sqrt(S_r) Vh_r [r, in], from
-    :func:`thin_svd` (float64); factors are returned in ``dtype`` (default: W's dtype)."""
+    :func:`thin_svd`, split in float64 and rounded once to ``dtype`` (default: W's dtype)."""
     out_f, in_f = W.shape
     full = min(out_f, in_f)
     r = full if rank is None else int(rank)
     if not 1 <= r <= full:
         raise ValueError(f"rank {r} outside [1, {full}] for a {out_f}x{in_f} matrix")
-    U, S, Vh = thin_svd(W)
+    U, S, Vh = thin_svd(W, torch.float64)
     return split_sqrt(U, S, Vh, r, dtype or W.dtype)
 
 

@@ -205,3 +205,13 @@ def test_thin_svd_dtypes_and_refusals():
     assert not Z[1].any() and not (Z[0] * Z[1] @ Z[2]).any()
     with pytest.raises(ValueError, match="a matrix"):
         thin_svd(torch.randn(2, 3, 4))
+
+
+def test_svd_factors_of_a_bf16_weight_are_rounded_once():
+    """bf16 in: the factors are the float64 split rounded once to bf16 (not the bf16 SVD multiplied in bf16)."""
+    W = torch.randn(48, 32, generator=torch.Generator().manual_seed(5)).bfloat16()
+    U, V = svd_factors(W, 12)
+    U64, S64, Vh64 = thin_svd(W, torch.float64)
+    s = S64[:12].sqrt()
+    assert U.dtype == V.dtype == torch.bfloat16
+    assert torch.equal(U, (U64[:, :12] * s).bfloat16()) and torch.equal(V, (s[:, None] * Vh64[:12]).bfloat16())
