@@ -16,7 +16,7 @@ import torch
 
 from .timing import summary, timed
 
-__all__ = ["CpuClocked", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine", "others_busy_cores",
+__all__ = ["CpuClocked", "available_memory", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine", "others_busy_cores",
            "physical_memory", "read_bandwidth", "release_memory",
            "status_bytes"]
 
@@ -113,6 +113,18 @@ def others_busy_cores(window_s: float = 2.0, proc: str | Path = "/proc") -> floa
 def physical_memory() -> int:
     """This machine's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def available_memory() -> int:
+    """The memory available to a new allocation now (``MemAvailable`` of /proc/meminfo: free memory plus the page
+    cache the kernel can drop), in bytes; the physical memory where there is no such file."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return physical_memory()
 
 
 def release_memory() -> None:

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "ranks": {"families"},
     "factorized": {"ranks", "quant"}, "data": {"models"},
     "models": {"factorized", "ranks", "geometry", "formats"},   # formats' safetensors checker, for the cache
-    "compress": CORE,
+    "compress": CORE | {"host"},   # the memory available: when calibration statistics spill to disk
     "formats": CORE,
     "resolve": CORE | {"compress", "formats", "host"},   # (dense, compressed, tokenizer) from MODEL and CHECKPOINT
     "synthetic": CORE | {"compress", "formats"},   # every family's native file at a real shape, random weights
@@ -40,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
                     "timing", "host", "resolve"},    # resolve: the checkpoint you bring, through the model cache
     "bench": CORE | {"compress", "formats", "runtime", "hf", "attsvd", "eviction", "kv", "eval", "families",
                      "executor", "timing", "synthetic", "resolve", "host"},
-    "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures"},   # the notebooks' sliders
+    "explore": CORE | {"compress", "eval", "hf", "attsvd", "kv", "figures", "host"},   # the notebooks' sliders
     "figures": set(),           # the notebooks' figure check (a leaf: matplotlib only)
     "notebooks": None,          # the notebook runner may import anything
     "__init__": None,           # the package root re-exports the core API

@@ -1,4 +1,4 @@
-"""Activation statistics of each projection's input, collected with forward hooks.
+"""Activation statistics of each projection's input, collected with forward hooks, one decoder layer at a time.
 
 For every target Linear with input X (tokens x in) we accumulate, over calibration batches,
 
@@ -8,9 +8,17 @@ For every target Linear with input X (tokens x in) we accumulate, over calibrati
 
 Projections that read the same tensor (q/k/v, gate/up) share one statistic (``INPUT_OF``), so a
 Llama layer costs four Gram updates, not seven. Everything runs on the dense model.
+
+Memory: :func:`collect_stats` holds one layer's accumulators at a time and spills finished layers to memory-mapped
+files when the whole model's would not fit; the compressors keep what they derive from the statistics (Cholesky
+factors, square roots, eigenvectors) in a byte budget (``common.BoundedCache``). Before both, SVD-LLM at
+Llama-3.2-1B held 10 GB of X^T X and 10 GB of Cholesky factors at once, and at LLaMA-2-7B 44 GB of each.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +26,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, iter_linears
+from ..host import available_memory
 
 __all__ = ["calibration_data", "CalibStats", "cholesky_lower", "collect_stats", "INPUT_OF", "LayerStats"]
 
@@ -56,42 +65,130 @@ def _source_name(name: str) -> str:
 
 @torch.no_grad()
 def collect_stats(model: nn.Module, batches: torch.Tensor, targets=LLAMA_PROJ, batch_size: int = 1,
-                  progress: bool = True) -> CalibStats:
+                  progress: bool = True, spill: bool | None = None) -> CalibStats:
     """Run ``batches`` [n, seq] through ``model`` and gather input statistics of every target.
 
     Returns a :class:`CalibStats`; k/v share q's entry, up shares gate's (same object).
+
+    The model runs ONE decoder layer at a time over every batch (as GPTQ and SVD-LLM's low-resource path do): each
+    batch's input to the first layer is caught, then layer i maps every batch's hidden state to layer i + 1's,
+    with hooks on layer i's projections only. The statistics are those of the whole-model forward, bit for bit (the
+    same layer calls on the same inputs); what is held at once is one layer's accumulators plus every batch's hidden
+    state (tokens x hidden, the model's dtype), not every layer's (a Llama-3.2-1B holds 0.64 GB of float64 X^T X per
+    layer, 10 GB in all; a LLaMA-2-7B 1.4 GB per layer, 44 GB). The head and final norm are not run.
+
+    ``spill``: each finished layer's X^T X is written to a file and memory-mapped back (pages the OS can drop and
+    re-read, not anonymous memory; the file is unlinked at once and lives as long as the mapping). ``None``
+    (default) spills when the statistics of the whole model would exceed a quarter of the memory available now.
     """
     names = [n for n, _ in iter_linears(model, targets)]
     owners = {n: _source_name(n) for n in names}
     owners = {n: (o if o in owners else n) for n, o in owners.items()}
-    acc: dict[str, LayerStats] = {}
-    hooks = []
-
-    def make_hook(name):
-        def hook(mod, inp, out):
-            x = inp[0].detach()                      # (B, T, in)
-            xs = x.reshape(-1, x.shape[-1]).float()
-            st = acc.get(name)
-            if st is None:
-                st = acc[name] = LayerStats(torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float64),
-                                            torch.zeros(xs.shape[1], dtype=torch.float64))
-            st.xtx += (xs.T @ xs).double()           # per-batch Gram in fp32 (as SVD-LLM), summed in fp64
-            st.abs_mean += x.abs().double().mean(dim=1).sum(0)  # per-sample mean over tokens, summed
-            st.tokens += xs.shape[0]
-            st.samples += x.shape[0]
-        return hook
-
+    layers, prefix = _decoder_layers(model)
+    per_layer: dict[int, list[str]] = {}
+    for o in sorted(set(owners.values())):
+        i = _layer_index(o, prefix)
+        per_layer.setdefault(i, []).append(o)
     mods = dict(model.named_modules())
-    for n in set(owners.values()):
-        hooks.append(mods[n].register_forward_hook(make_hook(n)))
+    if spill is None:
+        need = sum(8 * mods[o].in_features ** 2 for o in set(owners.values()))
+        spill = need > available_memory() // 4
+    dev = next(model.parameters()).device
+    hidden, calls = _first_layer_inputs(model, layers[0], batches, batch_size, dev)
+    acc: dict[str, LayerStats] = {}
+    spill_dir = tempfile.mkdtemp(prefix="lowrank_calib_") if spill else None
     try:
-        dev = next(model.parameters()).device
-        for i in tqdm(range(0, batches.shape[0], batch_size), desc="calibration", disable=not progress, leave=False):
-            model(batches[i:i + batch_size].to(dev), use_cache=False)
+        for i in tqdm(range(len(layers)), desc="calibration", disable=not progress, leave=False):
+            hooks = [mods[o].register_forward_hook(_accumulate(o, acc)) for o in per_layer.get(i, [])]
+            try:
+                for b, h in enumerate(hidden):
+                    args, kwargs = calls[tuple(h.shape[:2])]
+                    out = layers[i](h, *args, **kwargs)
+                    hidden[b] = out[0] if isinstance(out, tuple) else out
+            finally:
+                for hk in hooks:
+                    hk.remove()
+            if spill_dir is not None and per_layer.get(i):
+                _spill(acc, per_layer[i], os.path.join(spill_dir, f"layer{i}.pt"))
     finally:
-        for h in hooks:
-            h.remove()
+        if spill_dir is not None:
+            shutil.rmtree(spill_dir, ignore_errors=True)
     return CalibStats({n: acc[o] for n, o in owners.items()}, int(batches.shape[0]), int(batches.shape[1]))
+
+
+class _Caught(Exception):
+    """Raised by the first layer's pre-hook: its input is caught, the rest of the forward is not run."""
+
+
+def _decoder_layers(model: nn.Module) -> tuple[nn.ModuleList, str]:
+    """The decoder layers (``model.layers`` of a Llama-family causal LM) and their dotted prefix."""
+    for prefix in ("model.layers", "layers"):
+        try:
+            layers = model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        if isinstance(layers, nn.ModuleList) and len(layers):
+            return layers, prefix
+    raise ValueError("collect_stats needs a Llama-family model whose decoder layers are `model.layers`")
+
+
+def _layer_index(name: str, prefix: str) -> int:
+    head = prefix + "."
+    if not name.startswith(head):
+        raise ValueError(f"{name} is not inside a decoder layer ({prefix}.<i>.*): collect_stats runs layer by layer")
+    return int(name[len(head):].split(".", 1)[0])
+
+
+def _first_layer_inputs(model, first: nn.Module, batches: torch.Tensor, batch_size: int, dev):
+    """Every batch's hidden state entering the first layer, and the layer's other arguments per (batch, tokens)
+    shape. The model is called with token ids alone, so everything else a layer receives (position embeddings,
+    the causal mask, position ids) is a function of that shape: caught once per shape."""
+    hidden: list[torch.Tensor] = []
+    calls: dict[tuple, tuple] = {}
+
+    def catch(mod, args, kwargs):
+        kwargs = dict(kwargs)
+        h = args[0] if args else kwargs.pop("hidden_states")
+        hidden.append(h)
+        calls.setdefault(tuple(h.shape[:2]), (tuple(args[1:]), kwargs))
+        raise _Caught
+
+    hook = first.register_forward_pre_hook(catch, with_kwargs=True)
+    try:
+        for i in range(0, batches.shape[0], batch_size):
+            try:
+                model(batches[i:i + batch_size].to(dev), use_cache=False)
+            except _Caught:
+                pass
+            else:
+                raise RuntimeError("the model's forward never reached its first decoder layer")
+    finally:
+        hook.remove()
+    return hidden, calls
+
+
+def _accumulate(name: str, acc: dict[str, LayerStats]):
+    def hook(mod, inp, out):
+        x = inp[0].detach()                      # (B, T, in)
+        xs = x.reshape(-1, x.shape[-1]).float()
+        st = acc.get(name)
+        if st is None:
+            st = acc[name] = LayerStats(torch.zeros(xs.shape[1], xs.shape[1], dtype=torch.float64),
+                                        torch.zeros(xs.shape[1], dtype=torch.float64))
+        st.xtx += (xs.T @ xs).double()           # per-batch Gram in fp32 (as SVD-LLM), summed in fp64
+        st.abs_mean += x.abs().double().mean(dim=1).sum(0)  # per-sample mean over tokens, summed
+        st.tokens += xs.shape[0]
+        st.samples += x.shape[0]
+    return hook
+
+
+def _spill(acc: dict[str, LayerStats], owners: list[str], path: str) -> None:
+    """One layer's X^T X to ``path``, mapped back read-only (the anonymous copies freed), the file unlinked."""
+    torch.save({o: acc[o].xtx for o in owners if o in acc}, path)
+    mapped = torch.load(path, mmap=True, weights_only=True)
+    os.unlink(path)
+    for o, t in mapped.items():
+        acc[o].xtx = t
 
 
 def calibration_data(model_name_or_tok, n_samples: int, seq_len: int, seed: int = 0, vocab_size: int | None = None):

@@ -2,14 +2,58 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable
+from collections import OrderedDict
+from typing import Any, Callable, Hashable, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors, thin_svd
+from ..host import available_memory
 
-__all__ = ["FullRankFactors", "whitened_factors", "compress_each", "copy_for_factors", "leaf"]
+__all__ = ["BoundedCache", "FullRankFactors", "whitened_factors", "compress_each", "copy_for_factors", "leaf"]
+
+
+class BoundedCache:
+    """Matrices a compressor derives once and reads again (a statistic's Cholesky factor or square roots, shared by
+    q / k / v and gate / up; Dobi's eigenvectors between its allocation and its factors), kept while they fit in
+    ``budget`` bytes (default: an eighth of the memory available when the cache is made). Past it the least
+    recently used entry is dropped, and made again if asked for again. A compressor walks the layers in order, so
+    a model whose derived matrices fit keeps them all (as a plain dict would), and a larger one holds a few layers'
+    worth instead of every layer's: SVD-LLM's float64 Cholesky factors are 10 GB at Llama-3.2-1B, 44 GB at
+    LLaMA-2-7B. ``made`` counts the entries made (a second count for a key means it was dropped and made again)."""
+
+    def __init__(self, budget: int | None = None):
+        self.budget = available_memory() // 8 if budget is None else int(budget)
+        self._entries: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self.bytes = 0
+        self.made = 0
+
+    def get(self, key: Hashable, make: Callable[[], Any]):
+        """The entry for ``key``, made by ``make()`` when absent."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key][0]
+        value = make()
+        self.made += 1
+        self.put(key, value)
+        return value
+
+    def put(self, key: Hashable, value) -> None:
+        n = sum(t.numel() * t.element_size() for t in (value if isinstance(value, (tuple, list)) else (value,))
+                if isinstance(t, torch.Tensor))
+        if key in self._entries:
+            self.bytes -= self._entries.pop(key)[1]
+        self._entries[key] = (value, n)
+        self.bytes += n
+        while self.bytes > self.budget and len(self._entries) > 1:
+            self.bytes -= self._entries.popitem(last=False)[1][1]
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def whitened_factors(W: torch.Tensor, L: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -51,7 +51,7 @@ import torch
 from ..codecs import dequantize_rows, dynamic_map, quantize_rows, remap_decode, remap_encode  # noqa: F401 (re-export)
 from ..factorized import LLAMA_PROJ, iter_linears, thin_svd
 from .calib import CalibStats
-from .common import compress_each
+from .common import BoundedCache, compress_each
 
 
 def _activation_eig(W: torch.Tensor, xtx: torch.Tensor):
@@ -91,16 +91,19 @@ def compress_dobi(model, stats: CalibStats, keep: float, remap: bool = False, ta
 
     Factor dtype follows the model (fp32 models hold fp16-rounded values, as Dobi stores fp16).
     """
-    eig, shapes = {}, {}
+    spectra, shapes = {}, {}
+    vectors = BoundedCache()        # each matrix's eigenvectors [m, m], made again if they did not all fit
     for name, lin in iter_linears(model, targets):
-        eig[name] = _activation_eig(lin.weight, stats[name].xtx)
+        spectra[name], P = _activation_eig(lin.weight, stats[name].xtx)
+        vectors.put(name, P)
         shapes[name] = (lin.out_features, lin.in_features)
-    ranks = energy_ranks({n: e[0] for n, e in eig.items()}, shapes, keep, remap)
+    ranks = energy_ranks(spectra, shapes, keep, remap)
     codes = {}
 
     def fn(name, lin):
         k = ranks[name]
-        Pk = eig[name][1][:, :k]                                   # [m, k]
+        P = vectors.get(name, lambda: _activation_eig(lin.weight, stats[name].xtx)[1])
+        Pk = P[:, :k]                                              # [m, k]
         U2, S, Vh = thin_svd(Pk.T @ lin.weight.double())          # W_new = Pk U2 S Vh
         U = Pk @ U2
         m, n = shapes[name]

@@ -23,7 +23,7 @@ import torch
 from ..codecs import block_diag_u, split_block_diag  # noqa: F401 (re-export)
 from ..geometry import geometry
 from .calib import CalibStats, cholesky_lower
-from .common import compress_each, whitened_factors
+from .common import BoundedCache, compress_each, whitened_factors
 
 __all__ = ["PALU_TARGETS", "palu_group_rank", "compress_palu"]
 
@@ -42,7 +42,7 @@ def compress_palu(model, stats: CalibStats, keep: float, head_group_size: int = 
     if n_kv % head_group_size:
         raise ValueError(f"head_group_size {head_group_size} does not divide num_key_value_heads {n_kv}")
     G = n_kv // head_group_size
-    chol: dict[int, torch.Tensor] = {}
+    chol = BoundedCache()
     hw: dict[str, list[int]] = {}
 
     def fn(name, lin):
@@ -50,9 +50,8 @@ def compress_palu(model, stats: CalibStats, keep: float, head_group_size: int = 
         gd = W.shape[0] // G
         r = palu_group_rank(gd, keep, align)
         st = stats[name]
-        if whiten and id(st) not in chol:
-            chol[id(st)] = cholesky_lower(st.xtx)
-        L = chol[id(st)] if whiten else torch.eye(W.shape[1], dtype=torch.float64)
+        L = (chol.get(id(st), lambda: cholesky_lower(st.xtx)) if whiten
+             else torch.eye(W.shape[1], dtype=torch.float64))
         Us, Vs = zip(*[whitened_factors(W[g * gd:(g + 1) * gd], L, r) for g in range(G)])
         hw[name] = [r] * G
         return block_diag_u(list(Us)), torch.cat(Vs, dim=0)

@@ -51,7 +51,7 @@ import torch
 from ..factorized import LLAMA_PROJ, thin_svd
 from ..ranks import keep_rank
 from .calib import CalibStats, LayerStats, cholesky_lower
-from .common import compress_each, leaf, whitened_factors
+from .common import BoundedCache, compress_each, leaf, whitened_factors
 
 __all__ = ["compress_svdllm", "loss_optimised_factors", "PAPER_CALIB_TOKENS", "v2_truncation_losses", "v2_allocate",
            "v2_keep_ratios", "v2_ranks", "compress_svdllm_v2", "truncation_loss", "truncation_loss_table"]
@@ -60,14 +60,12 @@ __all__ = ["compress_svdllm", "loss_optimised_factors", "PAPER_CALIB_TOKENS", "v
 def compress_svdllm(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ, inplace: bool = False,
                     progress: bool = True, ranks: dict[str, int] | None = None):
     """SVD-LLM v1 at canonical ``keep`` (same rank rule as the original, per matrix); ``ranks`` overrides."""
-    chol: dict[int, torch.Tensor] = {}
+    chol = BoundedCache()              # one Cholesky factor per statistic (q / k / v and gate / up share theirs)
 
     def fn(name, lin):
         st = stats[name]
-        if id(st) not in chol:
-            chol[id(st)] = cholesky_lower(st.xtx)
         r = ranks[name] if ranks is not None else keep_rank(lin.out_features, lin.in_features, keep)
-        return whitened_factors(lin.weight, chol[id(st)], r)
+        return whitened_factors(lin.weight, chol.get(id(st), lambda: cholesky_lower(st.xtx)), r)
 
     return compress_each(model, fn, {"family": "svdllm", "variant": "v1", "keep": keep, "shared_groups": []},
                          targets, inplace, "svd-llm v1", progress)
@@ -80,13 +78,12 @@ def _sqrt_cov(xtx: torch.Tensor, rel_floor: float = 1e-10) -> tuple[torch.Tensor
     return Us * lam.sqrt(), (Us / lam.sqrt()).T
 
 
-def _sqrt_cov_of(st: LayerStats, roots: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_sqrt_cov` of ``st.xtx``, computed once per statistic into ``roots`` (id(st) -> (S, S^-1)), a dict the
+def _sqrt_cov_of(st: LayerStats, roots: BoundedCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_sqrt_cov` of ``st.xtx``, computed once per statistic into ``roots`` (id(st) -> (S, S^-1)), a cache the
     caller keeps for one compression: v2's allocation and its factors both read it (one eigh per distinct input;
-    q / k / v and gate / up share theirs), and it is freed with the call, not kept beside the statistics."""
-    if id(st) not in roots:
-        roots[id(st)] = _sqrt_cov(st.xtx)
-    return roots[id(st)]
+    q / k / v and gate / up share theirs), and it is freed with the call, not kept beside the statistics. Past the
+    cache's budget (a model whose roots do not fit in memory) the factors' pass takes them again."""
+    return roots.get(id(st), lambda: _sqrt_cov(st.xtx))
 
 
 def loss_optimised_factors(W: torch.Tensor, S: torch.Tensor, S_inv: torch.Tensor, rank: int):
@@ -103,7 +100,8 @@ PAPER_CALIB_TOKENS = 256 * 2048
 
 @torch.no_grad()
 def v2_truncation_losses(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ,
-                         loss_tokens: int | None = PAPER_CALIB_TOKENS, roots: dict | None = None) -> dict[str, float]:
+                         loss_tokens: int | None = PAPER_CALIB_TOKENS,
+                         roots: BoundedCache | None = None) -> dict[str, float]:
     """v2 §3.1: each matrix's theoretical truncation loss at the UNIFORM rank k, L_i = ||sigma_{k+1:}(W S)||_2.
 
     L_i^2 is a sum over calibration tokens, so its size (and log L_i, which the allocation divides by)
@@ -114,7 +112,7 @@ def v2_truncation_losses(model, stats: CalibStats, keep: float, targets=LLAMA_PR
     from ..factorized import iter_linears
 
     out: dict[str, float] = {}
-    roots = {} if roots is None else roots
+    roots = BoundedCache() if roots is None else roots
     for name, lin in iter_linears(model, targets):
         st = stats[name]
         sig = thin_svd(lin.weight.double() @ _sqrt_cov_of(st, roots)[0])[1]
@@ -150,7 +148,8 @@ def v2_allocate(losses: dict[str, float], keep: float, min_keep: float = 0.05) -
 
 
 def v2_keep_ratios(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ,
-                   loss_tokens: int | None = PAPER_CALIB_TOKENS, roots: dict | None = None) -> dict[str, float]:
+                   loss_tokens: int | None = PAPER_CALIB_TOKENS,
+                   roots: BoundedCache | None = None) -> dict[str, float]:
     """Heterogeneous keep per matrix: :func:`v2_allocate` of :func:`v2_truncation_losses` (``roots``: see there)."""
     return v2_allocate(v2_truncation_losses(model, stats, keep, targets, loss_tokens, roots), keep)
 
@@ -171,7 +170,7 @@ def compress_svdllm_v2(model, stats: CalibStats, keep: float, targets=LLAMA_PROJ
     measure the truncation alone) + loss-optimised truncation (two SVDs). ``ranks`` overrides both."""
     if allocation not in ("v2", "uniform"):
         raise ValueError(f"allocation must be 'v2' or 'uniform', got {allocation!r}")
-    roots: dict = {}                      # X^T X's square roots: the allocation's, then the factors'
+    roots = BoundedCache()                # X^T X's square roots: the allocation's, then the factors'
     keeps = (v2_keep_ratios(model, stats, keep, targets, loss_tokens, roots) if allocation == "v2" and ranks is None
              else None)
 
@@ -204,14 +203,11 @@ def truncation_loss_table(model, stats: CalibStats, keep: float, targets=LLAMA_P
     and with the factors rounded to ``dtype`` (default: the weight's dtype), all on the same X^T X."""
     from ..factorized import iter_linears
 
-    cache: dict[int, torch.Tensor] = {}
-    roots: dict = {}
+    cache, roots = BoundedCache(), BoundedCache()
     out = {}
     for name, lin in iter_linears(model, targets):
         st = stats[name]
-        if id(st) not in cache:
-            cache[id(st)] = cholesky_lower(st.xtx)
-        L, (S, S_inv) = cache[id(st)], _sqrt_cov_of(st, roots)
+        L, (S, S_inv) = cache.get(id(st), lambda: cholesky_lower(st.xtx)), _sqrt_cov_of(st, roots)
         W = lin.weight.detach()
         dt = dtype or W.dtype
         r = keep_rank(lin.out_features, lin.in_features, keep)

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..factorized import LLAMA_PROJ, LowRankLinear, iter_linears, replace_with_factors
 from ..ranks import keep_rank
 from .calib import CalibStats, cholesky_lower, collect_stats
-from .common import FullRankFactors, copy_for_factors
+from .common import BoundedCache, FullRankFactors, copy_for_factors
 from .spectra_cache import cached, read_spectra, weights_digest, write_spectra
 
 
@@ -76,16 +76,14 @@ class WhitenedSpectra(FullRankFactors):
         self.u: dict[str, torch.Tensor] = {}
         self.v: dict[str, torch.Tensor] = {}
         self.bias: dict[str, torch.Tensor | None] = {}
-        chol: dict[int, torch.Tensor] = {}
+        chol = BoundedCache()          # q/k/v and gate/up share one statistic, hence one Cholesky factor
         lins = list(iter_linears(model, self.targets))
         for name, lin in tqdm(lins, desc="whitened SVD", disable=not progress, leave=False):
             if isinstance(lin, LowRankLinear):
                 raise ValueError(f"{name} is already factorized; WhitenedSpectra needs a dense model")
             st = stats[name]
-            if id(st) not in chol:   # q/k/v and gate/up share one statistic, hence one Cholesky factor
-                chol[id(st)] = cholesky_lower(st.xtx)
             dt = dtype or lin.weight.dtype
-            u, v = whitened_full(lin.weight, chol[id(st)])
+            u, v = whitened_full(lin.weight, chol.get(id(st), lambda: cholesky_lower(st.xtx)))
             self.u[name], self.v[name] = u.to(dt), v.to(dt)
             self.bias[name] = None if lin.bias is None else lin.bias.detach().clone()
 
