@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "compressors": "lowrank_lib.bench.commands.compressors",
     "quant-quality": "lowrank_lib.bench.commands.quant_quality",
     "frontier": "lowrank_lib.bench.commands.frontier",
+    "compress-memory": "lowrank_lib.bench.commands.compress_memory",
 }
 
 #: commands whose ``--threads`` is a sweep (each count measured in the same run); they add the flag themselves

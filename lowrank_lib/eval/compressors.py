@@ -4,6 +4,9 @@ search. ``bench compressors`` parses its options into :class:`CompressorsConfig`
     python -m lowrank_lib.bench compressors --threads 1                        # SmolLM2, keep 0.8 / 0.6
     python -m lowrank_lib.bench compressors --model tiny-smol --windows 1 --prompt-len 128 --calib-samples 2
 
+:func:`compress_at_shape` (``bench compress-memory``, one child per method) times calibration and a compressor on a
+random model of a real geometry, for their memory at 1B / 7B shape.
+
 Variants (all on the SAME calibration statistics and evaluation windows, in memory, fp32):
 
 * ``svdllm_v1``           v1: Cholesky whitening, uniform rank rule
@@ -164,3 +167,40 @@ def format_table(res: dict) -> str:
             cells.append("" if r is None else f"{r['ppl']:.4g} ({r['linear_keep']:.3f})")
         lines.append(f"| {var} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compress_at_shape(shape: str, method: str, keep: float, calib_samples: int, calib_len: int,
+                      layers: int | None = None, seed: int = 0) -> dict:
+    """Calibrate and compress a random model of a real geometry (``models.SHAPES``; its bf16 files memory-mapped)
+    the way ``resolve_models(MODEL, method=..., keep=...)`` does: ``collect_stats`` over the dense model, then the
+    family's compressor. Returns each phase's seconds, the statistics' float64 X^T X bytes (what a collector holding
+    every layer at once keeps in memory) and the anonymous memory after loading and after calibration; run it in a
+    child (``bench compress-memory``) to read the peak memory of the whole."""
+    import torch
+
+    from .. import models
+    from ..compress import COMPRESSORS, collect_stats
+    from ..compress.calib import calibration_data
+    from ..factorized import account
+    from ..host import status_bytes
+
+    if method not in COMPRESSORS:
+        raise ValueError(f"method {method!r}: one of {sorted(COMPRESSORS)}")
+    model = models.load_shape_model(shape, layers=layers, seed=seed, progress=False)
+    base_anon = status_bytes("RssAnon")
+    ids = calibration_data(None, calib_samples, calib_len, seed, vocab_size=model.config.vocab_size)
+    t0 = time.perf_counter()
+    stats = collect_stats(model, ids, progress=False)
+    calib_s = time.perf_counter() - t0
+    distinct = {id(st): st for st in stats.stats.values()}.values()
+    stats_bytes = sum(st.xtx.numel() * st.xtx.element_size() for st in distinct)
+    after_calib_anon = status_bytes("RssAnon")
+    t1 = time.perf_counter()
+    cm = COMPRESSORS[method](model, stats, keep, progress=False)
+    compress_s = time.perf_counter() - t1
+    with torch.no_grad():
+        finite = bool(torch.isfinite(cm(ids[:1, :8]).logits).all())
+    return {"shape": shape, "layers": model.config.num_hidden_layers, "method": method, "keep": keep,
+            "calib_tokens": calib_samples * calib_len, "calib_s": round(calib_s, 1), "compress_s": round(compress_s, 1),
+            "stats_bytes": stats_bytes, "anon_after_load": base_anon, "anon_after_calibration": after_calib_anon,
+            "kept_params": account(cm).linear_params, "logits_finite": finite}
