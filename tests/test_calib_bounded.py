@@ -153,3 +153,20 @@ def test_compressors_give_the_same_factors_when_nothing_fits(gqa, monkeypatch):
     # v2 takes X^T X's roots once in its allocation, then again in its factors' pass once they were dropped
     assert any(c.made > len({id(stats[n]) for n, _ in iter_linears(gqa)}) for c in counts)
     assert common.available_memory() > 0
+
+
+def test_compressors_copy_what_they_keep_and_leave_the_dense_model_alone(gqa):
+    from lowrank_lib.compress import compress_asvd, compress_basis_sharing
+    from lowrank_lib.factorized import LowRankLinear
+
+    stats = collect_stats(gqa, random_token_batches(256, 2, 32, seed=2), progress=False)
+    before = {n: p.clone() for n, p in gqa.named_parameters()}
+    for cm in (compress_svdllm(gqa, stats, 0.6, progress=False), compress_basis_sharing(gqa, stats, 0.6, progress=False),
+               compress_asvd(gqa, stats, 0.6, progress=False)):
+        assert not any(isinstance(m, LowRankLinear) for m in gqa.modules())
+        emb, mine = cm.model.embed_tokens.weight, gqa.model.embed_tokens.weight
+        assert torch.equal(emb, mine) and emb.data_ptr() != mine.data_ptr()       # copied, not shared
+        norm = cm.model.layers[0].input_layernorm.weight
+        assert norm.data_ptr() != gqa.model.layers[0].input_layernorm.weight.data_ptr()
+        assert all(0 not in p.stride() for p in cm.parameters())             # no placeholder (stride 0) left
+    assert all(torch.equal(p, before[n]) for n, p in gqa.named_parameters())

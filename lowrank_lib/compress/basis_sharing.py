@@ -13,8 +13,6 @@ In the ONE representation each layer's ``LowRankLinear`` has ``U = coefficient_l
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -23,6 +21,7 @@ from ..factorized import LLAMA_PARENT as PARENT
 from ..factorized import LLAMA_PROJ, LowRankLinear, replace_with_factors, thin_svd
 from ..ranks import basis_sharing_num_basis
 from .calib import CalibStats, cholesky_lower
+from .common import copy_for_factors
 
 __all__ = ["SHARED_LLAMA", "layer_groups", "shared_basis", "compress_basis_sharing"]
 
@@ -57,8 +56,7 @@ def compress_basis_sharing(model, stats: CalibStats, keep: float, group_size: in
     ``num_basis`` overrides the formula (clamped to [1, min(in, out*G)]; a large value is exact).
     ``model.lowrank_meta`` gets ``groups`` ({type: [[layers]]}) and ``num_basis`` ({type: nb}).
     """
-    m = model if inplace else copy.deepcopy(model)
-    n_layers = m.config.num_hidden_layers
+    n_layers = model.config.num_hidden_layers
     new: dict[str, LowRankLinear] = {}
     groups_meta, nb_meta, shared_names = {}, {}, []
     for typ in tqdm([t for t in LLAMA_PROJ if t in targets], desc="basis sharing", disable=not progress, leave=False):
@@ -66,7 +64,7 @@ def compress_basis_sharing(model, stats: CalibStats, keep: float, group_size: in
         groups_meta[typ.replace("_proj", "")] = groups
         for g in groups:
             names = [f"model.layers.{i}.{PARENT[typ]}.{typ}" for i in g]
-            lins = [m.get_submodule(n) for n in names]
+            lins = [model.get_submodule(n) for n in names]
             A = sum(stats[n].xtx for n in names)
             basis, coefs = shared_basis([lin.weight for lin in lins], A, keep, num_basis)
             dt = lins[0].weight.dtype
@@ -79,4 +77,4 @@ def compress_basis_sharing(model, stats: CalibStats, keep: float, group_size: in
                 shared_names.append([f"{n}.V" for n in names])
     meta = {"family": "basis_sharing", "keep": keep, "group_size": group_size, "groups": groups_meta,
             "num_basis": nb_meta, "shared_groups": shared_names}
-    return replace_with_factors(m, new, meta)
+    return replace_with_factors(model if inplace else copy_for_factors(model, new), new, meta)
