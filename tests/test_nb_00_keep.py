@@ -203,3 +203,22 @@ def test_compressed_copies_share_no_tensor_with_the_dense_model(explorer):
     assert m.lm_head.weight is m.model.embed_tokens.weight
     with torch.no_grad():
         assert torch.equal(m(x).logits, ref)
+
+
+def test_the_tour_refuses_a_dense_model_too_large_for_memory_before_loading_it(tmp_path):
+    from lowrank_lib.explore.keep import TourTooLarge, check_tour_fits, tour_footprint
+    from lowrank_lib.models import shape_config
+
+    big, small = tmp_path / "llama7b", tmp_path / "llama1b"
+    shape_config("llama2-7b").save_pretrained(big)          # a config alone: nothing may be loaded to refuse
+    shape_config("llama3.2-1b").save_pretrained(small)
+    need7, need1 = tour_footprint(shape_config("llama2-7b")), tour_footprint(shape_config("llama3.2-1b"))
+    # float32: the weights and two full-rank decompositions of every projection, > 3x the weights' bytes
+    assert 3 * 4 * 6.4e9 < need7 < 5 * 4 * 6.8e9 and 3 * 4 * 0.97e9 < need1 < 5 * 4 * 1.3e9
+    with pytest.raises(TourTooLarge, match="CHECKPOINT"):
+        check_tour_fits(str(big), memory=24 * 2 ** 30)
+    check_tour_fits(str(small), memory=24 * 2 ** 30)        # 14 GiB: fits
+    with pytest.raises(TourTooLarge):
+        check_tour_fits(str(small), memory=8 * 2 ** 30)
+    check_tour_fits("smollm2", memory=1)                     # names, not directories: not checked
+    check_tour_fits("tiny-gqa", memory=1)

@@ -26,8 +26,48 @@ from ..compress.svd import FactorSpectra
 from ..compress.whitened import WhitenedSpectra
 from ..eval.perplexity import perplexity
 from ..factorized import account
+from ..host import physical_memory
 from ..tokentext import decode
 from .ui import SliderPanel, float_slider, in_kernel_with_widgets
+
+
+class TourTooLarge(MemoryError):
+    """Notebook 00's tour of a dense ``MODEL`` would not fit in this machine's memory (:func:`check_tour_fits`)."""
+
+
+def tour_footprint(cfg) -> int:
+    """Bytes notebook 00's tour holds at once for a dense model of config ``cfg``, all float32: the model, then per
+    projection [out, in] two full-rank decompositions of k = min(out, in) components (SVD-LLM v1's whitened factors
+    for the slider, plain SVD's for the sweep: u [out, k] and v [k, in] each), the embedding and head once or
+    twice (tied or not)."""
+    from ..models import proj_shapes
+
+    per_layer = proj_shapes(cfg).values()
+    weights = sum(o * i for o, i in per_layer)
+    spectra = sum(min(o, i) * (o + i) for o, i in per_layer)
+    emb = cfg.vocab_size * cfg.hidden_size * (1 if getattr(cfg, "tie_word_embeddings", False) else 2)
+    return 4 * (cfg.num_hidden_layers * (weights + 2 * spectra) + emb)
+
+
+def check_tour_fits(model: str, memory: int | None = None) -> None:
+    """Refuse, before anything is loaded, a tour of a local dense ``MODEL`` directory whose :func:`tour_footprint`
+    exceeds ``memory`` (default: this machine's physical memory): a LLaMA-2-7B needs ~100 GiB, and loading it would
+    end in the kernel's out-of-memory kill, not an error. SmolLM2 and the tiny presets are not checked (well
+    under 1 GB). Raises :class:`TourTooLarge` naming what to do instead."""
+    from pathlib import Path
+
+    if not (Path(model) / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model, local_files_only=True)
+    need, have = tour_footprint(cfg), physical_memory() if memory is None else memory
+    if need > have:
+        raise TourTooLarge(
+            f"the tour of {model} decomposes every projection twice at full rank in float32: about {need / 2**30:.0f} "
+            f"GiB, and this machine has {have / 2**30:.0f} GiB. Set CHECKPOINT to a compressed checkpoint of it "
+            "(the slider then re-decomposes its factors, the dense model is only the reference), or tour a smaller "
+            "MODEL.")
 
 
 def chat_ids(tok, question: str) -> torch.Tensor:
