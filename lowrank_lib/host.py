@@ -16,8 +16,8 @@ import torch
 
 from .timing import summary, timed
 
-__all__ = ["CpuClocked", "available_memory", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine", "others_busy_cores",
-           "physical_memory", "read_bandwidth", "release_memory",
+__all__ = ["CpuClocked", "available_memory", "copy_bandwidth", "cores", "cpu_name", "load_average", "machine",
+           "others_busy_cores", "physical_memory", "read_bandwidth", "release_memory",
            "status_bytes"]
 
 

@@ -161,8 +161,8 @@ def test_compressors_copy_what_they_keep_and_leave_the_dense_model_alone(gqa):
 
     stats = collect_stats(gqa, random_token_batches(256, 2, 32, seed=2), progress=False)
     before = {n: p.clone() for n, p in gqa.named_parameters()}
-    for cm in (compress_svdllm(gqa, stats, 0.6, progress=False), compress_basis_sharing(gqa, stats, 0.6, progress=False),
-               compress_asvd(gqa, stats, 0.6, progress=False)):
+    for cm in (compress_svdllm(gqa, stats, 0.6, progress=False),
+               compress_basis_sharing(gqa, stats, 0.6, progress=False), compress_asvd(gqa, stats, 0.6, progress=False)):
         assert not any(isinstance(m, LowRankLinear) for m in gqa.modules())
         emb, mine = cm.model.embed_tokens.weight, gqa.model.embed_tokens.weight
         assert torch.equal(emb, mine) and emb.data_ptr() != mine.data_ptr()       # copied, not shared

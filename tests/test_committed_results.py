@@ -535,3 +535,18 @@ def test_committed_gpu_checks_agree_with_their_measurements():
     verdict_rows = text[text.index("| setting | target | system | value | verdict |"):].split("\n\n")[0].splitlines()[2:]
     assert verdict_rows == [f"| {v['setting']} | {v['target']} | {v['system']} | {v['value']:.2f} | "
                             f"{'met' if v['met'] else 'NOT met'} |" for v in res["verdicts"]]
+
+
+def test_readme_compress_memory_table_equals_the_json():
+    header, rows = _readme_table("| library | layers | calibration s | compress s | X^T X GiB |")
+    assert header[-1] == "JSON" and len(rows) == 4
+    G = 2 ** 30
+    for cells in rows:
+        res = _load(cells[-1].strip("`"))
+        (r,) = res["rows"]
+        what = f"README compress-memory row {cells[-1]}"
+        assert r["layers"] == int(cells[1]) and r["method"] == "svdllm" and r["logits_finite"], what
+        assert cells[0].split("(")[-1].rstrip(")") in res["note"], what        # the library commit that ran it
+        for i, v in ((2, r["calib_s"]), (3, r["compress_s"]), (4, r["stats_bytes"] / G), (5, r["peak_anon"] / G),
+                     (6, r["peak_rss"] / G), (7, res["copy_bandwidth_GBps"])):
+            _same(cells[i], v, f"{what} {header[i]}")

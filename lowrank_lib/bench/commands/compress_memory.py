@@ -18,6 +18,7 @@ def add_arguments(p) -> None:
     add_keep(p, 0.8, "fraction of parameters kept (one value)")
     p.add_argument("--calib-samples", type=int, default=8)
     p.add_argument("--calib-len", type=int, default=256, help="tokens per calibration sample")
+    p.add_argument("--note", default="", help="recorded in the JSON (e.g. which library commit ran)")
 
 
 def run(a) -> int:
@@ -31,8 +32,8 @@ def run(a) -> int:
 
     keep = one(a.keep, "--keep")
     files = ResultFiles(a.out, "compress_memory", slug(a.shape, f"L{a.layers}" if a.layers else ""))
-    res = {"command": a.command_line, "machine": {**machine(), "memory_gib": round(physical_memory() / 2 ** 30, 1),
-                                                  "available_gib": round(available_memory() / 2 ** 30, 1)},
+    mem = {"memory_gib": round(physical_memory() / 2 ** 30, 1), "available_gib": round(available_memory() / 2 ** 30, 1)}
+    res = {"command": a.command_line, "note": a.note, "machine": {**machine(), **mem},
            "threads": torch.get_num_threads(), "copy_bandwidth_GBps": copy_bandwidth("cpu"),
            "load_average": {"start": load_average()}, "rows": []}
     for method in a.methods:
