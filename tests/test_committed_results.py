@@ -550,3 +550,21 @@ def test_readme_compress_memory_table_equals_the_json():
         for i, v in ((2, r["calib_s"]), (3, r["compress_s"]), (4, r["stats_bytes"] / G), (5, r["peak_anon"] / G),
                      (6, r["peak_rss"] / G), (7, res["copy_bandwidth_GBps"])):
             _same(cells[i], v, f"{what} {header[i]}")
+
+
+def test_readme_dobi_lut_table_equals_the_json():
+    res = _load("dobi_lut_gemv_t1.json")
+    header, rows = _readme_table("(**`benchmarks/results/dobi_lut_gemv_t1.json`**")
+    assert header[0] == "factor [rows, cols]" and len(rows) * 3 == len(res["rows"])
+    kernels = ("lut_bf16", "int8_vnni", "bf16")
+    for cells in rows:
+        shape = [int(v) for v in cells[0].split(" x ")]
+        for cell, k in zip(cells[1:], kernels):
+            (r,) = [r for r in res["rows"] if r["shape"] == shape and r["kernel"] == k]
+            us, gbps = re.fullmatch(r"([\d.]+) \(([\d.]+)\)", cell).groups()
+            _same(us, r["us"], f"README dobi lut {shape} {k} us")
+            _same(gbps, r["GBps"], f"README dobi lut {shape} {k} GB/s")
+    # the verdict the README states: the table kernel is the slowest at every shape
+    for shape in {tuple(r["shape"]) for r in res["rows"]}:
+        us = {r["kernel"]: r["us"] for r in res["rows"] if tuple(r["shape"]) == shape}
+        assert us["lut_bf16"] > us["bf16"] > us["int8_vnni"], shape
