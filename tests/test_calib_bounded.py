@@ -18,6 +18,11 @@ from lowrank_lib.data import random_token_batches
 from lowrank_lib.factorized import iter_linears
 
 
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOWRANK_LIB_CACHE", str(tmp_path))          # spills go under the model cache: this one
+
+
 @pytest.fixture(scope="module")
 def gqa():
     return models.tiny_model("tiny-gqa", seed=0)
@@ -63,8 +68,6 @@ def test_layer_by_layer_statistics_equal_the_whole_forward(gqa, spill):
 
 
 def test_spilled_statistics_are_file_mappings_not_anonymous_memory(gqa, tmp_path, monkeypatch):
-    monkeypatch.setattr(calib_mod.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "spill"))
-    (tmp_path / "spill").mkdir()
     seen = []
     real = calib_mod._spill
 
@@ -79,9 +82,9 @@ def test_spilled_statistics_are_file_mappings_not_anonymous_memory(gqa, tmp_path
         for t in layer:
             lines = [ln for ln in maps if int(ln.split()[0].split("-")[0], 16) <= t.data_ptr()
                      < int(ln.split()[0].split("-")[1], 16)]
-            # a mapping of the spill file, unlinked at once: "<tmp>/spill/layer<i>.pt (deleted)"
-            assert len(lines) == 1 and str(tmp_path / "spill") in lines[0] and "(deleted)" in lines[0], lines
-    assert not (tmp_path / "spill").exists()               # the folder is gone; the mappings stay valid
+            # a mapping of the spill file, unlinked at once: "<cache>/calib_spill/stats-*/layer<i>.pt (deleted)"
+            assert len(lines) == 1 and str(tmp_path / "calib_spill") in lines[0] and "(deleted)" in lines[0], lines
+    assert list((tmp_path / "calib_spill").iterdir()) == []          # nothing left on disk; the mappings stay valid
     assert float(st["model.layers.0.mlp.down_proj"].xtx.diagonal().min()) >= 0
 
 

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from ..factorized import LLAMA_PROJ, iter_linears
 from ..host import available_memory
+from ..models import default_cache_dir
 
 __all__ = ["calibration_data", "CalibStats", "cholesky_lower", "collect_stats", "INPUT_OF", "LayerStats"]
 
@@ -80,6 +81,9 @@ def collect_stats(model: nn.Module, batches: torch.Tensor, targets=LLAMA_PROJ, b
     ``spill``: each finished layer's X^T X is written to a file and memory-mapped back (pages the OS can drop and
     re-read, not anonymous memory; the file is unlinked at once and lives as long as the mapping). ``None``
     (default) spills when the statistics of the whole model would exceed a quarter of the memory available now.
+    The files go to ``<model cache>/calib_spill/`` (``models.default_cache_dir``), not the temporary folder: where
+    /tmp is a tmpfs, a spill there would be held in memory again. They need the statistics' bytes on that disk
+    while the call runs (44 GB at LLaMA-2-7B), and none after it.
     """
     names = [n for n, _ in iter_linears(model, targets)]
     owners = {n: _source_name(n) for n in names}
@@ -96,7 +100,11 @@ def collect_stats(model: nn.Module, batches: torch.Tensor, targets=LLAMA_PROJ, b
     dev = next(model.parameters()).device
     hidden, calls = _first_layer_inputs(model, layers[0], batches, batch_size, dev)
     acc: dict[str, LayerStats] = {}
-    spill_dir = tempfile.mkdtemp(prefix="lowrank_calib_") if spill else None
+    spill_dir = None
+    if spill:
+        root = default_cache_dir() / "calib_spill"
+        root.mkdir(parents=True, exist_ok=True)
+        spill_dir = tempfile.mkdtemp(prefix="stats-", dir=root)
     try:
         for i in tqdm(range(len(layers)), desc="calibration", disable=not progress, leave=False):
             hooks = [mods[o].register_forward_hook(_accumulate(o, acc)) for o in per_layer.get(i, [])]
