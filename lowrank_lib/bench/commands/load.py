@@ -45,7 +45,7 @@ def run(a) -> int:
 
     import torch
 
-    from ...host import copy_bandwidth, load_average, machine
+    from ...host import copy_bandwidth, load_average, machine, physical_memory
     from ...synthetic import FAMILIES
     from ..load import format_table, run_rows
     from ..options import one
@@ -53,9 +53,8 @@ def run(a) -> int:
 
     shape, keep = "quick" if a.quick else a.shape, one(a.keep, "--keep")
     files = ResultFiles(a.out, "load", slug(shape, f"k{keep}"))
-    mem = next((int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal")), None)
     res = {"command": a.command_line, "shape": shape, "keep": keep, "note": a.note,
-           "machine": {**machine(), "memory_gib": round(mem / 2 ** 30, 1) if mem else None},
+           "machine": {**machine(), "memory_gib": round(physical_memory() / 2 ** 30, 1)},
            "threads": torch.get_num_threads(), "load_average": {"start": load_average()},
            "copy_bandwidth_GBps": copy_bandwidth("cpu"),
            "contract": "peak RSS - baseline <= 1.15 x loaded model bytes + 0.5 GB; >= 1 GB/s of file bytes "
