@@ -65,11 +65,19 @@ def left_pad_counts(attention_mask: torch.Tensor | None, input_ids: torch.Tensor
     return pad
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> the index of each row's largest value: ``torch.argmax``'s result (the first of equal maxima;
+    a NaN counts as the largest), through ``max(-1).indices``, which gives the same indices (tests/test_generation.py)
+    and on bf16 logits is ~4x faster on the CPU: on SmolLM2's [1, 49152] bf16 logits, 1 thread, 45 against 178 us, a
+    share of every decoded token's wall time (the same for fp32 logits, ~44 us)."""
+    return logits.max(-1).indices
+
+
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float = 1.0, top_k: int = 0,
                 top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [B, V] -> next tokens [B] (greedy argmax, or temperature / top-k / top-p sampling)."""
     if not do_sample:
-        return logits.argmax(-1)
+        return greedy(logits)
     x = logits.float() / max(temperature, 1e-6)
     if top_k and top_k < x.shape[-1]:
         kth = x.topk(top_k, -1).values[:, -1:]

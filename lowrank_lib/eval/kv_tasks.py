@@ -37,6 +37,7 @@ import time
 import torch
 
 from ..compat import cache_kw
+from ..generation import greedy
 from ..kv import METHODS, method_kind
 from .kv_sweep import FRONTIER_COMPOSED, FRONTIER_EVICTION, FRONTIER_LOWRANK, frontier_caches, frontier_method
 from .longctx import Sample, greedy_decode, make_sample, sample_ids, score, stop_ids
@@ -106,9 +107,9 @@ def engine_answer(model, tok, method, ctx: torch.Tensor, question: torch.Tensor,
     logits = eng.prefill(ctx)
     for t in question[0]:
         logits = eng.step(t.view(1))
-    out = [int(logits.argmax(-1))]
+    out = [int(greedy(logits))]
     while len(out) < max_new and not (stop and out[-1] in stop):
-        out.append(int(eng.step(torch.tensor([out[-1]])).argmax(-1)))
+        out.append(int(greedy(eng.step(torch.tensor([out[-1]])))))
     return out, store.fit_info["fit"]["bytes_ratio"]
 
 

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..compat import cache_kw
+from ..generation import greedy
 from ..kv.hf_adapter import KVCache, record
 
 __all__ = ["build_samples", "ByteTokenizer", "evaluate", "greedy_decode", "make_sample", "Sample", "sample_ids",
@@ -184,11 +185,11 @@ def greedy_decode(model, cache, first_logits: torch.Tensor, max_new: int,
     """Manual forward loop: greedy tokens after a prefill whose last logits are ``first_logits`` [1, V];
     stops after ``max_new`` tokens or at a token in ``stop_ids`` (kept)."""
     dev = next(model.parameters()).device
-    nxt = first_logits.argmax(-1).view(1, 1).to(dev)
+    nxt = greedy(first_logits).view(1, 1).to(dev)
     out = [int(nxt)]
     while len(out) < max_new and not (stop_ids and out[-1] in stop_ids):
         logits = model(nxt, **cache_kw(cache)).logits[:, -1]
-        nxt = logits.argmax(-1).view(1, 1)
+        nxt = greedy(logits).view(1, 1)
         out.append(int(nxt))
     return out
 

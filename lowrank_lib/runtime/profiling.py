@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from tqdm.auto import tqdm
 
-from ..generation import run_generation
+from ..generation import greedy, run_generation
 from ..timing import interleaved_samples
 from .runner import Runner
 
@@ -178,14 +178,14 @@ def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = DI
     dev = runner.device
     logits = runner.prefill(input_ids, attention_mask)
     runner.prepare(input_ids.shape[0])
-    tok = logits.argmax(-1)
+    tok = greedy(logits)
     logits = runner.step(tok)          # one warm step outside the count (lazy init, first-call paths)
-    tok = logits.argmax(-1)
+    tok = greedy(logits)
     if dev.type == "cuda":
         def run():
             t = tok
             for _ in range(n_tokens):
-                t = runner.step(t).argmax(-1)
+                t = greedy(runner.step(t))
         total, names = count_cuda_launches(run)
         return {"kind": "cuda_launches", "total": total / n_tokens,
                 "by_class": {k: v / n_tokens for k, v in names.items()}}
@@ -195,7 +195,7 @@ def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = DI
             t = tok
             with torch.no_grad():
                 for _ in range(n_tokens):
-                    t = runner.step(t).argmax(-1)
+                    t = greedy(runner.step(t))
         counts = count_profiled_aten_ops(run)
         kind = "aten_ops_profiler (compiled step: fused kernels not counted)"
     else:
@@ -203,7 +203,7 @@ def per_token_counts(runner: Runner, input_ids: torch.Tensor, n_tokens: int = DI
         with layer_sections(runner, counter) as found, counter, torch.no_grad():
             for _ in range(n_tokens):
                 logits = runner.step(t)
-                t = logits.argmax(-1)
+                t = greedy(logits)
         counts, kind = counter.counts, "aten_dispatches"
         if found:
             n_layers = 1 + max((k for k in counter.by_section if k is not None), default=-1)
@@ -243,7 +243,7 @@ def greedy_steps(runners: dict, tokens: dict, seen: dict | None = None) -> dict:
     ``seen``, appends the new token to ``seen[k]``."""
     def stepper(k):
         def step():
-            tokens[k] = runners[k].step(tokens[k]).argmax(-1)
+            tokens[k] = greedy(runners[k].step(tokens[k]))
             if seen is not None:
                 seen[k].append(int(tokens[k]))
         return step
