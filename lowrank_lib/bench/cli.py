@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "quant-quality": "lowrank_lib.bench.commands.quant_quality",
     "frontier": "lowrank_lib.bench.commands.frontier",
     "compress-memory": "lowrank_lib.bench.commands.compress_memory",
+    "sittings": "lowrank_lib.bench.commands.sittings",
 }
 
 #: commands whose ``--threads`` is a sweep (each count measured in the same run); they add the flag themselves

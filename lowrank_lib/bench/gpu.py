@@ -28,9 +28,8 @@ import traceback
 
 import torch
 
-from ..attsvd import LowRankKV, factor_space_attention, rebuild_then_attend
-from ..eval.factor_space import (AttnBenchConfig, attention_ratios, attention_table, bench_attention, rel_err,
-                                 svd_run)
+from ..eval.factor_space import (AttnBenchConfig, attention_ratios, attention_table, bench_attention,
+                                 engine_graphs, factor_correctness)
 
 GRAPH_SYSTEMS = ("engine", "engine_split", "engine_layer", "engine_step", "engine_step_compiled")
 
@@ -106,55 +105,6 @@ def checks_markdown(report: dict) -> str:
     for v in report["verdicts"]:
         lines.append(f"{v['setting']} | {v['target']} | {v['system']} | {v['value']:.2f} | {v['met']}")
     return "\n".join(lines) + "\n"
-
-
-# --------------------------------------------------------------------------- factor-space checks
-def factor_correctness(dev: str, n: int = 4096) -> dict:
-    """Factor space vs rebuild-then-attend on two factored runs + exact rows, fp32 and bf16."""
-    out = {}
-    torch.manual_seed(0)
-    a, b = int(n * 0.73), int(n * 0.98)
-    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        k, v, q = (torch.randn(2, h, t, 128, device=dev) for h, t in ((8, n), (8, n), (32, 1)))
-        kv = LowRankKV([svd_run(k[:, :, :a], v[:, :, :a], 64), svd_run(k[:, :, a:b], v[:, :, a:b], 32)],
-                       k[:, :, b:], v[:, :, b:]).to(dt).validate()
-        e = rel_err(factor_space_attention(q.to(dt), kv), rebuild_then_attend(q.to(dt), kv))
-        out[str(dt)] = {"rel_err": e, "tol": tol, "ok": e < tol}
-    return out
-
-
-def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_backend: str = "inductor") -> dict:
-    """The Engine with the AttSVD method (engine adapter, r/d 0.5), eager vs graph modes, on a random tiny-smol
-    model (fp32): one capture per request shape, replayed for every step."""
-    from .. import models
-    from ..kv import MethodStore, make_method
-    from ..runtime import Engine, EngineConfig
-
-    model = models.tiny_model("tiny-smol", seed=0).to(dev)
-    out, ref = {}, []
-    for graph in graphs:
-        try:
-            store = MethodStore(make_method("attsvd", rank=32, window=16))
-            eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
-                         kv=store)
-            res = []
-            # three requests: the first two round to the same buffers under a reader of device-side layouts (one
-            # capture), the third re-captures; a host-slicing reader (the portable path) re-captures for each
-            for T in (290, 300, 400):
-                ids = torch.randint(3, 512, (2, T), generator=torch.Generator().manual_seed(T)).to(dev)
-                mask = (torch.arange(T)[None] >= torch.tensor([[0], [7]])).long().to(dev)       # row 1: 7 left pads
-                o = eng.generate(ids, 12, attention_mask=mask, return_logits=True)
-                res.append((o.tokens.cpu(), torch.stack(o.logits, 1).cpu(), o.info.get("capture_s", 0.0),
-                            o.decode_ms_per_token))
-            ref = res if graph == "none" else ref
-            out[graph] = {"tokens_equal_eager": [bool(torch.equal(a[0], b[0])) for a, b in zip(res, ref)],
-                          "logit_rel_err": [rel_err(a[1], b[1]) for a, b in zip(res, ref)],
-                          "capture_s": [r[2] for r in res], "decode_ms_per_token": [r[3] for r in res],
-                          "tier_backend": store.backend.name if store.backend is not None else None,
-                          "device_layout": store.device_layout}
-        except Exception as e:  # record, keep the rest of the device call useful
-            out[graph] = {"error": f"{type(e).__name__}: {e}"}
-    return out
 
 
 # --------------------------------------------------------------------------- one device call

@@ -32,7 +32,8 @@ from ..runtime.profiling import greedy_steps
 from ..timing import interleaved, repeated_runs, within_noise
 
 __all__ = ["AttnBenchConfig", "FactorDecodeConfig", "attention_ratios", "attention_table", "bench_attention",
-           "bench_decode", "bench_engine", "cuda_graphed", "markdown", "rel_err", "speed_verdict", "svd_run"]
+           "bench_decode", "bench_engine", "cuda_graphed", "engine_graphs", "factor_correctness", "markdown", "rel_err",
+           "speed_verdict", "svd_run"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -333,3 +334,52 @@ def markdown(result: dict) -> str:
         lines += [f"| {r['rank_frac']} | {r['rank']} | {r['ppl']:.4f} | {r['kl']:.4f} | {r['memory_ratio']:.3f} |"
                   for r in p["rows"]]
     return "\n".join(lines) + "\n"
+
+
+def factor_correctness(dev: str, n: int = 4096) -> dict:
+    """Factor space vs rebuild-then-attend on two factored runs + exact rows, fp32 and bf16, on ``dev`` (a stage of
+    ``bench gpu-session``)."""
+    out = {}
+    torch.manual_seed(0)
+    a, b = int(n * 0.73), int(n * 0.98)
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        k, v, q = (torch.randn(2, h, t, 128, device=dev) for h, t in ((8, n), (8, n), (32, 1)))
+        kv = LowRankKV([svd_run(k[:, :, :a], v[:, :, :a], 64), svd_run(k[:, :, a:b], v[:, :, a:b], 32)],
+                       k[:, :, b:], v[:, :, b:]).to(dt).validate()
+        e = rel_err(factor_space_attention(q.to(dt), kv), rebuild_then_attend(q.to(dt), kv))
+        out[str(dt)] = {"rel_err": e, "tol": tol, "ok": e < tol}
+    return out
+
+
+def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_backend: str = "inductor") -> dict:
+    """The Engine with the AttSVD method (engine adapter, r/d 0.5), eager vs graph modes, on a random tiny-smol
+    model (fp32): one capture per request shape, replayed for every step (a stage of ``bench gpu-session``)."""
+    from .. import models
+    from ..kv import MethodStore, make_method
+    from ..runtime import Engine, EngineConfig
+
+    model = models.tiny_model("tiny-smol", seed=0).to(dev)
+    out, ref = {}, []
+    for graph in graphs:
+        try:
+            store = MethodStore(make_method("attsvd", rank=32, window=16))
+            eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
+                         kv=store)
+            res = []
+            # three requests: the first two round to the same buffers under a reader of device-side layouts (one
+            # capture), the third re-captures; a host-slicing reader (the portable path) re-captures for each
+            for T in (290, 300, 400):
+                ids = torch.randint(3, 512, (2, T), generator=torch.Generator().manual_seed(T)).to(dev)
+                mask = (torch.arange(T)[None] >= torch.tensor([[0], [7]])).long().to(dev)       # row 1: 7 left pads
+                o = eng.generate(ids, 12, attention_mask=mask, return_logits=True)
+                res.append((o.tokens.cpu(), torch.stack(o.logits, 1).cpu(), o.info.get("capture_s", 0.0),
+                            o.decode_ms_per_token))
+            ref = res if graph == "none" else ref
+            out[graph] = {"tokens_equal_eager": [bool(torch.equal(a[0], b[0])) for a, b in zip(res, ref)],
+                          "logit_rel_err": [rel_err(a[1], b[1]) for a, b in zip(res, ref)],
+                          "capture_s": [r[2] for r in res], "decode_ms_per_token": [r[3] for r in res],
+                          "tier_backend": store.backend.name if store.backend is not None else None,
+                          "device_layout": store.device_layout}
+        except Exception as e:  # record, keep the rest of the device call useful
+            out[graph] = {"error": f"{type(e).__name__}: {e}"}
+    return out

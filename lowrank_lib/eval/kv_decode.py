@@ -13,7 +13,13 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["KVDecodeConfig", "build_engines", "kv_decode", "table"]
+__all__ = ["KVDecodeConfig", "SPEED_CONTEXT", "SPEED_TARGETS", "build_engines", "kv_decode", "table", "targets"]
+
+#: issue 29's targets for the composed cache (a method named ``composed*``) at an 8k context: decode speed against
+#: the dense store of the same run, at least ``bound`` x at each ``budget``, at every thread count (data, as
+#: ``bench.peer_base.TARGETS`` are for the peer runs)
+SPEED_CONTEXT = 8000
+SPEED_TARGETS = ((0.5, 1.15), (0.25, 1.3), (0.125, 1.4))
 
 
 @dataclass
@@ -123,9 +129,27 @@ def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
                               **({"flags": isa} if isa is not None else {})}
         meta["load_average"][f"after_context_{C}"] = load_average()
         if on_context is not None:
-            on_context({"rows": rows, **meta})
+            on_context({"rows": rows, "targets": targets(rows, cfg.model), **meta})
         engines.clear()                     # free this context's engines before the next
-    return {"rows": rows, **meta}
+    return {"rows": rows, "targets": targets(rows, cfg.model), **meta}
+
+
+def targets(rows: list[dict], shape: str | None = None) -> list[dict]:
+    """:data:`SPEED_TARGETS` on every row they apply to (a composed method at :data:`SPEED_CONTEXT` tokens, at one
+    of the budgets): the row's identity, the target, its bound and direction, the measured speed-up, whether met (the
+    records of ``bench.peer_base.evaluate``, plus ``budget`` and ``context``; ``shape``: the model, as the config
+    names it)."""
+    bounds = dict(SPEED_TARGETS)
+    out = []
+    for r in rows:
+        b = r.get("budget")
+        if r["system"].startswith("composed") and r["context"] == SPEED_CONTEXT and b in bounds:
+            out.append({"shape": shape, "system": r["system"], "dtype": r["dtype"], "keep": None, "budget": b,
+                        "context": r["context"], "lm_head": None, "threads": r["threads"], "factor_bits": None,
+                        "target": f"composed_speedup_b{b:g}", "key": "speedup_vs_dense", "op": ">=",
+                        "bound": bounds[b], "issue": 29, "measured": r["speedup_vs_dense"],
+                        "met": r["speedup_vs_dense"] >= bounds[b]})
+    return out
 
 
 def table(rows: list[dict]) -> str:
@@ -137,4 +161,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{r['context']:>7} {r['threads']:>3} {r['system']:<22}{b:>7} {r['graph']:<11}"
                      f"{r['attention_kernel']:<12}{r['decode_ms_per_token']:>8.2f} {r['ratio_vs_dense']:>8.3f} "
                      f"{r['attn_ms_per_token']:>8.3f} {r['attn_ratio_vs_dense']:>8.3f} {r['bytes_ratio']:>7.3f}")
+    lines += [f"target {t['target']} ({t['system']}, {t['threads']} thread(s), issue {t['issue']}): "
+              f"{t['measured']:.3f} vs {t['op']} {t['bound']}: " + ("met" if t["met"] else "NOT met")
+              for t in targets(rows)]
     return "\n".join(lines)
