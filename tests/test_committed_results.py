@@ -568,3 +568,17 @@ def test_readme_dobi_lut_table_equals_the_json():
     for shape in {tuple(r["shape"]) for r in res["rows"]}:
         us = {r["kernel"]: r["us"] for r in res["rows"] if tuple(r["shape"]) == shape}
         assert us["lut_bf16"] > us["bf16"] > us["int8_vnni"], shape
+
+
+def test_readme_notebooks_04_06_at_7b_are_the_json():
+    res = json.loads((RESULTS / "checkpoint_report_llama-7b_04-06.json").read_text())
+    header, rows = _readme_table("**`benchmarks/results/checkpoint_report_llama-7b_04-06.json`**")
+    assert header[:3] == ["notebook", "wall s", "kernel peak RSS GiB"]
+    names = sorted(res["notebooks"])
+    assert [r[0][:2] for r in rows[:3]] == [n[:2] for n in names] and rows[3][0] == "all three"
+    for row, name in zip(rows, names):
+        nb = res["notebooks"][name]
+        _same(row[1], nb["wall_s"], f"{name} wall")
+        _same(row[2], nb["peak_rss_bytes"] / 2 ** 30, f"{name} peak RSS")
+    _same(rows[3][1], res["wall_s_all"], "all three wall")
+    assert res["targets"]["04+05+06 within this 24 GB machine"]["met"]
