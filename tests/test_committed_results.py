@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from lowrank_lib.bench import peer, peer_base
+from lowrank_lib.eval.kv_decode import SPEED_TARGETS
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -84,6 +85,8 @@ def _direction(target: dict) -> str:
     declared = {t.name: t for t in peer_base.TARGETS}          # the targets as data (bench/peer_base.py)
     if name in declared:
         assert (op, target["bound"]) == (declared[name].op, declared[name].bound), target
+    if name.startswith("composed_speedup_"):                   # and eval/kv_decode.py's
+        assert (op, target["bound"]) == (">=", dict(SPEED_TARGETS)[target["budget"]]), target
     return op
 
 
@@ -101,8 +104,15 @@ def _decode(rows, lm_head="exact", **key) -> dict:
 
 
 def _measured(res: dict, t: dict) -> float:
-    """A target's measured value recomputed from the file's rows (peer and peer --shape targets)."""
+    """A target's measured value recomputed from the file's rows (peer, peer --shape and kv-decode targets)."""
     rows, name, dt = res["rows"], t["target"], t["dtype"]
+    if t.get("key") == "speedup_vs_dense":                    # bench kv-decode: the method's step against dense's
+        key = {k: t[k] for k in ("system", "budget", "threads", "context", "dtype")}
+        (r,) = [r for r in rows if all(r.get(k) == v for k, v in key.items())]
+        at = (t["threads"], t["context"])
+        (d,) = [x for x in rows if x["system"] == "dense" and (x["threads"], x["context"]) == at]
+        assert r["speedup_vs_dense"] == pytest.approx(d["decode_ms_per_token"] / r["decode_ms_per_token"], abs=6e-4)
+        return r["speedup_vs_dense"]
     if "shape" in t:            # bench/peer_scale.py, and bench/peer.py since its targets name the comparison key
         th, key, head = t.get("threads", 1), t.get("key", name), _head(t)
         ref = lambda q: _decode(rows, system="llamacpp_dense", dtype=q, threads=th)["decode_ms_per_token"]  # noqa: E731
@@ -134,7 +144,8 @@ _WITH_TARGETS = [p for p in sorted(RESULTS.glob("*.json")) if isinstance(json.lo
 
 def test_the_files_with_targets_are_the_peer_results():
     """The verdict test below covers every committed file with a ``targets`` list (a new kind fails here first)."""
-    assert {p.name for p in _WITH_TARGETS} == {p.name for p in _committed() + _committed("peer_scale_*.json")}
+    kv = [p for p in _committed("kv_decode_*.json") if int(p.stem.rsplit("_", 1)[1]) >= 30]   # since they record them
+    assert {p.name for p in _WITH_TARGETS} == {p.name for p in _committed() + _committed("peer_scale_*.json") + kv}
 
 
 @pytest.mark.parametrize("p", _WITH_TARGETS, ids=lambda p: p.name)
@@ -247,6 +258,7 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_17.json`**", "peer_cpu_17.json", None),
                ("**`benchmarks/results/peer_cpu_18.json`**", "peer_cpu_18.json", None),
                ("**`benchmarks/results/peer_cpu_19.json`**", "peer_cpu_19.json", None),
+               ("**`benchmarks/results/peer_cpu_20.json`**", "peer_cpu_20.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -333,7 +345,8 @@ def test_readme_kv_decode_table_equals_the_json():
                                   "kv_decode_18.json", "kv_decode_19.json", "kv_decode_20.json",
                                   "kv_decode_21.json", "kv_decode_22.json", "kv_decode_23.json",
                                   "kv_decode_24.json", "kv_decode_25.json", "kv_decode_26.json",
-                                  "kv_decode_27.json", "kv_decode_28.json", "kv_decode_29.json"])
+                                  "kv_decode_27.json", "kv_decode_28.json", "kv_decode_29.json",
+                                  "kv_decode_30.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")

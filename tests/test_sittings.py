@@ -32,7 +32,8 @@ def _write(folder: Path, name: str, res: dict) -> None:
 def test_kv_decode_targets_apply_to_composed_rows_at_the_context_only():
     bounds = dict(SPEED_TARGETS)
     rows = [_kv_row("dense", None, 1.0), _kv_row("composed-kvzip-q8", 0.5, 1.15),
-            _kv_row("composed-kvzip-q8", 0.25, 1.299, threads=2), _kv_row("composed-kvzip-q8", 0.125, 1.5, context=4000),
+            _kv_row("composed-kvzip-q8", 0.25, 1.299, threads=2),
+            _kv_row("composed-kvzip-q8", 0.125, 1.5, context=4000),
             _kv_row("kvzip", 0.5, 2.0), _kv_row("composed-kvzip-q8", 0.3, 2.0)]
     got = targets(rows, "smollm2")
     assert [(t["budget"], t["threads"], t["bound"], t["met"]) for t in got] == [(0.5, 1, bounds[0.5], True),
@@ -60,7 +61,8 @@ def test_sittings_read_each_kind_group_by_row_and_keep_time_order(tmp_path):
     for r in rows:
         del r["dtype"]                                                                  # the fp32-era files
     _write(tmp_path, "kv_decode_3.json", {"written": "2026-01-03T00:00:00Z", "machine": machine, "copy_gbs": 20.0,
-                                          "config": {"model": "smollm2"}, "kernel_isa": {"limit": "avx2"}, "rows": rows})
+                                          "config": {"model": "smollm2"}, "kernel_isa": {"limit": "avx2"},
+                                          "rows": rows})
     _write(tmp_path, "kv_decode.json", {"written": "2026-01-00T00:00:00Z", "rows": [{"store": "dense"}]})
     _write(tmp_path, "frontier_smollm2.json", {"written": "2026-01-04T00:00:00Z", "targets": [_verdict("x", 1, 1)]})
 
@@ -83,8 +85,8 @@ def test_sittings_read_each_kind_group_by_row_and_keep_time_order(tmp_path):
     assert {g["target"] for g in across(sits, issues=(30,), targets=("other",))} == {"other"}
 
     md = table(across(sits, issues=(29,)))
-    assert "| 29 | lowrank_roofline_1t <= 1.3 | AMD EPYC, AVX-512 | smollm2, lowrank, keep 0.5, bf16, 1 thr | 1 of 2 | " \
-           "1.250 / 1.300 / 1.350 | 1.350 (NOT met, `peer_cpu_2.json`) |" in md
+    assert ("| 29 | lowrank_roofline_1t <= 1.3 | AMD EPYC, AVX-512 | smollm2, lowrank, keep 0.5, bf16, 1 thr | "
+            "1 of 2 | 1.250 / 1.300 / 1.350 | 1.350 (NOT met, `peer_cpu_2.json`) |") in md
     assert "smollm2, composed-kvzip-q8, budget 0.5, fp32, 1 thr | 1 of 1" in md
 
 

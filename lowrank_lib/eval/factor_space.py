@@ -363,8 +363,8 @@ def engine_graphs(dev: str, graphs=("none", "whole-step", "per-layer"), compile_
     for graph in graphs:
         try:
             store = MethodStore(make_method("attsvd", rank=32, window=16))
-            eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph, compile_backend=compile_backend),
-                         kv=store)
+            eng = Engine(model, EngineConfig(max_batch=2, max_seq_len=512, graph=graph,
+                                             compile_backend=compile_backend), kv=store)
             res = []
             # three requests: the first two round to the same buffers under a reader of device-side layouts (one
             # capture), the third re-captures; a host-slicing reader (the portable path) re-captures for each

@@ -2,11 +2,11 @@
 
 A speed target is judged inside one run ("ratios from one sitting"), and on a shared 2-core VM the same command gives
 different ratios from one hour to the next. This module reads the result files a folder holds (``bench peer``:
-``peer_cpu*.json``; ``bench peer --shape``: ``peer_scale_*.json``; ``bench kv-decode``: ``kv_decode*.json``), takes
-each file's verdicts (the ``targets`` the run judged with the bounds of its day; for ``kv_decode`` files,
-:func:`lowrank_lib.eval.kv_decode.targets` over their rows, since files before it hold none; the first four, whose
-rows name a ``store`` and no speed-up, give none, as do the first peer files, whose verdicts name no system)., and groups them by
-target and row: in how many sittings each target was met, the range of what was measured, and the latest.
+``peer_cpu*.json``; ``bench peer --shape``: ``peer_scale_*.json``; ``bench kv-decode``: ``kv_decode*.json``) and takes
+each file's verdicts: the ``targets`` the run judged with the bounds of its day, or for a ``kv_decode`` file written
+before it recorded them, :func:`lowrank_lib.eval.kv_decode.targets` over its rows. The first files of each kind give
+none (kv-decode rows that name a ``store`` and no speed-up; peer verdicts that name no system). It groups the
+verdicts by target and row: in how many sittings each target was met, the range of what was measured, the latest.
 
     >>> groups = across(sittings("benchmarks/results"), issues=(29, 30))
     >>> print(table(groups))
@@ -91,7 +91,8 @@ def across(sits: list[dict], issues: tuple[int, ...] | None = None, targets: tup
                 continue
             key = tuple(v.get(k) for k in ROW_KEYS)
             g = groups.setdefault(key, {**dict(zip(ROW_KEYS, key)), "measured": []})
-            g["measured"].append({"file": s["file"], "value": v["measured"], "met": v["met"], "copy_gbs": v["copy_gbs"]})
+            g["measured"].append({"file": s["file"], "value": v["measured"], "met": v["met"],
+                                  "copy_gbs": v["copy_gbs"]})
     out = []
     for g in groups.values():
         vals = [m["value"] for m in g["measured"]]
@@ -116,7 +117,8 @@ def _row(g: dict) -> str:
 def table(groups: list[dict]) -> str:
     """The groups as a Markdown table: issue, target and bound, host, row, met in how many sittings, the range of the
     measured values (low / median / high), the latest sitting's value and file."""
-    lines = ["| issue | target | host | row | met | measured low / median / high | latest |", "|---|---|---|---|---|---|---|"]
+    lines = ["| issue | target | host | row | met | measured low / median / high | latest |",
+             "|---|---|---|---|---|---|---|"]
     for g in groups:
         latest = g["latest"]
         lines.append(f"| {g['issue']} | {g['target']} {g['op']} {g['bound']:g} | {g['host']} | {_row(g)} | "
