@@ -203,11 +203,12 @@ def truncation_loss_table(model, stats: CalibStats, keep: float, targets=LLAMA_P
     and with the factors rounded to ``dtype`` (default: the weight's dtype), all on the same X^T X."""
     from ..factorized import iter_linears
 
-    cache, roots = BoundedCache(), BoundedCache()
+    derived = BoundedCache()        # ONE budget for both: each statistic's square roots (key id) and Cholesky factor
     out = {}
     for name, lin in iter_linears(model, targets):
         st = stats[name]
-        L, (S, S_inv) = cache.get(id(st), lambda: cholesky_lower(st.xtx)), _sqrt_cov_of(st, roots)
+        L = derived.get(("cholesky", id(st)), lambda: cholesky_lower(st.xtx))
+        S, S_inv = _sqrt_cov_of(st, derived)
         W = lin.weight.detach()
         dt = dtype or W.dtype
         r = keep_rank(lin.out_features, lin.in_features, keep)
