@@ -70,9 +70,48 @@ static inline __m256 hsum8x8(const __m256* a) {
 // at stride sv from V; before row t, row_hook(t) (the tier kernel prefetches there). 12 accumulators, the broadcast
 // and a row's load fit the 16 ymm registers, and 12 columns cover d <= 96: a pass streams whole V rows. Each column
 // sums its rows in order, one FMA each.
+// bf16 rows with an even cn take the pair route: a 32-byte load holds 16 bf16, its even elements widened by one shift
+// and its odd ones by one AND (a 32-bit lane holds the pair), so a[c] holds the 8 even / odd columns of a 16-column
+// pair during the pass, back in column order at its end: 3 uops per 16 columns where vpmovzxwd + shift took 4 (3
+// queries x 8000 rows, d 64, AMD Zen 3, a standalone copy: 72.5 -> 69 us). Every column still sums the same products
+// in the same order: the same bits (checked bit for bit in that copy).
+template <class Hook>
+__attribute__((always_inline)) static inline void pv_pairs12(const float* p, const uint16_t* V, int64_t sv, int64_t n,
+                                                             int cn, __m256* a, Hook row_hook) {
+  for (int j = 0; j < 6; j++)                  // columns 16j..16j+15: (0..7, 8..15) -> (even, odd)
+    if (2 * j < cn) {
+      const __m256 n0 = a[2 * j], n1 = a[2 * j + 1];
+      a[2 * j] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(n0, n1, 0x88)), 0xD8));
+      a[2 * j + 1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(n0, n1, 0xDD)), 0xD8));
+    }
+  const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
+  for (int64_t t = 0; t < n; t++) {
+    row_hook(t);
+    const uint16_t* v = V + t * sv;
+    const __m256 pt = _mm256_set1_ps(p[t]);
+    for (int j = 0; j < 6; j++)
+      if (2 * j < cn) {
+        const __m256i w = _mm256_loadu_si256((const __m256i*)(v + 16 * j));
+        a[2 * j] = _mm256_fmadd_ps(pt, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), a[2 * j]);
+        a[2 * j + 1] = _mm256_fmadd_ps(pt, _mm256_castsi256_ps(_mm256_and_si256(w, odd)), a[2 * j + 1]);
+      }
+  }
+  for (int j = 0; j < 6; j++)                  // (even, odd) -> (0..7, 8..15)
+    if (2 * j < cn) {
+      const __m256 lo = _mm256_unpacklo_ps(a[2 * j], a[2 * j + 1]), hi = _mm256_unpackhi_ps(a[2 * j], a[2 * j + 1]);
+      a[2 * j] = _mm256_permute2f128_ps(lo, hi, 0x20);
+      a[2 * j + 1] = _mm256_permute2f128_ps(lo, hi, 0x31);
+    }
+}
 template <typename T, class Hook>
 __attribute__((always_inline)) static inline void pv_cols12(const float* p, const T* V, int64_t sv, int64_t n, int cn,
                                                             __m256* a, Hook row_hook) {
+  if constexpr (sizeof(T) == 2) {
+    if (cn % 2 == 0) {
+      pv_pairs12(p, V, sv, n, cn, a, row_hook);
+      return;
+    }
+  }
   for (int64_t t = 0; t < n; t++) {
     row_hook(t);
     const T* v = V + t * sv;
