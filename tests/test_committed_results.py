@@ -259,6 +259,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_18.json`**", "peer_cpu_18.json", None),
                ("**`benchmarks/results/peer_cpu_19.json`**", "peer_cpu_19.json", None),
                ("**`benchmarks/results/peer_cpu_20.json`**", "peer_cpu_20.json", None),
+               ("**`benchmarks/results/peer_cpu_21.json`**", "peer_cpu_21.json", None),
+               ("**`benchmarks/results/peer_cpu_22.json`**", "peer_cpu_22.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -346,7 +348,7 @@ def test_readme_kv_decode_table_equals_the_json():
                                   "kv_decode_21.json", "kv_decode_22.json", "kv_decode_23.json",
                                   "kv_decode_24.json", "kv_decode_25.json", "kv_decode_26.json",
                                   "kv_decode_27.json", "kv_decode_28.json", "kv_decode_29.json",
-                                  "kv_decode_30.json"])
+                                  "kv_decode_30.json", "kv_decode_31.json", "kv_decode_32.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")
