@@ -820,12 +820,10 @@ static inline void scores_bf16(const float* qs, int64_t D, const uint16_t* K, in
     for (int i = 0; i < RB; i++) a[g][i] = _mm256_setzero_ps();
   const uint16_t* row[RB];
   for (int i = 0; i < RB; i++) row[i] = K + (i < m ? i : m - 1) * sk;
-  const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t j = 0; j < D; j += 16)
     for (int i = 0; i < RB; i++) {
       const __m256i w = _mm256_loadu_si256((const __m256i*)(row[i] + j));
-      const __m256 ev = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-      const __m256 od = _mm256_castsi256_ps(_mm256_and_si256(w, odd));
+      const __m256 ev = bf16_even(w), od = bf16_odd(w);
       for (int g = 0; g < GB; g++) {
         a[g][i] = _mm256_fmadd_ps(ev, _mm256_loadu_ps(qs + g * D + j), a[g][i]);
         a[g][i] = _mm256_fmadd_ps(od, _mm256_loadu_ps(qs + g * D + j + 8), a[g][i]);
@@ -841,7 +839,7 @@ static inline void scores_bf16(const float* qs, int64_t D, const uint16_t* K, in
 // decode attention of one (batch row, kv head), attend_head's contract: G queries of dim D (a multiple of 16,
 // <= 128) over slots [lo, hi]. bf16 scores: scores_bf16, up to 3 queries per pass over K, with K prefetched ahead
 // and V into L2 (30 layers x 3 heads x 3 queries of 8000 slots, d 64, AMD Zen 3, a standalone copy of the kernel:
-// 20.0 -> 14.7 ms, the score pass alone 8.4 -> 7.6 ms with V's prefetch added to it; 544 slots 1.47 -> 1.21 ms).
+// 20.0 -> 14.7 ms, the score pass alone 8.4 -> 7.6 ms with V's prefetch added to it; before pv_cols12's pairs).
 // fp32 scores: each K row is loaded once for all G queries into a copy, 8 slots at a time (8 independent dot
 // products, one transpose-add). P V one query per pass over whole V rows (pv_query2).
 // sc: scratch of G * ceil8(n) scores, G * D scaled queries and 8 * D widened K rows (fp32 rows).
@@ -857,17 +855,15 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
     for (int64_t g = 0; g < G; g++)
       for (int64_t j = 0; j < D; j += 16) {     // the split order: even columns, then odd ones
         const __m256i w = _mm256_loadu_si256((const __m256i*)(q + g * D + j));
-        const __m256 sv8 = _mm256_set1_ps(scale);
-        _mm256_storeu_ps(qs + g * D + j, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), sv8));
-        _mm256_storeu_ps(qs + g * D + j + 8, _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(
-                                                 w, _mm256_set1_epi32((int)0xFFFF0000u))), sv8));
+        _mm256_storeu_ps(qs + g * D + j, _mm256_mul_ps(bf16_even(w), _mm256_set1_ps(scale)));
+        _mm256_storeu_ps(qs + g * D + j + 8, _mm256_mul_ps(bf16_odd(w), _mm256_set1_ps(scale)));
       }
     const uint16_t* Kb = (const uint16_t*)K + lo * sk;
     const uint16_t* Vb = (const uint16_t*)V + lo * sv;
     // the first query group's pass prefetches K QK_PF_ROWS rows ahead and each V row it passes into L2, so the P V
-    // passes read V from L2 (a pair's piece of ATTN_PIECE slots: 128 KB at d 64)
+    // passes read V from L2 (a pair's piece: 1024-2047 slots from 2048 live slots, 128-256 KB of V at d 64)
     for (int64_t t = 0; t < imin(n, QK_PF_ROWS); t++)
-        for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(Kb + t * sk) + b, _MM_HINT_T0);
+      for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch((const char*)(Kb + t * sk) + b, _MM_HINT_T0);
     for (int64_t g0 = 0; g0 < G; g0 += 3) {
       const int64_t gb = imin(3, G - g0);
       const float* qg = qs + g0 * D;
@@ -890,26 +886,26 @@ static void attend_head2(const T* q, const T* K, const T* V, int64_t sk, int64_t
       }
     }
   } else {
-  for (int64_t g = 0; g < G; g++)
-    for (int64_t c = 0; c < DC; c++)
-      _mm256_storeu_ps(qs + g * D + c * 8, _mm256_mul_ps(ld8(q + g * D + c * 8), _mm256_set1_ps(scale)));
-  // scores, 8 slots at a time
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {
-    const int64_t m = imin(8, n - t0);
-    for (int64_t i = 0; i < 8; i++)
+    for (int64_t g = 0; g < G; g++)
       for (int64_t c = 0; c < DC; c++)
-        _mm256_storeu_ps(kf + i * D + c * 8, i < m ? ld8(K + (lo + t0 + i) * sk + c * 8) : _mm256_setzero_ps());
-    for (int64_t g = 0; g < G; g++) {
-      const float* qg = qs + g * D;
-      __m256 a[8];
-      for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kf + i * D));
-      for (int64_t c = 1; c < DC; c++) {
-        const __m256 qv = _mm256_loadu_ps(qg + c * 8);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + i * D + c * 8), a[i]);
+        _mm256_storeu_ps(qs + g * D + c * 8, _mm256_mul_ps(ld8(q + g * D + c * 8), _mm256_set1_ps(scale)));
+    // scores, 8 slots at a time
+    for (int64_t t0 = 0; t0 < n; t0 += 8) {
+      const int64_t m = imin(8, n - t0);
+      for (int64_t i = 0; i < 8; i++)
+        for (int64_t c = 0; c < DC; c++)
+          _mm256_storeu_ps(kf + i * D + c * 8, i < m ? ld8(K + (lo + t0 + i) * sk + c * 8) : _mm256_setzero_ps());
+      for (int64_t g = 0; g < G; g++) {
+        const float* qg = qs + g * D;
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(kf + i * D));
+        for (int64_t c = 1; c < DC; c++) {
+          const __m256 qv = _mm256_loadu_ps(qg + c * 8);
+          for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kf + i * D + c * 8), a[i]);
+        }
+        _mm256_storeu_ps(sc + g * np + t0, hsum8x8(a));
       }
-      _mm256_storeu_ps(sc + g * np + t0, hsum8x8(a));
     }
-  }
   }
   // softmax per query (tail lanes -inf: exp -> masked to 0)
   float inv[256], mxs[256], sums[256];

@@ -51,6 +51,11 @@ static inline __m256 exp256(__m256 x) {
   const __m256i e2 = _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, h), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e1)), _mm256_castsi256_ps(e2));
 }
+// a 32-bit lane holding a bf16 pair (element 2i low, 2i + 1 high) -> element 2i / 2i + 1 as fp32, exactly
+static inline __m256 bf16_even(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+static inline __m256 bf16_odd(__m256i w) {
+  return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
 static inline __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 ld8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -84,7 +89,6 @@ __attribute__((always_inline)) static inline void pv_pairs12(const float* p, con
       a[2 * j] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(n0, n1, 0x88)), 0xD8));
       a[2 * j + 1] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(n0, n1, 0xDD)), 0xD8));
     }
-  const __m256i odd = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t t = 0; t < n; t++) {
     row_hook(t);
     const uint16_t* v = V + t * sv;
@@ -92,8 +96,8 @@ __attribute__((always_inline)) static inline void pv_pairs12(const float* p, con
     for (int j = 0; j < 6; j++)
       if (2 * j < cn) {
         const __m256i w = _mm256_loadu_si256((const __m256i*)(v + 16 * j));
-        a[2 * j] = _mm256_fmadd_ps(pt, _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), a[2 * j]);
-        a[2 * j + 1] = _mm256_fmadd_ps(pt, _mm256_castsi256_ps(_mm256_and_si256(w, odd)), a[2 * j + 1]);
+        a[2 * j] = _mm256_fmadd_ps(pt, bf16_even(w), a[2 * j]);
+        a[2 * j + 1] = _mm256_fmadd_ps(pt, bf16_odd(w), a[2 * j + 1]);
       }
   }
   for (int j = 0; j < 6; j++)                  // (even, odd) -> (0..7, 8..15)
