@@ -267,6 +267,7 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b_2.json`**", "peer_scale_llama2-7b_2.json", None),
                ("**`benchmarks/results/peer_scale_llama2-7b_3.json`**", "peer_scale_llama2-7b_3.json", None),
+               ("**`benchmarks/results/peer_scale_llama2-7b_4.json`**", "peer_scale_llama2-7b_4.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b.json`**", "peer_scale_llama3.2-1b.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_5.json`**", "peer_scale_llama3.2-1b_5.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_6.json`**", "peer_scale_llama3.2-1b_6.json", None),
