@@ -51,7 +51,7 @@ def tier_attend(q: torch.Tensor, k_exact: torch.Tensor, v_exact: torch.Tensor, e
 
 def tier_prefetch() -> bool:
     """Whether :func:`tier_attend`'s exact-row loops prefetch in software in this process (``$LOWRANK_LIB_TIER_PF``,
-    else off on AMD CPUs, on elsewhere; the same bits either way)."""
+    else off on AMD CPUs with AVX-512, on elsewhere; the same bits either way)."""
     return bool(_ops().tier_prefetch())
 
 

@@ -68,6 +68,12 @@ namespace tiers {
 #ifndef LRK_TIER_PF
 #define LRK_TIER_PF 1            // compile the prefetch of the other stream of exact rows (V while scoring K, next K
 #endif                           // while summing V); whether it runs is prefetch_exact_rows()'s choice
+#ifndef LRK_TIER_BLK_PFK
+#define LRK_TIER_BLK_PFK 0       // blocks of 16 keys ahead that the AVX2 blocked score pass prefetches (0: none)
+#endif
+#ifndef LRK_TIER_BLK_PFV_HINT
+#define LRK_TIER_BLK_PFV_HINT _MM_HINT_T1   // where it prefetches the block's V rows (L2, as attend_head2)
+#endif
 constexpr int64_t CH = LRK_TIER_CH;
 // Tokens per online-softmax update (the scores of one chunk, then its values): CH unless tier_chunk() sets fewer (the
 // tests cut long tiers into many chunks with it). Fewer, longer chunks mean fewer switches between the K and V streams
@@ -97,16 +103,20 @@ struct Layer {
 };
 
 // Whether the exact-row loops prefetch the other stream in software: $LOWRANK_LIB_TIER_PF=1 / 0, else off on AMD
-// CPUs and on elsewhere. On the 2-core AMD EPYC (Zen 4) VM the prefetches cost more than they hide: 8000 exact rows x 3
-// KV heads x 30 layers (fp32, G = 3, d = 64) took 21.4 ms with them and 17.0 without at 1 thread, 13.5 / 11.9 at 2
-// (its hardware prefetchers follow the two streams; the dense kernel, which prefetches nothing, took 13.7-17.0 in the
-// same runs). Intel keeps the earlier default (on), not re-measured since.
+// CPUs with AVX-512 and on elsewhere. On the 2-core AMD EPYC (Zen 4) VM the prefetches cost more than they hide: 8000
+// exact rows x 3 KV heads x 30 layers (fp32, G = 3, d = 64) took 21.4 ms with them and 17.0 without at 1 thread,
+// 13.5 / 11.9 at 2 (its hardware prefetchers follow the two streams; the dense kernel, which prefetches nothing, took
+// 13.7-17.0 in the same runs). On the AVX2-only AMD EPYC (Zen 3) they pay, as they do for the dense AVX2 kernel
+// (attend_head2): SmolLM2's composed-kvzip-q8 layers at budget 0.5 of an 8k context (bf16, 3,584 exact rows per KV
+// head on average, blocked keys, 30 layers), five interleaved processes each: 9.2-9.6 ms with the prefetch (the blocked
+// score pass's V rows into L2, blk_scores_ng) and 11.0-12.4 without at 1 thread, 5.5-5.9 / 6.2-6.5 at 2. Intel keeps
+// the earlier default (on), not re-measured since.
 static bool prefetch_exact_rows() {
   static const bool on = [] {
     const char* e = std::getenv("LOWRANK_LIB_TIER_PF");
     if (e && *e) return std::atoi(e) != 0;
 #if LRK_X86 && (defined(__GNUC__) || defined(__clang__))
-    return !__builtin_cpu_is("amd");
+    return !(__builtin_cpu_is("amd") && __builtin_cpu_supports("avx512f"));
 #else
     return true;
 #endif
@@ -353,8 +363,10 @@ static void blk_scores_dp(const uint16_t* q, float scale, int64_t G, int64_t D, 
 // widening flavour (no AVX512_BF16 dot products, or $LOWRANK_LIB_ATTN_DP=0): qs_g . K_r from the scaled fp32 queries
 // qs [G, D]; a lane's pair splits into two fp32 values exactly (dim 2j: the low half shifted up, 2j + 1: the high
 // half masked), one FMA each
+// (pv, spv: V rows to prefetch, unused here: the AVX-512 code's blocked keys prefetch nothing, as measured on Zen 4)
 template <int NG>
-static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc,
+                          const uint16_t* /*pv*/, int64_t /*spv*/) {
   const __m512i hm = _mm512_set1_epi32((int)0xFFFF0000u);
   for (int64_t b = r0 >> 4, bl = (r0 + n - 1) >> 4; b <= bl; b++) {
     const __m512i* kb = (const __m512i*)(Kb + b * 16 * D);
@@ -592,11 +604,22 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
 // ---- blocked exact K (the AVX-512 blk_scores' layout and contract): each block as two halves of 8 lanes, a lane's
 // dim pair split into two fp32 values exactly, one FMA each; the lanes of a boundary block outside [r0, r0 + n) are
 // not stored (through a buffer: AVX2 has no masked store of a lane range)
+// pv (not null: Layer::pf): the V rows of the block (row t of [r0, r0 + n) at pv + (t - r0) * spv) prefetched into L2
+// and the keys LRK_TIER_BLK_PFK blocks ahead into L1 while it is scored, as the dense AVX2 kernel does (attend_head2)
 template <int NG>
-static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc,
+                          const uint16_t* pv, int64_t spv) {
   const __m256i hm = _mm256_set1_epi32((int)0xFFFF0000u);
   for (int64_t b = r0 >> 4, bl = (r0 + n - 1) >> 4; b <= bl; b++) {
     const uint16_t* kb = Kb + b * 16 * D;
+    if (pv) {
+      const int64_t t0 = 16 * b - r0 > 0 ? 16 * b - r0 : 0, t1 = 16 * b + 16 - r0 < n ? 16 * b + 16 - r0 : n;
+      for (int64_t t = t0; t < t1; t++)
+        for (int64_t o = 0; o < D * 2; o += 64) _mm_prefetch((const char*)(pv + t * spv) + o, LRK_TIER_BLK_PFV_HINT);
+      if (LRK_TIER_BLK_PFK > 0 && b + LRK_TIER_BLK_PFK <= bl)
+        for (int64_t o = 0; o < 16 * D * 2; o += 64)
+          _mm_prefetch((const char*)(kb + LRK_TIER_BLK_PFK * 16 * D) + o, _MM_HINT_T0);
+    }
     __m256 a[NG][2];
     for (int g = 0; g < NG; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < D / 2; j++)

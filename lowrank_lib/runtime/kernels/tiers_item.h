@@ -44,15 +44,18 @@ static void run_values(const float* p, int64_t rv, const F* A, int64_t lda, int6
 
 // blocked exact keys' scores (this ISA's blk_scores_ng, NG_MAX query heads per pass): sc[g * CH + r - r0] = qs_g . K_r
 // for the rows r of [r0, r0 + n) of the blocked keys at Kb
-static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc) {
+// pv, spv: the block's V rows, prefetched by the first group's pass (nullptr: none; see this ISA's blk_scores_ng)
+static void blk_scores(const float* qs, int64_t G, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc,
+                       const uint16_t* pv, int64_t spv) {
   for (int64_t g0 = 0; g0 < G; g0 += NG_MAX) {
     const float* qg = qs + g0 * D;
     float* s = sc + g0 * CH;
+    const uint16_t* p = g0 == 0 ? pv : nullptr;
     switch (G - g0 < NG_MAX ? G - g0 : NG_MAX) {
-      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s); break;
-      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s); break;
-      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s); break;
-      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s); break;
+      case 1: blk_scores_ng<1>(qg, D, Kb, r0, n, s, p, spv); break;
+      case 2: blk_scores_ng<2>(qg, D, Kb, r0, n, s, p, spv); break;
+      case 3: blk_scores_ng<3>(qg, D, Kb, r0, n, s, p, spv); break;
+      default: blk_scores_ng<4>(qg, D, Kb, r0, n, s, p, spv); break;
     }
   }
 }
@@ -141,7 +144,7 @@ static void rows_piece(const Layer& L, const T* q, const T* K, int64_t sk, const
           blk_scores_dp(q, L.scale, G, D, K, kb0 + c0, cn, S.sc);
         else
 #endif
-          blk_scores(S.qs, G, D, K, kb0 + c0, cn, S.sc);
+          blk_scores(S.qs, G, D, K, kb0 + c0, cn, S.sc, pf ? (const uint16_t*)(V + c0 * sv) : nullptr, sv);
       }
       knext = K + ((kb0 + c0 + cn) >> 4) * 16 * D;              // their block: the blocks hold 16 rows' bytes each
     } else if (dp) {
