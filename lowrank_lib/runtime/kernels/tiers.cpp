@@ -68,9 +68,6 @@ namespace tiers {
 #ifndef LRK_TIER_PF
 #define LRK_TIER_PF 1            // compile the prefetch of the other stream of exact rows (V while scoring K, next K
 #endif                           // while summing V); whether it runs is prefetch_exact_rows()'s choice
-#ifndef LRK_TIER_BLK_PFK
-#define LRK_TIER_BLK_PFK 0       // blocks of 16 keys ahead that the AVX2 blocked score pass prefetches (0: none)
-#endif
 #ifndef LRK_TIER_BLK_PFV_HINT
 #define LRK_TIER_BLK_PFV_HINT _MM_HINT_T1   // where it prefetches the block's V rows (L2, as attend_head2)
 #endif
@@ -605,7 +602,8 @@ static void exact_scores(const float* qs, int64_t G, const T* K, int64_t sk, int
 // dim pair split into two fp32 values exactly, one FMA each; the lanes of a boundary block outside [r0, r0 + n) are
 // not stored (through a buffer: AVX2 has no masked store of a lane range)
 // pv (not null: Layer::pf): the V rows of the block (row t of [r0, r0 + n) at pv + (t - r0) * spv) prefetched into L2
-// and the keys LRK_TIER_BLK_PFK blocks ahead into L1 while it is scored, as the dense AVX2 kernel does (attend_head2)
+// while it is scored, as the dense AVX2 kernel does (attend_head2). Its other prefetch, K ahead into L1, measured a
+// loss here (1, 2 or 4 blocks ahead: 7.6-9.1 ms against 7.3-8.5 without, four alternated processes each, Zen 3)
 template <int NG>
 static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_t r0, int64_t n, float* sc,
                           const uint16_t* pv, int64_t spv) {
@@ -616,31 +614,33 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
       const int64_t t0 = 16 * b - r0 > 0 ? 16 * b - r0 : 0, t1 = 16 * b + 16 - r0 < n ? 16 * b + 16 - r0 : n;
       for (int64_t t = t0; t < t1; t++)
         for (int64_t o = 0; o < D * 2; o += 64) _mm_prefetch((const char*)(pv + t * spv) + o, LRK_TIER_BLK_PFV_HINT);
-      if (LRK_TIER_BLK_PFK > 0 && b + LRK_TIER_BLK_PFK <= bl)
-        for (int64_t o = 0; o < 16 * D * 2; o += 64)
-          _mm_prefetch((const char*)(kb + LRK_TIER_BLK_PFK * 16 * D) + o, _MM_HINT_T0);
     }
-    __m256 a[NG][2];
-    for (int g = 0; g < NG; g++) a[g][0] = a[g][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < D / 2; j++)
-      for (int h = 0; h < 2; h++) {
-        const __m256i x = _mm256_loadu_si256((const __m256i*)(kb + j * 32 + h * 16));
-        const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)), hi = _mm256_castsi256_ps(_mm256_and_si256(x, hm));
-        for (int g = 0; g < NG; g++) {
-          a[g][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + g * D + 2 * j), lo, a[g][h]);
-          a[g][h] = _mm256_fmadd_ps(_mm256_broadcast_ss(qs + g * D + 2 * j + 1), hi, a[g][h]);
-        }
+    // both halves per dim pair: each query pair broadcast once for the 16 lanes (the same sums in the same order)
+    __m256 a0[NG], a1[NG];
+    for (int g = 0; g < NG; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < D / 2; j++) {
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)(kb + j * 32));
+      const __m256i x1 = _mm256_loadu_si256((const __m256i*)(kb + j * 32 + 16));
+      const __m256 lo0 = _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16));
+      const __m256 hi0 = _mm256_castsi256_ps(_mm256_and_si256(x0, hm));
+      const __m256 lo1 = _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16));
+      const __m256 hi1 = _mm256_castsi256_ps(_mm256_and_si256(x1, hm));
+      for (int g = 0; g < NG; g++) {
+        const __m256 qe = _mm256_broadcast_ss(qs + g * D + 2 * j), qo = _mm256_broadcast_ss(qs + g * D + 2 * j + 1);
+        a0[g] = _mm256_fmadd_ps(qo, hi0, _mm256_fmadd_ps(qe, lo0, a0[g]));
+        a1[g] = _mm256_fmadd_ps(qo, hi1, _mm256_fmadd_ps(qe, lo1, a1[g]));
       }
+    }
     const int64_t lo = r0 - 16 * b > 0 ? r0 - 16 * b : 0, hi = r0 + n - 16 * b < 16 ? r0 + n - 16 * b : 16;
     for (int g = 0; g < NG; g++) {
       float* out = sc + g * CH + 16 * b - r0;
       if (lo == 0 && hi == 16) {
-        _mm256_storeu_ps(out, a[g][0]);
-        _mm256_storeu_ps(out + 8, a[g][1]);
+        _mm256_storeu_ps(out, a0[g]);
+        _mm256_storeu_ps(out + 8, a1[g]);
       } else {
         float t[16];
-        _mm256_storeu_ps(t, a[g][0]);
-        _mm256_storeu_ps(t + 8, a[g][1]);
+        _mm256_storeu_ps(t, a0[g]);
+        _mm256_storeu_ps(t + 8, a1[g]);
         for (int64_t i = lo; i < hi; i++) out[i] = t[i];
       }
     }
