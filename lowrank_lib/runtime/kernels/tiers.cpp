@@ -68,9 +68,6 @@ namespace tiers {
 #ifndef LRK_TIER_PF
 #define LRK_TIER_PF 1            // compile the prefetch of the other stream of exact rows (V while scoring K, next K
 #endif                           // while summing V); whether it runs is prefetch_exact_rows()'s choice
-#ifndef LRK_TIER_BLK_PFV_HINT
-#define LRK_TIER_BLK_PFV_HINT _MM_HINT_T1   // where it prefetches the block's V rows (L2, as attend_head2)
-#endif
 constexpr int64_t CH = LRK_TIER_CH;
 // Tokens per online-softmax update (the scores of one chunk, then its values): CH unless tier_chunk() sets fewer (the
 // tests cut long tiers into many chunks with it). Fewer, longer chunks mean fewer switches between the K and V streams
@@ -133,6 +130,10 @@ struct Scratch {
 #if LRK_X86
 static inline void prefetch_row(const void* p, int64_t bytes) {   // SSE: inlined into both ISAs' code
   for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+// the same into L2 only (the AVX2 blocked score pass's V rows, as attend_head2 does; into L1 measured no better)
+static inline void prefetch_row_l2(const void* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T1);
 }
 
 #pragma GCC push_options
@@ -612,8 +613,7 @@ static void blk_scores_ng(const float* qs, int64_t D, const uint16_t* Kb, int64_
     const uint16_t* kb = Kb + b * 16 * D;
     if (pv) {
       const int64_t t0 = 16 * b - r0 > 0 ? 16 * b - r0 : 0, t1 = 16 * b + 16 - r0 < n ? 16 * b + 16 - r0 : n;
-      for (int64_t t = t0; t < t1; t++)
-        for (int64_t o = 0; o < D * 2; o += 64) _mm_prefetch((const char*)(pv + t * spv) + o, LRK_TIER_BLK_PFV_HINT);
+      for (int64_t t = t0; t < t1; t++) prefetch_row_l2(pv + t * spv, D * 2);
     }
     // both halves per dim pair: each query pair broadcast once for the 16 lanes (the same sums in the same order)
     __m256 a0[NG], a1[NG];
