@@ -41,7 +41,9 @@ $(VENV)/.installed: pyproject.toml
 	@# resolve a second torch from PyPI) and the fallback when uv cannot be had or fails
 	@$(PIP) install -q uv >/dev/null 2>&1 || echo "[setup] uv could not be installed: pip installs the dependencies"
 	@# our CPU kernels (setup.py, in place) compile on both cores WHILE the dependencies download and install
-	@# (one after the other they took 71 + 77 s of a fresh set-up); a failed compile only leaves the just-in-time route
+	@# (one after the other they took 71 + 77 s of a fresh set-up); a failed compile only leaves the just-in-time route.
+	@# The real model is fetched (download, dequantise: 14 s) once the dependencies are in, while the compile's last
+	@# translation unit still runs on one core (it ended 17 s after uv on the 2-core VM); `setup` then finds it cached
 	@( LOWRANK_LIB_BUILD_LOG=$(VENV)/kernels-build.log; \
 	   $(PY) setup.py -q build_ext --inplace > $$LOWRANK_LIB_BUILD_LOG 2>&1 \
 	     || echo "[setup] building the CPU kernels failed (see $$LOWRANK_LIB_BUILD_LOG): built just in time on first use" ) & \
@@ -50,7 +52,10 @@ $(VENV)/.installed: pyproject.toml
 	     -e ".[$(EXTRAS)]" || { echo "[setup] uv failed: pip installs the dependencies"; false; }; \
 	 else false; fi \
 	 || LOWRANK_LIB_NO_EXT=1 $(PIP) install -q --no-build-isolation -e ".[$(EXTRAS)]"; \
-	 rc=$$?; wait; exit $$rc
+	 rc=$$?; \
+	 if [ $$rc = 0 ]; then $(PY) -m lowrank_lib.models fetch smollm2 >/dev/null \
+	   || echo "[setup] fetching SmolLM2 beside the kernels' compile failed: \`setup\` fetches it again"; fi; \
+	 wait; exit $$rc
 	@touch $@
 
 setup: $(VENV)/.installed
