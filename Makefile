@@ -20,6 +20,8 @@ VENV_OLDEST ?= .venv-oldest
 #: the extras `make setup` installs
 EXTRAS := notebooks,dev,triton,distributed,browser
 PY_OLDEST := $(VENV_OLDEST)/bin/python
+#: fetch and cache the real model (a cached one: a quick check); run beside the kernels' compile and by `setup`
+FETCH_MODEL = $(PY) -m lowrank_lib.models fetch smollm2
 
 .PHONY: setup test test-oldest test-oldest-run lint report fetch clean-venv
 
@@ -53,13 +55,13 @@ $(VENV)/.installed: pyproject.toml
 	 else false; fi \
 	 || LOWRANK_LIB_NO_EXT=1 $(PIP) install -q --no-build-isolation -e ".[$(EXTRAS)]"; \
 	 rc=$$?; \
-	 if [ $$rc = 0 ]; then $(PY) -m lowrank_lib.models fetch smollm2 >/dev/null \
+	 if [ $$rc = 0 ]; then $(FETCH_MODEL) >/dev/null \
 	   || echo "[setup] fetching SmolLM2 beside the kernels' compile failed: \`setup\` fetches it again"; fi; \
 	 wait; exit $$rc
 	@touch $@
 
 setup: $(VENV)/.installed
-	$(PY) -m lowrank_lib.models fetch smollm2
+	$(FETCH_MODEL)
 	@# JupyterLab of this venv saves widget state with a notebook (sliders survive a reopen)
 	@$(PY) -m lowrank_lib.notebooks lab-settings >/dev/null
 
