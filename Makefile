@@ -20,7 +20,8 @@ VENV_OLDEST ?= .venv-oldest
 #: the extras `make setup` installs
 EXTRAS := notebooks,dev,triton,distributed,browser
 PY_OLDEST := $(VENV_OLDEST)/bin/python
-#: fetch and cache the real model (a cached one: a quick check); run beside the kernels' compile and by `setup`
+#: fetch and cache the real model (a cached one: a quick check); run beside the kernels' compile, by `setup` only
+#: where that failed ($(VENV)/.fetched missing), and by `make fetch`
 FETCH_MODEL = $(PY) -m lowrank_lib.models fetch smollm2
 
 .PHONY: setup test test-oldest test-oldest-run lint report fetch clean-venv
@@ -45,7 +46,13 @@ $(VENV)/.installed: pyproject.toml
 	@# our CPU kernels (setup.py, in place) compile on both cores WHILE the dependencies download and install
 	@# (one after the other they took 71 + 77 s of a fresh set-up); a failed compile only leaves the just-in-time route.
 	@# The real model is fetched (download, dequantise: 14 s) once the dependencies are in, while the compile's last
-	@# translation unit still runs on one core (it ended 17 s after uv on the 2-core VM); `setup` then finds it cached
+	@# translation unit still runs on one core (it ended 17 s after uv on the 2-core VM), and so is JupyterLab's setting
+	@# (it is the venv's: written into its share/). `setup` and `make test` then start nothing of their own (each
+	@# had re-run both, 2 x 1.6 s of importing torch; measured); a model deleted later is fetched on first use.
+	@# jsonschema[format-nongpl] (JupyterLab, nbformat, Ray) pulls in rfc3987-syntax, whose import builds a Lark
+	@# Earley grammar: 1.2 s in EVERY process importing jsonschema (both pytest workers, each JupyterLab server,
+	@# 7 Ray processes of tests/test_executor.py, papermill; measured). It is uninstalled: jsonschema then skips
+	@# only its "iri" / "iri-reference" format checks, which nothing here uses
 	@( LOWRANK_LIB_BUILD_LOG=$(VENV)/kernels-build.log; \
 	   $(PY) setup.py -q build_ext --inplace > $$LOWRANK_LIB_BUILD_LOG 2>&1 \
 	     || echo "[setup] building the CPU kernels failed (see $$LOWRANK_LIB_BUILD_LOG): built just in time on first use" ) & \
@@ -55,17 +62,24 @@ $(VENV)/.installed: pyproject.toml
 	 else false; fi \
 	 || LOWRANK_LIB_NO_EXT=1 $(PIP) install -q --no-build-isolation -e ".[$(EXTRAS)]"; \
 	 rc=$$?; \
-	 if [ $$rc = 0 ]; then $(FETCH_MODEL) >/dev/null \
-	   || echo "[setup] fetching SmolLM2 beside the kernels' compile failed: \`setup\` fetches it again"; fi; \
+	 if [ $$rc = 0 ]; then \
+	   { if [ -x $(VENV)/bin/uv ]; then $(VENV)/bin/uv pip uninstall -q --python $(PY) rfc3987-syntax; \
+	     else $(PIP) uninstall -y -q rfc3987-syntax; fi; } >/dev/null 2>&1; \
+	   { $(FETCH_MODEL) >/dev/null && touch $(VENV)/.fetched; } \
+	     || echo "[setup] fetching SmolLM2 beside the kernels' compile failed: \`setup\` fetches it again"; \
+	   $(PY) -m lowrank_lib.notebooks lab-settings >/dev/null || rc=$$?; fi; \
 	 wait; exit $$rc
 	@touch $@
 
-setup: $(VENV)/.installed
+# JupyterLab of this venv saves widget state with a notebook (sliders survive a reopen): `lab-settings` above
+setup: $(VENV)/.installed $(VENV)/.fetched
+
+$(VENV)/.fetched: | $(VENV)/.installed
 	$(FETCH_MODEL)
-	@# JupyterLab of this venv saves widget state with a notebook (sliders survive a reopen)
-	@$(PY) -m lowrank_lib.notebooks lab-settings >/dev/null
+	@touch $@
 
 fetch: setup
+	$(FETCH_MODEL)
 
 lint: setup
 	$(PY) -m ruff check lowrank_lib tests benchmarks notebooks
