@@ -100,7 +100,9 @@ test: setup lint
 
 $(VENV_OLDEST)/.installed: $(VENV)/.installed pyproject.toml
 	rm -rf $(VENV_OLDEST)
-	$(PY) -m venv $(VENV_OLDEST)
+	@# no pip of its own (ensurepip: 3.4 CPU-s at full priority beside the suite's start, measured): the main venv's pip
+	@# runs in it through the .pth below and installs into it
+	nice -n 19 $(PY) -m venv --without-pip $(VENV_OLDEST)
 	$(PY) -c "import site, sys; print('import site; ' + '; '.join(f'site.addsitedir({p!r})' for p in sys.path if p.endswith('-packages')))" > "$$($(PY_OLDEST) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_main_venv.pth"
 	@# no bytecode: the subset imports a few dozen of transformers' ~3,000 modules (pip's compile was 5 of its 12 CPU-s)
 	@# at the lowest CPU priority, like the subset's run: `make test` makes this venv beside the main suite
