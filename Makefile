@@ -50,8 +50,9 @@ $(VENV)/.installed: pyproject.toml
 	@# (it is the venv's: written into its share/). `setup` and `make test` then start nothing of their own (each
 	@# had re-run both, 2 x 1.6 s of importing torch; measured); a model deleted later is fetched on first use.
 	@# jsonschema[format-nongpl] (JupyterLab, nbformat, Ray) pulls in rfc3987-syntax, whose import builds a Lark
-	@# Earley grammar: 1.2 s in EVERY process importing jsonschema (both pytest workers, each JupyterLab server,
-	@# 7 Ray processes of tests/test_executor.py, papermill; measured). It is uninstalled: jsonschema then skips
+	@# Earley grammar: 1.2 s in EVERY process importing jsonschema (measured in the suite: both pytest workers, both
+	@# JupyterLab servers, 7 Ray processes of tests/test_executor.py; `make report`'s papermill too). It is uninstalled:
+	@# jsonschema then skips
 	@# only its "iri" / "iri-reference" format checks, which nothing here uses
 	@( LOWRANK_LIB_BUILD_LOG=$(VENV)/kernels-build.log; \
 	   $(PY) setup.py -q build_ext --inplace > $$LOWRANK_LIB_BUILD_LOG 2>&1 \
@@ -84,7 +85,7 @@ fetch: setup
 # Our package's bytecode: with PYTHONDONTWRITEBYTECODE=1 (this project's hosts) nothing writes it, so every process
 # importing lowrank_lib compiled the modules it imports afresh (up to 0.4 s each time, 90 modules; measured: 50
 # processes of the suite import it: pytest workers, notebook kernels, benchmark children). compileall writes what is
-# missing or out of date (0.5 s from none, 0.1 s when current); an edited module is recompiled per process until the
+# missing or out of date (0.3 s from none, 0.1 s when current); an edited module is recompiled per process until the
 # next `make test` or `make report`.
 bytecode: setup
 	@$(PY) -m compileall -q -j 0 lowrank_lib >/dev/null
