@@ -52,8 +52,7 @@ $(VENV)/.installed: pyproject.toml
 	@# jsonschema[format-nongpl] (JupyterLab, nbformat, Ray) pulls in rfc3987-syntax, whose import builds a Lark
 	@# Earley grammar: 1.2 s in EVERY process importing jsonschema (measured in the suite: both pytest workers, both
 	@# JupyterLab servers, 7 Ray processes of tests/test_executor.py; `make report`'s papermill too). It is uninstalled:
-	@# jsonschema then skips
-	@# only its "iri" / "iri-reference" format checks, which nothing here uses
+	@# jsonschema then skips only its "iri" / "iri-reference" format checks, which nothing here uses
 	@( LOWRANK_LIB_BUILD_LOG=$(VENV)/kernels-build.log; \
 	   $(PY) setup.py -q build_ext --inplace > $$LOWRANK_LIB_BUILD_LOG 2>&1 \
 	     || echo "[setup] building the CPU kernels failed (see $$LOWRANK_LIB_BUILD_LOG): built just in time on first use" ) & \
