@@ -58,7 +58,9 @@ def tier_prefetch() -> bool:
 def tier_chunk(n: int = 0) -> int:
     """:func:`tier_attend`'s tokens per online-softmax update before the call; ``n`` > 0 sets it for the process (a
     multiple of 16, at most the built maximum, 4096 and the default: long chunks measured fastest), 0 only reads it.
-    The result changes by fp32 rounding only (the tests cut tiers into many chunks with it)."""
+    The AVX2 code takes fewer where a chunk's K and V rows would pass 256 KB (1024 rows at d 64 in bf16: its V rows,
+    prefetched into L2 while the keys are scored, must still be there for the values). The result changes by fp32
+    rounding only (the tests cut tiers into many chunks with it)."""
     return int(_ops().tier_chunk(n))
 
 

@@ -73,7 +73,7 @@ constexpr int64_t CH = LRK_TIER_CH;
 // tests cut long tiers into many chunks with it). Fewer, longer chunks mean fewer switches between the K and V streams
 // and fewer rescales: over one SmolLM2 layout (3k tokens, budget 0.5, 30 layers, 1 thread, arena memory) the kernel
 // took 3.86 ms at 256 tokens, 3.55 at 1024, 3.47 at 2048 and 3.42 at 4096 (the dense kernel, which scores a whole
-// head before its values: 4.5).
+// head before its values: 4.5). The AVX2 code takes at most 256 KB of K and V rows per update (a2::chunk_rows).
 static std::atomic<int64_t> g_chunk{CH};
 constexpr int NG_MAX = 4;    // query heads per register group in the factor loops
 constexpr int64_t NCOL = 9;
@@ -160,6 +160,11 @@ static inline __m512 ldm(const int8_t* p, __mmask16 k) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, p)));
 }
 using lrk::ld;
+// tokens per online-softmax update (the exact rows' and the runs'): tier_chunk()'s (a2::chunk_rows says why AVX2
+// takes fewer)
+static inline int64_t chunk_rows(int64_t /*row_bytes*/) {
+  return g_chunk.load(std::memory_order_relaxed);
+}
 template <typename T>
 static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs = scale q (n: a multiple of 16)
   const __m512 sv = _mm512_set1_ps(scale);
@@ -568,6 +573,19 @@ static inline float hmax8(__m256 a) {
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
   return _mm_cvtss_f32(m4);
+}
+// tokens per online-softmax update (the exact rows' and the runs'; row_bytes: one exact K row): at most the rows
+// whose K and V fill 256 KB (1024 at d 64 in bf16; a multiple of 16), or tier_chunk()'s if fewer. The blocked score pass prefetches a chunk's V rows into L2 for the value pass that follows it; 4096-row chunks
+// (1 MB of K and V at d 64) overflow the Zen 3's 512 KB L2, and their G * 4096 scores (48 KB at G 3) its L1. SmolLM2's
+// composed-kvzip-q8 layers at budget 0.5 of an 8k context (bf16, 3,584 exact rows per KV head on average, 30 layers,
+// AMD EPYC Zen 3; tier_chunk() alternated in one process, 30 rounds, three processes): 8.24-8.68 ms at 1024 rows,
+// 8.25-8.70 at 2048, 8.63-9.11 at 4096 at 1 thread; the exact tier alone 6.82-6.90 against 7.35-7.37; 2 threads and
+// budget 0.25 (about 1,500 exact rows) 1-2 % faster. Whatever the prefetch choice (the same bits either way)
+static inline int64_t chunk_rows(int64_t row_bytes) {
+  const int64_t ch = g_chunk.load(std::memory_order_relaxed);
+  int64_t fit = (128 * 1024 / row_bytes) & ~(int64_t)15;
+  fit = fit < 64 ? 64 : fit;
+  return fit < ch ? fit : ch;
 }
 template <typename T>
 static void scale_query(const T* q, int64_t n, float scale, float* qs) {   // qs = scale q (n: a multiple of 8)

@@ -1,7 +1,7 @@
 // The control flow of tiers.cpp's fused tier attention, written once and compiled once per ISA: tiers.cpp includes
 // this file inside each ISA's target region and namespace (a512: AVX-512, a2: AVX2 + FMA), after that namespace's
-// primitives (scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values_pass with
-// run_values_rb / vecf / VLANES / vzero / store_sums, basis_acc, blk_scores_ng), which the unqualified calls below
+// primitives (chunk_rows, scale_query, exact_scores, exact_values, softmax_chunk, project, run_scores, run_values_pass
+// with run_values_rb / vecf / VLANES / vzero / store_sums, basis_acc, blk_scores_ng), which the unqualified calls below
 // resolve to. No include guard: it is meant to be included twice.
 
 // pa[r * NG + g] = sum_{i < n} p[g * CH + i] A[r * lda + i]   (p's lanes >= n are 0): passes over the tokens of
@@ -71,7 +71,7 @@ static void run_piece(const Layer& L, const int64_t* R, int64_t a, int64_t b, fl
   const T* bv = (const T*)L.bv + R[BV_OFF];
   project<T>(S.qs, G, D, bk, rk, S.qb);
   for (int64_t i = 0; i < G * rv; i++) S.pr[i] = 0.0f;
-  const int64_t ch = g_chunk.load(std::memory_order_relaxed);
+  const int64_t ch = chunk_rows((int64_t)(D * sizeof(T)));
   for (int64_t c0 = a; c0 < b; c0 += ch) {
     const int64_t cn = b - c0 < ch ? b - c0 : ch;
     const void* ks = nullptr;
@@ -132,7 +132,7 @@ static void rows_piece(const Layer& L, const T* q, const T* K, int64_t sk, const
     if (D % 32 == 0 && attn_dp()) dp = SCD[pf][D / 32 - 1];
   }
 #endif
-  const int64_t ch = g_chunk.load(std::memory_order_relaxed);
+  const int64_t ch = chunk_rows((int64_t)(D * sizeof(T)));
   for (int64_t c0 = a; c0 < b; c0 += ch) {
     const int64_t cn = b - c0 < ch ? b - c0 : ch;
     const int64_t nx = b - c0 - cn < ch ? b - c0 - cn : ch;     // the next chunk's rows
