@@ -29,6 +29,34 @@ def test_hostile_arguments_are_refused_before_anything_loads(tmp_path):
                           "weights": "q4_k_m"}) == "ik_llama.cpp Q4_K_M"
 
 
+def test_the_cache_type_follows_the_build_flags():
+    """bf16 only where the build has AVX512_BF16 (its fused CPU attention takes a bf16 cache only then, and aborts the
+    process otherwise), else f16, the same bytes; the flags as llama_print_system_info writes them."""
+    zen3 = ("AVX = 1 | AVX_VNNI = 0 | AVX2 = 1 | AVX512 = 0 | AVX512_VBMI = 0 | AVX512_VNNI = 0 | AVX512_BF16 = 0 | "
+            "FMA = 1 | F16C = 1 | SSE3 = 1 |")
+    zen4 = zen3.replace("AVX512 = 0", "AVX512 = 1").replace("AVX512_BF16 = 0", "AVX512_BF16 = 1")
+    assert not ik.bf16_cache_ok(zen3) and ik.cache_type(zen3) == "f16"
+    assert ik.bf16_cache_ok(zen4) and ik.cache_type(zen4) == "bf16"
+    assert ik.cache_type("") == "f16"                                   # unknown flags: the type every build takes
+
+
+@needs_ik
+def test_a_bf16_cache_the_build_cannot_run_is_refused_by_name(bf16_file):
+    """Where the installed build has no AVX512_BF16, a bf16 cache under its fused attention is a ValueError that
+    names the flag, before a context exists (ik_llama.cpp itself would abort the whole process at the first decode);
+    the default takes the build's own type, and without the fused attention bf16 is not refused."""
+    info = ik.system_info()
+    assert "AVX2" in info
+    with ik.IkLlama(bf16_file, n_ctx=16) as m:
+        assert m.kv_type == ik.cache_type(info) and m.report()["kv_type"] == m.kv_type
+    if ik.bf16_cache_ok(info):
+        ik.IkLlama(bf16_file, n_ctx=16, kv_type="bf16").close()
+    else:
+        with pytest.raises(ValueError, match="no AVX512_BF16"):
+            ik.IkLlama(bf16_file, n_ctx=16, kv_type="bf16")
+        ik.IkLlama(bf16_file, n_ctx=16, kv_type="bf16", flash_attn=False).close()
+
+
 @pytest.fixture(scope="module")
 def tiny():
     m = models.tiny_model("tiny-smol", seed=3)
@@ -96,5 +124,6 @@ def test_its_perplexity_is_our_protocol_on_its_logits(tiny, bf16_file):
     pts = fr.llamacpp_points(tiny, ids, bf16_file.parent, ("bf16",), SEQ, WIN, runtime="ik_llama.cpp")
     (p,) = pts
     assert p["id"] == "ik_llama.cpp:bf16" and p["system"] == "ik_llama.cpp" and p["label"] == "ik_llama.cpp BF16"
-    assert p["ppl"] == pytest.approx(got.ppl, rel=1e-9) and p["kv_type"] == "bf16" and p["file"] == str(bf16_file)
+    assert p["ppl"] == pytest.approx(got.ppl, rel=1e-9) and p["kv_type"] == ik.cache_type()
+    assert p["file"] == str(bf16_file)
 

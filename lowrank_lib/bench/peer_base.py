@@ -35,7 +35,8 @@ from .llamacpp import IkLlama, LlamaCppRunner, available, version
 from ..eval import ik_llamacpp
 
 #: every system; ``ik_llamacpp`` (ik_llama.cpp, the CPU-tuned fork, on mainline's bf16 and quantized files, its cache
-#: bf16: it has none in f32) only when asked for (the optional ``ik`` extra); the others are the default
+#: bf16 or f16 by its build, ``ik_llamacpp.cache_type``: it has none in f32) only when asked for (the optional ``ik``
+#: extra); the others are the default
 SYSTEMS = ("llamacpp_dense", "ik_llamacpp", "lowrank_lib_dense", "lowrank_lib_lowrank")
 DEFAULT_SYSTEMS = tuple(s for s in SYSTEMS if s != "ik_llamacpp")
 #: the systems that run a GGUF (a :class:`LlamaCppRunner` / :class:`IkLlama`)
@@ -101,9 +102,10 @@ class Bandwidths:
 
 
 def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool, system: str = "llamacpp_dense"):
-    """Mainline llama.cpp (or ``system="ik_llamacpp"``: ik_llama.cpp, its cache bf16) on a GGUF."""
+    """Mainline llama.cpp (or ``system="ik_llamacpp"``: ik_llama.cpp, its cache bf16 where its build takes one under
+    its fused attention, else f16: ``ik_llamacpp.cache_type``) on a GGUF."""
     if system == "ik_llamacpp":
-        return IkLlama(path, n_ctx=n_ctx, threads=threads, kv_type="bf16", flash_attn=flash_attn)
+        return IkLlama(path, n_ctx=n_ctx, threads=threads, kv_type=None, flash_attn=flash_attn)
     return LlamaCppRunner(path, n_ctx=n_ctx, threads=threads, kv_type=KV_FOR_DTYPE.get(dtype, "bf16"),
                           flash_attn=flash_attn)
 

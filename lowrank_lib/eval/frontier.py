@@ -118,7 +118,7 @@ def llamacpp_points(model, ids: torch.Tensor, workdir, types=LLAMACPP_TYPES, seq
                        **_ppl_fields(r), "weight_bytes_per_token": decode_bytes_per_token(path),
                        "file_bytes": path.stat().st_size, "file": str(path), "make_s": round(make_s, 1),
                        "eval_s": round(time.perf_counter() - t0 - make_s, 1),
-                       **({"ik_llama_cpp_python": ik_llamacpp.version(), "kv_type": "bf16"} if ik
+                       **({"ik_llama_cpp_python": ik_llamacpp.version(), "kv_type": ik_llamacpp.cache_type()} if ik
                           else {"llama_cpp_python": llamacpp.version()})})
         log(f"[frontier] {pid}: ppl {p['ppl']:.4f}, {p['weight_bytes_per_token'] / 1e6:.1f} MB/token")
         out.append(p)

@@ -30,7 +30,7 @@ import torch
 from ..runtime import Runner
 from .llamacpp import KV_TYPES, dist_version, importable
 
-__all__ = ["IkLlama", "available", "ik_perplexity", "version"]
+__all__ = ["IkLlama", "available", "bf16_cache_ok", "cache_type", "ik_perplexity", "system_info", "version"]
 
 
 def available() -> tuple[bool, str]:
@@ -60,6 +60,29 @@ def _lib():
     return _ctypes_api
 
 
+def system_info() -> str:
+    """Its build's CPU flags (``llama_print_system_info``: ``"AVX = 1 | AVX2 = 1 | AVX512_BF16 = 0 | ..."``)."""
+    info = _lib()._lib.llama_print_system_info
+    info.restype = ctypes.c_char_p
+    return info().decode(errors="replace").strip()
+
+
+def bf16_cache_ok(info: str) -> bool:
+    """Whether a build with these flags (:func:`system_info`) takes a bf16 K / V cache under its fused attention on
+    the CPU. Only one compiled with AVX512_BF16 does (its ``iqk_flash_attn`` lists bf16 among the supported cache
+    types only then); any other build aborts the whole process at the first decode ("K cache bf16 coupled with V cache
+    bf16 is not a supported combination on the CPU backend", then ``GGML_ABORT``): the prebuilt AVX2 wheel, and a
+    native build on a CPU without AVX512_BF16 (AMD Zen 3, most Intel client CPUs)."""
+    return "AVX512_BF16 = 1" in info
+
+
+def cache_type(info: str | None = None) -> str:
+    """The cache a peer run gives ik_llama.cpp (both K and V): ``"bf16"``, our engine's, where its build takes it
+    (:func:`bf16_cache_ok`), else ``"f16"``: the same two bytes a value, so the rows read the same KV bytes (it has no
+    f32 cache). ``info``: :func:`system_info`'s string (default: this installation's)."""
+    return "bf16" if bf16_cache_ok(system_info() if info is None else info) else "f16"
+
+
 class _Out:
     def __init__(self, logits):
         self.logits = logits
@@ -73,19 +96,28 @@ class IkLlama(Runner):
     path : the GGUF file.
     n_ctx : KV cache slots (the longest prompt + new tokens, or the longest scored row).
     threads : ``n_threads`` and ``n_threads_batch``.
-    kv_type : ``"f16"``, ``"bf16"`` or ``"q8_0"`` for both K and V (it has no f32 cache: its context refuses one).
+    kv_type : ``"f16"``, ``"bf16"`` or ``"q8_0"`` for both K and V (it has no f32 cache: its context refuses one),
+        or ``None``: :func:`cache_type`. ``"bf16"`` with ``flash_attn`` is refused where the build lacks it
+        (:func:`bf16_cache_ok`; it would abort the process at the first decode).
     flash_attn : its fused attention.
     """
 
     device = torch.device("cpu")
     lm_head_mode = "exact"
 
-    def __init__(self, path, n_ctx: int, threads: int = 1, kv_type: str = "bf16", flash_attn: bool = True):
-        if kv_type not in KV_TYPES or kv_type == "f32":
+    def __init__(self, path, n_ctx: int, threads: int = 1, kv_type: str | None = None, flash_attn: bool = True):
+        if kv_type is not None and (kv_type not in KV_TYPES or kv_type == "f32"):
             raise ValueError(f"kv_type={kv_type!r}: ik_llama.cpp's caches are f16, bf16 and q8_0 (no f32)")
         if not Path(path).is_file():
             raise FileNotFoundError(f"ik_llama.cpp: no GGUF at {path}")
         self.C = C = _lib()
+        info = system_info()
+        if kv_type is None:
+            kv_type = cache_type(info)
+        if kv_type == "bf16" and flash_attn and not bf16_cache_ok(info):
+            raise ValueError("kv_type='bf16' with flash_attn: this ik_llama.cpp build has no AVX512_BF16, and its "
+                             "fused attention would abort the process at the first decode; use kv_type='f16' (the "
+                             f"same bytes) or None. Its flags: {info}")
         self.path, self.kv_type, self.flash_attn, self.n_ctx = str(path), kv_type, flash_attn, int(n_ctx)
         C.llama_backend_init()
         mp = C.llama_model_default_params()
@@ -170,11 +202,9 @@ class IkLlama(Runner):
                 "eval_ms_per_token": p.t_eval_ms / p.n_eval if p.n_eval else float("nan")}
 
     def report(self) -> dict:
-        info = self.C._lib.llama_print_system_info
-        info.restype = ctypes.c_char_p
         return {"runner": "ik_llama.cpp", "ik_llama_cpp_python": version(), "gguf": self.path,
                 "kv_type": self.kv_type, "flash_attn": self.flash_attn, "threads": self.threads,
-                "system_info": info().decode(errors="replace").strip()}
+                "system_info": system_info()}
 
     # --------------------------------------------------------------- the causal LM
     def parameters(self):
@@ -208,10 +238,10 @@ class IkLlama(Runner):
 
 
 def ik_perplexity(path, ids: torch.Tensor, seq_len: int = 2048, max_windows: int | None = None, threads: int = 1,
-                  kv_type: str = "bf16", progress: bool = False, desc: str = "ik_llama.cpp ppl"):
+                  kv_type: str | None = None, progress: bool = False, desc: str = "ik_llama.cpp ppl"):
     """:func:`lowrank_lib.eval.perplexity.perplexity` of a GGUF through ik_llama.cpp's logits on the 1-D token ids
-    ``ids``: the windows, scored positions and NLL of every other frontier point (its cache in bf16: it has no f32
-    one, where mainline's frontier points use f32)."""
+    ``ids``: the windows, scored positions and NLL of every other frontier point (its cache 16-bit, :func:`cache_type`
+    by default: it has no f32 one, where mainline's frontier points use f32)."""
     from .perplexity import perplexity
 
     with IkLlama(path, n_ctx=seq_len, threads=threads, kv_type=kv_type) as m:
