@@ -264,6 +264,7 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_23.json`**", "peer_cpu_23.json", None),
                ("**`benchmarks/results/peer_cpu_24.json`**", "peer_cpu_24.json", None),
                ("**`benchmarks/results/peer_cpu_25.json`**", "peer_cpu_25.json", None),
+               ("**`benchmarks/results/peer_cpu_26.json`**", "peer_cpu_26.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
