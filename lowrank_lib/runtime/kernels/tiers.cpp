@@ -575,12 +575,13 @@ static inline float hmax8(__m256 a) {
   return _mm_cvtss_f32(m4);
 }
 // tokens per online-softmax update (the exact rows' and the runs'; row_bytes: one exact K row): at most the rows
-// whose K and V fill 256 KB (1024 at d 64 in bf16; a multiple of 16), or tier_chunk()'s if fewer. The blocked score pass prefetches a chunk's V rows into L2 for the value pass that follows it; 4096-row chunks
-// (1 MB of K and V at d 64) overflow the Zen 3's 512 KB L2, and their G * 4096 scores (48 KB at G 3) its L1. SmolLM2's
-// composed-kvzip-q8 layers at budget 0.5 of an 8k context (bf16, 3,584 exact rows per KV head on average, 30 layers,
-// AMD EPYC Zen 3; tier_chunk() alternated in one process, 30 rounds, three processes): 8.24-8.68 ms at 1024 rows,
-// 8.25-8.70 at 2048, 8.63-9.11 at 4096 at 1 thread; the exact tier alone 6.82-6.90 against 7.35-7.37; 2 threads and
-// budget 0.25 (about 1,500 exact rows) 1-2 % faster. Whatever the prefetch choice (the same bits either way)
+// whose K and V fill 256 KB (1024 at d 64 in bf16; a multiple of 16), or tier_chunk()'s if fewer. The blocked score
+// pass prefetches a chunk's V rows into L2 for the value pass that follows it; 4096-row chunks (1 MB of K and V at
+// d 64) overflow the Zen 3's 512 KB L2, and their G * 4096 scores (48 KB at G 3) its L1. SmolLM2's composed-kvzip-q8
+// layers at budget 0.5 of an 8k context (bf16, 3,584 exact rows per KV head on average, 30 layers, AMD EPYC Zen 3;
+// tier_chunk() alternated in one process, 30 rounds, three processes): 8.24-8.68 ms at 1024 rows, 8.25-8.70 at 2048,
+// 8.63-9.11 at 4096 at 1 thread; the exact tier alone 6.82-6.90 against 7.35-7.37; 2 threads and budget 0.25 (about
+// 1,500 exact rows) 1-2 % faster. It does not depend on the prefetch choice, so that choice still changes no bit
 static inline int64_t chunk_rows(int64_t row_bytes) {
   const int64_t ch = g_chunk.load(std::memory_order_relaxed);
   int64_t fit = (128 * 1024 / row_bytes) & ~(int64_t)15;
