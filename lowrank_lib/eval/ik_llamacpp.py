@@ -119,6 +119,7 @@ class IkLlama(Runner):
                              "fused attention would abort the process at the first decode; use kv_type='f16' (the "
                              f"same bytes) or None. Its flags: {info}")
         self.path, self.kv_type, self.flash_attn, self.n_ctx = str(path), kv_type, flash_attn, int(n_ctx)
+        self.system_info = info                 # its build's flags, read once
         C.llama_backend_init()
         mp = C.llama_model_default_params()
         mp.use_mmap, mp.n_gpu_layers = True, 0
@@ -204,7 +205,7 @@ class IkLlama(Runner):
     def report(self) -> dict:
         return {"runner": "ik_llama.cpp", "ik_llama_cpp_python": version(), "gguf": self.path,
                 "kv_type": self.kv_type, "flash_attn": self.flash_attn, "threads": self.threads,
-                "system_info": system_info()}
+                "system_info": self.system_info}
 
     # --------------------------------------------------------------- the causal LM
     def parameters(self):
