@@ -100,6 +100,8 @@ def test_context_writes_relative_to_the_working_directory(tmp_path, monkeypatch)
     m = json.loads((tmp_path / "reports" / "00_quickstart" / "metrics.json").read_text())
     assert m["figures"] == ["figures/00_x.png"] and m["a"] == 1.5 and m["nan"] == "nan"
     assert ctx.metrics_path == tmp_path / "reports" / "00_quickstart" / "metrics.json"
+    # written whole through a renamed temporary file (a reader polling for it never sees half), none left behind
+    assert [p.name for p in ctx.metrics_path.parent.iterdir()] == ["metrics.json"]
     # nothing went to the checkout
     assert notebooks.root() not in ctx.fig_dir.parents and notebooks.root() not in ctx.out_dir.parents
 

@@ -195,7 +195,9 @@ class NotebookContext:
         if headline is not None:
             data["headline"] = {str(k): str(v) for k, v in headline.items()}
         path = self._writable(self.out_dir / "metrics.json")
-        path.write_text(json.dumps(data, indent=2, sort_keys=True))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")      # whole or absent: a reader never sees half
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+        os.replace(tmp, path)
         self.metrics_path = path
 
     @staticmethod

@@ -255,18 +255,23 @@ class Lab:
             urllib.request.urlopen(urllib.request.Request(f"{self.base}/api/kernels/{k['id']}", method="DELETE",
                                                           headers=hdr), timeout=60)
 
+    def _written(self) -> dict[Path, int]:
+        """Each notebook file's modification time (JupyterLab's checkpoint copies left out)."""
+        return {p: p.stat().st_mtime_ns for p in self.nbdir.rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts}
+
     def save(self):
-        """Save the notebook (Ctrl+S) and wait until JupyterLab reports it saved (the tab loses its dirty mark)."""
+        """Save the notebook (Ctrl+S) and wait until JupyterLab reports it saved: a notebook file on disk rewritten
+        since the key press, and the tab without its dirty mark (polled, not a fixed wait: each of those took 1.5 s
+        of sleeping per save, an idle core beside the other worker)."""
+        before = self._written()
         self.page.locator(".jp-NotebookPanel .jp-Cell").first.click()
         self.page.keyboard.press("Escape")
         self.page.keyboard.press("Control+s")
         dirty = self.page.locator(".lm-DockPanel-tabBar .lm-TabBar-tab.lm-mod-current.jp-mod-dirty")
         deadline = time.time() + 60 * SLOW
-        time.sleep(0.5)
-        while dirty.count():
+        while dirty.count() or not any(before.get(p) != t for p, t in self._written().items()):
             assert time.time() < deadline, "the notebook did not save"
-            time.sleep(0.25)
-        time.sleep(1.0)
+            time.sleep(0.1)
 
     def wait_all_done(self, timeout_s: float):
         """Wait until no cell is queued or running ('[*]') and the kernel is idle; fails at once on a traceback.

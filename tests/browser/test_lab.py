@@ -34,13 +34,12 @@ TIMINGS: dict[str, dict] = {}
 
 def _metrics(lab, name: str, timeout_s: float = 120) -> dict:
     """The metrics a notebook copy wrote: ``reports/<stem>/metrics.json`` beside the copy (``name`` may name a copy in
-    a subfolder, ``mine/00_quickstart``)."""
+    a subfolder, ``mine/00_quickstart``); the context writes it whole (a rename), so it is read as soon as it exists."""
     path = lab.nbdir / Path(name).parent / "reports" / Path(name).name / "metrics.json"
     deadline = time.time() + timeout_s
     while not path.exists():
         assert time.time() < deadline, f"{path} was not written (outputs must land next to the notebook copy)"
         time.sleep(0.5)
-    time.sleep(0.5)
     return json.loads(path.read_text())
 
 
