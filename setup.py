@@ -50,6 +50,12 @@ def _extensions():
                       "they will be built just in time on first use", file=sys.stderr)
 
         def build_extension(self, ext):
+            # distutils sorts the sources by name before compiling them; ninja then starts them in that order. The
+            # kernels' list is longest compile first (build.py), so the last to start is a short one on two cores
+            order = {Path(s).name: i for i, s in enumerate(ext.sources)}
+            compile_ = self.compiler.compile
+            self.compiler.compile = lambda sources, *a, **k: compile_(
+                sorted(sources, key=lambda s: order.get(Path(s).name, len(order))), *a, **k)
             try:
                 super().build_extension(ext)
             except Exception as e:  # noqa: BLE001

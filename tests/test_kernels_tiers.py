@@ -409,7 +409,7 @@ def test_the_library_is_built_from_every_source():
     from pathlib import Path
 
     names = [p.name for p in build.SOURCES]
-    assert names == ["lrk.cpp", "tiers.cpp", "pool.cpp", "layer.cpp", "qgemv.cpp", "arena.cpp"]
+    assert names == ["tiers.cpp", "lrk.cpp", "qgemv.cpp", "layer.cpp", "pool.cpp", "arena.cpp"]     # longest compile first
     here = Path(build.__file__).parent
     assert sorted(p.name for p in build.SOURCES + build.HEADERS) == sorted(
         p.name for p in list(here.glob("*.cpp")) + list(here.glob("*.h")))
