@@ -373,7 +373,7 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
     res = peer.run_peer(peer.PeerConfig(model="tiny-smol", dtypes=("fp32", "bf16"), threads=(1,), prompt_len=32,
                                         gen_len=8, repeats=1, graph="none", llama_flash_attn="off",
                                         prompt="random", out=str(tmp_path)), progress=False, log=lambda *_: None)
-    assert res["equivalence"]["tokens_equal"]
+    assert res["equivalence"]["tokens_equal"] and res["failed"] == []     # every file passed its child's check
     want = {("llamacpp_dense", d, "exact", None) for d in ("fp32", "bf16", "q8_0", "q4_k_m")}
     want |= {(s, d, h, None) for s in OURS for d in ("fp32", "bf16") for h in peer_base.LM_HEADS}
     want |= {("lowrank_lib_lowrank", "bf16", h, b) for b in (8, 4) for h in peer_base.LM_HEADS}   # quantized, bf16 only
@@ -453,6 +453,95 @@ def test_peer_scale_without_llamacpp_one_child_per_system(tmp_path):
     assert "lowrank_lib_lowrank" in ps.table(res)
     assert Path(ps.save_figures([res], tmp_path / "fig")).stat().st_size > 10_000
     assert res["cleaned_up"] and not any((tmp_path / "c").glob("**/*.safetensors"))
+
+
+def test_the_preflight_checks_every_file_and_setting_the_timing_will_load():
+    """gguf_checks: llama.cpp on each dtype's file and (bf16) the quantized ones, under both fused-attention settings
+    when the run picks one (auto), ik_llama.cpp on the bf16 and quantized files, fused; the prompt and context of the
+    timed generations; nothing for a run without GGUF systems."""
+    files = {f: Path(f"/m/{f}.gguf") for f in ("fp32", "bf16", "q8_0", "q4_k_m")}
+    ids = torch.arange(5)[None]
+    cfg = peer.PeerConfig(dtypes=("fp32", "bf16"), systems=("llamacpp_dense", "ik_llamacpp", "lowrank_lib_lowrank"))
+    checks = peer.gguf_checks(cfg, files, ids, 77)
+    assert set(checks) == {("llamacpp_dense", f) for f in files} | {("ik_llamacpp", f) for f in ("bf16", "q8_0", "q4_k_m")}
+    for (system, f), kw in checks.items():
+        assert kw["path"] == str(files[f]) and kw["n_ctx"] == 77 and kw["ids"] == [0, 1, 2, 3, 4]
+        assert kw["dtype"] == ("fp32" if f == "fp32" else "bf16") and kw["system"] == system
+        assert kw["flash_attn"] == ([True, False] if system == "llamacpp_dense" else [True])
+    on = peer.gguf_checks(peer.PeerConfig(dtypes=("fp32",), llama_flash_attn="on", quants=()), files, ids, 9)
+    assert list(on) == [("llamacpp_dense", "fp32")] and on[("llamacpp_dense", "fp32")]["flash_attn"] == [True]
+    assert peer.gguf_checks(peer.PeerConfig(systems=OURS), files, ids, 9) == {}
+
+
+def test_a_gguf_system_that_fails_its_child_is_left_out_and_named(monkeypatch):
+    """gguf_preflight runs each check in a child; one that dies (here: a child ending in SIGABRT, as ik_llama.cpp's
+    AVX2 wheel does on a bf16 cache) is returned with how it ended, the others pass, and the table names it."""
+    from lowrank_lib.bench import child
+
+    calls = []
+
+    def fake(target, timeout=None, **kw):
+        calls.append((target, kw["system"], kw["path"]))
+        if kw["system"] == "ik_llamacpp":
+            raise child.ChildError(f"benchmark child {target} was killed by SIGABRT (out of memory? its stderr is above)")
+        return {"result": {}}
+
+    monkeypatch.setattr(child, "run_child", fake)
+    checks = {("llamacpp_dense", "bf16"): dict(path="a", system="llamacpp_dense"),
+              ("ik_llamacpp", "bf16"): dict(path="a", system="ik_llamacpp")}
+    failed = peer_base.gguf_preflight(checks, log=lambda *_: None)
+    assert calls == [("lowrank_lib.bench.peer_base:gguf_smoke", "llamacpp_dense", "a"),
+                     ("lowrank_lib.bench.peer_base:gguf_smoke", "ik_llamacpp", "a")]
+    assert [(f["system"], f["file"]) for f in failed] == [("ik_llamacpp", "bf16")] and "SIGABRT" in failed[0]["error"]
+    assert peer_base.failed_lines({"failed": failed}) == [
+        "FAILED, left out: ik_llamacpp on bf16: benchmark child lowrank_lib.bench.peer_base:gguf_smoke was killed by "
+        "SIGABRT (out of memory? its stderr is above)"]
+
+
+@needs_llama
+def test_the_preflight_passes_a_good_file_and_leaves_out_one_llamacpp_cannot_load(tiny, tmp_path):
+    """The real children: llama.cpp loads and decodes the tiny model's F32 file under both attention settings; a
+    truncated copy fails in its child (llama-cpp-python's load error, the child's traceback in the error), and the
+    parent goes on."""
+    good = ge.write_hf_gguf(tiny, tmp_path / "m.F32.gguf", ge.DTYPE_TYPES["fp32"])
+    bad = tmp_path / "cut.gguf"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    kw = dict(dtype="fp32", n_ctx=32, system="llamacpp_dense", flash_attn=[True, False], ids=list(range(1, 9)))
+    failed = peer_base.gguf_preflight({("llamacpp_dense", "good"): dict(path=str(good), **kw),
+                                       ("llamacpp_dense", "cut"): dict(path=str(bad), **kw)}, log=lambda *_: None)
+    assert [f["file"] for f in failed] == ["cut"]
+    assert "exited with code 1" in failed[0]["error"] and "Traceback" in failed[0]["error"]
+    tokens = peer_base.gguf_smoke(str(good), **kw)
+    assert set(tokens) == {"True", "False"} and all(len(t) == 2 for t in tokens.values())   # the two decoded
+
+
+def test_a_peer_scale_unit_whose_child_fails_is_left_out_not_the_run(tmp_path, monkeypatch):
+    """--shape: a unit whose child fails is recorded in ``failed`` (its unit and how it ended) and named by the table;
+    the other units' rows, the comparisons and the written result stay."""
+    from lowrank_lib.bench import child
+    from lowrank_lib.bench import peer_scale as ps
+
+    real = ps.run_child
+
+    def flaky(target, **kw):
+        if target.endswith(":run_unit") and kw["unit"]["system"] == "lowrank_lib_dense":
+            raise child.ChildError(f"benchmark child {target} exited with code 1:\nTraceback ... RuntimeError: boom")
+        return real(target, **kw)
+
+    monkeypatch.setattr(ps, "run_child", flaky)
+    small = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "vocab_size": 512}
+    cfg = ps.ScaleConfig(shape="llama3.2-1b", layers=1, overrides=small, keeps=(0.5,), dtypes=("fp32",),
+                         systems=OURS, threads=(1,), prompt_len=8, gen_len=4, repeats=1, graph="none",
+                         gemv_classes=False, cache_dir=str(tmp_path / "c"), out=str(tmp_path), bandwidth_bytes=1 << 22)
+    res = ps.run_scale(cfg, log=lambda *_: None)
+    assert [r["system"] for r in res["rows"]] == ["lowrank_lib_lowrank"]
+    assert [(f["system"], f["unit"]["round"]) for f in res["failed"]] == [("lowrank_lib_dense", 0)]
+    assert "RuntimeError: boom" in res["failed"][0]["error"] and [u["system"] for u in res["units"]] == [
+        "lowrank_lib_lowrank"]
+    line = next(x for x in ps.table(res).splitlines() if x.startswith("FAILED"))
+    assert line.startswith("FAILED, left out: lowrank_lib_dense on dtype fp32, ") and "round 0" in line
+    assert line.endswith("exited with code 1:")
 
 
 def test_peer_scale_times_quantized_factors_as_units_of_their_own(tmp_path):

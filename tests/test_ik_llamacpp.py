@@ -57,6 +57,19 @@ def test_a_bf16_cache_the_build_cannot_run_is_refused_by_name(bf16_file):
         ik.IkLlama(bf16_file, n_ctx=16, kv_type="bf16", flash_attn=False).close()
 
 
+@needs_ik
+def test_its_log_stays_off_stderr_and_a_failed_load_says_why(bf16_file, tmp_path, capfd):
+    """The library's loader and context logs (hundreds of lines per load) go to LOG_TAIL, not stderr; a file it cannot
+    load is a RuntimeError that ends with them."""
+    with ik.IkLlama(bf16_file, n_ctx=16):
+        pass
+    assert "llama_" not in capfd.readouterr().err and any(x.startswith("llama_") for x in ik.LOG_TAIL)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(bf16_file.read_bytes()[: bf16_file.stat().st_size // 2])
+    with pytest.raises(RuntimeError, match="could not load .*cut.gguf; its log ends:\n(.|\n)*llama_model_load"):
+        ik.IkLlama(cut, n_ctx=16)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     m = models.tiny_model("tiny-smol", seed=3)

@@ -26,7 +26,10 @@ the targets are :mod:`lowrank_lib.bench.peer_base`'s (shared with ``--shape``). 
 our dense engine must produce the same greedy tokens from the same prompt in fp32 (``equivalence``); with the
 certified head, an audit on the fidelity prompts checks its greedy tokens against the exact head's
 (``certified_audit``, ``--audit-prompts`` prompts x ``gen_len`` tokens). Copy and read bandwidth are measured
-before and after each thread count. Compile time is reported apart (``compile_s``), never in decode time.
+before and after each thread count. Compile time is reported apart (``compile_s``), never in decode time. Before
+anything of llama.cpp runs in this process, each GGUF system loads and decodes each of its files in a child
+(:func:`~.peer_base.gguf_preflight`): one that fails or aborts there is left out (``failed``, named in the table; the
+command then exits 1), where it would have ended the whole run and lost every row.
 
 Writes ``<out>/peer_cpu.json`` (never overwritten: :mod:`lowrank_lib.bench.results`) with the table as ``.txt``.
 """
@@ -46,8 +49,9 @@ from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
 from ..eval.speed_plot import draw_decode_vs_bytes, draw_thread_scaling
-from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine, equivalence_line,
-                        format_table, judged, kv_bytes_per_token, llama_runner, save_figure, start)
+from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
+                        equivalence_line, failed_lines, format_table, gguf_preflight, judged, kv_bytes_per_token,
+                        llama_runner, save_figure, start)
 from .results import ResultFiles
 
 #: the keys every row holds (the notebooks' tables)
@@ -148,8 +152,12 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     q_bits = cfg.factor_bits if "bf16" in cfg.dtypes and "lowrank_lib_lowrank" in cfg.systems else ()
     quantized = {b: quantize_factors(copy.deepcopy(comp), b) for b in q_bits}   # only where a bf16 row uses it
 
+    # 0. every GGUF system on every file it will time, first in a child: one that aborts is left out, not the run
+    res["failed"] = gguf_preflight(gguf_checks(cfg, ggufs, ids, n_ctx), log)
+    ok = lambda system, file: not any(f["system"] == system and f["file"] == file for f in res["failed"])  # noqa: E731
+
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
-    if want_llama and "fp32" in ggufs:
+    if want_llama and "fp32" in ggufs and ok("llamacpp_dense", "fp32"):
         torch.set_num_threads(1)
         r = llama_runner(ggufs["fp32"], "fp32", n_ctx, 1, flash_attn(cfg, ggufs["fp32"], "fp32", 1, ids, fa))
         a = run_generation(r, ids, cfg.gen_len, return_logits=True)
@@ -174,13 +182,16 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         torch.set_num_threads(th)
         bws, timed = Bandwidths(), {}
         for dt in cfg.dtypes:
-            if want_llama:
+            if want_llama and ok("llamacpp_dense", dt):
                 timed[("llamacpp_dense", dt)] = Timed("llamacpp_dense", llama_runner(
                     ggufs[dt], dt, n_ctx, th, flash_attn(cfg, ggufs[dt], dt, th, ids, fa)))
-                for q in cfg.quants if dt == "bf16" else ():
+            for q in cfg.quants if want_llama and dt == "bf16" else ():
+                if ok("llamacpp_dense", q):
                     timed[("llamacpp_dense", q)] = Timed("llamacpp_dense", llama_runner(
                         ggufs[q], "bf16", n_ctx, th, flash_attn(cfg, ggufs[q], q, th, ids, fa)))
             for q in (dt, *cfg.quants) if want_ik and dt == "bf16" else ():     # its fused attention (no probe)
+                if not ok("ik_llamacpp", q):
+                    continue
                 timed[("ik_llamacpp", q)] = Timed("ik_llamacpp", llama_runner(ggufs[q], "bf16", n_ctx, th, True,
                                                                              "ik_llamacpp"))
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
@@ -217,6 +228,22 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     return judged(res)
 
 
+def gguf_checks(cfg: PeerConfig, ggufs: dict[str, Path], ids, n_ctx: int) -> dict[tuple, dict]:
+    """:func:`~.peer_base.gguf_preflight`'s checks of a run: llama.cpp on each dtype's file and (bf16) its quantized
+    ones, under each fused-attention setting it may use; ik_llama.cpp on the bf16 and quantized files (fused)."""
+    fa = [True, False] if cfg.llama_flash_attn == "auto" else [cfg.llama_flash_attn == "on"]
+    want = {"llamacpp_dense": fa, "ik_llamacpp": [True]}
+    checks = {}
+    for system in (s for s in want if s in cfg.systems):
+        for dt in cfg.dtypes:
+            files = ([dt] if system == "llamacpp_dense" else []) + list(cfg.quants if dt == "bf16" else ())
+            files += ["bf16"] if system == "ik_llamacpp" and dt == "bf16" else []
+            for f in files:
+                checks[(system, f)] = dict(path=str(ggufs[f]), dtype="fp32" if f == "fp32" else "bf16", n_ctx=n_ctx,
+                                           system=system, flash_attn=want[system], ids=ids[0].tolist())
+    return checks
+
+
 def table(res: dict) -> str:
     """:func:`~.peer_base.format_table` with this run's bandwidths, audit and equivalence."""
     bw = lambda d: ", ".join(f"{t} thread(s) {v:.1f}" for t, v in d.items())      # noqa: E731
@@ -225,7 +252,7 @@ def table(res: dict) -> str:
              f"{res['machine']['cores']} cores"]
     lines += [audit_line(dt, a) for dt, a in res.get("certified_audit", {}).items()]
     lines += [equivalence_line(res["equivalence"])] if res.get("equivalence") else []
-    return format_table(res, lines)
+    return format_table(res, lines + failed_lines(res))
 
 
 def save(res: dict, out_dir, table: str | None = None) -> Path:

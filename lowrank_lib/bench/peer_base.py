@@ -110,6 +110,46 @@ def llama_runner(path, dtype: str, n_ctx: int, threads: int, flash_attn: bool, s
                           flash_attn=flash_attn)
 
 
+def gguf_smoke(path: str, dtype: str, n_ctx: int, system: str, flash_attn: list[bool], ids: list[int]) -> dict:
+    """A child's check of one GGUF system on one file (:func:`gguf_preflight`): load it, prefill ``ids`` and decode two
+    tokens, under each ``flash_attn`` setting, as the timing will; returns the tokens per setting."""
+    import torch
+
+    out = {}
+    for fa in flash_attn:
+        r = llama_runner(path, dtype, n_ctx, 1, fa, system)
+        try:
+            out[str(fa)] = run_generation(r, torch.tensor([ids]), 2).tokens[0].tolist()
+        finally:
+            r.close()
+    return out
+
+
+def gguf_preflight(checks: dict[tuple, dict], log=print, timeout: float = 600) -> list[dict]:
+    """Every GGUF system a run will load in its own process, first run in a child (:func:`gguf_smoke`): a library that
+    aborts on a file or setting (ik_llama.cpp's AVX2 wheel on a bf16 cache: SIGABRT) or fails to load it would take
+    the whole run, and every row measured so far, with it. ``checks``: ``{(system, file): gguf_smoke's kwargs}``.
+    Returns the failures, ``{"system", "file", "error"}`` each (the child's end and traceback); the run leaves those
+    out and says so (:func:`failed_lines`)."""
+    from .child import ChildError, run_child
+
+    failed = []
+    for (system, file), kw in checks.items():
+        try:
+            run_child("lowrank_lib.bench.peer_base:gguf_smoke", timeout=timeout, **kw)
+        except ChildError as e:
+            failed.append({"system": system, "file": file, "error": str(e)})
+            log(f"[peer] {system} on {file} left out: {str(e).splitlines()[0]}")
+    return failed
+
+
+def failed_lines(res: dict) -> list[str]:
+    """The table's lines for what a run left out (``res["failed"]``): the system, its file or unit, how it ended."""
+    where = lambda f: f["file"] if "file" in f else ", ".join(      # noqa: E731
+        f"{k} {v}" for k, v in f["unit"].items() if k != "system" and v is not None)
+    return [f"FAILED, left out: {f['system']} on {where(f)}: {f['error'].splitlines()[0]}" for f in res.get("failed", ())]
+
+
 def kv_bytes_per_token(config, prompt_len: int, gen_len: int, elem: int) -> int:
     """The K and V bytes a decode step reads, on average over a generation after a ``prompt_len`` prompt: every layer's
     K and V rows of the live context (mean ``prompt_len + gen_len / 2`` slots), ``elem`` bytes a value (the cache's

@@ -20,7 +20,8 @@ generation (our engine compiles its step there, timed apart), then ``repeats`` g
 children: ``rounds`` > 1 runs the list of children that many times in turn (A B C A B C), each row is its median
 round (:func:`median_rows`), each comparison also holds per-round ratios (paired in time). The parent compares the
 children's greedy tokens and logits per dtype (``equivalence``: random weights have tiny margins; the logits are the
-check), then the comparisons and targets of :mod:`.peer_base`.
+check), then the comparisons and targets of :mod:`.peer_base`. A unit whose child fails (raises, aborts, is killed) is
+left out, not the run: ``failed`` holds it and how it ended, the table names it, the command exits 1.
 
 Writes ``<out>/peer_scale_<shape>[_L<layers>].json`` (never overwritten) and ``figures/peer_scale_decode_vs_bytes.png``
 (every committed shape result, or the ones given to ``--replot``).
@@ -42,9 +43,9 @@ from ..ranks import keep_rank
 from ..runtime import LM_HEADS as ENGINE_HEADS
 from ..eval.speed_plot import draw_decode_vs_bytes
 from ..host import load_average
-from .child import run_child
+from .child import ChildError, run_child
 from .peer_base import (DEFAULT_SYSTEMS, GGUF_SYSTEMS, KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
-                        equivalence_line, format_table, judged, llama_runner, save_figure, start)
+                        equivalence_line, failed_lines, format_table, judged, llama_runner, save_figure, start)
 from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
@@ -245,15 +246,20 @@ def run_scale(cfg: ScaleConfig, log=print) -> dict:
         raise SystemExit(f"peer --shape {cfg.shape}: the generated files need about {need / 1e9:.1f} GB, "
                          f"{root} has {free / 1e9:.1f} GB free")
     config = res["config"]
-    res.update(units=[], disk_needed_gb=need / 1e9, gemv_classes=[])
+    res.update(units=[], disk_needed_gb=need / 1e9, gemv_classes=[], failed=[])
     res["prepare"] = run_child("lowrank_lib.bench.peer_scale:prepare", config=config)
     first, todo = {}, [(n, u) for n in range(cfg.rounds) for u in units(cfg) if not n or u["system"] != "gemv_classes"]
     with tempfile.TemporaryDirectory(prefix="peer-scale-") as td:
         for i, (n, u) in enumerate(todo):
             logits = str(Path(td) / f"logits{i}.pt")
-            r = (run_child("lowrank_lib.bench.peer_scale:run_gemv_classes", config=config, dtype=u["dtype"])
-                 if u["system"] == "gemv_classes" else
-                 run_child("lowrank_lib.bench.peer_scale:run_unit", config=config, unit=u, logits=logits))
+            try:            # a unit whose child fails (a library's abort, memory) is left out, not the whole run
+                r = (run_child("lowrank_lib.bench.peer_scale:run_gemv_classes", config=config, dtype=u["dtype"])
+                     if u["system"] == "gemv_classes" else
+                     run_child("lowrank_lib.bench.peer_scale:run_unit", config=config, unit=u, logits=logits))
+            except ChildError as e:
+                res["failed"].append({"system": u["system"], "unit": {**u, "round": n}, "error": str(e)})
+                log(f"[peer-scale] round {n + 1}/{cfg.rounds} {u} FAILED, left out: {str(e).splitlines()[0]}")
+                continue
             mem = {f"{k}_gb": r[k] / GB for k in ("peak_rss", "peak_anon", "peak_file")}
             log(f"[peer-scale] round {n + 1}/{cfg.rounds} {u}: {r['wall_s']:.0f} s, peak RSS {mem['peak_rss_gb']:.2f} "
                 f"GB (anonymous {mem['peak_anon_gb']:.2f} GB, mapped files {mem['peak_file_gb']:.2f} GB)")
@@ -295,7 +301,8 @@ def table(res: dict) -> str:
     return format_table(res, [
         f"GEMV classes, {g['dtype']}, keep {g['keep']}, {g['threads']} thread(s), copy {g['copy_gbs']:.1f} GB/s: "
         + ", ".join(f"{c['class']} {c['GBps']:.1f}" for c in g["classes"])
-        for g in res.get("gemv_classes", []) if "classes" in g] + [equivalence_line(e) for e in res["equivalence"]])
+        for g in res.get("gemv_classes", []) if "classes" in g] + [equivalence_line(e) for e in res["equivalence"]]
+        + failed_lines(res))
 
 
 def save_figures(results: list[dict], fig_dir, threads: int = 1) -> str:

@@ -19,6 +19,7 @@ symbols): the frontier and the peer runs time each system in its own child.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import importlib.util
 import time
@@ -57,7 +58,27 @@ def _lib():
         ctypes.CDLL(str(ggml), mode=ctypes.RTLD_GLOBAL)
     from ik_llama_cpp import _ctypes_api
 
+    _quiet(_ctypes_api)
     return _ctypes_api
+
+
+#: the library's last log lines (its loader and context logs, kept here instead of on stderr: a few hundred lines
+#: per model load), shown in the error when a load fails
+LOG_TAIL: collections.deque[str] = collections.deque(maxlen=40)
+_LOG_CALLBACK = None
+
+
+def _quiet(C) -> None:
+    """Route the library's log (``llama_log_set``) into :data:`LOG_TAIL` instead of stderr, once per process, as
+    llama-cpp-python's ``verbose=False`` does for mainline. (An abort still prints: ggml writes it directly.)"""
+    global _LOG_CALLBACK
+    set_log = getattr(C._lib, "llama_log_set", None)
+    if _LOG_CALLBACK is not None or set_log is None:
+        return
+    proto = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+    _LOG_CALLBACK = proto(lambda level, text, user: LOG_TAIL.append(text.decode(errors="replace")) if text else None)
+    set_log.argtypes, set_log.restype = [proto, ctypes.c_void_p], None
+    set_log(_LOG_CALLBACK, None)
 
 
 def system_info() -> str:
@@ -125,7 +146,7 @@ class IkLlama(Runner):
         mp.use_mmap, mp.n_gpu_layers = True, 0
         self.model = C.llama_model_load_from_file(self.path.encode(), mp)
         if not self.model:
-            raise RuntimeError(f"ik_llama.cpp could not load {self.path}")
+            raise RuntimeError(f"ik_llama.cpp could not load {self.path}; its log ends:\n" + "".join(LOG_TAIL)[-2000:])
         self.n_vocab = C.llama_vocab_n_tokens(C.llama_model_get_vocab(self.model))
         self.ctx, self.pos = None, 0
         self.eval_s: list[float] = []

@@ -108,11 +108,11 @@ def run(a) -> int:
         if a.figures and cfg.layers is None:
             others = [r for r in committed_results(cfg.out) if r["config"]["shape"] != cfg.shape]
             print(f"wrote {save_scale_figure(others + [res], a.figures)}")
-        return 0
+        return 1 if res["failed"] else 0       # written with what did run; the table names what failed
     cfg = config_from_args(a)
     res = run_peer(cfg)
     res["command"], text = a.command_line, table(res)
     print(f"{text}\n\nwrote {save(res, cfg.out, text)}")
     if a.figures:
         print("wrote " + ", ".join(save_figures(res, a.figures)))
-    return 0
+    return 1 if res["failed"] else 0
