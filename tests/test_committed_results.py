@@ -82,7 +82,7 @@ def _direction(target: dict) -> str:
     op = target.get("op", by_name)
     assert op in (">=", "<="), f"no direction for target {name!r}: record its op"
     assert by_name in (None, op), f"target {name!r}: op {op} contradicts its name"
-    declared = {t.name: t for t in peer_base.TARGETS}          # the targets as data (bench/peer_base.py)
+    declared = {t.name: t for t in peer_base.TARGETS}          # the targets as data (eval/peer_targets.py)
     if name in declared:
         assert (op, target["bound"]) == (declared[name].op, declared[name].bound), target
     if name.startswith("composed_speedup_"):                   # and eval/kv_decode.py's

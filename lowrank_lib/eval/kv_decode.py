@@ -17,7 +17,7 @@ __all__ = ["KVDecodeConfig", "SPEED_CONTEXT", "SPEED_TARGETS", "build_engines", 
 
 #: issue 29's targets for the composed cache (a method named ``composed*``) at an 8k context: decode speed against
 #: the dense store of the same run, at least ``bound`` x at each ``budget``, at every thread count (data, as
-#: ``bench.peer_base.TARGETS`` are for the peer runs)
+#: ``eval.peer_targets.TARGETS`` are for the peer runs)
 SPEED_CONTEXT = 8000
 SPEED_TARGETS = ((0.5, 1.15), (0.25, 1.3), (0.125, 1.4))
 
@@ -137,7 +137,7 @@ def kv_decode(cfg: KVDecodeConfig, on_context=None) -> dict:
 def targets(rows: list[dict], shape: str | None = None) -> list[dict]:
     """:data:`SPEED_TARGETS` on every row they apply to (a composed method at :data:`SPEED_CONTEXT` tokens, at one
     of the budgets): the row's identity, the target, its bound and direction, the measured speed-up, whether met (the
-    records of ``bench.peer_base.evaluate``, plus ``budget`` and ``context``; ``shape``: the model, as the config
+    records of ``eval.peer_targets.evaluate``, plus ``budget`` and ``context``; ``shape``: the model, as the config
     names it)."""
     bounds = dict(SPEED_TARGETS)
     out = []
