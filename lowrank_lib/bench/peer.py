@@ -154,7 +154,8 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
 
     # 0. every GGUF system on every file it will time, first in a child: one that aborts is left out, not the run
     res["failed"] = gguf_preflight(gguf_checks(cfg, ggufs, ids, n_ctx), log)
-    ok = lambda system, file: not any(f["system"] == system and f["file"] == file for f in res["failed"])  # noqa: E731
+    left_out = {(f["system"], f["file"]) for f in res["failed"]}
+    ok = lambda system, file: (system, file) not in left_out  # noqa: E731
 
     # 1. same work: llama.cpp and our dense engine give the same greedy tokens in fp32 (1 thread)
     if want_llama and "fp32" in ggufs and ok("llamacpp_dense", "fp32"):
@@ -235,9 +236,8 @@ def gguf_checks(cfg: PeerConfig, ggufs: dict[str, Path], ids, n_ctx: int) -> dic
     want = {"llamacpp_dense": fa, "ik_llamacpp": [True]}
     checks = {}
     for system in (s for s in want if s in cfg.systems):
-        for dt in cfg.dtypes:
-            files = ([dt] if system == "llamacpp_dense" else []) + list(cfg.quants if dt == "bf16" else ())
-            files += ["bf16"] if system == "ik_llamacpp" and dt == "bf16" else []
+        for dt in cfg.dtypes:           # the files the timing loads: bf16's quantized ones too; ik_llama.cpp bf16 only
+            files = (dt, *cfg.quants) if dt == "bf16" else (dt,) if system == "llamacpp_dense" else ()
             for f in files:
                 checks[(system, f)] = dict(path=str(ggufs[f]), dtype="fp32" if f == "fp32" else "bf16", n_ctx=n_ctx,
                                            system=system, flash_attn=want[system], ids=ids[0].tolist())
