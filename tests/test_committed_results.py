@@ -265,6 +265,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_24.json`**", "peer_cpu_24.json", None),
                ("**`benchmarks/results/peer_cpu_25.json`**", "peer_cpu_25.json", None),
                ("**`benchmarks/results/peer_cpu_26.json`**", "peer_cpu_26.json", None),
+               ("**`benchmarks/results/peer_cpu_27.json`**", "peer_cpu_27.json", None),
+               ("**`benchmarks/results/peer_cpu_28.json`**", "peer_cpu_28.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
@@ -277,7 +279,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_scale_llama3.2-1b_7.json`**", "peer_scale_llama3.2-1b_7.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_8.json`**", "peer_scale_llama3.2-1b_8.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_9.json`**", "peer_scale_llama3.2-1b_9.json", None),
-               ("**`benchmarks/results/peer_scale_llama3.2-1b_10.json`**", "peer_scale_llama3.2-1b_10.json", None)]
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_10.json`**", "peer_scale_llama3.2-1b_10.json", None),
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_11.json`**", "peer_scale_llama3.2-1b_11.json", None)]
 
 
 @pytest.mark.parametrize("anchor,name,threads", PEER_TABLES, ids=[t[1] for t in PEER_TABLES])
@@ -358,7 +361,7 @@ def test_readme_kv_decode_table_equals_the_json():
                                   "kv_decode_30.json", "kv_decode_31.json", "kv_decode_32.json",
                                   "kv_decode_33.json", "kv_decode_34.json",
                                   "kv_decode_35.json", "kv_decode_36.json", "kv_decode_37.json",
-                                  "kv_decode_38.json"])
+                                  "kv_decode_38.json", "kv_decode_39.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")
