@@ -280,7 +280,8 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_scale_llama3.2-1b_8.json`**", "peer_scale_llama3.2-1b_8.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_9.json`**", "peer_scale_llama3.2-1b_9.json", None),
                ("**`benchmarks/results/peer_scale_llama3.2-1b_10.json`**", "peer_scale_llama3.2-1b_10.json", None),
-               ("**`benchmarks/results/peer_scale_llama3.2-1b_11.json`**", "peer_scale_llama3.2-1b_11.json", None)]
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_11.json`**", "peer_scale_llama3.2-1b_11.json", None),
+               ("**`benchmarks/results/peer_scale_llama3.2-1b_12.json`**", "peer_scale_llama3.2-1b_12.json", None)]
 
 
 @pytest.mark.parametrize("anchor,name,threads", PEER_TABLES, ids=[t[1] for t in PEER_TABLES])
