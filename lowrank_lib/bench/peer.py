@@ -183,18 +183,14 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
         torch.set_num_threads(th)
         bws, timed = Bandwidths(), {}
         for dt in cfg.dtypes:
-            if want_llama and ok("llamacpp_dense", dt):
-                timed[("llamacpp_dense", dt)] = Timed("llamacpp_dense", llama_runner(
-                    ggufs[dt], dt, n_ctx, th, flash_attn(cfg, ggufs[dt], dt, th, ids, fa)))
-            for q in cfg.quants if want_llama and dt == "bf16" else ():
-                if ok("llamacpp_dense", q):
-                    timed[("llamacpp_dense", q)] = Timed("llamacpp_dense", llama_runner(
-                        ggufs[q], "bf16", n_ctx, th, flash_attn(cfg, ggufs[q], q, th, ids, fa)))
-            for q in (dt, *cfg.quants) if want_ik and dt == "bf16" else ():     # its fused attention (no probe)
-                if not ok("ik_llamacpp", q):
-                    continue
-                timed[("ik_llamacpp", q)] = Timed("ik_llamacpp", llama_runner(ggufs[q], "bf16", n_ctx, th, True,
-                                                                             "ik_llamacpp"))
+            for f in gguf_files(cfg, "llamacpp_dense", dt) if want_llama else ():   # a quantized file: dt is bf16
+                if ok("llamacpp_dense", f):
+                    timed[("llamacpp_dense", f)] = Timed("llamacpp_dense", llama_runner(
+                        ggufs[f], dt, n_ctx, th, flash_attn(cfg, ggufs[f], f, th, ids, fa)))
+            for f in gguf_files(cfg, "ik_llamacpp", dt) if want_ik else ():       # its fused attention (no probe)
+                if ok("ik_llamacpp", f):
+                    timed[("ik_llamacpp", f)] = Timed("ik_llamacpp", llama_runner(ggufs[f], "bf16", n_ctx, th, True,
+                                                                                 "ik_llamacpp"))
             for s, model in (("lowrank_lib_dense", dense), ("lowrank_lib_lowrank", comp)):
                 for head in cfg.lm_heads if s in cfg.systems else ():
                     timed[(s, dt, head)] = Timed(s, engine(model, dt, n_ctx, cfg.graph, head))
@@ -229,6 +225,15 @@ def run_peer(cfg: PeerConfig, progress: bool = True, log=print) -> dict:
     return judged(res)
 
 
+def gguf_files(cfg: PeerConfig, system: str, dt: str) -> tuple[str, ...]:
+    """The GGUF files ``system`` (``llamacpp_dense`` / ``ik_llamacpp``) times for the activation dtype ``dt``: with
+    bf16 its file and the quantized ones, else (llama.cpp only) the dtype's file. The timing loop and the preflight
+    (:func:`gguf_checks`) both read it, so the preflight checks exactly what the timing loads."""
+    if dt == "bf16":
+        return (dt, *cfg.quants)
+    return (dt,) if system == "llamacpp_dense" else ()
+
+
 def gguf_checks(cfg: PeerConfig, ggufs: dict[str, Path], ids, n_ctx: int) -> dict[tuple, dict]:
     """:func:`~.peer_base.gguf_preflight`'s checks of a run: llama.cpp on each dtype's file and (bf16) its quantized
     ones, under each fused-attention setting it may use; ik_llama.cpp on the bf16 and quantized files (fused)."""
@@ -236,9 +241,8 @@ def gguf_checks(cfg: PeerConfig, ggufs: dict[str, Path], ids, n_ctx: int) -> dic
     want = {"llamacpp_dense": fa, "ik_llamacpp": [True]}
     checks = {}
     for system in (s for s in want if s in cfg.systems):
-        for dt in cfg.dtypes:           # the files the timing loads: bf16's quantized ones too; ik_llama.cpp bf16 only
-            files = (dt, *cfg.quants) if dt == "bf16" else (dt,) if system == "llamacpp_dense" else ()
-            for f in files:
+        for dt in cfg.dtypes:
+            for f in gguf_files(cfg, system, dt):
                 checks[(system, f)] = dict(path=str(ggufs[f]), dtype="fp32" if f == "fp32" else "bf16", n_ctx=n_ctx,
                                            system=system, flash_attn=want[system], ids=ids[0].tolist())
     return checks
