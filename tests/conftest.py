@@ -15,10 +15,12 @@ import xdist_units
 def pytest_configure(config):
     """Deprecations triggered by our calls are attributed to our frames (see ``deprecations.py``); the
     ``filterwarnings`` of pyproject.toml make those errors. In a pytest-xdist worker, torch and every process the
-    worker starts (JupyterLab's kernels, papermill, benchmark children) get the worker's share of the cores
-    (``xdist_threads.py``). ``LOWRANK_LIB_UNIT_SECONDS=PATH``: the controller (or a serial run) writes the seconds
+    worker starts (JupyterLab's kernels, papermill, benchmark children) get the worker's share of the cores, and
+    OpenMP's idle threads wait passively (the controller sets it before the workers start; ``xdist_threads.py``).
+    ``LOWRANK_LIB_UNIT_SECONDS=PATH``: the controller (or a serial run) writes the seconds
     each unit of work took to PATH (``xdist_units.py``)."""
     deprecations.install()
+    xdist_threads.passive_waits(config)
     xdist_threads.share_cores()
     path = os.environ.get(xdist_units.WRITE_ENV)
     if path and not hasattr(config, "workerinput"):

@@ -28,3 +28,24 @@ def test_a_worker_and_the_processes_it_starts_run_at_its_share():
                             "print(torch.get_num_threads(), c.compile_threads)"],
                            capture_output=True, text=True, check=True)
     assert child.stdout.split() == [str(n), "1"]
+
+
+class _Config:
+    def __init__(self, n, worker=False):
+        self.option = type("Option", (), {"numprocesses": n})()
+        if worker:
+            self.workerinput = {}
+
+
+def test_the_controller_of_several_workers_makes_openmp_wait_passively(monkeypatch):
+    monkeypatch.delenv(workers.WAIT_ENV[0], raising=False)
+    for config in (_Config(None), _Config(1), _Config(2, worker=True), _Config("auto")):
+        assert not workers.passive_waits(config) and workers.WAIT_ENV[0] not in os.environ
+    assert workers.passive_waits(_Config(2)) and os.environ[workers.WAIT_ENV[0]] == "PASSIVE"
+    monkeypatch.setenv(workers.WAIT_ENV[0], "ACTIVE")                 # the caller's choice stands
+    assert not workers.passive_waits(_Config(4)) and os.environ[workers.WAIT_ENV[0]] == "ACTIVE"
+
+
+@pytest.mark.skipif(workers.CHOSEN not in os.environ, reason="not a pytest-xdist worker that sized its threads")
+def test_a_worker_inherits_the_passive_wait_policy_from_its_controller():
+    assert os.environ.get(workers.WAIT_ENV[0]) == workers.WAIT_ENV[1]
