@@ -267,6 +267,7 @@ PEER_TABLES = [("**`benchmarks/results/peer_cpu_7.json`**", "peer_cpu_7.json", N
                ("**`benchmarks/results/peer_cpu_26.json`**", "peer_cpu_26.json", None),
                ("**`benchmarks/results/peer_cpu_27.json`**", "peer_cpu_27.json", None),
                ("**`benchmarks/results/peer_cpu_28.json`**", "peer_cpu_28.json", None),
+               ("**`benchmarks/results/peer_cpu_29.json`**", "peer_cpu_29.json", None),
                ("**`benchmarks/results/peer_cpu_3.json`**", "peer_cpu_3.json", None),
                ("**`benchmarks/results/peer_cpu_4.json`**", "peer_cpu_4.json", 1),
                ("**`benchmarks/results/peer_scale_llama2-7b.json`**", "peer_scale_llama2-7b.json", 1),
