@@ -38,7 +38,8 @@ class _Config:
 
 
 def test_the_controller_of_several_workers_makes_openmp_wait_passively(monkeypatch):
-    monkeypatch.delenv(workers.WAIT_ENV[0], raising=False)
+    monkeypatch.setenv(workers.WAIT_ENV[0], "")                        # records the caller's state: undone after
+    monkeypatch.delenv(workers.WAIT_ENV[0])
     for config in (_Config(None), _Config(1), _Config(2, worker=True), _Config("auto")):
         assert not workers.passive_waits(config) and workers.WAIT_ENV[0] not in os.environ
     assert workers.passive_waits(_Config(2)) and os.environ[workers.WAIT_ENV[0]] == "PASSIVE"

@@ -54,10 +54,10 @@
 // pauses a waiter spins before it also yields its core, once every 1024 pauses: a barrier or a call's end waits
 // microseconds while every member runs, far longer only when one was descheduled (more runnable threads than cores:
 // a user's other work, the test suite's second worker), and the spinner then burns the slice that member needs. At
-// ~16k pauses (0.1-0.5 ms) the yield never fires in a step whose members all run, and a yield with nothing else
-// runnable returns at once. Measured on the 2-core VM (two test files of 2-thread kernel calls in two pytest-xdist
-// workers, OMP_WAIT_POLICY=PASSIVE): 80-85 CPU-s, 53.0 / 53.6 s, against 88-93 CPU-s, 55.3 / 57.3 s at 1 << 20 pauses
-// and no yield at a call's end.
+// ~16k pauses (0.05-0.6 ms, by the CPU's pause latency) the yield never fires in a step whose members all run, and
+// a yield with nothing else runnable returns at once. Measured on the 2-core VM (two test files of 2-thread kernel
+// calls in two pytest-xdist workers, OMP_WAIT_POLICY=PASSIVE): 80-85 CPU-s, 53.0 / 53.6 s, against 88-93 CPU-s,
+// 55.3 / 57.3 s at 1 << 20 pauses and no yield at a call's end.
 #define LRK_YIELD_AFTER (1 << 14)
 #endif
 
