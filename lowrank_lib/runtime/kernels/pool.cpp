@@ -61,6 +61,12 @@
 #define LRK_YIELD_AFTER (1 << 14)
 #endif
 
+// one pause of a spinning waiter's i-th round; past LRK_YIELD_AFTER rounds it also yields, once every 1024
+static inline void wait_pause(int64_t i) {
+  LRK_PAUSE();
+  if (i > LRK_YIELD_AFTER && (i & 1023) == 0) std::this_thread::yield();
+}
+
 #ifndef LRK_POOL_SPIN_US
 // how long a worker spins for the next call before sleeping: the kernel calls of one decode step come microseconds
 // apart, so the workers stay hot through a step, and sleep between steps (and while other code needs the cores)
@@ -121,11 +127,8 @@ void barrier() {
     T->epoch.store(e + 1);
   } else {
     for (int64_t i = 1; T->epoch.load(std::memory_order_acquire) == e; i++) {
-      LRK_PAUSE();
-      if ((i & 1023) == 0) {
-        if (T->failed.load()) throw TeamAbort{};
-        if (i > LRK_YIELD_AFTER) std::this_thread::yield();  // a member descheduled (more threads than cores): let it run
-      }
+      wait_pause(i);                                   // a member descheduled (more threads than cores): let it run
+      if ((i & 1023) == 0 && T->failed.load()) throw TeamAbort{};
     }
   }
   t_epoch = e + 1;
@@ -271,10 +274,7 @@ static void run_own(Pool* P, int64_t nchunks, int64_t nworkers, ChunkFn fn, void
     P->next.store(nchunks);
   }
   P->state.store(gen << 1);
-  for (int64_t i = 1; P->inside.load() != 0; i++) {     // a worker descheduled inside: let it run (see LRK_YIELD_AFTER)
-    LRK_PAUSE();
-    if (i > LRK_YIELD_AFTER && (i & 1023) == 0) std::this_thread::yield();
-  }
+  for (int64_t i = 1; P->inside.load() != 0; i++) wait_pause(i);   // a worker descheduled inside: let it run
   std::exception_ptr theirs = P->failed.load() ? P->error : nullptr;
   P->owner.store(false);
   if (mine) std::rethrow_exception(mine);
