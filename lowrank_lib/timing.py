@@ -46,13 +46,16 @@ def summary(seconds: list[float]) -> dict:
 
 
 def timed(fn: Callable[[], object], calls: int = 1, sync: Callable[[], object] | None = None,
-          inner: int = 1) -> list[float]:
+          inner: int = 1, before: Callable[[], object] | None = None) -> list[float]:
     """Seconds of each of ``calls`` samples of ``fn``: a sample is ``inner`` back-to-back calls (divided out),
-    bracketed by ``sync()`` when given (e.g. ``torch.cuda.synchronize``)."""
+    bracketed by ``sync()`` when given (e.g. ``torch.cuda.synchronize``). ``before()``, when given, runs before
+    each sample, untimed (e.g. :func:`lowrank_lib.host.cache_flusher`'s flush: every sample starts from memory)."""
     if inner < 1:
         raise ValueError(f"inner must be >= 1, got {inner}")
     out = []
     for _ in range(calls):
+        if before is not None:
+            before()
         if sync is not None:
             sync()
         t0 = time.perf_counter()
@@ -75,18 +78,19 @@ def rotations(keys: Iterable[Hashable], rounds: int) -> Iterator[tuple[int, list
 def interleaved(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int = 1,
                 before_round: Callable[[int], None] | None = None,
                 progress: Callable[[int], None] | None = None, warmup: int = 0,
-                sync: Callable[[], object] | None = None, inner: int = 1) -> dict[Hashable, list[float]]:
+                sync: Callable[[], object] | None = None, inner: int = 1,
+                before: Callable[[], object] | None = None) -> dict[Hashable, list[float]]:
     """Time every function ``calls`` times per round for ``rounds`` rounds, the order rotated by one each round.
 
     before_round(r) runs before round r (e.g. set the thread count); progress(r) after it. ``warmup`` untimed
-    calls of every function come first; ``sync`` / ``inner`` as in :func:`timed`. Returns per key the seconds of
-    every call of every round."""
+    calls of every function come first; ``sync`` / ``inner`` / ``before`` (untimed, before every sample) as in
+    :func:`timed`. Returns per key the seconds of every call of every round."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     if sync is not None and warmup:
         sync()
-    return interleaved_samples({k: (lambda f=f: timed(f, calls, sync, inner)) for k, f in fns.items()}, rounds,
+    return interleaved_samples({k: (lambda f=f: timed(f, calls, sync, inner, before)) for k, f in fns.items()}, rounds,
                                before_round, progress)
 
 

@@ -21,7 +21,8 @@ def test_quick_run_writes_every_system_row(tmp_path):
     for r in rows:
         assert r["graph"] == "none" and r["threads"] == 1 and r["attention_kernel"] and r["attention_reason"]
         assert r["dtype"] == "float32"                  # no --dtype: the model's own
-        assert r["decode_ms_per_token"] > 0 and r["attn_ms_per_token"] > 0
+        assert r["decode_ms_per_token"] > 0 and r["attn_ms_per_token"] > 0 and r["attn_cold_ms_per_token"] > 0
+        assert r["system"] != "dense" or r["attn_cold_ratio_vs_dense"] == 1.0
         assert r["decode_iqr_ms"][0] <= r["decode_ms_per_token"] <= r["decode_iqr_ms"][1]
         if r["system"] == "dense":
             assert r["ratio_vs_dense"] == 1.0 and r["bytes_ratio"] == 1.0

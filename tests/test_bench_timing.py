@@ -37,6 +37,25 @@ def test_interleaved_rotates_warms_up_and_times_each_call(monkeypatch):
         timing.timed(lambda: None, inner=0)
 
 
+def test_before_runs_untimed_before_every_sample(monkeypatch):
+    """``before`` (a cache flush) runs once before each sample, outside the clock, after any warm-up."""
+    clock, calls = _Clock(), []
+    monkeypatch.setattr(timing.time, "perf_counter", clock)
+
+    def fn():
+        calls.append("f")
+        clock.t += 1e-3
+
+    def flush():
+        calls.append("flush")
+        clock.t += 5.0                       # slow, and never in a sample
+
+    out = timing.interleaved({"a": fn}, rounds=2, calls=2, warmup=1, inner=3, before=flush)
+    assert calls == ["f"] + ["flush", "f", "f", "f"] * 4
+    assert out == {"a": pytest.approx([1e-3] * 4)}
+    assert timing.timed(fn, calls=1, before=flush) == pytest.approx([1e-3])
+
+
 def test_interleaved_samples_keeps_each_functions_own_samples():
     order = []
     out = timing.interleaved_samples({k: (lambda k=k: order.append(k) or [float(len(order))]) for k in "xy"}, 2)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lowrank_lib.host import others_busy_cores, release_memory, status_bytes
+from lowrank_lib.host import cache_flusher, last_level_cache_bytes, others_busy_cores, release_memory, status_bytes
 
 
 def test_others_busy_cores_subtracts_this_process_and_idle_time(tmp_path, monkeypatch):
@@ -63,3 +63,32 @@ def test_release_memory_hands_freed_pages_back():
     release_memory()
     assert status_bytes("VmRSS") - before < 0.3 * grown
     del survivors
+
+
+def _cache_dir(root, caches):
+    for i, (level, size) in enumerate(caches):
+        d = root / f"index{i}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "size").write_text(f"{size}\n")
+    return root
+
+
+def test_last_level_cache_is_the_highest_level_reported(tmp_path):
+    root = _cache_dir(tmp_path / "a", [(1, "32K"), (1, "32K"), (2, "1024K"), (3, "32768K")])
+    assert last_level_cache_bytes(root) == 32 << 20
+    assert last_level_cache_bytes(_cache_dir(tmp_path / "b", [(2, "2M"), (1, "48K")])) == 2 << 20
+    assert last_level_cache_bytes(tmp_path / "none") is None
+    bad = _cache_dir(tmp_path / "c", [(1, "32K"), (3, "lots")])          # an unreadable size is skipped
+    assert last_level_cache_bytes(bad) == 32 << 10
+
+
+def test_cache_flusher_writes_four_last_level_caches_at_least_64_mib(tmp_path):
+    big = cache_flusher(sys_cpu=_cache_dir(tmp_path / "big", [(3, "48M")]))
+    assert big.nbytes == 4 * (48 << 20)
+    assert cache_flusher(sys_cpu=tmp_path / "none").nbytes == 64 << 20     # nothing reported: the floor
+    small = cache_flusher(1 << 20)
+    assert small.nbytes == 1 << 20
+    small()
+    small()
+    assert int(small.buffer.min()) == int(small.buffer.max()) == 2        # every byte written, each call

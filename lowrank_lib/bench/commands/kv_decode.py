@@ -8,12 +8,14 @@ Every system is its own engine that prefills the same WikiText-2 window (seeded 
 tiny model): the dense store, and a ``MethodStore`` of each registry method at each byte budget (the method fits
 inside its engine: KVzip's reconstruction forward is the engine's). Every engine runs the same step mode
 (``--graph``, default eager as the engine's own default; ``whole-step`` for the compiled step) and its decode steps are interleaved over ``--repeats`` rounds; the
-median ms/token over every step of every round. Attention alone: one decode attention of every layer, timed apart.
+median ms/token over every step of every round. Attention alone: one decode attention of every layer, timed apart,
+back to back and after a flush of the CPU caches (cold: what a step pays; ``lowrank_lib.host.cache_flusher``).
 
 ``--dtype bf16`` runs every engine in bf16 (the model's own dtype otherwise: fp32 for SmolLM2).
 
 Writes ``kv_decode.json`` (+ ``.txt``): ``rows`` [{system, budget, context, threads, dtype, graph, attention_kernel,
 decode_ms_per_token, decode_iqr_ms, attn_ms_per_token, ratio_vs_dense, speedup_vs_dense, attn_ratio_vs_dense,
+attn_cold_ms_per_token, attn_cold_ratio_vs_dense,
 kv_bytes_held, bytes_ratio, compiles_s}], the config, the copy bandwidth and the load average before / after.
 Library: ``lowrank_lib.eval.kv_decode``.
 """
