@@ -16,7 +16,7 @@ import torch
 
 from .timing import summary, timed
 
-__all__ = ["CpuClocked", "available_memory", "cache_flusher", "copy_bandwidth", "last_level_cache_bytes", "cores", "cpu_name", "load_average", "machine",
+__all__ = ["CpuClocked", "available_memory", "cache_flusher", "copy_bandwidth", "cpu_flags", "last_level_cache_bytes", "cores", "cpu_name", "load_average", "machine",
            "others_busy_cores", "physical_memory", "read_bandwidth", "release_memory",
            "status_bytes"]
 
@@ -30,6 +30,18 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux names them (``avx2``, ``avx512f``, ``avx512_bf16``, ...: the ``flags`` line
+    of ``/proc/cpuinfo``); empty where there is no such file."""
+    try:
+        for line in Path(cpuinfo).read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def cores() -> int:

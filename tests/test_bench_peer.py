@@ -386,7 +386,8 @@ def test_peer_benchmark_end_to_end_on_tiny_model(tmp_path):
                                                   if x["system"] == "lowrank_lib_lowrank" and not x["factor_bits"])
                for r in q)                                                      # codes + scales read, not bf16
     assert any("speedup_vs_llamacpp_q4_k_m" in c for c in res["comparisons"])
-    assert all("CPU" in r["info"]["system_info"] for r in res["rows"] if r["system"] == "llamacpp_dense")  # build
+    assert all("CPU" in r["info"]["system_info"] and isinstance(r["info"]["isa_below_host"], list)
+               for r in res["rows"] if r["system"] == "llamacpp_dense")                     # build, what it lacks here
     from lowrank_lib import models
 
     cfg = models.tiny_model("tiny-smol").config       # K and V of every layer at the mean live length, the cache's type
@@ -799,3 +800,33 @@ def test_the_peer_run_times_it_beside_mainline_and_compares_ours_with_it(tmp_pat
         ik_rows["q4_k_m"]["decode_ms_per_token"] / next(r["decode_ms_per_token"] for r in res["rows"]
                                                         if r["system"] == "lowrank_lib_lowrank"))
     assert "| ik_llamacpp |" in peer.table(res)
+
+
+# ik_llama.cpp's prebuilt wheel (its system_info, verbatim from peer_cpu_27) and llama.cpp built with GGML_NATIVE on
+# the same AMD EPYC (Zen 4) host
+IK_WHEEL = ("AVX = 1 | AVX_VNNI = 0 | AVX2 = 1 | AVX512 = 0 | AVX512_VBMI = 0 | AVX512_VNNI = 0 | AVX512_BF16 = 0 | "
+            "FMA = 1 | NEON = 0 | SVE = 0 | ARM_FMA = 0 | F16C = 1 | FP16_VA = 0 | WASM_SIMD = 0 | BLAS = 0 | SSE3 = 1 | "
+            "SSSE3 = 1 | VSX = 0 | MATMUL_INT8 = 0 |")
+LLAMA_NATIVE = ("CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | BMI2 = 1 | AVX512 = 1 | "
+                "AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 |")
+ZEN4 = {"pni", "ssse3", "avx", "avx2", "f16c", "fma", "bmi2", "avx512f", "avx512vbmi", "avx512_vnni", "avx512_bf16",
+        "avx512_ifma"}
+ZEN3 = {"pni", "ssse3", "avx", "avx2", "f16c", "fma", "bmi2"}
+
+
+def test_a_peer_build_below_the_host_is_named_in_its_report_and_the_table():
+    from lowrank_lib.eval.llamacpp import isa_below_host
+
+    assert isa_below_host(IK_WHEEL, ZEN4) == ["AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"]
+    assert isa_below_host(IK_WHEEL, ZEN3) == []            # BMI2: ik_llama.cpp does not say, so it is not judged
+    assert isa_below_host(LLAMA_NATIVE, ZEN4) == []
+    assert isa_below_host(LLAMA_NATIVE, ZEN4 | {"amx_int8"}) == ["AMX_INT8"]   # llama.cpp lists only what it has
+    assert isa_below_host(LLAMA_NATIVE.replace("AVX512_BF16 = 1", "AVX512_BF16 = 0"), ZEN4) == ["AVX512_BF16"]
+    assert isa_below_host("", ZEN3) == ["SSE3", "SSSE3", "AVX", "AVX2", "F16C", "FMA", "BMI2"]
+    rows = [{"system": "ik_llamacpp", "info": {"runner": "ik_llama.cpp", "isa_below_host": ["AVX512", "AVX512_BF16"]}},
+            {"system": "ik_llamacpp", "info": {"runner": "ik_llama.cpp", "isa_below_host": ["AVX512", "AVX512_BF16"]}},
+            {"system": "llamacpp_dense", "info": {"runner": "llama.cpp", "isa_below_host": []}},
+            {"system": "lowrank_lib_dense", "info": {}}]
+    (line,) = peer_base.below_host_lines({"rows": rows})     # once per build, none for a build at the host's level
+    assert "ik_llama.cpp build lacks AVX512, AVX512_BF16" in line
+    assert peer_base.below_host_lines({"rows": rows[2:]}) == []

@@ -92,3 +92,13 @@ def test_cache_flusher_writes_four_last_level_caches_at_least_64_mib(tmp_path):
     small()
     small()
     assert int(small.buffer.min()) == int(small.buffer.max()) == 2        # every byte written, each call
+
+
+def test_cpu_flags_read_the_flags_line(tmp_path):
+    from lowrank_lib.host import cpu_flags
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n\n"
+                    "processor\t: 1\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert cpu_flags(info) == {"fpu", "sse2", "avx2", "avx512f", "avx512_bf16"}
+    assert cpu_flags(tmp_path / "missing") == set()

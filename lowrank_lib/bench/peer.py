@@ -49,8 +49,8 @@ from ..host import load_average
 from ..runtime import run_generation
 from ..timing import interleaved, interleaved_samples, summary
 from ..eval.speed_plot import draw_decode_vs_bytes, draw_thread_scaling
-from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
-                        equivalence_line, failed_lines, format_table, gguf_preflight, judged, kv_bytes_per_token,
+from .peer_base import (DEFAULT_SYSTEMS, LM_HEADS, SYSTEMS, Bandwidths, Timed, below_host_lines, check_choices, compare_greedy,
+                        engine, equivalence_line, failed_lines, format_table, gguf_preflight, judged, kv_bytes_per_token,
                         llama_runner, save_figure, start)
 from .results import ResultFiles
 
@@ -256,7 +256,7 @@ def table(res: dict) -> str:
              f"{res['machine']['cores']} cores"]
     lines += [audit_line(dt, a) for dt, a in res.get("certified_audit", {}).items()]
     lines += [equivalence_line(res["equivalence"])] if res.get("equivalence") else []
-    return format_table(res, lines + failed_lines(res))
+    return format_table(res, lines + below_host_lines(res) + failed_lines(res))
 
 
 def save(res: dict, out_dir, table: str | None = None) -> Path:

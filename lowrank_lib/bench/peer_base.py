@@ -151,6 +151,19 @@ def failed_lines(res: dict) -> list[str]:
     return [f"FAILED, left out: {f['system']} on {where(f)}: {f['error'].splitlines()[0]}" for f in res.get("failed", ())]
 
 
+def below_host_lines(res: dict) -> list[str]:
+    """The table's lines for every peer build that lacks CPU features this host has (the rows' ``isa_below_host``,
+    :func:`lowrank_lib.eval.llamacpp.isa_below_host`): its rows are not that peer's best on this CPU, and the table
+    says so next to them."""
+    seen: dict[str, list[str]] = {}
+    for r in res.get("rows", ()):
+        info = r.get("info") or {}
+        if info.get("isa_below_host"):
+            seen.setdefault(info.get("runner", r["system"]), info["isa_below_host"])
+    return [f"NOT ITS BEST HERE: this {name} build lacks {', '.join(missing)}, which this CPU has (its system_info "
+            "is in the rows' info); build it for this CPU to compare with its best" for name, missing in seen.items()]
+
+
 def kv_bytes_per_token(config, prompt_len: int, gen_len: int, elem: int) -> int:
     """The K and V bytes a decode step reads, on average over a generation after a ``prompt_len`` prompt: every layer's
     K and V rows of the live context (mean ``prompt_len + gen_len / 2`` slots), ``elem`` bytes a value (the cache's

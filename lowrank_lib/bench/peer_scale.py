@@ -44,8 +44,8 @@ from ..runtime import LM_HEADS as ENGINE_HEADS
 from ..eval.speed_plot import draw_decode_vs_bytes
 from ..host import load_average
 from .child import ChildError, run_child
-from .peer_base import (DEFAULT_SYSTEMS, GGUF_SYSTEMS, KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, check_choices, compare_greedy, engine,
-                        equivalence_line, failed_lines, format_table, judged, llama_runner, save_figure, start)
+from .peer_base import (DEFAULT_SYSTEMS, GGUF_SYSTEMS, KV_FOR_DTYPE, SYSTEMS, Bandwidths, Timed, below_host_lines, check_choices,
+                        compare_greedy, engine, equivalence_line, failed_lines, format_table, judged, llama_runner, save_figure, start)
 from .results import slug
 
 #: llama.cpp's quantized file types (``llamacpp.QUANT_TYPES``)
@@ -302,7 +302,7 @@ def table(res: dict) -> str:
         f"GEMV classes, {g['dtype']}, keep {g['keep']}, {g['threads']} thread(s), copy {g['copy_gbs']:.1f} GB/s: "
         + ", ".join(f"{c['class']} {c['GBps']:.1f}" for c in g["classes"])
         for g in res.get("gemv_classes", []) if "classes" in g] + [equivalence_line(e) for e in res["equivalence"]]
-        + failed_lines(res))
+        + below_host_lines(res) + failed_lines(res))
 
 
 def save_figures(results: list[dict], fig_dir, threads: int = 1) -> str:

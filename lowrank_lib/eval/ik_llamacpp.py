@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ..runtime import Runner
-from .llamacpp import KV_TYPES, dist_version, importable
+from .llamacpp import KV_TYPES, dist_version, importable, isa_below_host
 
 __all__ = ["IkLlama", "available", "bf16_cache_ok", "cache_type", "ik_perplexity", "system_info", "version"]
 
@@ -226,7 +226,7 @@ class IkLlama(Runner):
     def report(self) -> dict:
         return {"runner": "ik_llama.cpp", "ik_llama_cpp_python": version(), "gguf": self.path,
                 "kv_type": self.kv_type, "flash_attn": self.flash_attn, "threads": self.threads,
-                "system_info": self.system_info}
+                "system_info": self.system_info, "isa_below_host": isa_below_host(self.system_info)}
 
     # --------------------------------------------------------------- the causal LM
     def parameters(self):

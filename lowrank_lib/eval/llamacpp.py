@@ -33,7 +33,7 @@ import torch
 
 from ..runtime import Runner
 
-__all__ = ["GGUFLogits", "KV_TYPES", "LlamaCppRunner", "QUANT_TYPES", "available", "dist_version", "gguf_perplexity", "importable",
+__all__ = ["GGML_ISA", "GGUFLogits", "KV_TYPES", "LlamaCppRunner", "QUANT_TYPES", "available", "dist_version", "gguf_perplexity", "importable",
            "llama_perplexity", "quantize", "version"]
 
 #: KV cache element types by name (ggml type ids, see ggml.h)
@@ -43,6 +43,28 @@ KV_TYPES = {"f32": 0, "f16": 1, "bf16": 30, "q8_0": 8}   # ggml_type values (q8_
 #: (``LLAMA_FTYPE_ALL_F32``, ``LLAMA_FTYPE_MOSTLY_Q4_K_M``, ...)
 QUANT_TYPES = {"f32": 0, "bf16": 32, "q8_0": 7, "q6_k": 18, "q5_k_m": 17, "q4_k_m": 15, "q3_k_m": 12, "q2_k": 10,
                "q4_1": 3}
+
+
+#: ggml's names of the x86 features its ``system_info`` reports -> Linux's /proc/cpuinfo flag for the same feature
+GGML_ISA = {"SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
+            "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+            "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8"}
+
+
+def isa_below_host(system_info: str, flags: set[str] | None = None) -> list[str]:
+    """The CPU features this host has (``flags``: :func:`lowrank_lib.host.cpu_flags` by default) that a llama.cpp or
+    ik_llama.cpp build's ``system_info`` does not say it was built with (``NAME = 1``; llama.cpp lists only what it
+    has, ik_llama.cpp writes ``NAME = 0`` for what it lacks and leaves out what it does not check), in ggml's names: a non-empty list means that build is not the
+    peer's best on this CPU (the prebuilt ``ik-llama-cpp-python`` wheel is AVX2-only). Features ggml does not report
+    are not judged."""
+    from ..host import cpu_flags
+
+    have = cpu_flags() if flags is None else flags
+    said = {k.strip(): v.strip() for k, _, v in (p.rpartition(":")[2].partition("=") for p in system_info.split("|"))
+            if v.strip() in ("0", "1")}
+    explicit = "0" in said.values()          # ik_llama.cpp's format: a feature it does not name is not judged
+    return [name for name, flag in GGML_ISA.items()
+            if flag in have and said.get(name) != "1" and (name in said or not explicit)]
 
 
 def importable(module: str, why: str) -> tuple[bool, str]:
@@ -292,8 +314,10 @@ class LlamaCppRunner(Runner):
 
         return {"runner": "llama.cpp", "llama_cpp_python": version(), "gguf": self.path, "kv_type": self.kv_type,
                 "flash_attn": self.flash_attn, "threads": self.threads,
-                # llama.cpp's own build and CPU features (AVX2 / AVX512 / ... = 1, the backends compiled in)
-                "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip()}
+                # llama.cpp's own build and CPU features (AVX2 / AVX512 / ... = 1, the backends compiled in), and
+                # what this CPU has that the build lacks
+                "system_info": (info := llama_cpp.llama_print_system_info().decode(errors="replace").strip()),
+                "isa_below_host": isa_below_host(info)}
 
     def close(self) -> None:
         self.llm.close()
