@@ -364,7 +364,8 @@ def test_readme_kv_decode_table_equals_the_json():
                                   "kv_decode_33.json", "kv_decode_34.json",
                                   "kv_decode_35.json", "kv_decode_36.json", "kv_decode_37.json",
                                   "kv_decode_38.json", "kv_decode_39.json",
-                                  "kv_decode_40.json", "kv_decode_41.json", "kv_decode_42.json"])
+                                  "kv_decode_40.json", "kv_decode_41.json", "kv_decode_42.json",
+                                  "kv_decode_43.json"])
 def test_readme_kv_decode_table_at_1_and_2_threads_equals_the_json(name):
     res = _load(name)
     header, rows = _readme_table(f"`benchmarks/results/{name}`;")
