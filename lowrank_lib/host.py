@@ -16,32 +16,32 @@ import torch
 
 from .timing import summary, timed
 
-__all__ = ["CpuClocked", "available_memory", "cache_flusher", "copy_bandwidth", "cpu_flags", "last_level_cache_bytes", "cores", "cpu_name", "load_average", "machine",
-           "others_busy_cores", "physical_memory", "read_bandwidth", "release_memory",
-           "status_bytes"]
+__all__ = ["CpuClocked", "available_memory", "cache_flusher", "copy_bandwidth", "cores", "cpu_flags", "cpu_name",
+           "last_level_cache_bytes", "load_average", "machine", "others_busy_cores", "physical_memory", "read_bandwidth",
+           "release_memory", "status_bytes"]
+
+
+def _cpuinfo(key: str, path: str | Path = "/proc/cpuinfo") -> str | None:
+    """The value of the first ``key`` line of ``/proc/cpuinfo`` (``model name``, ``flags``), or None where there is
+    no such file or line."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
 
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags(cpuinfo: str | Path = "/proc/cpuinfo") -> set[str]:
     """The CPU's feature flags as Linux names them (``avx2``, ``avx512f``, ``avx512_bf16``, ...: the ``flags`` line
     of ``/proc/cpuinfo``); empty where there is no such file."""
-    try:
-        for line in Path(cpuinfo).read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags", cpuinfo) or "").split())
 
 
 def cores() -> int:
