@@ -96,11 +96,17 @@ lint: setup
 # unpack, ~20 s), then `test-oldest-run` at the lowest CPU priority (nice 19), so it takes only cores the suite
 # leaves idle (the suite's last minute runs on one worker) and never slows it; its own --basetemp keeps the two
 # pytest sessions' temporary folders apart. Its output is printed after the suite's; either failing fails `make test`.
+# Beside the suite it runs as a worker does (tests/xdist_threads.py): one intra-op thread, OpenMP's idle threads
+# sleeping, inductor compiling in its own process. With torch's defaults (two spinning OpenMP threads, a pool of
+# compile workers) it took 62 CPU-s of a fresh-clone `make test` (process accounting, 2026-12-08) for a subset that
+# needs 14 CPU-s alone on one thread (21 at the defaults, measured alone).
+OLDEST_BESIDE_ENV := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE \
+	TORCHINDUCTOR_COMPILE_THREADS=1
 test: setup lint bytecode
 	@( $(MAKE) --no-print-directory $(VENV_OLDEST)/.installed > $(VENV)/oldest-setup.log 2>&1 \
 	     || { echo "[test] making $(VENV_OLDEST) failed:" > $(VENV)/oldest-test.log; \
 	          cat $(VENV)/oldest-setup.log >> $(VENV)/oldest-test.log; exit 1; }; \
-	   nice -n 19 $(MAKE) --no-print-directory test-oldest-run > $(VENV)/oldest-test.log 2>&1 ) & \
+	   nice -n 19 env $(OLDEST_BESIDE_ENV) $(MAKE) --no-print-directory test-oldest-run > $(VENV)/oldest-test.log 2>&1 ) & \
 	 $(PY) -m pytest $(XDIST) $(PYTEST_ARGS) tests; rc=$$?; \
 	 wait $$! || rc=1; \
 	 echo "[test] the oldest-transformers subset (make test-oldest), run beside the suite:"; \
